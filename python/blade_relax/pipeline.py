@@ -1,0 +1,135 @@
+"""The blade_relax compilation pipeline: TVM's stock phases with our memory passes in place.
+
+Where each pass runs, and why there:
+
+* ``MemoryAwareSchedule`` runs after ``FuseOps``/``FuseTIR`` and before ``ToNonDataflow``: it
+  reorders bindings of dataflow blocks, which exist only until ``ToNonDataflow``, and it should
+  see the fused kernels whose buffers the VM will really allocate.
+* ``Rematerialize`` runs after ``CallTIRRewrite`` and before memory planning: it inserts impure
+  ``evict``/``regenerate`` calls, which may not stand in a dataflow block, and the planner must
+  see them so that evictable tensors never land in shared storage.
+* ``PlanMemory`` takes the place of ``StaticPlanBlockMemory``.
+
+The pipeline is registered as the Relax pipeline ``"blade_relax"``, so
+``tvm.compile(mod, target, relax_pipeline=relax.get_pipeline("blade_relax", target=target))``
+works as well as ``relax_pipeline=blade_relax.get_pipeline(target)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import tvm
+from tvm import relax
+
+
+def as_target(target: str | dict | tvm.target.Target) -> tvm.target.Target:
+    """Normalize a target given as a string, a JSON-like dict or a ``Target``."""
+    if isinstance(target, tvm.target.Target):
+        return target
+    try:
+        return tvm.target.Target(target)
+    except Exception as err:  # TVM raises its own error types; name the input instead.
+        raise ValueError(f"not a valid TVM target: {target!r} ({err})") from err
+
+
+def is_gpu_target(target: tvm.target.Target) -> bool:
+    """Whether kernels for ``target`` run on a CUDA-like GPU."""
+    return target.kind.name in ("cuda", "rocm", "vulkan", "metal", "opencl")
+
+
+def _backend_phases(target: tvm.target.Target):
+    if target.kind.name == "cuda":
+        from tvm.relax.backend.cuda import pipeline as phases
+    elif target.kind.name == "llvm":
+        from tvm.relax.backend.cpu_generic import pipeline as phases
+    else:
+        raise ValueError(
+            f"blade_relax supports llvm and cuda targets, not {target.kind.name!r}"
+        )
+    return phases
+
+
+def _pass_list(
+    target: tvm.target.Target,
+    schedule: bool,
+    remat: bool,
+    plan: bool,
+    schedule_options: Any,
+    remat_options: Any,
+    plan_options: Any,
+) -> list[tvm.transform.Pass]:
+    phases = _backend_phases(target)
+    passes: list[tvm.transform.Pass] = []
+    passes += phases.library_dispatch_passes(target)
+    passes += phases.legalize_passes(target)
+    if schedule:
+        from .transform import MemoryAwareSchedule
+
+        passes.append(MemoryAwareSchedule(schedule_options))
+    passes += phases.dataflow_lower_passes(target)
+    if remat:
+        from .transform import Rematerialize
+
+        passes.append(Rematerialize(remat_options))
+    for finalize_pass in phases.finalize_passes(target):
+        if plan and finalize_pass.info.name == "StaticPlanBlockMemory":
+            from .transform import PlanMemory
+
+            passes.append(PlanMemory(plan_options))
+        else:
+            passes.append(finalize_pass)
+    return passes
+
+
+def get_pipeline(
+    target: str | dict | tvm.target.Target = "llvm",
+    *,
+    schedule: bool = True,
+    remat: bool = True,
+    plan: bool = True,
+    schedule_options: Any = None,
+    remat_options: Any = None,
+    plan_options: Any = None,
+) -> tvm.transform.Pass:
+    """The full Relax pipeline for ``target`` with the selected memory passes.
+
+    Parameters
+    ----------
+    target
+        ``"llvm"``, ``{"kind": "cuda", "arch": "sm_90"}`` or a ``tvm.target.Target``.
+    schedule, remat, plan
+        Enable ``MemoryAwareSchedule``, ``Rematerialize`` and ``PlanMemory``. With all three
+        off, the result is TVM's default pipeline for the target.
+    schedule_options, remat_options, plan_options
+        Option dataclasses handed to the passes (``None`` for their defaults).
+
+    Returns
+    -------
+    tvm.transform.Pass
+        A module pass usable as ``tvm.compile(mod, target, relax_pipeline=...)``.
+    """
+    tgt = as_target(target)
+    passes = _pass_list(
+        tgt, schedule, remat, plan, schedule_options, remat_options, plan_options
+    )
+
+    @tvm.transform.module_pass(opt_level=0, name="blade_relax_pipeline")
+    def _pipeline(mod: tvm.ir.IRModule, _ctx: tvm.transform.PassContext) -> tvm.ir.IRModule:
+        with tgt:
+            return tvm.transform.Sequential(passes)(mod)
+
+    return _pipeline
+
+
+def _registered_pipeline(**kwargs: Any) -> tvm.transform.Pass:
+    return get_pipeline(**kwargs)
+
+
+_register: Callable[..., Any] | None = getattr(relax.pipeline, "register_pipeline", None)
+if "blade_relax" not in relax.pipeline.PIPELINE_MAP:
+    if _register is not None:
+        _register("blade_relax")(_registered_pipeline)
+    else:  # pragma: no cover - older TVM without the decorator
+        relax.pipeline.PIPELINE_MAP["blade_relax"] = _registered_pipeline

@@ -1,0 +1,1 @@
+"""Runtime: memory accounting and the builtins the VM calls."""

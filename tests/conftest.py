@@ -1,0 +1,27 @@
+"""Shared fixtures: well-formedness around every pass, and the `gpu` marker."""
+
+from __future__ import annotations
+
+import pytest
+import tvm
+from tvm.relax.ir.instrument import WellFormedInstrument
+
+
+def pytest_collection_modifyitems(config, items):
+    if tvm.cuda().exist:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device (tvm.cuda().exist is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def well_formed_checks():
+    """Run every pass under a PassContext that checks the module is well formed before/after."""
+    current = tvm.transform.PassContext.current()
+    instruments = list(current.instruments) + [WellFormedInstrument()]
+    with tvm.transform.PassContext(
+        opt_level=current.opt_level, instruments=instruments, config=current.config
+    ):
+        yield
