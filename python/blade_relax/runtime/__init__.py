@@ -1,1 +1,14 @@
-"""Runtime: memory accounting and the builtins the VM calls."""
+"""Runtime: memory accounting, the memory budget, and the builtins the VM calls.
+
+Nothing here imports a pass: the compiled module talks to the runtime only through the packed
+functions registered on import and through function attributes.
+"""
+
+from .accounting import *  # noqa: F403
+from .accounting import __all__ as _accounting_all
+from .budget import *  # noqa: F403
+from .budget import __all__ as _budget_all
+from .remat import *  # noqa: F403
+from .remat import __all__ as _remat_all
+
+__all__ = [*_accounting_all, *_budget_all, *_remat_all]

@@ -1,1 +1,1 @@
-
+"""Symbolic shapes: dims, byte expressions over them, and the global shape graph of a function."""
