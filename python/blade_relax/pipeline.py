@@ -45,9 +45,7 @@ def _backend_phases(target: tvm.target.Target):
     elif target.kind.name == "llvm":
         from tvm.relax.backend.cpu_generic import pipeline as phases
     else:
-        raise ValueError(
-            f"blade_relax supports llvm and cuda targets, not {target.kind.name!r}"
-        )
+        raise ValueError(f"blade_relax supports llvm and cuda targets, not {target.kind.name!r}")
     return phases
 
 
@@ -111,9 +109,7 @@ def get_pipeline(
         A module pass usable as ``tvm.compile(mod, target, relax_pipeline=...)``.
     """
     tgt = as_target(target)
-    passes = _pass_list(
-        tgt, schedule, remat, plan, schedule_options, remat_options, plan_options
-    )
+    passes = _pass_list(tgt, schedule, remat, plan, schedule_options, remat_options, plan_options)
 
     @tvm.transform.module_pass(opt_level=0, name="blade_relax_pipeline")
     def _pipeline(mod: tvm.ir.IRModule, _ctx: tvm.transform.PassContext) -> tvm.ir.IRModule:
@@ -121,6 +117,51 @@ def get_pipeline(
             return tvm.transform.Sequential(passes)(mod)
 
     return _pipeline
+
+
+def stock_pipeline(target: str | dict | tvm.target.Target = "llvm") -> tvm.transform.Pass:
+    """TVM's default pipeline for ``target`` (with fusion): the baseline we compare against."""
+    return get_pipeline(target, schedule=False, remat=False, plan=False)
+
+
+def lower_to_memory_stage(
+    mod: tvm.ir.IRModule,
+    target: str | dict | tvm.target.Target = "llvm",
+    **flags: Any,
+) -> tvm.ir.IRModule:
+    """Run the pipeline up to, not including, ``VMShapeLower``.
+
+    The result is the IR the VM will execute, with its ``alloc_storage``/``alloc_tensor`` and
+    kills still readable by :func:`blade_relax.analysis.memory_timeline` (``VMShapeLower``
+    moves symbolic sizes into the VM's shape heap, where no analysis can read them).
+
+    Parameters
+    ----------
+    mod
+        The module to lower (left unchanged).
+    target
+        As for :func:`get_pipeline`.
+    **flags
+        ``schedule``, ``remat``, ``plan`` and option keywords of :func:`get_pipeline`; all
+        passes default to off, which gives the stock pipeline.
+    """
+    tgt = as_target(target)
+    options = {"schedule": False, "remat": False, "plan": False}
+    options.update(flags)
+    passes = _pass_list(
+        tgt,
+        options.pop("schedule"),
+        options.pop("remat"),
+        options.pop("plan"),
+        options.pop("schedule_options", None),
+        options.pop("remat_options", None),
+        options.pop("plan_options", None),
+    )
+    if options:
+        raise TypeError(f"unknown pipeline options: {sorted(options)}")
+    cut = next(i for i, p in enumerate(passes) if p.info.name == "VMShapeLower")
+    with tgt:
+        return tvm.transform.Sequential(passes[:cut])(mod)
 
 
 def _registered_pipeline(**kwargs: Any) -> tvm.transform.Pass:

@@ -1,3 +1,143 @@
-"""Placeholder; being written."""
+"""Liveness of the variables of a Relax function, over all its binding blocks.
 
-__all__: list[str] = []
+The bindings of every block (dataflow or not) are flattened into one program order. A variable
+is *used* by a binding when it occurs free in the bound value (uses inside the branches of an
+``If`` count for the ``If`` binding). Variables in the function's result are used "after the
+last binding" (index ``len(bindings)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tvm import relax
+
+__all__ = ["BindingInfo", "Liveness", "liveness", "function_outputs"]
+
+
+@dataclass(frozen=True)
+class BindingInfo:
+    """One binding in program order.
+
+    Attributes
+    ----------
+    index
+        Position in the flattened program order.
+    var
+        The bound variable.
+    value
+        The bound expression.
+    uses
+        Variables read by the binding, without repeats, in order of first occurrence.
+    block_index
+        Index of the binding block the binding belongs to.
+    is_dataflow
+        Whether that block is a dataflow block.
+    is_match_cast
+        Whether the binding is a ``match_cast`` (the value is re-typed, not computed).
+    """
+
+    index: int
+    var: relax.Var
+    value: relax.Expr
+    uses: tuple[relax.Var, ...]
+    block_index: int
+    is_dataflow: bool
+    is_match_cast: bool = False
+
+
+@dataclass
+class Liveness:
+    """Definition and use positions of every variable of one function.
+
+    Attributes
+    ----------
+    params
+        The function parameters (defined before the first binding).
+    bindings
+        Every binding in program order.
+    outputs
+        Variables that occur in the function's result expression.
+    definition
+        Binding index that defines each bound variable (params are absent).
+    uses
+        Sorted binding indices that read each variable; ``len(bindings)`` stands for the result.
+    """
+
+    params: list[relax.Var]
+    bindings: list[BindingInfo]
+    outputs: list[relax.Var]
+    definition: dict[relax.Var, int] = field(default_factory=dict)
+    uses: dict[relax.Var, list[int]] = field(default_factory=dict)
+
+    @property
+    def end(self) -> int:
+        """The position of the function's result (after the last binding)."""
+        return len(self.bindings)
+
+    def last_use(self, var: relax.Var) -> int | None:
+        """Index of the last binding that reads ``var`` (``end`` if it is returned)."""
+        positions = self.uses.get(var)
+        return positions[-1] if positions else None
+
+    def next_use(self, var: relax.Var, after: int) -> int | None:
+        """First use of ``var`` strictly after position ``after``, if any."""
+        for position in self.uses.get(var, ()):
+            if position > after:
+                return position
+        return None
+
+
+def _free_vars_in_order(expr: relax.Expr) -> tuple[relax.Var, ...]:
+    seen: dict[relax.Var, None] = {}
+    for var in relax.analysis.free_vars(expr):
+        seen.setdefault(var, None)
+    return tuple(seen)
+
+
+def function_outputs(func: relax.Function) -> list[relax.Var]:
+    """Variables that occur in the result expression of ``func``'s body."""
+    body = func.body
+    result = body.body if isinstance(body, relax.SeqExpr) else body
+    return list(_free_vars_in_order(result))
+
+
+def liveness(func: relax.Function) -> Liveness:
+    """Compute definition and use positions for the variables of ``func``.
+
+    Parameters
+    ----------
+    func
+        A normalized Relax function (its body a ``SeqExpr``).
+
+    Returns
+    -------
+    Liveness
+    """
+    params = list(func.params)
+    bindings: list[BindingInfo] = []
+    body = func.body
+    blocks = body.blocks if isinstance(body, relax.SeqExpr) else []
+    for block_index, block in enumerate(blocks):
+        is_dataflow = isinstance(block, relax.DataflowBlock)
+        for binding in block.bindings:
+            bindings.append(
+                BindingInfo(
+                    index=len(bindings),
+                    var=binding.var,
+                    value=binding.value,
+                    uses=_free_vars_in_order(binding.value),
+                    block_index=block_index,
+                    is_dataflow=is_dataflow,
+                    is_match_cast=isinstance(binding, relax.MatchCast),
+                )
+            )
+    outputs = function_outputs(func)
+    info = Liveness(params=params, bindings=bindings, outputs=outputs)
+    for binding in bindings:
+        info.definition[binding.var] = binding.index
+        for var in binding.uses:
+            info.uses.setdefault(var, []).append(binding.index)
+    for var in outputs:
+        info.uses.setdefault(var, []).append(len(bindings))
+    return info

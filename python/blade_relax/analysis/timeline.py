@@ -1,3 +1,508 @@
-"""Placeholder; being written."""
+"""Symbolic memory timeline of a Relax function: live bytes after every binding, and the peak.
 
-__all__: list[str] = []
+The same analysis reads a function at three stages of the pipeline:
+
+``relax``
+    High-level operators (``R.matmul``, ...) and ``call_tir``: every tensor-valued call
+    allocates its result; values are freed after their last use (the liveness that
+    ``KillAfterLastUse`` will give the VM).
+``lowered``
+    After ``CallTIRRewrite``: ``R.builtin.alloc_tensor`` allocates, kernels write into their
+    arguments and allocate nothing.
+``memory``
+    After memory planning: ``alloc_storage`` allocates, ``alloc_tensor`` carves a tensor out of
+    a storage (which the tensor keeps alive), ``kill_*`` / ``vm.kill_object`` drop a register.
+    Once a function holds explicit kills, a register lives until its kill or the return, which
+    is what the VM does; this is what lets the prediction equal the measured bytes exactly.
+
+Throughout, an *allocation* lives while any live variable refers to it: directly, through a
+tuple, a view (``reshape``, ``vm.builtin.reshape``, ``match_cast``) or a tensor placed in it.
+Parameters belong to the caller: their bytes are ``persistent`` and never counted in ``peak``,
+so ``peak`` is what the runtime accounting (``blade_relax.runtime.memory_stats``) measures.
+
+Rules for packed functions and operators this module doesn't know can be added with
+:func:`register_timeline_rule`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import tvm
+from tvm import relax
+
+from ..symbolic import Ordering, ShapeGraph, SymbolicExpr
+from .liveness import BindingInfo, Liveness, liveness
+
+__all__ = [
+    "Allocation",
+    "EvaluatedTimeline",
+    "MemoryTimeline",
+    "TimelineStep",
+    "ValueEffect",
+    "memory_timeline",
+    "register_timeline_rule",
+]
+
+# Operators whose result shares its input's memory.
+_VIEW_OPS = frozenset(
+    {
+        "relax.reshape",
+        "relax.memory.view",
+        "relax.memory.ensure_zero_offset",
+    }
+)
+_VIEW_PACKED = frozenset({"vm.builtin.reshape", "vm.builtin.tensor_view"})
+_STORAGE_ALLOCS = frozenset({"relax.memory.alloc_storage", "relax.vm.alloc_storage"})
+_TENSOR_IN_STORAGE = frozenset({"relax.memory.alloc_tensor", "relax.vm.alloc_tensor"})
+_TENSOR_ALLOCS = frozenset({"relax.builtin.alloc_tensor"})
+_KILLS = frozenset(
+    {"relax.memory.kill_storage", "relax.memory.kill_tensor", "relax.vm.kill_object"}
+)
+_PACKED_CALL_OPS = frozenset(
+    {"relax.call_pure_packed", "relax.call_builtin_with_ctx", "relax.call_inplace_packed"}
+)
+_LOWERED_MARKERS = frozenset({"relax.call_tir", "relax.builtin.alloc_tensor"})
+
+
+@dataclass(frozen=True)
+class ValueEffect:
+    """What evaluating one bound value does to memory.
+
+    Attributes
+    ----------
+    allocates
+        Bytes of a fresh allocation the value creates (``None``: none).
+    aliases
+        Variables whose memory the result refers to (views, tuples, tensors in a storage).
+    kills
+        A variable whose register the binding drops.
+    """
+
+    allocates: SymbolicExpr | None = None
+    aliases: tuple[relax.Var, ...] = ()
+    kills: relax.Var | None = None
+
+
+TimelineRule = Callable[[relax.Call, relax.Var, ShapeGraph], ValueEffect]
+_RULES: dict[str, TimelineRule] = {}
+
+
+def register_timeline_rule(name: str, rule: TimelineRule) -> None:
+    """Tell the timeline what a packed function or operator does to memory.
+
+    Parameters
+    ----------
+    name
+        The packed function's global symbol (``"blade_relax.regenerate"``) or the operator's
+        name (``"relax.my_op"``).
+    rule
+        ``rule(call, bound_var, graph) -> ValueEffect``.
+    """
+    _RULES[name] = rule
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """One allocation: created at binding ``start``, freed after binding ``end``.
+
+    ``end`` is ``None`` when the allocation outlives the function (it is returned, or a
+    register that is never killed holds it).
+    """
+
+    id: int
+    var: relax.Var
+    nbytes: SymbolicExpr
+    start: int
+    end: int | None
+
+
+@dataclass(frozen=True)
+class TimelineStep:
+    """Live bytes around one binding (see the module docstring for the rules)."""
+
+    index: int
+    var: relax.Var
+    allocated: SymbolicExpr
+    freed: SymbolicExpr
+    live_during: SymbolicExpr
+    live_after: SymbolicExpr
+
+    @property
+    def name(self) -> str:
+        return self.var.name
+
+
+@dataclass(frozen=True)
+class EvaluatedTimeline:
+    """A timeline evaluated at concrete dims (all sizes in bytes)."""
+
+    bindings: dict[str, int]
+    names: list[str]
+    live_during: list[int]
+    live_after: list[int]
+    peak: int
+    peak_index: int | None
+    persistent: int
+    lower_bound: int
+    output_bytes: int
+
+    @property
+    def peak_with_persistent(self) -> int:
+        return self.peak + self.persistent
+
+
+@dataclass
+class MemoryTimeline:
+    """The symbolic memory timeline of one function (see :func:`memory_timeline`)."""
+
+    graph: ShapeGraph
+    stage: str
+    steps: list[TimelineStep]
+    allocations: list[Allocation]
+    persistent: SymbolicExpr
+    output_bytes: SymbolicExpr
+    working_sets: list[SymbolicExpr]
+    _peak: SymbolicExpr | None = field(default=None, repr=False)
+
+    @property
+    def peak(self) -> SymbolicExpr:
+        """The largest ``live_during`` of any step, as a symbolic ``Max``.
+
+        Candidates proven no larger than another candidate (``ShapeGraph.compare``) are
+        dropped, so the ``Max`` keeps only the steps that can be the peak for some shapes.
+        """
+        if self._peak is None:
+            candidates = [s.live_during for s in self.steps if not _is_zero(s.allocated)]
+            self._peak = _symbolic_max(self.graph, candidates)
+        return self._peak
+
+    @property
+    def lower_bound(self) -> SymbolicExpr:
+        """Persistent bytes plus the largest single-binding working set (inputs + outputs).
+
+        The function's outputs are all live at its end, so their total counts as a working set
+        too. No schedule or rematerialization of this function goes below it.
+        """
+        return self.persistent + _symbolic_max(self.graph, [*self.working_sets, self.output_bytes])
+
+    def evaluate(self, bindings: Mapping[str, int]) -> EvaluatedTimeline:
+        """Evaluate every step at concrete dims.
+
+        Parameters
+        ----------
+        bindings
+            A value for every dim, e.g. ``{"s": 128}``; checked against the dims' ranges.
+        """
+        sizes = [self.graph.evaluate(a.nbytes, bindings) for a in self.allocations]
+        n = len(self.steps)
+        delta_alloc = [0] * n
+        delta_free = [0] * n
+        for allocation, size in zip(self.allocations, sizes):
+            delta_alloc[allocation.start] += size
+            if allocation.end is not None:
+                delta_free[allocation.end] += size
+        live_during: list[int] = []
+        live_after: list[int] = []
+        live = 0
+        peak, peak_index = 0, None
+        for i in range(n):
+            live += delta_alloc[i]
+            live_during.append(live)
+            if live > peak:
+                peak, peak_index = live, i
+            live -= delta_free[i]
+            live_after.append(live)
+        persistent = self.graph.evaluate(self.persistent, bindings)
+        working = [self.graph.evaluate(w, bindings) for w in self.working_sets]
+        outputs = self.graph.evaluate(self.output_bytes, bindings)
+        return EvaluatedTimeline(
+            bindings=dict(bindings),
+            names=[s.name for s in self.steps],
+            live_during=live_during,
+            live_after=live_after,
+            peak=peak,
+            peak_index=peak_index,
+            persistent=persistent,
+            lower_bound=persistent + max([*working, outputs]),
+            output_bytes=outputs,
+        )
+
+
+def _is_zero(expr: SymbolicExpr) -> bool:
+    return expr.is_constant and expr.expr == 0
+
+
+def _symbolic_max(graph: ShapeGraph, candidates: Sequence[SymbolicExpr]) -> SymbolicExpr:
+    maxima: list[SymbolicExpr] = []
+    seen: set = set()
+    for cand in candidates:
+        key = cand.expr
+        if key in seen:
+            continue
+        seen.add(key)
+        dominated = False
+        for kept in maxima:
+            if graph.compare(kept, cand) in (Ordering.GE, Ordering.GT, Ordering.EQ):
+                dominated = True
+                break
+        if dominated:
+            continue
+        maxima = [
+            kept
+            for kept in maxima
+            if graph.compare(cand, kept) not in (Ordering.GE, Ordering.GT, Ordering.EQ)
+        ]
+        maxima.append(cand)
+    if not maxima:
+        return SymbolicExpr.constant(0)
+    return maxima[0] if len(maxima) == 1 else SymbolicExpr.max(*maxima)
+
+
+def _callee_name(call: relax.Call) -> tuple[str | None, list[relax.Expr]]:
+    """The operator or packed-function name of a call and its data arguments."""
+    op = call.op
+    args = list(call.args)
+    if isinstance(op, tvm.ir.Op):
+        if op.name in _PACKED_CALL_OPS and args and isinstance(args[0], relax.ExternFunc):
+            return args[0].global_symbol, args[1:]
+        return op.name, args
+    if isinstance(op, relax.ExternFunc):
+        return op.global_symbol, args
+    return None, args
+
+
+def _tensor_vars(exprs: Sequence[relax.Expr]) -> tuple[relax.Var, ...]:
+    return tuple(e for e in exprs if isinstance(e, relax.Var))
+
+
+def _returns_nothing(var: relax.Var) -> bool:
+    ty = var.ty
+    if isinstance(ty, relax.TupleType):
+        return len(ty.fields) == 0
+    return not isinstance(ty, relax.TensorType | relax.TupleType)
+
+
+def _storage_size(call: relax.Call, graph: ShapeGraph) -> SymbolicExpr:
+    size = call.args[0]
+    if isinstance(size, relax.ShapeExpr) and len(size.values) == 1:
+        return graph.canonical(SymbolicExpr.from_prim_expr(size.values[0]))
+    values = getattr(getattr(size, "ty", None), "values", None)
+    if values is not None and len(values) == 1:
+        return graph.canonical(SymbolicExpr.from_prim_expr(values[0]))
+    warnings.warn(
+        f"alloc_storage with a size the timeline cannot read ({size}); counted as unknown",
+        stacklevel=3,
+    )
+    return SymbolicExpr.from_prim_expr(None)
+
+
+def _call_effect(
+    call: relax.Call, var: relax.Var, graph: ShapeGraph, mod: tvm.IRModule | None
+) -> ValueEffect:
+    name, args = _callee_name(call)
+    if name is not None and name in _RULES:
+        return _RULES[name](call, var, graph)
+    if name in _KILLS:
+        target = args[0] if args and isinstance(args[0], relax.Var) else None
+        return ValueEffect(kills=target)
+    if name in _STORAGE_ALLOCS:
+        return ValueEffect(allocates=_storage_size(call, graph))
+    if name in _TENSOR_IN_STORAGE:
+        return ValueEffect(aliases=_tensor_vars(args[:1]))
+    if name in _VIEW_OPS or name in _VIEW_PACKED:
+        return ValueEffect(aliases=_tensor_vars(args[:1]))
+    if name == "relax.call_tir_inplace":
+        # The result is written into the arguments named by `inplace_indices`.
+        indices = [int(i) for i in call.attrs.inplace_indices]
+        tensor_args = list(args[1].fields) if isinstance(args[1], relax.Tuple) else [args[1]]
+        aliased = [tensor_args[i] for i in indices if i >= 0]
+        fresh_bytes = None
+        if any(i < 0 for i in indices):
+            fresh_bytes = graph.bytes_of(var)
+        return ValueEffect(allocates=fresh_bytes, aliases=_tensor_vars(aliased))
+    if isinstance(call.op, relax.GlobalVar) and mod is not None:
+        callee = mod[call.op] if call.op in mod.functions else None
+        if isinstance(callee, tvm.tirx.PrimFunc):
+            # Destination-passing kernel call: it writes into buffers passed as arguments.
+            return ValueEffect()
+    if _returns_nothing(var):
+        return ValueEffect()
+    return ValueEffect(allocates=graph.bytes_of(var))
+
+
+def _effect(binding: BindingInfo, graph: ShapeGraph, mod: tvm.IRModule | None) -> ValueEffect:
+    value = binding.value
+    if binding.is_match_cast or isinstance(value, relax.Var):
+        return ValueEffect(aliases=_tensor_vars([value]))
+    if isinstance(value, relax.Tuple):
+        return ValueEffect(aliases=_tensor_vars(list(value.fields)))
+    if isinstance(value, relax.TupleGetItem):
+        return ValueEffect(aliases=_tensor_vars([value.tuple_value]))
+    if isinstance(value, relax.Call):
+        return _call_effect(value, binding.var, graph, mod)
+    if isinstance(value, relax.If):
+        # Conservative for control flow: the result is a fresh value of its type's size.
+        return ValueEffect(allocates=graph.bytes_of(binding.var))
+    # Constants live in the executable, shapes and primitive values are not tensors.
+    return ValueEffect()
+
+
+def _stage(info: Liveness, mod: tvm.IRModule | None) -> str:
+    stage = "relax"
+    for binding in info.bindings:
+        value = binding.value
+        if not isinstance(value, relax.Call):
+            continue
+        name, _ = _callee_name(value)
+        if name in _STORAGE_ALLOCS or name in _KILLS:
+            return "memory"
+        if name in _LOWERED_MARKERS:
+            stage = "lowered"
+    return stage
+
+
+def memory_timeline(
+    func: relax.Function,
+    graph: ShapeGraph | None = None,
+    *,
+    mod: tvm.IRModule | None = None,
+) -> MemoryTimeline:
+    """The symbolic memory timeline of ``func``.
+
+    Parameters
+    ----------
+    func
+        A normalized Relax function, at any stage of the pipeline (see the module docstring).
+    graph
+        Its symbolic shape graph (built from ``func`` when omitted).
+    mod
+        The module ``func`` belongs to; lets calls of PrimFuncs be told from calls of Relax
+        functions. Without it, a ``GlobalVar`` call that returns a tensor counts as allocating.
+
+    Returns
+    -------
+    MemoryTimeline
+    """
+    graph = graph if graph is not None else ShapeGraph.from_function(func)
+    info = liveness(func)
+    stage = _stage(info, mod)
+    explicit_kills = stage == "memory"
+    n = len(info.bindings)
+
+    # refs[var]: allocation ids the variable keeps alive.
+    refs: dict[relax.Var, frozenset[int]] = {p: frozenset() for p in info.params}
+    field_refs: dict[relax.Var, list[frozenset[int]]] = {}
+    holders: dict[int, set[relax.Var]] = {}
+    sizes: list[SymbolicExpr] = []
+    owners: list[relax.Var] = []
+    starts: list[int] = []
+    ends: list[int | None] = []
+    allocated_at: list[list[int]] = [[] for _ in range(n)]
+    freed_at: list[list[int]] = [[] for _ in range(n)]
+    working_sets: list[SymbolicExpr] = []
+
+    # When a variable's register is dropped, in the liveness-based stages.
+    death: dict[int, list[relax.Var]] = {}
+    if not explicit_kills:
+        for binding in info.bindings:
+            last = info.last_use(binding.var)
+            if last is None:
+                death.setdefault(binding.index, []).append(binding.var)
+            elif last < n:
+                death.setdefault(last, []).append(binding.var)
+
+    def release(var: relax.Var, position: int) -> None:
+        for alloc_id in refs.get(var, ()):
+            owners_of = holders[alloc_id]
+            owners_of.discard(var)
+            if not owners_of and ends[alloc_id] is None:
+                ends[alloc_id] = position
+                freed_at[position].append(alloc_id)
+
+    for binding in info.bindings:
+        i = binding.index
+        effect = _effect(binding, graph, mod)
+        own: set[int] = set()
+        value = binding.value
+        if isinstance(value, relax.TupleGetItem) and value.tuple_value in field_refs:
+            # A field read keeps only that field alive, not the whole tuple.
+            own |= field_refs[value.tuple_value][value.index]
+        else:
+            for source in effect.aliases:
+                own |= refs.get(source, frozenset())
+        if isinstance(value, relax.Tuple):
+            field_refs[binding.var] = [
+                refs.get(f, frozenset()) if isinstance(f, relax.Var) else frozenset()
+                for f in value.fields
+            ]
+        if effect.allocates is not None:
+            alloc_id = len(sizes)
+            sizes.append(effect.allocates)
+            owners.append(binding.var)
+            starts.append(i)
+            ends.append(None)
+            holders[alloc_id] = set()
+            allocated_at[i].append(alloc_id)
+            own.add(alloc_id)
+        refs[binding.var] = frozenset(own)
+        for alloc_id in own:
+            holders[alloc_id].add(binding.var)
+
+        touched: set[int] = set(own)
+        for used in binding.uses:
+            touched |= refs.get(used, frozenset())
+        working_sets.append(_sum(sizes[a] for a in sorted(touched)))
+
+        if explicit_kills:
+            if effect.kills is not None:
+                release(effect.kills, i)
+            if _returns_nothing(binding.var) and not own:
+                refs[binding.var] = frozenset()
+        else:
+            for var in death.get(i, ()):
+                release(var, i)
+
+    steps: list[TimelineStep] = []
+    live = SymbolicExpr.constant(0)
+    for i, binding in enumerate(info.bindings):
+        allocated = _sum(sizes[a] for a in allocated_at[i])
+        freed = _sum(sizes[a] for a in freed_at[i])
+        during = live + allocated
+        live = during - freed
+        steps.append(
+            TimelineStep(
+                index=i,
+                var=binding.var,
+                allocated=allocated,
+                freed=freed,
+                live_during=during,
+                live_after=live,
+            )
+        )
+    allocations = [
+        Allocation(id=k, var=owners[k], nbytes=sizes[k], start=starts[k], end=ends[k])
+        for k in range(len(sizes))
+    ]
+    output_ids: set[int] = set()
+    for var in info.outputs:
+        output_ids |= refs.get(var, frozenset())
+    persistent = _sum(graph.bytes_of(p) for p in info.params)
+    return MemoryTimeline(
+        graph=graph,
+        stage=stage,
+        steps=steps,
+        allocations=allocations,
+        persistent=persistent,
+        output_bytes=_sum(sizes[a] for a in sorted(output_ids)),
+        working_sets=working_sets,
+    )
+
+
+def _sum(exprs) -> SymbolicExpr:
+    total = SymbolicExpr.constant(0)
+    for expr in exprs:
+        total = total + expr
+    return total
