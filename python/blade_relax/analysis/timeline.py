@@ -296,7 +296,7 @@ def _storage_size(call: relax.Call, graph: ShapeGraph) -> SymbolicExpr:
         f"alloc_storage with a size the timeline cannot read ({size}); counted as unknown",
         stacklevel=3,
     )
-    return SymbolicExpr.from_prim_expr(None)
+    return SymbolicExpr.unknown(f"alloc_storage size {size}")
 
 
 def _call_effect(

@@ -1,3 +1,113 @@
-"""Placeholder; being written."""
+"""The memory budget that the rematerialization runtime works under.
 
-__all__: list[str] = []
+The compiler inserts ``evict`` / ``regenerate`` builtins; whether an eviction happens is decided
+at run time from the concrete sizes and this budget: the remat runtime reads
+:func:`get_memory_budget` and compares it with the live bytes the accounting measures
+(:func:`blade_relax.runtime.current_live_bytes`). ``None`` (the default) means no budget: the
+runtime evicts nothing.
+
+Like the accounting, the budget is per thread: a VM call runs in the calling thread and sees the
+budget that thread set. A new thread starts without a budget.
+
+Usage::
+
+    set_memory_budget(64 * 2**20)          # from now on, in this thread
+    with set_memory_budget(2**20):         # only inside the block
+        vm["main"](x)
+    set_memory_budget(None)                # no budget
+"""
+
+from __future__ import annotations
+
+import threading
+from types import TracebackType
+from typing import Any
+
+__all__ = ["BudgetScope", "get_memory_budget", "set_memory_budget"]
+
+_local = threading.local()
+
+
+def _check_budget(nbytes: Any) -> int | None:
+    """The budget as an int, or None; a clear error for anything else."""
+    if nbytes is None:
+        return None
+    # bool is an int subclass, and True bytes is surely a mistake.
+    if isinstance(nbytes, bool) or not hasattr(nbytes, "__index__"):
+        raise TypeError(
+            "memory budget must be an integer number of bytes or None, "
+            f"got {nbytes!r} ({type(nbytes).__name__})"
+        )
+    value = int(nbytes.__index__())
+    if value <= 0:
+        raise ValueError(f"memory budget must be a positive number of bytes, got {value}")
+    return value
+
+
+class BudgetScope:
+    """What :func:`set_memory_budget` returns: the budget is already set when it exists.
+
+    Used as a context manager, it restores on exit the budget that was in force before the
+    :func:`set_memory_budget` call that made it (in the thread that exits the block). Used as a
+    plain statement, it can be ignored.
+
+    Attributes
+    ----------
+    nbytes : int or None
+        The budget that was set.
+    previous : int or None
+        The budget in force before it.
+    """
+
+    __slots__ = ("nbytes", "previous")
+
+    def __init__(self, nbytes: int | None, previous: int | None) -> None:
+        self.nbytes = nbytes
+        self.previous = previous
+
+    def __enter__(self) -> int | None:
+        return self.nbytes
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        _local.budget = self.previous
+
+    def __repr__(self) -> str:
+        return f"BudgetScope(nbytes={self.nbytes}, previous={self.previous})"
+
+
+def set_memory_budget(nbytes: int | None) -> BudgetScope:
+    """Set this thread's memory budget.
+
+    Parameters
+    ----------
+    nbytes : int or None
+        The most bytes of VM-allocated storage the remat runtime should keep live (compared with
+        the accounting's ``live_bytes``); a positive integer, or None for no budget.
+
+    Returns
+    -------
+    BudgetScope
+        A context manager that restores the previous budget on exit
+        (``with set_memory_budget(2**20): ...``); it may be ignored.
+
+    Raises
+    ------
+    TypeError
+        If ``nbytes`` is neither None nor an integer (a bool or a float is refused).
+    ValueError
+        If ``nbytes`` is zero or negative.
+    """
+    value = _check_budget(nbytes)
+    previous = get_memory_budget()
+    _local.budget = value
+    return BudgetScope(value, previous)
+
+
+def get_memory_budget() -> int | None:
+    """This thread's memory budget in bytes, or None when there is none."""
+    return getattr(_local, "budget", None)

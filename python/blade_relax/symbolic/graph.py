@@ -1,0 +1,951 @@
+"""The global symbolic shape graph of one Relax function.
+
+``ShapeGraph.from_function(func)`` collects every symbolic dim of the parameters and of every
+binding's type (``var.ty``), learns equalities across the whole function with a union-find, and
+reads the value ranges of the dims from the function attributes. It reads the IR and never
+changes it; it may run on a function at any stage (high-level ops, after lowering, after memory
+planning), on well-formed functions whose bindings are normalized (every var has a ``ty``).
+
+Equalities learned (each one sound: it holds whenever the function runs without error):
+
+* ``match_cast``: the pattern type against the value's type, position by position (tensors,
+  shapes, tuples). A new dim defined by a match_cast against an expression of earlier dims
+  (``m`` in ``match_cast(x: (b * s, 64), (m, 64))``) is eliminated: ``m := b * s``.
+* shared dims of operators: the reduction dim of ``matmul``; the non-axis dims of ``concat``;
+  aligned dims of elementwise binary ops when both are proven ``>= 2`` (a dim of 1 could
+  broadcast).
+* any equality ``x == e`` where ``e`` is linear in a dim with a unit coefficient is solved for it.
+
+Value ranges: ``tir_var_lower_bound`` / ``tir_var_upper_bound`` (dicts name -> int);
+``tir_non_negative_var`` (names) lowers the default to 0; otherwise every dim is ``>= 1`` and
+unbounded above. Dims proven equal share the intersection of their ranges. A dim eliminated in
+favour of an expression keeps its declared range for ``evaluate`` checks only; ``compare`` does
+not use it (ignoring a constraint only makes proofs harder, never wrong).
+
+Canonical form: every dim is replaced by its class representative (the first dim of the class
+met in the function: parameters first, then bindings in order), or by the expression it equals.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+import zlib
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import sympy
+
+from .compare import BoundEngine, Ordering
+from .dim import (
+    DEFAULT_LOWER,
+    SymbolicDim,
+    dim_symbol,
+    format_range,
+    is_unknown_symbol,
+    symbol_default_range,
+    unknown_symbol,
+)
+from .expr import SymbolicExpr, _to_sympy, evaluate_sympy
+
+_LATTICE = (sympy.Max, sympy.Min)
+# Top-level Max/Min with at most this many arguments in all also go to the difference engine
+# when the decomposition proves nothing (it knows, e.g., Max(s, t) * 2 >= s + t).
+_SMALL_LATTICE = 8
+# Argument comparisons allowed per decomposition of a top-level Max/Min.
+_LATTICE_BUDGET = 20000
+# (a >= b, a <= b) of a relation: 2 strict, 1 non-strict, 0 not proven.
+_GE_LE = {
+    Ordering.GT: (2, 0),
+    Ordering.GE: (1, 0),
+    Ordering.EQ: (1, 1),
+    Ordering.LE: (0, 1),
+    Ordering.LT: (0, 2),
+    Ordering.UNKNOWN: (0, 0),
+}
+
+#: Stand-in value of an unbounded dim in :meth:`ShapeGraph.representative_points`.
+UNBOUNDED_STAND_IN = 4096
+
+_ELEMENTWISE_BINARY = frozenset(
+    f"relax.{name}"
+    for name in (
+        "add",
+        "subtract",
+        "multiply",
+        "divide",
+        "floor_divide",
+        "power",
+        "maximum",
+        "minimum",
+        "equal",
+        "not_equal",
+        "less",
+        "less_equal",
+        "greater",
+        "greater_equal",
+        "logical_and",
+        "logical_or",
+        "logical_xor",
+        "bitwise_and",
+        "bitwise_or",
+        "bitwise_xor",
+        "mod",
+        "floor_mod",
+    )
+)
+
+
+def element_bits(dtype: str | None) -> int | None:
+    """Storage bits per element of ``dtype`` (``bits * lanes``); None if unknown.
+
+    ``bool`` is stored in one byte per element: the Relax VM allocates 80 bytes for a
+    ``(16, 5)`` bool tensor (checked by wrapping ``vm.builtin.alloc_storage``), as for ``int8``.
+    Sub-byte types (``int4``, ``float4_e2m1fn``...) report their packed width; the Relax VM
+    memory planner rejects them, and a runtime tensor of them takes the packed size rounded up
+    to whole bytes.
+    """
+    import tvm
+
+    if dtype is None or dtype in ("", "void", "None", "handle"):
+        return None
+    try:
+        dt = tvm.DataType(dtype)
+    except Exception:  # an unparsable dtype: unknown size rather than a crash
+        return None
+    if dtype.startswith("bool"):
+        return 8 * int(dt.lanes)
+    bits = int(dt.bits) * int(dt.lanes)
+    return bits if bits > 0 else None
+
+
+def element_bytes(dtype: str | None) -> int | None:
+    """Bytes per element of a byte-sized ``dtype`` (``bool``: 1); None if unknown or sub-byte."""
+    bits = element_bits(dtype)
+    return None if bits is None or bits % 8 else bits // 8
+
+
+class ShapeGraph:
+    """The symbolic dims of one function, their ranges and the equalities between them.
+
+    Build it with :meth:`from_function` or :meth:`from_ranges`. Queries (``canonical``,
+    ``compare``, ``bytes_of``) are cached; the graph is not meant to change after construction
+    (``add_equality`` clears the caches).
+    """
+
+    def __init__(self) -> None:
+        self._order: list[str] = []  # dims in the order first met
+        self._declared: dict[str, tuple[int | None, int | None]] = {}
+        self._parent: dict[str, str] = {}
+        self._definition: dict[str, sympy.Expr] = {}  # root -> expression over other roots
+        self._unresolved: list[tuple[SymbolicExpr, SymbolicExpr]] = []
+        self._params: list[Any] = []
+        self._from_function = False
+        self._dirty = True
+        self._subst: dict[sympy.Symbol, sympy.Expr] = {}
+        self._range_by_symbol: dict[sympy.Symbol, tuple[int | None, int | None]] = {}
+        self._symbol_of: dict[str, sympy.Symbol] = {}
+        self._canon_cache: dict[sympy.Expr, sympy.Expr] = {}
+        self._compare_cache: dict[tuple[sympy.Expr, sympy.Expr], Ordering] = {}
+        self._engine = BoundEngine(self._range_of_symbol)
+        self._dims_cache: dict[str, SymbolicDim] | None = None
+        self._bind_cache: dict[tuple, dict[str, int]] = {}
+        self._attr_lower: dict[str, int] = {}
+        self._attr_upper: dict[str, int] = {}
+        self._attr_nonneg: set[str] = set()
+        self._binding_index = -1  # binding being collected (-1: parameters)
+        self._first_seen: dict[str, int] = {}
+
+    # ================================================================== construction
+    @staticmethod
+    def from_ranges(ranges: Mapping[str, tuple[int | None, int | None]]) -> ShapeGraph:
+        """A synthetic graph: dims with the given ``(lower, upper)`` ranges, no equalities.
+
+        ``None`` as lower means the default (1); ``None`` as upper means unbounded.
+        """
+        graph = ShapeGraph()
+        for name, (lo, hi) in ranges.items():
+            graph._add_dim(name, DEFAULT_LOWER if lo is None else int(lo), hi)
+        return graph
+
+    @staticmethod
+    def from_function(func: Any) -> ShapeGraph:
+        """Build the global symbolic shape graph of a ``relax.Function``."""
+        from tvm import relax
+
+        if not isinstance(func, relax.Function):
+            raise TypeError(f"ShapeGraph.from_function expects a relax.Function, got {type(func)}")
+        graph = ShapeGraph()
+        graph._from_function = True
+        lower, upper, nonneg = _read_bound_attrs(func)
+        graph._attr_lower, graph._attr_upper, graph._attr_nonneg = lower, upper, nonneg
+        graph._params = list(func.params)
+        for p in func.params:
+            graph._collect_type(_ty(p))
+        # Bindings: collect dims first (in order), then learn equalities, so every dim has a
+        # declared range before it is unified.
+        bindings = list(_iter_bindings(func.body, in_branch=False))
+        for index, (b, _) in enumerate(bindings):
+            graph._binding_index = index
+            graph._collect_type(_ty(b.var))
+            if isinstance(b, relax.MatchCast):
+                graph._collect_type(b.ty)
+        graph._binding_index = len(bindings)
+        ret = _ty(func.body)
+        if ret is not None:
+            graph._collect_type(ret)
+        try:
+            free = list(relax.analysis.defined_symbolic_vars(func)) + list(
+                relax.analysis.free_symbolic_vars(func)
+            )
+        except Exception:  # analysis helpers may reject unusual functions; types suffice
+            free = []
+        for v in free:
+            graph._touch_var(v)
+        for index, (b, in_branch) in enumerate(bindings):
+            try:
+                graph._learn_binding(b, index if in_branch else None)
+            except Exception as err:  # learning is best effort: unsupported IR passes through
+                warnings.warn(
+                    f"blade_relax.symbolic: could not read binding {b.var.name}: {err}",
+                    UserWarning,
+                    stacklevel=2,
+                )
+        return graph
+
+    def _add_dim(self, name: str, lower: int | None, upper: int | None) -> None:
+        if name in self._declared:
+            return
+        if upper is not None and lower is not None and upper < lower:
+            raise ValueError(f"dim {name!r}: empty range {format_range(lower, upper)}")
+        self._order.append(name)
+        self._first_seen[name] = self._binding_index
+        self._declared[name] = (lower, upper)
+        self._parent[name] = name
+        self._dirty = True
+
+    def _touch_var(self, var: Any) -> None:
+        name = var.name
+        if name in self._declared:
+            return
+        lower = self._attr_lower.get(name)
+        if lower is None:
+            lower = 0 if name in self._attr_nonneg else DEFAULT_LOWER
+        self._add_dim(name, lower, self._attr_upper.get(name))
+
+    def _collect_type(self, ty: Any) -> None:
+        for value in _shape_values(ty, nested=True):
+            self._collect_prim(value)
+
+    def _collect_prim(self, value: Any) -> None:
+        from tvm import tirx
+
+        if isinstance(value, tirx.Var):
+            self._touch_var(value)
+            return
+        if isinstance(value, tirx.IntImm) or isinstance(value, int):
+            return
+        try:
+            vars_ = tirx.analysis.undefined_vars(value)
+        except Exception:
+            vars_ = []
+        for v in vars_:
+            self._touch_var(v)
+
+    # ================================================================== learning
+    def _learn_binding(self, b: Any, branch_index: int | None) -> None:
+        """Learn from one binding; ``branch_index`` is set for bindings inside an If branch.
+
+        A branch may not run, so inside one only the dims that this very binding introduces
+        (first met at ``branch_index``) are defined; equalities between older dims are skipped.
+        """
+        from tvm import relax, tirx
+
+        if isinstance(b, relax.MatchCast):
+            if branch_index is None:
+                self._learn_types(_ty(b.value), b.ty)
+                self._learn_types(_ty(b.value), _ty(b.var))
+                return
+            va, vp = _shape_values(_ty(b.value)), _shape_values(b.ty)
+            if va is not None and vp is not None and len(va) == len(vp):
+                for x, y in zip(va, vp):
+                    if isinstance(y, tirx.Var) and self._first_seen.get(y.name) == branch_index:
+                        self._learn_prim_equal(x, y)
+            return
+        if branch_index is not None:
+            return
+        value = b.value
+        if isinstance(value, relax.Call) and hasattr(value.op, "name"):
+            self._learn_call(value)
+
+    def _learn_types(self, actual: Any, pattern: Any) -> None:
+        from tvm import relax
+
+        if actual is None or pattern is None:
+            return
+        if isinstance(actual, relax.TupleType) and isinstance(pattern, relax.TupleType):
+            for a, p in zip(actual.fields, pattern.fields):
+                self._learn_types(a, p)
+            return
+        va = _shape_values(actual)
+        vp = _shape_values(pattern)
+        if va is None or vp is None or len(va) != len(vp):
+            return
+        for x, y in zip(va, vp):
+            self._learn_prim_equal(x, y)
+
+    def _learn_call(self, call: Any) -> None:
+        from tvm import relax
+
+        name = call.op.name
+        if name == "relax.matmul" and len(call.args) >= 2:
+            sa, sb = _shape_values(_ty(call.args[0])), _shape_values(_ty(call.args[1]))
+            if sa and sb:
+                # The reduction dim must match exactly (no broadcasting on it).
+                k_b = sb[0] if len(sb) == 1 else sb[-2]
+                self._learn_prim_equal(sa[-1], k_b)
+                self._learn_broadcast(sa[:-2], sb[:-2])
+        elif name in _ELEMENTWISE_BINARY and len(call.args) >= 2:
+            sa, sb = _shape_values(_ty(call.args[0])), _shape_values(_ty(call.args[1]))
+            if sa is not None and sb is not None:
+                self._learn_broadcast(sa, sb)
+        elif name == "relax.concat" and call.args and isinstance(call.args[0], relax.Tuple):
+            axis = getattr(call.attrs, "axis", None)
+            if axis is None:
+                return
+            shapes = [_shape_values(_ty(f)) for f in call.args[0].fields]
+            if any(s is None for s in shapes) or len({len(s) for s in shapes}) != 1:
+                return
+            ndim = len(shapes[0])
+            axis = int(axis) % ndim if ndim else 0
+            for other in shapes[1:]:
+                for i in range(ndim):
+                    if i != axis:
+                        self._learn_prim_equal(shapes[0][i], other[i])
+
+    def _learn_broadcast(self, sa: Sequence[Any], sb: Sequence[Any]) -> None:
+        # Aligned from the right; two dims broadcast against each other are equal when neither
+        # can be 1, i.e. both are proven >= 2.
+        for x, y in zip(reversed(list(sa)), reversed(list(sb))):
+            ex = self._canon(_to_sympy(SymbolicExpr.from_prim_expr(x)))
+            ey = self._canon(_to_sympy(SymbolicExpr.from_prim_expr(y)))
+            if ex == ey:
+                continue
+            if self._engine.lower(ex) >= 2 and self._engine.lower(ey) >= 2:
+                self._learn_equal(ex, ey)
+
+    def _learn_prim_equal(self, x: Any, y: Any) -> None:
+        self._learn_equal(SymbolicExpr.from_prim_expr(x).expr, SymbolicExpr.from_prim_expr(y).expr)
+
+    def add_equality(self, a: SymbolicExpr | int, b: SymbolicExpr | int) -> None:
+        """Record that ``a == b`` for every admissible point (clears the query caches)."""
+        self._learn_equal(_to_sympy(a), _to_sympy(b))
+
+    def _learn_equal(self, a: sympy.Expr, b: sympy.Expr) -> None:
+        ca, cb = self._canon(a), self._canon(b)
+        if ca == cb:
+            return
+        if any(is_unknown_symbol(s) for s in (ca - cb).free_symbols):
+            return  # an opaque value says nothing about the dims
+        roots = {self._symbol_of[r]: r for r in self._roots()}
+        if ca in roots and cb in roots:
+            self._union(roots[ca], roots[cb])
+            return
+        # Divide out the content: 2*p - 2*s - 2 == 0 is solved as p == s + 1.
+        diff = sympy.expand(ca - cb).as_content_primitive()[1]
+        if diff.is_Number:
+            self._unresolved.append((SymbolicExpr(ca), SymbolicExpr(cb)))
+            warnings.warn(
+                f"blade_relax.symbolic: contradictory shapes {ca} != {cb}",
+                UserWarning,
+                stacklevel=3,
+            )
+            return
+        # Solve for the latest-met root dim that appears linearly with a unit coefficient.
+        candidates = [s for s in diff.free_symbols if s in roots]
+        candidates.sort(key=lambda s: self._order.index(roots[s]), reverse=True)
+        for sym in candidates:
+            poly = sympy.Poly(diff, sym)
+            if poly.degree() != 1:
+                continue
+            coeff = poly.coeff_monomial(sym)
+            if coeff not in (1, -1):
+                continue
+            rest = diff - coeff * sym
+            if rest.has(sym):
+                continue
+            solution = -rest / coeff
+            self._define(roots[sym], solution)
+            return
+        self._unresolved.append((SymbolicExpr(ca), SymbolicExpr(cb)))
+
+    def _find(self, name: str) -> str:
+        root = name
+        while self._parent[root] != root:
+            root = self._parent[root]
+        while self._parent[name] != root:  # path compression
+            self._parent[name], name = root, self._parent[name]
+        return root
+
+    def _roots(self) -> list[str]:
+        return [n for n in self._order if self._parent[n] == n and n not in self._definition]
+
+    def _union(self, x: str, y: str) -> None:
+        rx, ry = self._find(x), self._find(y)
+        if rx == ry:
+            return
+        if self._order.index(ry) < self._order.index(rx):
+            rx, ry = ry, rx
+        self._parent[ry] = rx
+        self._invalidate()
+
+    def _define(self, root: str, expr: sympy.Expr) -> None:
+        self._definition[root] = expr
+        self._invalidate()
+
+    def _invalidate(self) -> None:
+        self._dirty = True
+        self._canon_cache.clear()
+        self._compare_cache.clear()
+        self._dims_cache = None
+        self._bind_cache.clear()
+        self._engine = BoundEngine(self._range_of_symbol)
+
+    # ================================================================== canonical form
+    def _rebuild(self) -> None:
+        if not self._dirty:
+            return
+        # Ranges of a class: the intersection of its members' declared ranges.
+        class_range: dict[str, tuple[int | None, int | None]] = {}
+        for name in self._order:
+            root = self._find(name)
+            lo, hi = self._declared[name]
+            if root in class_range:
+                clo, chi = class_range[root]
+                lo = clo if lo is None else (lo if clo is None else max(lo, clo))
+                hi = chi if hi is None else (hi if chi is None else min(hi, chi))
+            class_range[root] = (lo, hi)
+        for root, (lo, hi) in class_range.items():
+            if lo is not None and hi is not None and hi < lo:
+                warnings.warn(
+                    f"blade_relax.symbolic: dims {sorted(self._members(root))} are equal but "
+                    f"their ranges do not intersect; keeping {root!r}'s own range",
+                    UserWarning,
+                    stacklevel=3,
+                )
+                class_range[root] = self._declared[root]
+        self._class_range = class_range
+        self._symbol_of = {
+            name: dim_symbol(name, class_range[self._find(name)][0]) for name in self._order
+        }
+        self._range_by_symbol = {
+            self._symbol_of[r]: class_range[r] for r in class_range if r not in self._definition
+        }
+        # Resolve every dim to an expression over free roots (definitions may chain).
+        resolved: dict[str, sympy.Expr] = {}
+
+        def resolve(name: str, stack: tuple[str, ...] = ()) -> sympy.Expr:
+            root = self._find(name)
+            if root in resolved:
+                return resolved[root]
+            if root not in self._definition or root in stack:
+                value = self._symbol_of[root]
+            else:
+                definition = self._definition[root]
+                sub = {}
+                for s in definition.free_symbols:
+                    if s.name in self._parent and not is_unknown_symbol(s):
+                        sub[s] = resolve(s.name, stack + (root,))
+                value = definition.xreplace(sub)
+            resolved[root] = value
+            return value
+
+        subst: dict[sympy.Symbol, sympy.Expr] = {}
+        for name in self._order:
+            value = resolve(name)
+            for lower in (1, 0, None):
+                sym = dim_symbol(name, lower)
+                if sym != value:
+                    subst[sym] = value
+        self._subst = subst
+        self._dirty = False
+
+    def _range_of_symbol(self, sym: sympy.Symbol) -> tuple[int | None, int | None]:
+        self._rebuild()
+        rng = self._range_by_symbol.get(sym)
+        return rng if rng is not None else symbol_default_range(sym)
+
+    def _canon(self, e: sympy.Expr) -> sympy.Expr:
+        self._rebuild()
+        cached = self._canon_cache.get(e)
+        if cached is not None:
+            return cached
+        subst = self._subst
+        if subst and any(s in subst for s in e.free_symbols):
+            out = e.xreplace(subst)
+        else:
+            out = e
+        self._canon_cache[e] = out
+        return out
+
+    def _members(self, root: str) -> list[str]:
+        return [n for n in self._order if self._find(n) == root]
+
+    # ================================================================== public queries
+    @property
+    def dims(self) -> Mapping[str, SymbolicDim]:
+        """Every symbolic dim, by name, with its class range and equivalence class."""
+        self._rebuild()
+        if self._dims_cache is None:
+            out: dict[str, SymbolicDim] = {}
+            for name in self._order:
+                root = self._find(name)
+                lo, hi = self._class_range[root]
+                out[name] = SymbolicDim(
+                    name=name,
+                    lower=lo if lo is not None else -(2**63),
+                    upper=hi,
+                    symbol=self._symbol_of[name],
+                    eq_class=frozenset(self._members(root)),
+                )
+            self._dims_cache = out
+        return self._dims_cache
+
+    @property
+    def unresolved_equalities(self) -> list[tuple[SymbolicExpr, SymbolicExpr]]:
+        """Equalities met in the function that could not be solved for a dim (kept for info)."""
+        return list(self._unresolved)
+
+    def representative(self, name: str) -> SymbolicExpr:
+        """The canonical expression the dim ``name`` stands for."""
+        if name not in self._parent:
+            raise KeyError(f"no dim {name!r} in this graph (dims: {sorted(self._parent)})")
+        self._rebuild()
+        return SymbolicExpr(self._canon(self._symbol_of[name]))
+
+    def canonical(self, expr: SymbolicExpr | int | Any) -> SymbolicExpr:
+        """``expr`` with every dim replaced by its class representative (or its definition)."""
+        e = _to_sympy(expr)
+        out = self._canon(e)
+        if isinstance(expr, SymbolicExpr) and out is e:
+            return expr
+        return SymbolicExpr(out)
+
+    def compare(self, a: SymbolicExpr | int | Any, b: SymbolicExpr | int | Any) -> Ordering:
+        """The relation of ``a`` to ``b`` proven for every admissible value of the dims.
+
+        Returns UNKNOWN whenever no relation is proven (see :mod:`.compare` for the method).
+        """
+        ca = self._canon(_to_sympy(a))
+        cb = self._canon(_to_sympy(b))
+        if ca == cb:
+            return Ordering.EQ
+        key = (ca, cb)
+        cached = self._compare_cache.get(key)
+        if cached is not None:
+            return cached
+        if ca.is_Integer and cb.is_Integer:
+            result = Ordering.GT if ca > cb else Ordering.LT
+        elif isinstance(ca, _LATTICE) or isinstance(cb, _LATTICE):
+            result = self._compare_lattice(ca, cb)
+        else:
+            result = self._engine.order_of(ca, cb)
+        self._compare_cache[key] = result
+        self._compare_cache[(cb, ca)] = result.reverse()
+        return result
+
+    def _compare_lattice(self, a: sympy.Expr, b: sympy.Expr) -> Ordering:
+        # A top-level Max/Min is decomposed into comparisons of its arguments (each cached),
+        # which stays linear in the arguments where the difference engine would split cases.
+        ge, le = self._ge(a, b), self._ge(b, a)
+        decided = (ge and le) or ge == 2 or le == 2
+        if not decided and (
+            sum(len(x.args) for x in (a, b) if isinstance(x, _LATTICE)) <= _SMALL_LATTICE
+        ):
+            # Small ones also go through the difference engine; both answers are sound.
+            eng_ge, eng_le = _GE_LE[self._engine.order_of(a, b)]
+            ge, le = max(ge, eng_ge), max(le, eng_le)
+        if ge and le:
+            return Ordering.EQ
+        if ge:
+            return Ordering.GT if ge == 2 else Ordering.GE
+        if le:
+            return Ordering.LT if le == 2 else Ordering.LE
+        return Ordering.UNKNOWN
+
+    def _ge(self, a: sympy.Expr, b: sympy.Expr, budget: list[int] | None = None) -> int:
+        """2 if ``a > b`` is proven, 1 if ``a >= b``, 0 if neither.
+
+        ``budget`` caps the argument comparisons of one decomposition (two Max of thousands of
+        terms would need millions): past it the answer is 0, never a guess.
+        """
+        if budget is None:
+            budget = [_LATTICE_BUDGET]
+        if isinstance(b, sympy.Max) or isinstance(a, sympy.Min):
+            # a >= Max(B) iff a >= every b_i; Min(A) >= b iff every a_i >= b.
+            pairs = (
+                ((a, x) for x in b.args) if isinstance(b, sympy.Max) else ((x, b) for x in a.args)
+            )
+            worst = 2
+            for x, y in pairs:
+                worst = min(worst, self._ge(x, y, budget))
+                if not worst:
+                    return 0
+            return worst
+        if isinstance(a, sympy.Max) or isinstance(b, sympy.Min):
+            # Max(A) >= b if some a_i >= b; a >= Min(B) if a >= some b_i.
+            pairs = (
+                ((x, b) for x in a.args) if isinstance(a, sympy.Max) else ((a, x) for x in b.args)
+            )
+            best = 0
+            for x, y in pairs:
+                best = max(best, self._ge(x, y, budget))
+                if best == 2:
+                    return 2
+            return best
+        budget[0] -= 1
+        if budget[0] < 0:
+            return 0
+        rel = self.compare(SymbolicExpr(a), SymbolicExpr(b))
+        return 2 if rel is Ordering.GT else (1 if rel.holds_ge else 0)
+
+    def lower_bound(self, expr: SymbolicExpr | int) -> int | None:
+        """A proven lower bound of ``expr`` (rounded up to an integer), None if unbounded."""
+        lb = self._engine.lower(self._canon(_to_sympy(expr)))
+        return None if lb == float("-inf") else math.ceil(lb)
+
+    def upper_bound(self, expr: SymbolicExpr | int) -> int | None:
+        """A proven upper bound of ``expr`` (rounded down to an integer), None if unbounded."""
+        ub = self._engine.upper(self._canon(_to_sympy(expr)))
+        return None if ub == float("inf") else math.floor(ub)
+
+    def bytes_of(self, value: Any) -> SymbolicExpr:
+        """Bytes of a Relax value from its type (a Var / Expr, a TensorType, a TupleType...).
+
+        Tensors: product of the shape times the element bytes (:func:`element_bits` / 8); tuples:
+        the sum of their fields; shapes, prim values, objects and functions: 0. A tensor of
+        unknown shape, rank or dtype gives an UNKNOWN expression (one per value).
+        """
+        from tvm import ir, relax
+
+        if isinstance(value, relax.Expr):
+            ty = _ty(value)
+            key = getattr(value, "name", None) or f"expr{value.__hash__()}"
+            if ty is None:
+                return SymbolicExpr(unknown_symbol(f"bytes_of_{key}"))
+            return self._bytes_of_type(ty, f"bytes_of_{key}")
+        if isinstance(value, ir.Type):
+            return self._bytes_of_type(
+                value, f"bytes_of_type_{zlib.crc32(str(value).encode()):08x}"
+            )
+        raise TypeError(f"bytes_of expects a relax.Expr or a type, got {type(value).__name__}")
+
+    def _bytes_of_type(self, ty: Any, key: str) -> SymbolicExpr:
+        from tvm import relax
+
+        if isinstance(ty, relax.TupleType):
+            total = sympy.Integer(0)
+            for i, field in enumerate(ty.fields):
+                total = total + self._bytes_of_type(field, f"{key}_{i}").expr
+            return SymbolicExpr(total)
+        if not isinstance(ty, relax.TensorType):
+            return SymbolicExpr.constant(0)
+        bits = element_bits(None if ty.dtype is None else str(ty.dtype))
+        values = _shape_values(ty)
+        if bits is None or values is None:
+            return SymbolicExpr(unknown_symbol(key))
+        numel = sympy.Integer(1)
+        for v in values:
+            numel = numel * SymbolicExpr.from_prim_expr(v).expr
+        # Sub-byte elements are packed, the total rounded up to whole bytes.
+        size = numel * (bits // 8) if bits % 8 == 0 else sympy.ceiling(numel * bits / 8)
+        return SymbolicExpr(self._canon(size))
+
+    def evaluate(self, expr: SymbolicExpr | int | Any, bindings: Mapping[str, int]) -> int:
+        """Evaluate ``expr`` at concrete dims, checked against the declared ranges.
+
+        Raises
+        ------
+        ValueError
+            If a needed dim is missing, a binding is outside its dim's range, two equal dims
+            get different values, or the expression is UNKNOWN.
+        """
+        env = self._resolve_bindings(bindings)
+        e = self._canon(_to_sympy(expr))
+        try:
+            return evaluate_sympy(e, env)
+        except ValueError as err:
+            missing = [
+                s.name for s in e.free_symbols if not is_unknown_symbol(s) and s.name not in env
+            ]
+            if missing:
+                details = ", ".join(
+                    f"{n!r} (range {format_range(*self._range_of_symbol(self._symbol_for(n)))})"
+                    for n in sorted(missing)
+                )
+                raise ValueError(
+                    f"cannot evaluate {SymbolicExpr(e)}: no value for dim {details}"
+                ) from None
+            raise ValueError(f"cannot evaluate {SymbolicExpr(e)}: {err}") from None
+
+    def _symbol_for(self, name: str) -> sympy.Symbol:
+        return self._symbol_of.get(name) or dim_symbol(name)
+
+    def _resolve_bindings(self, bindings: Mapping[str, int]) -> dict[str, int]:
+        """Map given dim values to values of the free roots (checked); extra names pass through."""
+        key = tuple(sorted((str(k), int(v)) for k, v in bindings.items()))
+        cached = self._bind_cache.get(key)
+        if cached is not None:
+            return cached
+        self._rebuild()
+        env: dict[str, int] = {}
+        given_defined: list[tuple[str, int]] = []
+        for name, value in key:
+            if name not in self._parent:
+                env[name] = value
+                continue
+            lo, hi = self._declared[name]
+            if (lo is not None and value < lo) or (hi is not None and value > hi):
+                raise ValueError(
+                    f"dim {name!r} = {value} is outside its range {format_range(lo, hi)}"
+                )
+            root = self._find(name)
+            if root in self._definition:
+                given_defined.append((name, value))
+                continue
+            clo, chi = self._class_range[root]
+            if (clo is not None and value < clo) or (chi is not None and value > chi):
+                raise ValueError(
+                    f"dim {name!r} = {value} is outside the range {format_range(clo, chi)} of "
+                    f"its class {sorted(self._members(root))}"
+                )
+            if root in env and env[root] != value:
+                raise ValueError(
+                    f"dims {sorted(self._members(root))} are equal but got different values "
+                    f"({root!r} = {env[root]}, {name!r} = {value})"
+                )
+            env[root] = value
+        for name, value in given_defined:
+            expr = self._canon(self._symbol_of[name])
+            try:
+                expected = evaluate_sympy(expr, env)
+            except (ValueError, ZeroDivisionError):
+                continue
+            if expected != value:
+                raise ValueError(
+                    f"dim {name!r} = {value} contradicts {name} = {SymbolicExpr(expr)} = {expected}"
+                )
+        self._bind_cache[key] = env
+        return env
+
+    def _all_values(self, env: Mapping[str, int]) -> dict[str, int]:
+        """Values of every dim computable from root values ``env``."""
+        out: dict[str, int] = {}
+        for name in self._order:
+            try:
+                out[name] = evaluate_sympy(self._canon(self._symbol_of[name]), env)
+            except (ValueError, ZeroDivisionError):
+                continue
+        return out
+
+    def representative_points(self) -> list[dict[str, int]]:
+        """Documented sample points of the dims' ranges (for reports and tests, never proofs).
+
+        With ``lo``/``hi`` the class range of each free dim (``hi`` = max(lo,
+        :data:`UNBOUNDED_STAND_IN`) when unbounded) and ``mid`` = round(sqrt(max(lo, 1) * hi))
+        (the geometric midpoint, clamped into the range), the points are, in order, without
+        duplicates: every dim at ``lo``; every dim at ``mid``; every dim at ``hi``; and, with
+        several free dims, each dim at ``hi`` with the others at ``lo``. Every dim of the graph
+        gets a value: equal dims the same one, dims defined by an expression its value.
+        """
+        self._rebuild()
+        roots = self._roots()
+        lo_hi: dict[str, tuple[int, int, int]] = {}
+        for r in roots:
+            lo, hi = self._class_range[r]
+            lo = DEFAULT_LOWER if lo is None else lo
+            hi = max(lo, UNBOUNDED_STAND_IN) if hi is None else hi
+            mid = min(hi, max(lo, round(math.sqrt(max(lo, 1) * hi))))
+            lo_hi[r] = (lo, mid, hi)
+        choices = [
+            {r: v[0] for r, v in lo_hi.items()},
+            {r: v[1] for r, v in lo_hi.items()},
+            {r: v[2] for r, v in lo_hi.items()},
+        ]
+        if len(roots) > 1:
+            for r in roots:
+                point = {q: v[0] for q, v in lo_hi.items()}
+                point[r] = lo_hi[r][2]
+                choices.append(point)
+        points: list[dict[str, int]] = []
+        seen: set[tuple] = set()
+        for env in choices:
+            key = tuple(sorted(env.items()))
+            if key in seen:
+                continue
+            seen.add(key)
+            points.append(self._all_values(env))
+        return points
+
+    def bind_arguments(self, shapes: Sequence[Sequence[int] | None]) -> dict[str, int]:
+        """Concrete dims from the concrete shapes of the function's parameters.
+
+        Parameters
+        ----------
+        shapes : sequence
+            One entry per parameter: the tensor's (or ``R.Shape`` value's) shape as ints, None to
+            skip the parameter, or for a tuple parameter a sequence of such entries.
+
+        Returns
+        -------
+        dict
+            The value of every dim computable from the shapes (equal dims included).
+
+        Raises
+        ------
+        ValueError
+            On a rank or constant-dim mismatch, an out-of-range dim, or contradictory values;
+            the message names the parameter, the dim and its range.
+        """
+        if not self._from_function:
+            raise ValueError("bind_arguments needs a graph built with ShapeGraph.from_function")
+        if len(shapes) != len(self._params):
+            raise ValueError(
+                f"expected {len(self._params)} parameter shapes "
+                f"({[p.name for p in self._params]}), got {len(shapes)}"
+            )
+        pairs: list[tuple[str, Any, int]] = []
+        for param, shape in zip(self._params, shapes):
+            if shape is not None:
+                _match_shape(param.name, _ty(param), shape, pairs)
+        from tvm import tirx
+
+        given: dict[str, int] = {}
+        checks: list[tuple[str, Any, int]] = []
+        for where, dim, value in pairs:
+            if isinstance(dim, tirx.Var):
+                name = dim.name
+                if name in given and given[name] != value:
+                    raise ValueError(
+                        f"{where}: dim {name!r} = {value} but it is {given[name]} elsewhere"
+                    )
+                given[name] = value
+            else:
+                checks.append((where, dim, value))
+        env = self._resolve_bindings(given)
+        for where, dim, value in checks:
+            expr = self._canon(SymbolicExpr.from_prim_expr(dim).expr)
+            try:
+                expected = evaluate_sympy(expr, env)
+            except (ValueError, ZeroDivisionError):
+                continue  # not determined by the parameters alone
+            if expected != value:
+                raise ValueError(
+                    f"{where}: expected {SymbolicExpr(expr)} = {expected}, got {value}"
+                )
+        return self._all_values(env)
+
+    def __repr__(self) -> str:
+        parts = []
+        for name, d in self.dims.items():
+            rep = self.representative(name)
+            eq = "" if str(rep) == name else f" = {rep}"
+            parts.append(f"{name}{eq} in {d.range_str}")
+        return f"ShapeGraph({', '.join(parts)})"
+
+
+# ====================================================================== helpers
+
+
+def _ty(node: Any) -> Any:
+    try:
+        return node.ty
+    except Exception:  # a non-normalized expression has no type yet
+        return None
+
+
+def _shape_values(ty: Any, nested: bool = False) -> list[Any] | None:
+    """PrimExpr dims of a tensor / shape type (None if unknown); with ``nested``, all dims
+    found inside tuples too (for collection)."""
+    from tvm import relax
+
+    if ty is None:
+        return [] if nested else None
+    if isinstance(ty, relax.TupleType):
+        if not nested:
+            return None
+        out: list[Any] = []
+        for f in ty.fields:
+            out.extend(_shape_values(f, nested=True) or [])
+        return out
+    if isinstance(ty, relax.TensorType):
+        shape = ty.shape
+        if shape is None:
+            return [] if nested else None
+        if isinstance(shape, relax.ShapeExpr):
+            return list(shape.values)
+        shape_ty = _ty(shape)
+        if isinstance(shape_ty, relax.ShapeType) and shape_ty.values is not None:
+            return list(shape_ty.values)
+        return [] if nested else None
+    if isinstance(ty, relax.ShapeType):
+        if ty.values is None:
+            return [] if nested else None
+        return list(ty.values)
+    return [] if nested else None
+
+
+def _iter_bindings(expr: Any, in_branch: bool) -> Iterable[tuple[Any, bool]]:
+    """Bindings in program order, each with whether it sits inside an If branch."""
+    from tvm import relax
+
+    if isinstance(expr, relax.SeqExpr):
+        for block in expr.blocks:
+            for b in block.bindings:
+                yield b, in_branch
+                if isinstance(b.value, (relax.If, relax.SeqExpr)):
+                    yield from _iter_bindings(b.value, in_branch)
+    elif isinstance(expr, relax.If):
+        yield from _iter_bindings(expr.true_branch, True)
+        yield from _iter_bindings(expr.false_branch, True)
+
+
+def _read_bound_attrs(func: Any) -> tuple[dict[str, int], dict[str, int], set[str]]:
+    attrs = func.attrs
+    lower: dict[str, int] = {}
+    upper: dict[str, int] = {}
+    nonneg: set[str] = set()
+    if attrs is None:
+        return lower, upper, nonneg
+    if "tir_var_lower_bound" in attrs:
+        lower = {str(k): int(v) for k, v in attrs["tir_var_lower_bound"].items()}
+    if "tir_var_upper_bound" in attrs:
+        upper = {str(k): int(v) for k, v in attrs["tir_var_upper_bound"].items()}
+    if "tir_non_negative_var" in attrs:
+        nonneg = {str(getattr(v, "name", v)) for v in attrs["tir_non_negative_var"]}
+    return lower, upper, nonneg
+
+
+def _match_shape(where: str, ty: Any, shape: Any, pairs: list[tuple[str, Any, int]]) -> None:
+    from tvm import relax
+
+    if isinstance(ty, relax.TupleType):
+        if len(shape) != len(ty.fields):
+            raise ValueError(f"{where}: expected a tuple of {len(ty.fields)} shapes, got {shape}")
+        for i, (f, s) in enumerate(zip(ty.fields, shape)):
+            if s is not None:
+                _match_shape(f"{where}[{i}]", f, s, pairs)
+        return
+    values = _shape_values(ty)
+    if values is None:
+        ndim = getattr(ty, "ndim", -1)
+        if ndim is not None and ndim >= 0 and len(shape) != ndim:
+            raise ValueError(f"{where}: expected rank {ndim}, got shape {tuple(shape)}")
+        return
+    if len(values) != len(shape):
+        raise ValueError(
+            f"{where}: expected rank {len(values)} ({[str(v) for v in values]}), "
+            f"got shape {tuple(shape)}"
+        )
+    for i, (dim, value) in enumerate(zip(values, shape)):
+        pairs.append((f"{where} dim {i}", dim, int(value)))
