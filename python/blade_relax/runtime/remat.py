@@ -1,3 +1,491 @@
-"""Placeholder; being written."""
+"""Rematerialization at run time: the ``evict`` / ``regenerate`` builtins and their decision.
 
-__all__: list[str] = []
+How a compiled function talks to this module
+--------------------------------------------
+``blade_relax.transform.Rematerialize`` rewrites a function so that the VM calls, through
+``R.call_builtin_with_ctx`` (the first Python argument is the VM context):
+
+``frame = blade_relax.remat_begin(key, metadata, dims, release)``
+    Once per call, first thing. ``key`` names the metadata, ``metadata`` is a ``uint8`` tensor
+    constant holding its JSON (read once per key), ``dims`` the concrete values of the
+    function's symbolic dims, ``release`` a no-op closure (see below). The decision is made here: the timeline is evaluated at ``dims``
+    (once per shape), the evictions are chosen for the memory budget of this thread (once per
+    shape and budget), and a frame object carries them through the call.
+``blade_relax.evict(frame, slot, tensor)``
+    After the last use of ``tensor`` before a peak. A kept tensor goes into the frame's stash;
+    an evicted one is dropped, and the VM frees it when it kills its register right after.
+``tensor = blade_relax.regenerate(frame, slot, closure_0, ..., closure_m, arg_0, ...)``
+    Before the next use (a plain ``R.call_packed``: the VM context comes from the frame). Returns the stashed tensor, or recomputes it by invoking the
+    compiled regeneration closures (Relax functions of the module: TVM kernels, no Python
+    numerics) on the arguments, which the VM holds alive anyway at that point. Chained
+    regenerations (a closure that reads another evicted tensor) materialize that tensor too
+    and keep it in the stash for its own ``regenerate`` call.
+
+The VM keeps the value a function returns until the next function returns: a regenerated
+tensor would stay alive, unseen by the timeline, until then. After regenerating, the runtime
+invokes ``release``, which returns an empty tuple, so that nothing but the function's
+registers and the stash holds a regenerated tensor.
+
+The metadata is the function's symbolic timeline: every storage the function allocates with
+its symbolic size and live interval over the timeline's points, and per evictable tensor its
+symbolic bytes, symbolic recompute cost, the peak bytes of its regeneration, its window and its
+regeneration plan (see :mod:`blade_relax.runtime._remat_policy` for the model). Symbolic sizes
+are Python integer expressions over the dims, compiled once per key.
+
+The budget
+----------
+``set_memory_budget(nbytes)`` (per thread) bounds the bytes live in this thread during the
+call, as :func:`blade_relax.runtime.memory_stats` counts them: the decision plans for the
+budget minus the bytes already live when the call starts. With no budget nothing is evicted
+and ``remat_begin`` neither evaluates nor decides anything. When no eviction set fits, the call
+runs with the smallest peak the decision can reach and one :class:`RematBudgetWarning` names
+the budget and that peak (once per shape and budget).
+
+With a budget set, ``remat_begin`` first invokes ``release``: the value the VM returned from its
+previous call would otherwise stay alive (and counted) until this call returns.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import threading
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tvm
+
+from . import budget as _budget
+from ._remat_policy import ConcreteTimeline, Decision, SlotTimeline, decide, minimum_peak
+from .accounting import current_live_bytes, record_eviction, record_regeneration
+
+__all__ = [
+    "REMAT_FORMAT",
+    "RematBudgetWarning",
+    "RematProgram",
+    "last_remat_decision",
+    "remat_programs",
+]
+
+REMAT_FORMAT = "blade_relax.remat/1"
+
+# Decisions kept per program before the cache is emptied (shapes x budgets).
+_DECISION_CACHE_LIMIT = 1024
+
+
+class RematBudgetWarning(UserWarning):
+    """The memory budget cannot be met by any eviction set; the call ran with a higher peak."""
+
+
+# --------------------------------------------------------------------------- expressions
+_ALLOWED_NODES = (
+    ast.Expression,
+    ast.Tuple,
+    ast.BinOp,
+    ast.UnaryOp,
+    ast.BoolOp,
+    ast.Compare,
+    ast.IfExp,
+    ast.Call,
+    ast.Name,
+    ast.Load,
+    ast.Constant,
+    ast.Add,
+    ast.Sub,
+    ast.Mult,
+    ast.FloorDiv,
+    ast.Mod,
+    ast.USub,
+    ast.Not,
+    ast.And,
+    ast.Or,
+    ast.Lt,
+    ast.LtE,
+    ast.Gt,
+    ast.GtE,
+    ast.Eq,
+    ast.NotEq,
+)
+_FUNCTIONS = {"max": max, "min": min}
+
+
+def _tdiv(a: int, b: int) -> int:
+    """Integer division truncating toward zero (TIR ``Div`` on integers)."""
+    q = abs(a) // abs(b)
+    return q if (a >= 0) == (b >= 0) else -q
+
+
+def _tmod(a: int, b: int) -> int:
+    """Remainder of :func:`_tdiv` (TIR ``Mod`` on integers)."""
+    return a - b * _tdiv(a, b)
+
+
+_FUNCTIONS.update({"tdiv": _tdiv, "tmod": _tmod})
+
+
+def compile_expressions(dims: Sequence[str], exprs: Sequence[str]) -> Callable[..., tuple]:
+    """Compile integer expressions over ``dims`` into one function returning all their values.
+
+    Only arithmetic, comparisons, conditionals, ``max``/``min``/``tdiv``/``tmod`` and the dim
+    names are accepted: the expressions come from an executable, and nothing else may run.
+
+    Parameters
+    ----------
+    dims
+        Argument names, in the order the function takes them.
+    exprs
+        Python expressions, e.g. ``"32 * n"``.
+
+    Returns
+    -------
+    Callable
+        ``f(*dim_values) -> tuple[int, ...]``.
+    """
+    names = set(dims) | set(_FUNCTIONS)
+    body = "(" + "".join(f"({e})," for e in exprs) + ")"
+    tree = ast.parse(body, mode="eval")
+    for node in ast.walk(tree):
+        if not isinstance(node, _ALLOWED_NODES):
+            raise ValueError(f"remat metadata: unsupported expression node {type(node).__name__}")
+        if isinstance(node, ast.Name) and node.id not in names:
+            raise ValueError(f"remat metadata: unknown name {node.id!r} in an expression")
+        if isinstance(node, ast.Constant) and not isinstance(node.value, int):
+            raise ValueError(f"remat metadata: non-integer constant {node.value!r}")
+        if isinstance(node, ast.Call) and (
+            not isinstance(node.func, ast.Name) or node.func.id not in _FUNCTIONS
+        ):
+            raise ValueError("remat metadata: only max/min/tdiv/tmod may be called")
+    code = compile(tree, "<remat metadata>", "eval")
+    scope: dict[str, Any] = dict(_FUNCTIONS)
+    scope["__builtins__"] = {}
+
+    def evaluate(*values: int) -> tuple:
+        env = dict(scope)
+        env.update(zip(dims, (int(v) for v in values)))
+        return eval(code, env)  # noqa: S307 (checked above: integer arithmetic on dims only)
+
+    return evaluate
+
+
+# --------------------------------------------------------------------------- programs
+@dataclass(frozen=True)
+class _Node:
+    """One materialization at a ``regenerate`` site: slot, and where each closure input is."""
+
+    slot: int
+    refs: tuple[tuple[str, int], ...]  # ("a", call argument index) | ("s", slot)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    name: str
+    nbytes: int  # expression indices
+    cost: int
+    regen_peak: int
+    start: int
+    site: int
+    plan: tuple[_Node, ...]
+
+
+class RematProgram:
+    """The rematerialization metadata of one compiled function, parsed and compiled.
+
+    Parameters
+    ----------
+    meta
+        The decoded JSON metadata (see the module docstring of
+        :mod:`blade_relax.transform.rematerialize` for the format).
+    """
+
+    def __init__(self, meta: Mapping[str, Any]) -> None:
+        if meta.get("format") != REMAT_FORMAT:
+            raise ValueError(
+                f"remat metadata of format {meta.get('format')!r}; this runtime reads "
+                f"{REMAT_FORMAT!r} (recompile the module with this version of blade_relax)"
+            )
+        self.function: str = str(meta["function"])
+        self.dims: tuple[str, ...] = tuple(meta["dims"])
+        self.exact: bool = bool(meta.get("exact", False))
+        self.npoints: int = int(meta["points"])
+        exprs = list(meta["exprs"])
+        self._evaluate = compile_expressions(self.dims, exprs)
+        self._storages = np.array(
+            [[int(s), int(a), int(b)] for s, a, b in meta["storages"]], dtype=np.int64
+        ).reshape(-1, 3)
+        self.slots: tuple[_Slot, ...] = tuple(
+            _Slot(
+                name=str(s["name"]),
+                nbytes=int(s["bytes"]),
+                cost=int(s["cost"]),
+                regen_peak=int(s["regen_peak"]),
+                start=int(s["start"]),
+                site=int(s["site"]),
+                plan=tuple(
+                    _Node(int(slot), tuple((str(kind), int(i)) for kind, i in refs))
+                    for slot, refs in s["plan"]
+                ),
+            )
+            for s in meta["slots"]
+        )
+        self._timelines: dict[tuple[int, ...], ConcreteTimeline] = {}
+        self._decisions: dict[tuple[tuple[int, ...], int], Decision] = {}
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> RematProgram:
+        """Parse the JSON metadata."""
+        return cls(json.loads(text))
+
+    def timeline(self, dims: Sequence[int]) -> ConcreteTimeline:
+        """The timeline evaluated at concrete dims (cached per shape).
+
+        Parameters
+        ----------
+        dims
+            One value per name in :attr:`dims`, in that order.
+        """
+        key = tuple(int(d) for d in dims)
+        tl = self._timelines.get(key)
+        if tl is not None:
+            return tl
+        if len(key) != len(self.dims):
+            raise ValueError(f"{self.function}: expected dims {self.dims}, got {key}")
+        values = np.array(self._evaluate(*key), dtype=np.int64)
+        delta = np.zeros(self.npoints + 1, dtype=np.int64)
+        if len(self._storages):
+            sizes = values[self._storages[:, 0]]
+            np.add.at(delta, self._storages[:, 1], sizes)
+            np.subtract.at(delta, self._storages[:, 2], sizes)
+        base = np.cumsum(delta[:-1])
+        slots = tuple(
+            SlotTimeline(
+                name=s.name,
+                nbytes=int(values[s.nbytes]),
+                cost=float(values[s.cost]),
+                start=s.start,
+                site=s.site,
+                regen_peak=int(values[s.regen_peak]),
+                plan=tuple(
+                    (node.slot, tuple(i for kind, i in node.refs if kind == "s")) for node in s.plan
+                ),
+            )
+            for s in self.slots
+        )
+        tl = ConcreteTimeline(base=base, slots=slots)
+        if len(self._timelines) >= _DECISION_CACHE_LIMIT:
+            self._timelines.clear()
+        self._timelines[key] = tl
+        return tl
+
+    def decision(self, dims: Sequence[int], budget: int | None) -> Decision:
+        """The eviction decision at ``dims`` for ``budget`` bytes of in-call memory (cached)."""
+        key = (tuple(int(d) for d in dims), -1 if budget is None else int(budget))
+        found = self._decisions.get(key)
+        if found is not None:
+            return found
+        result = decide(self.timeline(key[0]), budget)
+        if len(self._decisions) >= _DECISION_CACHE_LIMIT:
+            self._decisions.clear()
+        self._decisions[key] = result
+        return result
+
+    def minimum_peak(self, dims: Sequence[int]) -> Decision:
+        """The smallest in-call peak the evictions can reach at ``dims``, and at what cost."""
+        return minimum_peak(self.timeline(dims))
+
+    def dims_of(self, values: Sequence[int]) -> dict[str, int]:
+        """Name the values of a dims tuple."""
+        return dict(zip(self.dims, (int(v) for v in values)))
+
+
+# --------------------------------------------------------------------------- builtins
+_programs: dict[str, RematProgram] = {}
+_programs_lock = threading.Lock()
+_local = threading.local()
+_NO_EVICTION: frozenset[int] = frozenset()
+_invoke_closure = tvm.get_global_func("vm.builtin.invoke_closure")
+
+
+class _Frame:
+    """The state of one call of a rematerialized function (held in a VM register)."""
+
+    __slots__ = ("ctx", "program", "evicted", "cache", "release", "stash")
+
+    def __init__(
+        self, ctx: Any, program: RematProgram, evicted: frozenset[int], cache: bool, release: Any
+    ) -> None:
+        self.ctx = ctx
+        self.program = program
+        self.evicted = evicted
+        self.cache = cache
+        self.release = release
+        self.stash: dict[int, Any] = {}
+
+
+def _load_program(key: str, metadata: Any) -> RematProgram:
+    raw = metadata.numpy().tobytes() if hasattr(metadata, "numpy") else str(metadata).encode()
+    program = RematProgram.from_json(raw)
+    with _programs_lock:
+        _programs.setdefault(key, program)
+        return _programs[key]
+
+
+def _tensor_nbytes(tensor: Any) -> int:
+    dtype = tensor.dtype
+    count = 1
+    for d in tensor.shape:
+        count *= int(d)
+    return (count * dtype.bits * dtype.lanes + 7) // 8
+
+
+def _remat_begin(ctx: Any, key: Any, metadata: Any, dims: Any, release: Any) -> _Frame:
+    program = _programs.get(key)
+    if program is None:
+        program = _load_program(str(key), metadata)
+    get_budget = getattr(_budget, "get_memory_budget", None)
+    budget = get_budget() if get_budget is not None else None
+    if budget is None:
+        return _Frame(ctx, program, _NO_EVICTION, True, release)
+    values = tuple(dims)
+    if release is not None:
+        # The VM still holds what its last call returned (until this call returns): drop it
+        # now, so that it is not counted against the budget when nobody else holds it.
+        _invoke_closure(ctx, release)
+    live = current_live_bytes()
+    available = int(budget) - live
+    start = time.perf_counter()
+    decision = program._decisions.get((values, available))
+    cached = decision is not None
+    if decision is None:
+        decision = program.decision(values, available)
+    elapsed = time.perf_counter() - start
+    if not decision.reachable and not cached:
+        warnings.warn(
+            RematBudgetWarning(
+                f"blade_relax remat: `{program.function}` at {program.dims_of(values)} cannot "
+                f"stay within the memory budget of {int(budget)} bytes ({live} bytes were "
+                f"already live at the call): the smallest reachable peak is "
+                f"{decision.peak + live} bytes; running with that peak"
+            ),
+            stacklevel=2,
+        )
+    # The report is built only when asked for (last_remat_decision): this path runs per call.
+    _local.last = (program, values, int(budget), live, decision, elapsed, cached)
+    return _Frame(ctx, program, decision.evicted, decision.cache, release)
+
+
+def _remat_evict(_ctx: Any, frame: _Frame, slot: int, tensor: Any) -> None:
+    if slot in frame.evicted:
+        record_eviction(_tensor_nbytes(tensor))
+    else:
+        frame.stash[slot] = tensor
+
+
+def _remat_regenerate(frame: _Frame, slot: int, *args: Any) -> Any:
+    stash = frame.stash
+    kept = stash.pop(slot, None)
+    if kept is not None:
+        return kept
+    ctx = frame.ctx
+    plan = frame.program.slots[slot].plan
+    closures = args[: len(plan)]
+    inputs = args[len(plan) :]
+    # Which entries of the plan this call must run: the slot itself, and every chained input
+    # that is neither kept in the stash nor materialized already.
+    needed = {slot}
+    for node in reversed(plan):
+        if node.slot in needed:
+            for kind, index in node.refs:
+                if kind == "s" and index not in stash:
+                    needed.add(index)
+    # In the temp regime a chained input lives only until its last reader in this call.
+    last_reader: dict[int, int] = {}
+    if not frame.cache:
+        for i, node in enumerate(plan):
+            if node.slot in needed:
+                for kind, index in node.refs:
+                    if kind == "s" and index in needed:
+                        last_reader[index] = i
+    temps: dict[int, Any] = {}
+    result = None
+    for i, (closure, node) in enumerate(zip(closures, plan)):
+        if node.slot not in needed:
+            continue
+        try:
+            values = [
+                inputs[j] if kind == "a" else (temps[j] if j in temps else stash[j])
+                for kind, j in node.refs
+            ]
+        except KeyError as err:  # a chained input neither kept nor materialized: a plan bug
+            raise RuntimeError(
+                f"blade_relax remat: regenerating {frame.program.slots[slot].name} in "
+                f"`{frame.program.function}` needs slot {err.args[0]}, which is not available"
+            ) from None
+        out = _invoke_closure(ctx, closure, *values)
+        del values
+        record_regeneration(_tensor_nbytes(out))
+        if node.slot == slot:
+            result = out
+        elif frame.cache:
+            stash[node.slot] = out
+        else:
+            temps[node.slot] = out
+        for t in [t for t, reader in last_reader.items() if reader == i]:
+            temps.pop(t, None)
+    del out
+    _invoke_closure(ctx, frame.release)  # the VM drops the last value a closure returned
+    return result
+
+
+tvm.register_global_func("blade_relax.remat_begin", _remat_begin, override=True)
+tvm.register_global_func("blade_relax.evict", _remat_evict, override=True)
+tvm.register_global_func("blade_relax.regenerate", _remat_regenerate, override=True)
+
+
+# --------------------------------------------------------------------------- reports
+def last_remat_decision() -> dict[str, Any] | None:
+    """The last decision ``remat_begin`` made in this thread with a budget set.
+
+    Returns
+    -------
+    dict or None
+        ``function``, ``dims``, ``budget``, ``live_at_entry``, ``predicted_peak`` and
+        ``no_remat_peak`` (bytes, the bytes live at entry included), ``reachable``,
+        ``evicted`` (names), ``evictable`` (how many slots the function has), ``cache`` (the
+        regime of chained inputs), ``recompute_cost``, ``decision_seconds`` (time to fetch or
+        make the decision) and ``cached``. ``None`` before any call with a budget.
+    """
+    last = getattr(_local, "last", None)
+    if last is None:
+        return None
+    program, values, budget, live, decision, elapsed, cached = last
+    return {
+        "function": program.function,
+        "dims": program.dims_of(values),
+        "budget": budget,
+        "live_at_entry": live,
+        "predicted_peak": decision.peak + live,
+        "no_remat_peak": decision.base_peak + live,
+        "reachable": decision.reachable,
+        "evicted": sorted(program.slots[k].name for k in decision.evicted),
+        "evictable": len(program.slots),
+        "cache": decision.cache,
+        "recompute_cost": decision.cost,
+        "decision_seconds": elapsed,
+        "cached": cached,
+    }
+
+
+def remat_programs() -> dict[str, RematProgram]:
+    """The programs of every rematerialized function called so far, by metadata key."""
+    with _programs_lock:
+        return dict(_programs)
+
+
+def metadata_key(function: str, text: str) -> str:
+    """The key under which a function's metadata is cached: its name and a digest of the JSON."""
+    return f"{function}:{hashlib.sha1(text.encode()).hexdigest()[:16]}"

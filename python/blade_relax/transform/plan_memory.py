@@ -1,13 +1,700 @@
-"""Placeholder; being written."""
+"""PlanMemory: in-place reuse and buffer sharing proven on symbolic sizes.
 
-from dataclasses import dataclass
+Where it runs
+-------------
+In the finalize phase, in place of TVM's ``StaticPlanBlockMemory``: after ``CallTIRRewrite``
+(kernels are called in destination-passing style on ``R.builtin.alloc_tensor`` results) and
+``Rematerialize``, before ``LowerAllocTensor`` and ``KillAfterLastUse``. Its output has the form
+``StaticPlanBlockMemory`` produces: ``R.memory.alloc_storage`` inserted before the first tensor
+placed in a storage, each planned ``R.builtin.alloc_tensor`` replaced by
+``R.memory.alloc_tensor(storage, 0, shape, dtype, device)``, no kills (``KillAfterLastUse``
+adds them) and every allocation it does not plan left as ``R.builtin.alloc_tensor`` (for
+``LowerAllocTensor``: its own storage, freed after its last use).
+
+What it assumes
+---------------
+Functions are normalized, ``ToNonDataflow`` has run, and kernels are PrimFuncs of the module
+whose bodies can be read (their access pattern decides in-place reuse). Dims are described by
+``blade_relax.symbolic.ShapeGraph.from_function`` (ranges from ``tir_var_upper_bound`` /
+``tir_var_lower_bound``; unbounded otherwise).
+
+How it plans
+------------
+1. **Candidates** (``_plan_collect``): an allocation may be planned when every reader is visible
+   in its binding block: kernel calls, views (``reshape``), re-bindings, tuples. Refused, like in
+   ``StaticPlanBlockMemory``: function outputs, allocations used in another block or inside an
+   ``If``; and, unlike it, allocations passed to packed functions (they may keep or hand out an
+   alias, e.g. runtime eviction, so the storage must be the tensor's own) or named in the
+   function attribute ``"blade_relax.no_plan"`` (a list of variable names; ``Rematerialize``
+   lists evictable tensors there). Sizes are canonical ``SymbolicExpr`` byte counts.
+2. **In-place** (``_plan_tir``): when a kernel's input dies at that call and the kernel provably
+   reads each input element before writing the output element at the same place (or reads all
+   of the input before touching the output), and the input's storage is provably no smaller
+   (``ShapeGraph.compare``), the output is placed in the input's storage. Equal sizes are taken
+   first, unconditionally: they only remove bytes.
+3. **Sharing**: tensors (in-place chains) are visited in program order. A storage whose last
+   tensor is dead may take a new tensor when its size is proven ``>=`` (best fit), or, when the
+   new tensor's dims are available where the storage is allocated, by growing to the ``Max`` of
+   the two (evaluated at run time from the concrete dims). A decision is accepted only if it is
+   proven not to raise the peak of the unshared program at any allocation point (``_plan_peak``):
+   sharing keeps a storage allocated between its tensors and by the difference of sizes, which
+   the runtime counts. So the peak never exceeds the unplanned program's, nor therefore that of
+   ``StaticPlanBlockMemory`` with or without ``tir_var_upper_bound``.
+4. **Rewrite** into the stock form (see above).
+
+Dynamic sizes are never planned at ``tir_var_upper_bound``: a storage is sized by the symbolic
+expression of its tensors, so a short sequence does not pay for the longest.
+
+A function where nothing can be planned from its symbolic sizes (its shape graph cannot be
+built, or no allocation has a symbolic size) and that passes no candidate to an opaque call is
+left to ``StaticPlanBlockMemory``, as stock TVM would plan it (with ``tir_var_upper_bound``
+ignored unless ``PlanOptions.plan_at_upper_bound``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import tvm
+from tvm import relax, tirx
+
+from ..symbolic import ShapeGraph, SymbolicExpr
+from ._plan_collect import Allocation, FunctionFacts, collect_facts
+from ._plan_peak import Interval, LiveModel, Region
+from ._plan_tir import inplace_verdict
+
+__all__ = [
+    "FunctionPlan",
+    "PlanMemory",
+    "PlanOptions",
+    "StoragePlan",
+    "plan_function",
+]
+
+#: Function attribute: names of variables whose allocation must keep its own storage.
+NO_PLAN_ATTR = "blade_relax.no_plan"
+_BOUND_ATTRS = ("tir_var_upper_bound", "tir_var_lower_bound")
+_DYNAMIC_OUTPUT_ATTR = "relax.memory_plan_dynamic_func_output"
 
 
 @dataclass(frozen=True)
 class PlanOptions:
-    pass
+    """Options of :class:`PlanMemory`.
+
+    Attributes
+    ----------
+    inplace
+        Place kernel outputs in the storage of an input that dies at the call.
+    share
+        Reuse the storage of dead tensors for later ones.
+    grow
+        Allow a storage to grow to the ``Max`` of its tensors' sizes (otherwise a storage is
+        reused only by tensors proven no larger).
+    peak_safe
+        Accept a sharing decision only when proven not to raise the unshared program's peak.
+        Turning it off gives greedy best-fit sharing (fewer allocations, possibly more bytes).
+    plan_at_upper_bound
+        Keep ``tir_var_upper_bound`` for functions handed to ``StaticPlanBlockMemory`` (stock
+        behaviour: storage sized for the longest sequence). PlanMemory's own plans never use it.
+    trusted_packed
+        Packed functions known to neither keep nor alias their tensor arguments
+        (destination-passing library kernels); their arguments stay plannable.
+    max_grid_points
+        Largest number of admissible dim values for proofs by exhaustive evaluation.
+    max_grid_cells
+        Largest ``points x allocation points`` table kept for exhaustive proofs.
+    max_proofs
+        Budget of symbolic comparisons per function when the exhaustive grid is too large.
+    release_tuples
+        Insert ``R.vm.kill_object`` after the last item access of a tuple that is only read
+        through ``tuple[i]``. ``KillAfterLastUse`` never kills such a tuple (its item accesses
+        are canonicalized away first), so the VM would hold its items until the function
+        returns.
+    """
+
+    inplace: bool = True
+    share: bool = True
+    grow: bool = True
+    peak_safe: bool = True
+    plan_at_upper_bound: bool = False
+    # The remat runtime's regenerate reads its tensor arguments only during the call.
+    trusted_packed: tuple[str, ...] = ("blade_relax.regenerate",)
+    max_grid_points: int = 4096
+    max_grid_cells: int = 1 << 23
+    max_proofs: int = 4000
+    release_tuples: bool = True
 
 
+@dataclass(frozen=True)
+class StoragePlan:
+    """One planned storage: the tensors placed in it (program order) and its byte size."""
+
+    tensors: tuple[str, ...]
+    size: SymbolicExpr
+
+
+@dataclass(frozen=True)
+class FunctionPlan:
+    """What :class:`PlanMemory` decided for one function (for reports and tests).
+
+    Attributes
+    ----------
+    function
+        The global symbol name of the function.
+    mode
+        ``"planned"`` (PlanMemory's plan), ``"stock"`` (handed to ``StaticPlanBlockMemory``)
+        or ``"unchanged"`` (nothing to plan).
+    storages
+        The planned storages.
+    inplace
+        ``(input, output)`` variable names of the in-place placements.
+    refusals
+        Allocations left alone, with the reason.
+    exhaustive
+        Whether the peak-safety proofs were by exhaustive evaluation over every admissible dim.
+    """
+
+    function: str
+    mode: str
+    storages: tuple[StoragePlan, ...] = ()
+    inplace: tuple[tuple[str, str], ...] = ()
+    refusals: dict[str, str] = field(default_factory=dict)
+    exhaustive: bool = False
+
+    @property
+    def allocations(self) -> int:
+        """Allocation sites per call: planned storages plus allocations left alone."""
+        return len(self.storages) + sum(1 for r in self.refusals.values() if r != _STORAGE)
+
+
+_STORAGE = "already planned storage"
+
+
+@tvm.transform.module_pass(opt_level=0, name="PlanMemory")
 class PlanMemory:
-    def __init__(self, options=None):
-        raise NotImplementedError("PlanMemory is being written")
+    """Plan the memory of every Relax function: in-place reuse and proven sharing.
+
+    Parameters
+    ----------
+    options
+        A :class:`PlanOptions` (``None``: defaults).
+
+    After the pass ran, ``pass_obj.plans`` maps each function name to its :class:`FunctionPlan`.
+    """
+
+    def __init__(self, options: PlanOptions | None = None) -> None:
+        if options is not None and not isinstance(options, PlanOptions):
+            raise TypeError(f"PlanMemory expects PlanOptions, got {type(options).__name__}")
+        self.options = options or PlanOptions()
+        self.plans: dict[str, FunctionPlan] = {}
+
+    def transform_module(
+        self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext
+    ) -> tvm.IRModule:
+        """Plan every Relax function of ``mod``; hand the unplannable ones to the stock pass."""
+        planned: dict[tvm.ir.GlobalVar, relax.Function] = {}
+        to_stock: list[tvm.ir.GlobalVar] = []
+        self.plans = {}
+        for gv, func in mod.functions_items():
+            if not isinstance(func, relax.Function):
+                continue
+            new_func, plan = plan_function(func, mod, self.options, name=gv.name_hint)
+            self.plans[gv.name_hint] = plan
+            if plan.mode == "stock":
+                to_stock.append(gv)
+            elif new_func is not None:
+                planned[gv] = new_func
+        if to_stock:
+            planned.update(_stock_plan(mod, to_stock, self.options.plan_at_upper_bound))
+        if not planned:
+            return mod
+        out = mod.clone()
+        for gv, func in planned.items():
+            out.update_func(gv, func)
+        return out
+
+
+# ====================================================================== planning
+
+
+@dataclass
+class _Group:
+    """Tensors sharing one storage by in-place chaining; the head is allocated first."""
+
+    members: list[Allocation]
+    size: SymbolicExpr
+    size_prim: object
+    ready: int
+    num_bindings: int
+
+    @property
+    def head(self) -> Allocation:
+        return self.members[0]
+
+    @property
+    def start(self) -> int:
+        return self.head.index
+
+    @property
+    def end(self) -> int:
+        """The last binding that reads the group's data."""
+        return max(m.end for m in self.members)
+
+    @property
+    def mem_end(self) -> int:
+        """The last binding during which the VM holds the group's memory."""
+        return max(m.mem_end(self.num_bindings) for m in self.members)
+
+
+@dataclass
+class _Storage:
+    groups: list[_Group]
+    size: SymbolicExpr
+    size_prim: object
+
+    @property
+    def first(self) -> int:
+        return self.groups[0].start
+
+    @property
+    def last(self) -> int:
+        """The last binding that reads data held in the storage."""
+        return max(g.end for g in self.groups)
+
+    @property
+    def mem_end(self) -> int:
+        """The last binding during which the storage is allocated."""
+        return max(g.mem_end for g in self.groups)
+
+    @property
+    def head(self) -> Allocation:
+        return self.groups[0].head
+
+
+def plan_function(
+    func: relax.Function,
+    mod: tvm.IRModule,
+    options: PlanOptions | None = None,
+    name: str = "main",
+) -> tuple[relax.Function | None, FunctionPlan]:
+    """Plan one function.
+
+    Parameters
+    ----------
+    func
+        A Relax function after ``CallTIRRewrite``.
+    mod
+        Its module (the kernels are looked up there).
+    options
+        Planning options.
+    name
+        The function's name, for the report.
+
+    Returns
+    -------
+    tuple
+        The rewritten function (``None`` when unchanged or handed to the stock pass) and the
+        :class:`FunctionPlan`.
+    """
+    options = options or PlanOptions()
+    if func.attrs is not None and _DYNAMIC_OUTPUT_ATTR in func.attrs:
+        return None, FunctionPlan(name, "stock")
+    no_plan = _no_plan_names(func)
+    facts = collect_facts(func, mod, options.trusted_packed, no_plan)
+    try:
+        graph = ShapeGraph.from_function(func)
+    except Exception:  # an IR the shape graph cannot read: leave it to the stock planner
+        return None, _stock_or_unchanged(name, facts)
+    sizes = _sizes(facts, graph)
+    refusals = {a.var.name: a.refusal for a in facts.allocations if a.refusal is not None}
+    candidates = [a for a in facts.allocations if a.plannable]
+    if not candidates:
+        return None, _stock_or_unchanged(name, facts)
+
+    released = facts.release_pins() if options.release_tuples else []
+    groups, inplace_pairs, group_of, ge_inplace = _inplace_equal(facts, sizes, graph, options)
+    storages = _share(facts, graph, sizes, groups, group_of, ge_inplace, options, inplace_pairs)
+    model_exhaustive = storages.exhaustive
+    new_func = _rewrite(func, facts, storages.storages, released)
+    plan = FunctionPlan(
+        function=name,
+        mode="planned",
+        storages=tuple(
+            StoragePlan(
+                tensors=tuple(m.var.name for g in s.groups for m in g.members), size=s.size
+            )
+            for s in storages.storages
+        ),
+        inplace=tuple((a, b) for a, b, _ in inplace_pairs),
+        refusals=refusals,
+        exhaustive=model_exhaustive,
+    )
+    return new_func, plan
+
+
+def _stock_or_unchanged(name: str, facts: FunctionFacts) -> FunctionPlan:
+    refusals = {a.var.name: a.refusal for a in facts.allocations if a.refusal is not None}
+    # The stock planner would share tensors that reach packed calls: keep those functions.
+    mode = "unchanged" if any(a.hazard for a in facts.allocations) else "stock"
+    return FunctionPlan(name, mode, refusals=refusals)
+
+
+def _no_plan_names(func: relax.Function) -> set[str]:
+    if func.attrs is None or NO_PLAN_ATTR not in func.attrs:
+        return set()
+    return {str(v) for v in func.attrs[NO_PLAN_ATTR]}
+
+
+def _sizes(facts: FunctionFacts, graph: ShapeGraph) -> dict[int, SymbolicExpr]:
+    """Canonical byte sizes; allocations with a non-symbolic size are refused."""
+    sizes: dict[int, SymbolicExpr] = {}
+    for alloc in facts.allocations:
+        if alloc.size_prim is None:
+            alloc.refuse("size not expressible")
+            continue
+        size = graph.canonical(SymbolicExpr.from_prim_expr(alloc.size_prim))
+        if size.is_unknown:
+            alloc.refuse("size not symbolic")
+        sizes[alloc.id] = size
+    return sizes
+
+
+def _inplace_equal(
+    facts: FunctionFacts,
+    sizes: dict[int, SymbolicExpr],
+    graph: ShapeGraph,
+    options: PlanOptions,
+) -> tuple[list[_Group], list[tuple[str, str, int]], dict[int, _Group], dict[int, list[int]]]:
+    """Build in-place chains of provably equal size; collect the ``>=`` ones for later."""
+    allocs = facts.allocations
+    group_of: dict[int, _Group] = {}
+    groups: list[_Group] = []
+    for alloc in allocs:
+        if alloc.plannable:
+            group = _Group(
+                members=[alloc],
+                size=sizes[alloc.id],
+                size_prim=alloc.size_prim,
+                ready=facts.shape_ready_at(alloc),
+                num_bindings=facts.num_bindings,
+            )
+            group_of[alloc.id] = group
+            groups.append(group)
+    pairs: list[tuple[str, str, int]] = []
+    ge_candidates: dict[int, list[int]] = {}
+    if not options.inplace:
+        return groups, pairs, group_of, ge_candidates
+    verdicts: dict[tuple, bool] = {}
+    for index in sorted(facts.kernels):
+        call = facts.kernels[index]
+        outs = [
+            pos
+            for pos, ids in enumerate(call.arg_allocs)
+            if len(ids) == 1
+            and allocs[next(iter(ids))].plannable
+            and allocs[next(iter(ids))].first_use == index
+        ]
+        dying: list[int] = []
+        for pos, ids in enumerate(call.arg_allocs):
+            if pos in outs:
+                continue
+            for alloc_id in ids:
+                alloc = allocs[alloc_id]
+                if alloc.plannable and alloc.last_use == index and alloc_id not in dying:
+                    dying.append(alloc_id)
+        taken: set[int] = set()
+        for out_pos in outs:
+            out = allocs[next(iter(call.arg_allocs[out_pos]))]
+            for in_id in dying:
+                if in_id in taken:
+                    continue
+                source = allocs[in_id]
+                in_group = group_of[in_id]
+                if in_group.members[-1].id != in_id or not _compatible(source, out):
+                    continue
+                positions = [p for p, ids in enumerate(call.arg_allocs) if in_id in ids]
+                if any(len(call.arg_allocs[p]) != 1 for p in positions):
+                    continue
+                relation = graph.compare(in_group.size, sizes[out.id])
+                if not relation.holds_ge:
+                    continue
+                key = (call.func, tuple(positions), out_pos)
+                if key not in verdicts:
+                    verdicts[key] = bool(inplace_verdict(call.func, positions, out_pos))
+                if not verdicts[key]:
+                    continue
+                if relation.name != "EQ":
+                    ge_candidates.setdefault(out.id, []).append(in_id)
+                    continue
+                out_group = group_of[out.id]
+                in_group.members.extend(out_group.members)
+                for member in out_group.members:
+                    group_of[member.id] = in_group
+                groups.remove(out_group)
+                pairs.append((source.var.name, out.var.name, index))
+                taken.add(in_id)
+                break
+    return groups, pairs, group_of, ge_candidates
+
+
+@dataclass
+class _SharingResult:
+    storages: list[_Storage]
+    exhaustive: bool
+
+
+def _share(
+    facts: FunctionFacts,
+    graph: ShapeGraph,
+    sizes: dict[int, SymbolicExpr],
+    groups: list[_Group],
+    group_of: dict[int, _Group],
+    ge_inplace: dict[int, list[int]],
+    options: PlanOptions,
+    pairs: list[tuple[str, str, int]],
+) -> _SharingResult:
+    allocs = facts.allocations
+    base = [Interval(g.start, g.mem_end, g.size) for g in groups]
+    moments = [g.start for g in groups]
+    for alloc in allocs:
+        if not alloc.plannable and alloc.id in sizes and not sizes[alloc.id].is_unknown:
+            end = alloc.mem_end(facts.num_bindings)
+            base.append(Interval(alloc.index, end, sizes[alloc.id]))
+            moments.append(alloc.index)
+    model = LiveModel(
+        graph,
+        moments,
+        base,
+        max_grid_points=options.max_grid_points,
+        max_grid_cells=options.max_grid_cells,
+        max_proofs=options.max_proofs,
+    )
+    storages: list[_Storage] = []
+    storage_of: dict[int, _Storage] = {}  # id(group) -> storage
+    for group in sorted(groups, key=lambda g: g.start):
+        choice = None
+        if options.share or ge_inplace:
+            choice = _choose(group, storages, storage_of, group_of, ge_inplace, graph, model,
+                             options, allocs)
+        if choice is None:
+            storage = _Storage(groups=[group], size=group.size, size_prim=group.size_prim)
+            storages.append(storage)
+            storage_of[id(group)] = storage
+            continue
+        storage, new_size, new_prim, regions, inplace_from = choice
+        if options.peak_safe:
+            model.apply(regions)
+        storage.groups.append(group)
+        storage.size, storage.size_prim = new_size, new_prim
+        storage_of[id(group)] = storage
+        if inplace_from is not None:
+            call_index = group.head.first_use
+            pairs.append((allocs[inplace_from].var.name, group.head.var.name, call_index))
+    return _SharingResult(storages=storages, exhaustive=model.exhaustive)
+
+
+def _choose(
+    group: _Group,
+    storages: list[_Storage],
+    storage_of: dict[int, _Storage],
+    group_of: dict[int, _Group],
+    ge_inplace: dict[int, list[int]],
+    graph: ShapeGraph,
+    model: LiveModel,
+    options: PlanOptions,
+    allocs: list[Allocation],
+):
+    """The best proven-safe placement of ``group`` in an existing storage, or None."""
+    ranked: list[tuple[tuple, _Storage, SymbolicExpr, object, list[Region], int | None]] = []
+    head = group.head
+    # In-place into a dying input whose storage is larger.
+    for in_id in ge_inplace.get(head.id, []):
+        storage = storage_of.get(id(group_of[in_id]))
+        call_index = head.first_use
+        if storage is None or call_index is None or storage.last != call_index:
+            continue
+        if not graph.compare(storage.size, group.size).holds_ge:
+            continue
+        regions = _merge_delta(storage, group, storage.size)
+        ranked.append(((0, 0.0), storage, storage.size, storage.size_prim, regions, in_id))
+    if options.share:
+        for storage in storages:
+            if storage.last >= group.start or not _compatible(storage.head, head):
+                continue
+            relation = graph.compare(storage.size, group.size)
+            if relation.holds_ge:
+                new_size, new_prim, rank = storage.size, storage.size_prim, 1
+                if relation.name != "EQ":
+                    rank = 2
+            elif options.grow and group.ready < storage.first:
+                if graph.compare(group.size, storage.size).holds_ge:
+                    new_size, new_prim = group.size, group.size_prim
+                else:
+                    new_size = graph.canonical(SymbolicExpr.max(storage.size, group.size))
+                    new_prim = tirx.max(storage.size_prim, group.size_prim)
+                rank = 3
+            else:
+                continue
+            regions = _merge_delta(storage, group, new_size)
+            ranked.append(((rank, -storage.last), storage, new_size, new_prim, regions, None))
+    if not ranked:
+        return None
+    if not options.peak_safe:
+        ranked.sort(key=lambda r: r[0])
+        best = ranked[0]
+        return best[1], best[2], best[3], best[4], best[5]
+    screened = []
+    for key, storage, new_size, new_prim, regions, inplace_from in ranked:
+        if not all(model.evaluable(r.delta) for r in regions):
+            continue
+        ok, cost = model.screen(regions)
+        if ok:
+            # Least added live bytes first (reusing a storage that stays allocated anyway
+            # saves bytes); then the closer size class; then the most recently freed storage.
+            screened.append(
+                ((cost, key[0], key[1]), storage, new_size, new_prim, regions, inplace_from)
+            )
+    screened.sort(key=lambda r: r[0])
+    for _key, storage, new_size, new_prim, regions, inplace_from in screened[:4]:
+        if model.prove(regions):
+            return storage, new_size, new_prim, regions, inplace_from
+    return None
+
+
+def _merge_delta(storage: _Storage, group: _Group, new_size: SymbolicExpr) -> list[Region]:
+    """Live-bytes change when ``group`` moves into ``storage``, which becomes ``new_size``.
+
+    Before: the storage holds ``size`` over its allocated span, the group its own allocation
+    over its span. After: one allocation of ``new_size`` from the storage's first binding to
+    the later of the two ends (the gap between them included).
+    """
+    end = max(storage.mem_end, group.mem_end)
+    terms = [
+        (storage.first, end, new_size),
+        (storage.first, storage.mem_end, SymbolicExpr.constant(0) - storage.size),
+        (group.start, group.mem_end, SymbolicExpr.constant(0) - group.size),
+    ]
+    points = sorted({p for lo, hi, _ in terms for p in (lo, hi + 1)})
+    regions: list[Region] = []
+    for lo, nxt in zip(points, points[1:]):
+        hi = nxt - 1
+        delta = SymbolicExpr.constant(0)
+        for t_lo, t_hi, size in terms:
+            if t_lo <= lo and hi <= t_hi:
+                delta = delta + size
+        if not (delta.is_constant and delta.expr == 0):
+            regions.append(Region(lo, hi, delta))
+    return regions
+
+
+def _compatible(a: Allocation, b: Allocation) -> bool:
+    """Same storage scope and device: only then may two tensors share memory."""
+    return (
+        a.scope == b.scope
+        and isinstance(a.device, tirx.IntImm)
+        and isinstance(b.device, tirx.IntImm)
+        and int(a.device.value) == int(b.device.value)
+    )
+
+
+# ====================================================================== rewrite
+
+
+def _rewrite(
+    func: relax.Function,
+    facts: FunctionFacts,
+    storages: Sequence[_Storage],
+    released: Sequence[tuple[relax.Var, int]] = (),
+) -> relax.Function | None:
+    if not storages and not released:
+        return None
+    kills: dict[int, list[relax.Var]] = {}
+    for var, last in released:
+        kills.setdefault(last, []).append(var)
+    kill_op = tvm.ir.Op.get("relax.vm.kill_object")
+    storage_by_first: dict[int, _Storage] = {s.first: s for s in storages}
+    placement: dict[int, _Storage] = {}
+    for storage in storages:
+        for group in storage.groups:
+            for member in group.members:
+                placement[member.index] = storage
+    alloc_at = {a.index: a for a in facts.allocations}
+    bb = relax.BlockBuilder()
+    storage_vars: dict[int, relax.Var] = {}
+    new_blocks = []
+    index = 0
+    for block in func.body.blocks:
+        bindings = []
+        for binding in block.bindings:
+            storage = storage_by_first.get(index)
+            if storage is not None:
+                call = bb.normalize(
+                    relax.op.memory.alloc_storage(
+                        relax.ShapeExpr([storage.size_prim]),
+                        storage.head.device,
+                        storage.head.scope,
+                        storage.head.dtype,
+                    )
+                )
+                var = relax.Var("storage", call.ty)
+                storage_vars[id(storage)] = var
+                bindings.append(relax.VarBinding(var, call))
+            target = placement.get(index)
+            if target is not None:
+                alloc = alloc_at[index]
+                call = bb.normalize(
+                    relax.op.memory.alloc_tensor(
+                        storage_vars[id(target)],
+                        tirx.IntImm("int64", 0),
+                        relax.ShapeExpr(list(alloc.shape)),
+                        alloc.dtype,
+                        alloc.device,
+                    )
+                )
+                bindings.append(relax.VarBinding(binding.var, call))
+            else:
+                bindings.append(binding)
+            for var in kills.get(index, ()):
+                call = bb.normalize(relax.Call(kill_op, [var]))
+                bindings.append(relax.VarBinding(relax.Var("_", call.ty), call))
+            index += 1
+        if isinstance(block, relax.DataflowBlock):
+            new_blocks.append(relax.DataflowBlock(bindings))
+        else:
+            new_blocks.append(relax.BindingBlock(bindings))
+    body = relax.SeqExpr(new_blocks, func.body.body)
+    new_func = relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs, func.span)
+    # A hand-built SeqExpr carries no type until normalized.
+    return bb.normalize(new_func)
+
+
+# ====================================================================== stock delegation
+
+
+def _stock_plan(
+    mod: tvm.IRModule, gvs: list[tvm.ir.GlobalVar], keep_bounds: bool
+) -> dict[tvm.ir.GlobalVar, relax.Function]:
+    """Plan the given functions with ``StaticPlanBlockMemory`` (others are not shown to it)."""
+    functions = {}
+    saved_attrs = {}
+    for gv, func in mod.functions_items():
+        if isinstance(func, relax.Function) and gv not in gvs:
+            continue
+        if gv in gvs and not keep_bounds and func.attrs is not None:
+            saved_attrs[gv] = func.attrs
+            for key in _BOUND_ATTRS:
+                if key in func.attrs:
+                    func = func.without_attr(key)
+        functions[gv] = func
+    sub = tvm.IRModule(functions, attrs=mod.attrs, global_infos=mod.global_infos)
+    sub = relax.transform.StaticPlanBlockMemory()(sub)
+    out = {}
+    for gv in gvs:
+        func = sub[gv]
+        if gv in saved_attrs:
+            func = relax.Function(
+                func.params, func.body, func.ret_ty, func.is_pure, saved_attrs[gv], func.span
+            )
+        out[gv] = func
+    return out

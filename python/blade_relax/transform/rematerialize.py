@@ -1,13 +1,611 @@
-"""Placeholder; being written."""
+"""Rematerialize: prepare evictions and regenerations that the runtime decides per call.
 
+Where it runs
+-------------
+After ``ToNonDataflow``, ``RemovePurityChecking`` and ``CallTIRRewrite`` (the impure builtin
+calls it inserts may not stand in a dataflow block, and the tensors are then explicit
+``R.builtin.alloc_tensor`` written by PrimFunc kernels), and before memory planning
+(``StaticPlanBlockMemory`` / ``PlanMemory``) and ``KillAfterLastUse``. The pipeline also runs
+the private ``RematTimeline`` after ``KillAfterLastUse`` to replace the estimated timeline by
+the one read from the planned IR. Functions with dataflow blocks, control flow or nested
+functions pass through unchanged.
+
+What it does
+------------
+1. Candidates. From the symbolic memory timeline (``blade_relax.analysis.memory_timeline``),
+   the *hot* bindings are those whose live bytes reach ``hot_fraction`` of the peak at some
+   representative shape. A candidate is a kernel-computed, never-mutated, not-returned tensor
+   whose uses leave a gap over hot bindings, and whose bytes are not provably below
+   ``min_bytes``.
+2. Recipes. Per candidate, the bindings that recompute it at its next use from values that
+   cost no memory there: parameters, tensors live anyway at that point, and other candidates
+   (chains: the runtime hands over its kept copy, or materializes it on demand). At most
+   ``max_recipe_ops`` kernels; only PrimFunc kernels are replayed (never packed functions,
+   which may be random or in-place). Candidates are ranked by symbolic bytes freed over the
+   hot bindings per unit of symbolic recompute cost (loop iterations of the kernels), and the
+   best ``max_candidates`` kept.
+3. Rewrite. Each recipe becomes a private Relax function (compiled TVM kernels; no Python
+   numerics). The function gets:
+
+   - ``frame = blade_relax.remat_begin(key, metadata, R.shape([dims]), release)`` first
+     (``R.call_builtin_with_ctx``; ``release`` is the module's no-op function);
+   - ``blade_relax.evict(frame, k, x)`` after the last use of candidate ``x`` before its gap
+     (``R.call_builtin_with_ctx``);
+   - ``x' = blade_relax.regenerate(frame, k, fns..., args...)`` before its next use
+     (``R.call_packed``), and every later use of ``x`` (and of its views) reads ``x'``; views
+     of ``x`` that nothing reads any more are removed.
+
+   ``call_builtin_with_ctx`` is neither a PrimFunc nor a packed call, so
+   ``StaticPlanBlockMemory`` gives no planned storage to the tensor passed to ``evict`` (and
+   ``PlanMemory`` reads the attribute ``blade_relax.no_plan``): an evictable tensor owns its
+   storage (freeing it frees memory), and the tensor ``regenerate`` may hand back is never an
+   alias the plan does not know about. The arguments of ``regenerate`` are only read during
+   the call, so they may stay in planned storage.
+4. Metadata. The function's attribute ``blade_relax.remat`` (and the ``metadata`` constant of
+   ``remat_begin``) holds, as JSON, the symbolic timeline (every storage's size over the dims
+   and its live interval), and per candidate its symbolic bytes, symbolic recompute cost,
+   regeneration peak, window and regeneration plan. The runtime evaluates it once per shape.
+
+Assumptions: kernels are destination-passing PrimFuncs that write only their trailing fresh
+outputs; the function's symbolic dims are all defined by its parameters' shapes.
+"""
+
+from __future__ import annotations
+
+import warnings
 from dataclasses import dataclass
+from typing import Any
+
+import tvm
+from tvm import relax
+
+from ..runtime.remat import compile_expressions
+from ._remat_ir import FunctionModel, Op, RecipeError, UnsupportedFunction, build_model
+from ._remat_select import Candidate, Recipe, build_recipe, classify_at, find_gaps
+from ._remat_timeline import (
+    BEGIN,
+    EVICT,
+    META_ATTR,
+    REGEN_ATTR,
+    REGENERATE,
+    RELEASE_ATTR,
+    RematTimeline,
+    attach_metadata,
+    build_metadata,
+    prim_to_py,
+    simulate,
+    tensor_bytes_py,
+)
+
+__all__ = ["RematOptions", "Rematerialize", "RematTimeline"]
+
+# Function attribute read by PlanMemory: variables whose allocation keeps its own storage.
+NO_PLAN_ATTR = "blade_relax.no_plan"
 
 
 @dataclass(frozen=True)
 class RematOptions:
-    pass
+    """Options of :class:`Rematerialize`.
+
+    Attributes
+    ----------
+    max_candidates
+        Most tensors made evictable per function (each costs two runtime calls per call of
+        the function).
+    max_recipe_ops
+        Most kernels one regeneration may replay (chains through other candidates do not
+        count: each candidate has its own recipe).
+    min_gap
+        Fewest kernel calls strictly between the eviction and the regeneration.
+    min_bytes
+        Tensors provably no larger than this are not worth evicting.
+    min_fraction
+        Tensors smaller than this fraction of the peak at every representative shape are not
+        worth evicting (each costs two runtime calls per call).
+    hot_fraction
+        A binding is hot when its live bytes reach this fraction of the peak at some
+        representative shape; a candidate's gap must cover a hot binding.
+    functions
+        Names of the functions to transform; ``None`` for every Relax function.
+    """
+
+    max_candidates: int = 256
+    max_recipe_ops: int = 8
+    min_gap: int = 1
+    min_bytes: int = 1024
+    min_fraction: float = 0.01
+    hot_fraction: float = 0.25
+    functions: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_candidates < 0 or self.max_recipe_ops < 1 or self.min_gap < 0:
+            raise ValueError(f"invalid RematOptions: {self}")
+        if not 0.0 <= self.hot_fraction <= 1.0:
+            raise ValueError(f"hot_fraction must be in [0, 1], got {self.hot_fraction}")
 
 
+@tvm.transform.module_pass(opt_level=0, name="Rematerialize")
 class Rematerialize:
-    def __init__(self, options=None):
-        raise NotImplementedError("Rematerialize is being written")
+    """Insert ``evict``/``regenerate`` runtime calls and regeneration functions.
+
+    Parameters
+    ----------
+    options
+        :class:`RematOptions`; defaults when ``None``.
+    """
+
+    def __init__(self, options: RematOptions | None = None) -> None:
+        if options is not None and not isinstance(options, RematOptions):
+            raise TypeError(f"Rematerialize takes RematOptions, got {type(options).__name__}")
+        self.options = options or RematOptions()
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        builder = relax.BlockBuilder(mod)
+        changed = False
+        for gv, func in list(mod.functions.items()):
+            if not isinstance(func, relax.Function):
+                continue
+            if func.attrs is not None and any(
+                a in func.attrs for a in (META_ATTR, REGEN_ATTR, RELEASE_ATTR)
+            ):
+                continue
+            if self.options.functions is not None and gv.name_hint not in self.options.functions:
+                continue
+            try:
+                new_func = _rematerialize(gv.name_hint, func, mod, self.options, builder)
+            except UnsupportedFunction:
+                continue
+            if new_func is None:
+                continue
+            builder.update_func(gv, new_func)
+            changed = True
+        return builder.get() if changed else mod
+
+
+# --------------------------------------------------------------------------- helpers
+def _substitute(expr: relax.Expr, lookup) -> relax.Expr:
+    """Replace variables in an A-normal-form value."""
+    if isinstance(expr, relax.Var):
+        return lookup(expr)
+    if isinstance(expr, relax.Call):
+        op = lookup(expr.op) if isinstance(expr.op, relax.Var) else expr.op
+        return relax.Call(op, [_substitute(a, lookup) for a in expr.args], expr.attrs, expr.ty_args)
+    if isinstance(expr, relax.Tuple):
+        return relax.Tuple([_substitute(f, lookup) for f in expr.fields])
+    if isinstance(expr, relax.TupleGetItem):
+        return relax.TupleGetItem(_substitute(expr.tuple_value, lookup), expr.index)
+    return expr
+
+
+def _signature_dims(func: relax.Function) -> list[tvm.tirx.Var]:
+    dims: dict[str, tvm.tirx.Var] = {}
+    for param in func.params:
+        for var in relax.analysis.definable_tir_vars_in_type(param.ty):
+            if var.name in dims and not dims[var.name].same_as(var):
+                raise UnsupportedFunction(f"two symbolic dims named {var.name}")
+            dims.setdefault(var.name, var)
+    return list(dims.values())
+
+
+def _walk_stores(stmt: Any, extents: list[Any], out: list[Any]) -> None:
+    """Collect, for every buffer store, the product of the loop extents around it."""
+    if stmt is None:
+        return
+    kind = type(stmt).__name__
+    if kind == "BufferStore":
+        total = tvm.tirx.IntImm("int64", 1)
+        for e in extents:
+            total = total * tvm.tirx.Cast("int64", e)
+        out.append(total)
+        return
+    if kind == "For":
+        _walk_stores(stmt.body, [*extents, stmt.extent], out)
+        return
+    if kind == "SeqStmt":
+        for s in stmt.seq:
+            _walk_stores(s, extents, out)
+        return
+    for attr in ("block", "init", "body", "then_case", "else_case"):
+        child = getattr(stmt, attr, None)
+        if child is not None and isinstance(child, tvm.tirx.Stmt):
+            _walk_stores(child, extents, out)
+
+
+def _kernel_cost(op: Op, mod: tvm.IRModule, dims: set[str]) -> str:
+    """Loop iterations of a kernel call, over the caller's dims (output bytes as fallback)."""
+    fallback = " + ".join(tensor_bytes_py(o.ty) for o in op.outputs) or "1"
+    try:
+        prim = mod[op.value.op]
+        stores: list[Any] = []
+        _walk_stores(prim.body, [], stores)
+        if not stores:
+            return fallback
+        rename: dict[Any, str] = {}
+        for param, arg in zip(prim.params, op.value.args):
+            # TVM 0.27: a buffer parameter is a Var of BufferType that carries its shape.
+            if type(param.ty).__name__ == "BufferType":
+                values = getattr(getattr(getattr(arg, "ty", None), "shape", None), "values", None)
+                if values is None:
+                    continue
+                for dim, actual in zip(param.shape, values):
+                    if isinstance(dim, tvm.tirx.Var) and dim not in rename:
+                        rename[dim] = f"({prim_to_py(actual)})"
+            elif isinstance(arg, tvm.ir.PrimExpr):
+                rename[param] = f"({prim_to_py(arg)})"
+        text = " + ".join(prim_to_py(s, rename) for s in stores)
+        compile_expressions(sorted(dims), [text])  # only the caller's dims may remain
+        return text
+    except Exception:  # any kernel the estimate cannot read: fall back on its output bytes
+        return fallback
+
+
+def _regen_function(
+    owner: str, slot: int, cand: Candidate, recipe: Recipe
+) -> tuple[relax.Function, bool]:
+    """The regeneration function of ``cand`` and whether it takes a trailing dims shape."""
+    params = [relax.Var(v.name, v.ty) for v in recipe.inputs]
+    mapping: dict[relax.Var, relax.Var] = dict(zip(recipe.inputs, params))
+
+    def lookup(v: relax.Var) -> relax.Var:
+        target = recipe.resolved.get(v, v)
+        return mapping.get(target, mapping.get(v, v))
+
+    bindings: list[relax.Binding] = []
+    for op in recipe.ops:
+        value = _substitute(op.value, lookup)
+        new_var = relax.Var(op.var.name, op.var.ty)
+        if op.is_match_cast:
+            bindings.append(relax.MatchCast(new_var, value, op.var.ty))
+        else:
+            bindings.append(relax.VarBinding(new_var, value))
+        mapping[op.var] = new_var
+    result = mapping[cand.root]
+
+    def make(all_params: list[relax.Var]) -> relax.Function:
+        body = relax.SeqExpr([relax.BindingBlock(bindings)], result)
+        fn = relax.Function(all_params, body, cand.root.ty, True)
+        return fn.with_attr("relax.force_pure", True).with_attr(REGEN_ATTR, f"{owner}/{slot}")
+
+    func = make(params)
+    free = list(relax.analysis.free_symbolic_vars(func))
+    takes_dims = bool(free)
+    if takes_dims:
+        dims_param = relax.Var("remat_dims", relax.ShapeType(values=free))
+        func = make([*params, dims_param])
+    func = relax.BlockBuilder().normalize(func)
+    func = relax.utils.copy_with_new_vars(func)
+    return func, takes_dims
+
+
+# --------------------------------------------------------------------------- the pass
+def _hot_bindings(func: relax.Function, mod: tvm.IRModule, fraction: float):
+    from ..analysis import memory_timeline
+
+    timeline = memory_timeline(func, mod=mod)
+    graph = timeline.graph
+    points = graph.representative_points() or [{}]
+    hot: set[int] = set()
+    peaks: list[int] = []
+    for point in points:
+        evaluated = timeline.evaluate(point)
+        threshold = fraction * evaluated.peak
+        hot.update(i for i, v in enumerate(evaluated.live_during) if v >= threshold and v > 0)
+        peaks.append(evaluated.peak)
+    return hot, graph, points, peaks
+
+
+def _select(
+    model: FunctionModel,
+    gaps: dict[relax.Var, tuple[int, int]],
+    options: RematOptions,
+) -> dict[relax.Var, Candidate]:
+    """Candidates with recipes, iterated until every remaining one has a recipe."""
+    candidates = {root: Candidate(root, a, b) for root, (a, b) in gaps.items()}
+    while True:
+        failed = []
+        for root, cand in candidates.items():
+            try:
+                cand.recipe = build_recipe(model, cand, candidates, options.max_recipe_ops)
+            except RecipeError:
+                failed.append(root)
+        if not failed:
+            return candidates
+        for root in failed:
+            del candidates[root]
+
+
+def _rematerialize(
+    name: str,
+    func: relax.Function,
+    mod: tvm.IRModule,
+    options: RematOptions,
+    builder: relax.BlockBuilder,
+) -> relax.Function | None:
+    if options.max_candidates == 0:
+        return None
+    model = build_model(func, mod)
+    dims = _signature_dims(func)
+    dim_names = {d.name for d in dims}
+    try:
+        hot, graph, points, peaks = _hot_bindings(func, mod, options.hot_fraction)
+    except Exception as err:  # the analysis cannot read this function: leave it unchanged
+        warnings.warn(f"Rematerialize: {name} left unchanged ({err})", stacklevel=2)
+        return None
+    gaps = find_gaps(model, hot, options.min_gap)
+    # Only tensors whose size the runtime can evaluate from the dims, and not provably tiny.
+    from ..symbolic import Ordering
+
+    for root in list(gaps):
+        try:
+            text = tensor_bytes_py(root.ty)
+            compile_expressions(sorted(dim_names), [text])
+        except ValueError:
+            del gaps[root]
+            continue
+        size = graph.bytes_of(root)
+        if graph.compare(size, options.min_bytes) in (Ordering.LT, Ordering.LE, Ordering.EQ):
+            del gaps[root]
+            continue
+        if all(
+            graph.evaluate(size, point) < options.min_fraction * peak
+            for point, peak in zip(points, peaks)
+        ):
+            del gaps[root]
+    candidates = _select(model, gaps, options)
+    if not candidates:
+        return None
+
+    costs: dict[relax.Var, str] = {}
+
+    def cost_of(cand: Candidate) -> str:
+        if cand.root not in costs:
+            terms = [
+                _kernel_cost(op, mod, dim_names) for op in cand.recipe.ops if op.kind == "kernel"
+            ]
+            costs[cand.root] = " + ".join(f"({t})" for t in terms) or "1"
+        return costs[cand.root]
+
+    if len(candidates) > options.max_candidates:
+        evaluators = {}
+        scores = {}
+        for root, cand in candidates.items():
+            cost_text = cost_of(cand)
+            evaluators[root] = compile_expressions(
+                sorted(dim_names), [cost_text, tensor_bytes_py(root.ty)]
+            )
+            covered = sum(1 for t in hot if cand.evict_after < t < cand.regen_before)
+            score = 0.0
+            for point in points:
+                values = [point.get(d, 1) for d in sorted(dim_names)]
+                cost, nbytes = evaluators[root](*values)
+                score += nbytes * covered / max(cost, 1)
+            scores[root] = score
+        keep = sorted(candidates, key=lambda r: -scores[r])[: options.max_candidates]
+        kept = {r: candidates[r] for r in keep}
+        candidates = _select(
+            model, {r: (c.evict_after, c.regen_before) for r, c in kept.items()}, options
+        )
+        if not candidates:
+            return None
+
+    ordered = sorted(candidates.values(), key=lambda c: model.writer[c.root])
+    for slot, cand in enumerate(ordered):
+        cand.slot = slot
+
+    regens: dict[int, relax.Function] = {}
+    gvs: dict[int, relax.GlobalVar] = {}
+    takes_dims: dict[int, bool] = {}
+    for cand in ordered:
+        fn, with_dims = _regen_function(name, cand.slot, cand, cand.recipe)
+        regens[cand.slot] = fn
+        gvs[cand.slot] = builder.add_func(fn, f"{name}_remat{cand.slot}")
+        takes_dims[cand.slot] = with_dims
+
+    release = _release_function(builder)
+    new_func, plans = _rewrite(func, model, ordered, candidates, gvs, takes_dims, dims, release)
+    statics = [
+        {
+            "name": cand.root.name,
+            "regen": gvs[cand.slot].name_hint,
+            "cost": cost_of(cand),
+            "plan": plans[cand.slot],
+        }
+        for cand in ordered
+    ]
+    # The estimate: the lowered IR, before planning.
+    new_func = builder.normalize(new_func)
+    probe = builder.get()
+    sim = simulate(new_func, probe, "lowered")
+    peaks = [simulate(regens[c.slot], probe, "lowered").peak_expr() for c in ordered]
+    meta = build_metadata(name, [d.name for d in dims], sim, statics, peaks, exact=False)
+    return builder.normalize(attach_metadata(new_func, meta))
+
+
+def _release_function(builder: relax.BlockBuilder) -> relax.GlobalVar:
+    """The module's no-op function the runtime calls after a regeneration (see the runtime)."""
+    mod = builder.get()
+    for gv, func in mod.functions.items():
+        if (
+            isinstance(func, relax.Function)
+            and func.attrs is not None
+            and RELEASE_ATTR in func.attrs
+        ):
+            return gv
+    body = relax.SeqExpr([], relax.Tuple([]))
+    func = relax.Function([], body, relax.TupleType([]), True)
+    func = func.with_attr(RELEASE_ATTR, True)
+    return builder.add_func(relax.BlockBuilder().normalize(func), "blade_relax_remat_release")
+
+
+def _builtin(name: str, args: list[relax.Expr], ty: relax.Type) -> relax.Call:
+    return relax.op.call_builtin_with_ctx(relax.ExternFunc(name), relax.Tuple(args), ty_args=ty)
+
+
+def _drop_unread_views(
+    bindings: list[relax.Binding], result: relax.Expr, model: FunctionModel
+) -> list[relax.Binding]:
+    """Remove views and aliases that nothing reads any more.
+
+    A view of an evicted tensor whose later readers now read the rebuilt view would otherwise
+    keep the evicted storage alive: ``KillAfterLastUse`` never kills a variable nobody reads.
+    """
+    removable = {op.var for op in model.ops if op.kind in ("alias", "view", "getitem")}
+    while True:
+        read: set[relax.Var] = set(relax.analysis.free_vars(result))
+        for b in bindings:
+            read.update(relax.analysis.free_vars(b.value))
+        kept = [b for b in bindings if b.var in read or b.var not in removable]
+        if len(kept) == len(bindings):
+            return kept
+        bindings = kept
+
+
+def _rewrite(
+    func: relax.Function,
+    model: FunctionModel,
+    ordered: list[Candidate],
+    candidates: dict[relax.Var, Candidate],
+    gvs: dict[int, relax.GlobalVar],
+    takes_dims: dict[int, bool],
+    dims: list[tvm.tirx.Var],
+    release: relax.GlobalVar,
+) -> tuple[relax.Function, dict[int, list]]:
+    """Insert the runtime calls and redirect later uses to the regenerated tensors."""
+    frame = relax.Var("remat_frame", relax.ObjectType())
+    dims_expr = relax.ShapeExpr(list(dims))
+    evict_after: dict[int, list[Candidate]] = {}
+    regen_before: dict[int, list[Candidate]] = {}
+    for cand in ordered:
+        evict_after.setdefault(cand.evict_after, []).append(cand)
+        regen_before.setdefault(cand.regen_before, []).append(cand)
+    regenerated: dict[int, relax.Var] = {}
+    subst: dict[relax.Var, relax.Var] = {}
+
+    def lookup(v: relax.Var) -> relax.Var:
+        return subst.get(v, v)
+
+    def plan_for(cand: Candidate) -> tuple[list[list], list[relax.Expr], list[relax.GlobalVar]]:
+        site = cand.regen_before
+        nodes: list[list] = []
+        args: list[relax.Expr] = []
+        closures: list[relax.GlobalVar] = []
+        visited: set[int] = set()
+
+        def arg(expr: relax.Expr) -> int:
+            for i, existing in enumerate(args):
+                if existing.same_as(expr):
+                    return i
+            args.append(expr)
+            return len(args) - 1
+
+        def visit(c: Candidate) -> None:
+            if c.slot in visited:
+                return
+            visited.add(c.slot)
+            refs: list[list] = []
+            for inp in c.recipe.inputs:
+                other = candidates.get(inp)
+                if other is None:
+                    refs.append(["a", arg(inp)])
+                    continue
+                where = classify_at(other, site, model)
+                if where == "orig":
+                    refs.append(["a", arg(inp)])
+                elif where == "regen":
+                    if other.slot not in regenerated:
+                        raise AssertionError(f"{other.root.name} is not regenerated before {site}")
+                    refs.append(["a", arg(regenerated[other.slot])])
+                elif where == "slot":
+                    visit(other)
+                    refs.append(["s", other.slot])
+                else:
+                    raise AssertionError(f"{other.root.name} is dead at {site}")
+            if takes_dims[c.slot]:
+                refs.append(["a", arg(dims_expr)])
+            nodes.append([c.slot, refs])
+            closures.append(gvs[c.slot])
+
+        visit(cand)
+        return nodes, args, closures
+
+    plans: dict[int, list] = {}
+    out: list[relax.Binding] = [
+        relax.VarBinding(
+            frame,
+            _builtin(
+                BEGIN,
+                [tvm.ir.StringImm("pending"), relax.const(0, "uint8"), dims_expr, release],
+                relax.ObjectType(),
+            ),
+        )
+    ]
+    bindings = [b for block in func.body.blocks for b in block.bindings]
+    for op, binding in zip(model.ops, bindings):
+        for cand in sorted(regen_before.get(op.index, []), key=lambda c: model.writer[c.root]):
+            nodes, args, closures = plan_for(cand)
+            plans[cand.slot] = nodes
+            new = relax.Var(f"{cand.root.name}_remat", cand.root.ty)
+            # A plain packed call: the planner may keep the arguments in planned storage (the
+            # runtime reads them only during the call), and the result is never planned.
+            call = relax.Call(
+                relax.ExternFunc(REGENERATE),
+                [frame, relax.prim_value(cand.slot), *closures, *args],
+                ty_args=[cand.root.ty],
+            )
+            out.append(relax.VarBinding(new, call))
+            regenerated[cand.slot] = new
+            subst[cand.root] = new
+            # Views and aliases of the tensor defined before the gap and read after it. Every
+            # alias is renamed first: a rebuilt view may read one that is itself not read later.
+            earlier = [
+                m
+                for m in model.members.get(cand.root, [])
+                if m is not cand.root and model.defined_at(m) < op.index
+            ]
+            for member in earlier:
+                mop = model.op_of[member]
+                if mop.kind in ("alias", "getitem") and not mop.is_match_cast:
+                    subst[member] = new
+            # Rebuild the views read later, and the views those are built from.
+            needed: set[relax.Var] = set()
+            for member in reversed(earlier):
+                if member in needed or any(p >= op.index for p in model.var_uses.get(member, ())):
+                    needed.add(member)
+                    source = model.op_of[member].source
+                    if source is not None:
+                        needed.add(source)
+            for member in earlier:
+                if member not in needed:
+                    continue
+                mop = model.op_of[member]
+                if mop.kind == "view" or mop.is_match_cast:
+                    fresh = relax.Var(f"{member.name}_remat", member.ty)
+                    value = _substitute(mop.value, lookup)
+                    if mop.is_match_cast:
+                        out.append(relax.MatchCast(fresh, value, member.ty))
+                    else:
+                        out.append(relax.VarBinding(fresh, value))
+                    subst[member] = fresh
+                else:  # an alias or a tuple field: the same tensor
+                    subst[member] = new
+        value = _substitute(binding.value, lookup)
+        if isinstance(binding, relax.MatchCast):
+            out.append(relax.MatchCast(binding.var, value, binding.ty))
+        else:
+            out.append(relax.VarBinding(binding.var, value))
+        for cand in evict_after.get(op.index, []):
+            out.append(
+                relax.VarBinding(
+                    relax.Var("_", relax.ObjectType()),
+                    _builtin(
+                        EVICT, [frame, relax.prim_value(cand.slot), cand.root], relax.ObjectType()
+                    ),
+                )
+            )
+    result = _substitute(func.body.body, lookup)
+    out = _drop_unread_views(out, result, model)
+    body = relax.SeqExpr([relax.BindingBlock(out)], result)
+    new_func = relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs, func.span)
+    # Evictable tensors keep their own storage under PlanMemory too.
+    new_func = new_func.with_attr(NO_PLAN_ATTR, [c.root.name for c in ordered])
+    return new_func, plans

@@ -1,0 +1,327 @@
+"""The configurations the benchmark compares, and the registry they live in.
+
+A configuration says how one system runs a workload. Two kinds exist:
+
+:class:`TvmConfig`
+    A Relax pipeline factory (``target -> tvm.transform.Pass``), whether the module is compiled
+    once for the symbolic length or recompiled per exact length, whether ``main`` keeps its
+    ``tir_var_upper_bound`` (stock TVM then plans every buffer at the bound), and an optional
+    runtime memory budget (a fraction of another configuration's measured peak at the same
+    length, applied with ``blade_relax.runtime.set_memory_budget``).
+:class:`TorchConfig`
+    PyTorch eager, or ``torch.compile(dynamic=True)`` with an optional
+    ``torch._functorch.config.activation_memory_budget``.
+
+Names are either fixed (``register_config``) or parametrized as ``family@argument``
+(``register_config_family``): ``torch-compile@0.5`` asks the ``torch-compile`` family for a
+configuration with argument ``"0.5"``; ``blade-relax@0.5`` is a budget of half the
+``blade-relax`` peak once that family is registered (:func:`register_budget_family`).
+
+Adding a configuration is a few lines, here (at the end of this file) or in the module that owns
+the passes, e.g.::
+
+    from blade_relax import get_pipeline
+    from blade_relax.bench.configs import TvmConfig, register_budget_family, register_config
+
+    register_config(TvmConfig(
+        "blade-relax-schedule",
+        pipeline=lambda target: get_pipeline(target, schedule=True, remat=False, plan=False),
+        description="stock + MemoryAwareSchedule, bounds dropped",
+    ))
+    register_config(TvmConfig("blade-relax", pipeline=lambda target: get_pipeline(target)))
+    register_budget_family("blade-relax")        # blade-relax@0.5, blade-relax@0.25, ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "BenchConfig",
+    "ConfigFamily",
+    "TorchConfig",
+    "TvmConfig",
+    "available_configs",
+    "budget_variant",
+    "get_config",
+    "register_budget_family",
+    "register_config",
+    "register_config_family",
+    "resolve_configs",
+    "stock_pipeline_factory",
+]
+
+PipelineFactory = Callable[[Any], Any]
+"""``target (tvm.target.Target) -> tvm.transform.Pass`` usable as ``relax_pipeline=``."""
+
+
+@dataclass(frozen=True)
+class TvmConfig:
+    """TVM Relax: a pipeline, per-shape or dynamic compilation, bounds, and a budget.
+
+    Attributes
+    ----------
+    name
+        Registry name (``"tvm-dynamic"``, ``"blade-relax@0.5"``).
+    pipeline
+        ``target -> tvm.transform.Pass``: the whole Relax pipeline (``tvm.compile`` replaces
+        its default with it), e.g. ``lambda t: blade_relax.get_pipeline(t, remat=False)``.
+    static
+        Recompile for every exact length (the symbolic dims bound to constants); otherwise
+        compile once for the symbolic length.
+    keep_bounds
+        Keep ``tir_var_upper_bound`` on ``main`` (dynamic compilation only).
+    budget
+        A runtime memory budget as a fraction of the step peak (VM-allocated bytes) that
+        ``budget_of`` measured at the same length; ``None`` for no budget.
+    budget_of
+        The configuration whose peak defines ``budget`` (run first, added if not requested).
+    description
+        One line for the README and ``--list-configs``.
+    """
+
+    name: str
+    pipeline: PipelineFactory
+    static: bool = False
+    keep_bounds: bool = False
+    budget: float | None = None
+    budget_of: str | None = None
+    description: str = ""
+
+    kind = "tvm"
+
+    def __post_init__(self) -> None:
+        if self.budget is not None:
+            if not 0 < self.budget:
+                raise ValueError(f"{self.name}: budget must be a positive fraction")
+            if not self.budget_of:
+                raise ValueError(f"{self.name}: a budget needs budget_of (the reference config)")
+        if self.static and self.keep_bounds:
+            raise ValueError(f"{self.name}: a static config has no symbolic bounds to keep")
+
+
+@dataclass(frozen=True)
+class TorchConfig:
+    """PyTorch on the CPU, its live bytes counted by a ``TorchDispatchMode``.
+
+    Attributes
+    ----------
+    name
+        Registry name.
+    compile
+        Run ``torch.compile(module, dynamic=True)`` instead of eager.
+    activation_memory_budget
+        ``torch._functorch.config.activation_memory_budget`` while compiling (``None``: the
+        default, 1.0).
+    description
+        One line for the README and ``--list-configs``.
+    """
+
+    name: str
+    compile: bool = False
+    activation_memory_budget: float | None = None
+    description: str = ""
+
+    kind = "torch"
+
+
+BenchConfig = TvmConfig | TorchConfig
+
+
+@dataclass(frozen=True)
+class ConfigFamily:
+    """Configurations named ``prefix@argument``, built on demand by ``make(argument)``."""
+
+    prefix: str
+    make: Callable[[str], BenchConfig]
+    description: str = ""
+
+
+_CONFIGS: dict[str, BenchConfig] = {}
+_FAMILIES: dict[str, ConfigFamily] = {}
+
+
+def register_config(config: BenchConfig, *, override: bool = False) -> BenchConfig:
+    """Add ``config`` under ``config.name``; returns it (so it can be used inline).
+
+    Raises
+    ------
+    ValueError
+        When the name is taken (unless ``override``) or contains ``@`` (use a family).
+    """
+    if "@" in config.name:
+        raise ValueError(
+            f"config names with '@' are parametrized: register a family for {config.name!r}"
+        )
+    if config.name in _CONFIGS and not override:
+        raise ValueError(f"config {config.name!r} is already registered")
+    _CONFIGS[config.name] = config
+    return config
+
+
+def register_config_family(
+    prefix: str,
+    make: Callable[[str], BenchConfig],
+    *,
+    description: str = "",
+    override: bool = False,
+) -> ConfigFamily:
+    """Register configurations named ``prefix@ARG``; ``make(ARG)`` builds one.
+
+    ``make`` should raise ``ValueError`` for an argument it does not accept; the configuration
+    it returns is renamed to the requested name.
+    """
+    if "@" in prefix:
+        raise ValueError(f"a family prefix may not contain '@': {prefix!r}")
+    if prefix in _FAMILIES and not override:
+        raise ValueError(f"config family {prefix!r}@... is already registered")
+    family = ConfigFamily(prefix, make, description)
+    _FAMILIES[prefix] = family
+    return family
+
+
+def _fraction(argument: str, name: str) -> float:
+    try:
+        value = float(argument)
+    except ValueError:
+        raise ValueError(f"{name}: expected a number after '@', got {argument!r}") from None
+    if not 0 < value:
+        raise ValueError(f"{name}: the fraction after '@' must be positive, got {value}")
+    return value
+
+
+def budget_variant(base: TvmConfig, fraction: float, name: str | None = None) -> TvmConfig:
+    """``base`` run under a budget of ``fraction`` times ``base``'s own peak."""
+    return dataclasses.replace(
+        base,
+        name=name or f"{base.name}@{fraction:g}",
+        budget=fraction,
+        budget_of=base.name,
+        description=f"{base.name} under a runtime budget of {fraction:g} x its peak",
+    )
+
+
+def register_budget_family(base_name: str, *, override: bool = False) -> ConfigFamily:
+    """Register ``base_name@B``: the registered ``base_name`` under a budget of ``B`` times
+    ``base_name``'s peak at the same length."""
+
+    def make(argument: str) -> TvmConfig:
+        base = get_config(base_name)
+        if not isinstance(base, TvmConfig):
+            raise ValueError(f"{base_name} is not a TVM config; budgets apply to TVM configs")
+        return budget_variant(base, _fraction(argument, f"{base_name}@{argument}"))
+
+    return register_config_family(
+        base_name,
+        make,
+        description=f"{base_name} under a runtime budget: {base_name}@B, B a fraction of its peak",
+        override=override,
+    )
+
+
+def get_config(name: str) -> BenchConfig:
+    """The configuration called ``name`` (fixed or ``family@argument``)."""
+    if name in _CONFIGS:
+        return _CONFIGS[name]
+    prefix, at, argument = name.partition("@")
+    if at and prefix in _FAMILIES:
+        if not argument:
+            raise ValueError(f"{name!r}: missing argument after '@'")
+        config = _FAMILIES[prefix].make(argument)
+        return dataclasses.replace(config, name=name)
+    known = ", ".join(available_configs())
+    raise ValueError(f"unknown config {name!r}; available: {known}")
+
+
+def available_configs() -> list[str]:
+    """Registered names, families shown as ``prefix@B``."""
+    return sorted(_CONFIGS) + sorted(f"{p}@B" for p in _FAMILIES)
+
+
+def resolve_configs(names: list[str]) -> list[tuple[BenchConfig, bool]]:
+    """Configurations for ``names`` in run order, each budget reference before its users.
+
+    Returns ``(config, requested)`` pairs; ``requested`` is False for a reference added only
+    because a budget needs its peak.
+    """
+    ordered: list[tuple[BenchConfig, bool]] = []
+    seen: dict[str, int] = {}
+
+    def add(name: str, requested: bool, chain: tuple[str, ...]) -> None:
+        if name in chain:
+            raise ValueError(f"budget references form a cycle: {' -> '.join((*chain, name))}")
+        if name in seen:
+            if requested:
+                index = seen[name]
+                ordered[index] = (ordered[index][0], True)
+            return
+        config = get_config(name)
+        if isinstance(config, TvmConfig) and config.budget_of:
+            add(config.budget_of, False, (*chain, name))
+        seen[name] = len(ordered)
+        ordered.append((config, requested))
+
+    for name in names:
+        add(name, True, ())
+    return ordered
+
+
+def stock_pipeline_factory(target: Any) -> Any:
+    """TVM's default pipeline for ``target`` (legalize, fusion, lowering; no blade_relax pass)."""
+    from ..pipeline import stock_pipeline
+
+    return stock_pipeline(target)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stock baselines.
+register_config(
+    TvmConfig(
+        "tvm-dynamic",
+        pipeline=stock_pipeline_factory,
+        description="stock TVM pipeline, compiled once, upper bounds dropped "
+        "(buffers sized by the actual length)",
+    )
+)
+register_config(
+    TvmConfig(
+        "tvm-bounded",
+        pipeline=stock_pipeline_factory,
+        keep_bounds=True,
+        description="stock TVM pipeline, compiled once, planned at the upper bound "
+        "(tir_var_upper_bound kept)",
+    )
+)
+register_config(
+    TvmConfig(
+        "tvm-static",
+        pipeline=stock_pipeline_factory,
+        static=True,
+        description="stock TVM pipeline recompiled for every exact length (the static oracle)",
+    )
+)
+register_config(TorchConfig("torch-eager", description="PyTorch eager"))
+register_config(
+    TorchConfig(
+        "torch-compile",
+        compile=True,
+        description="torch.compile(dynamic=True), default partitioner budget",
+    )
+)
+register_config_family(
+    "torch-compile",
+    lambda argument: TorchConfig(
+        f"torch-compile@{argument}",
+        compile=True,
+        activation_memory_budget=_fraction(argument, f"torch-compile@{argument}"),
+        description=f"torch.compile(dynamic=True), activation_memory_budget={argument}",
+    ),
+    description="torch.compile(dynamic=True) with activation_memory_budget=B",
+)
+
+# ---------------------------------------------------------------------------------------------
+# blade_relax configurations: each pass adds its own below (a few lines each, see the module
+# docstring), once the pass exists and passes its tests.

@@ -1,0 +1,572 @@
+"""The measuring ruler: every configuration, every length of the trace, the same numbers.
+
+What is measured, per configuration and sequence length:
+
+``peak_bytes``
+    ``step_peak_bytes + caller_bytes``.
+``step_peak_bytes``
+    Bytes the step allocates at its highest point, outputs (loss, gradients, logits) included.
+    TVM: the peak of ``blade_relax.runtime.memory_stats()`` over one VM call (every storage the
+    VM allocates, at the size requested), minus the live bytes before the call. PyTorch: the
+    peak of :class:`~.torch_memory.LiveBytesCounter` over one step (every storage an ATen op
+    creates, gradients included; ``.grad`` is reset to ``None`` before the step, as TVM returns
+    fresh gradients).
+``caller_bytes``
+    Bytes of the inputs and parameters, which the caller owns in both systems.
+``lower_bound_bytes``
+    ``blade_relax.analysis.memory_timeline(main).lower_bound`` of the imported graph at the
+    length: parameters and inputs plus the largest single-operator working set. No schedule
+    or rematerialization goes below it.
+``step_time_s``
+    Median wall time of ``repeat`` steps after a warm-up step (not counted).
+``compile_time_s`` / ``compilations``
+    Compile time spent for this length (0 when an earlier compilation is reused) and the
+    number of compilations so far for the configuration. For ``torch.compile`` the compile time
+    is the first call at the length minus the median step, when dynamo compiled a new graph.
+``driver_peak_bytes`` / ``driver_agrees`` (TVM on CUDA)
+    The step's peak in the CUDA driver's view (free memory read after every VM instruction, a
+    ``memory_cfg="naive"`` VM so that every storage is one ``cudaMalloc``), and whether it
+    agrees with ``step_peak_bytes`` within the driver's 2 MiB allocation granularity
+    (:func:`blade_relax.runtime.devices.agrees_with_driver`).
+On CUDA, PyTorch runs on the same GPU and its ``step_peak_bytes`` is
+``torch.cuda.max_memory_allocated()`` over one step minus ``torch.cuda.memory_allocated()``
+before it (Inductor's CUDA buffers bypass the dispatcher, so the CPU counter cannot see them);
+step times include a device synchronisation for both systems.
+``max_rel_error``
+    Largest normwise relative error ``||out - ref|| / ||ref||`` over the outputs (loss and every
+    gradient, or the logits) against the torch reference; ``correct`` when ``<= tolerance``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from ..frontend import ImportedGraph, flatten_outputs
+from ..frontend.graph import LOWER_BOUND_ATTR, UPPER_BOUND_ATTR
+from .configs import BenchConfig, TorchConfig, TvmConfig, resolve_configs
+from .workloads import Workload
+
+__all__ = ["BenchResult", "ConfigSummary", "Measurement", "relative_error", "run_benchmark"]
+
+
+@dataclass
+class Measurement:
+    """One configuration at one sequence length (see the module docstring for each field)."""
+
+    config: str
+    seq_len: int
+    peak_bytes: int | None = None
+    step_peak_bytes: int | None = None
+    caller_bytes: int = 0
+    lower_bound_bytes: int | None = None
+    step_time_s: float | None = None
+    step_times_s: list[float] = field(default_factory=list)
+    compile_time_s: float = 0.0
+    compilations: int = 0
+    loss: float | None = None
+    max_rel_error: float | None = None
+    correct: bool | None = None
+    budget_bytes: int | None = None
+    evictions: int | None = None
+    regenerations: int | None = None
+    driver_peak_bytes: int | None = None
+    driver_agrees: bool | None = None
+    error: str | None = None
+
+
+@dataclass
+class ConfigSummary:
+    """A configuration as run: its description and its totals."""
+
+    name: str
+    kind: str
+    description: str
+    requested: bool
+    compile_time_s: float = 0.0
+    compilations: int = 0
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class BenchResult:
+    """Everything one run measured (what ``--out`` writes, see :mod:`.report`)."""
+
+    workload: Workload
+    target: str
+    lengths: list[int]
+    trace: dict[str, Any]
+    repeat: int
+    tolerance: float
+    configs: list[ConfigSummary]
+    measurements: list[Measurement]
+
+    @property
+    def all_correct(self) -> bool:
+        """Every requested measurement ran and matched the reference."""
+        requested = {c.name for c in self.configs if c.requested}
+        rows = [m for m in self.measurements if m.config in requested]
+        return bool(rows) and all(m.error is None and m.correct for m in rows)
+
+
+def relative_error(out: np.ndarray, ref: np.ndarray) -> float:
+    """Normwise relative error ``||out - ref||_2 / ||ref||_2`` (absolute when ``ref`` is 0)."""
+    out = np.asarray(out, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    if out.shape != ref.shape:
+        raise ValueError(f"shape {out.shape} differs from the reference's {ref.shape}")
+    diff = float(np.linalg.norm((out - ref).ravel()))
+    scale = float(np.linalg.norm(ref.ravel()))
+    return diff / scale if scale > 0 else diff
+
+
+# --------------------------------------------------------------------------------------------
+# TVM
+
+
+def _memory_api() -> tuple[Callable[[], dict], Callable[[], None]]:
+    from ..runtime import memory_stats, reset_memory_stats
+
+    return memory_stats, reset_memory_stats
+
+
+def _specialize(graph: ImportedGraph, dims: dict[str, int]) -> tvm.IRModule:
+    """``main`` with every symbolic dim bound to its value (static shapes, no bound attrs)."""
+    func = graph.main
+    values = {name: tvm.tirx.IntImm("int64", value) for name, value in dims.items()}
+    func = func.bind_symbolic_vars(values)
+    for key in (UPPER_BOUND_ATTR, LOWER_BOUND_ATTR):
+        if func.attrs is not None and key in func.attrs:
+            func = func.without_attr(key)
+    return tvm.IRModule({"main": func})
+
+
+class _TvmRunner:
+    def __init__(
+        self,
+        config: TvmConfig,
+        graph: ImportedGraph,
+        target: tvm.target.Target,
+        device: Any,
+    ) -> None:
+        self.config = config
+        self.graph = graph
+        self.target = target
+        self.device = device
+        self.compilations = 0
+        self.compile_time_s = 0.0
+        self._vm: Any = None
+        self._params = [tvm.runtime.tensor(p, device) for p in graph.params]
+
+    def _compile(self, mod: tvm.IRModule) -> tuple[Any, float]:
+        start = time.perf_counter()
+        exe = tvm.compile(mod, self.target, relax_pipeline=self.config.pipeline(self.target))
+        elapsed = time.perf_counter() - start
+        self.compilations += 1
+        self.compile_time_s += elapsed
+        self._exe = exe
+        # A VM binds its builtins when constructed: the accounting wrapper is already installed.
+        return relax.VirtualMachine(exe, self.device), elapsed
+
+    def _vm_for(self, dims: dict[str, int]) -> tuple[Any, float]:
+        if self.config.static:
+            return self._compile(_specialize(self.graph, dims))
+        if self._vm is None:
+            variant = self.graph.with_upper_bounds(self.config.keep_bounds)
+            self._vm, elapsed = self._compile(variant.mod)
+            return self._vm, elapsed
+        return self._vm, 0.0
+
+    def measure(
+        self,
+        row: Measurement,
+        inputs: Sequence[np.ndarray],
+        dims: dict[str, int],
+        repeat: int,
+        budget_bytes: int | None,
+    ) -> list[np.ndarray]:
+        memory_stats, reset_memory_stats = _memory_api()
+        vm, row.compile_time_s = self._vm_for(dims)
+        row.compilations = self.compilations
+        main = vm["main"]
+        args = [tvm.runtime.tensor(a, self.device) for a in inputs] + self._params
+        with _budget(budget_bytes):
+            gc.collect()
+            reset_memory_stats()
+            base = memory_stats()["live_bytes"]
+            out = main(*args)
+            stats = memory_stats()
+            outputs = [np.asarray(t.numpy()) for t in flatten_outputs(out)]
+            del out
+            row.step_peak_bytes = int(stats["peak_bytes"] - base)
+            row.evictions = stats.get("evictions")
+            row.regenerations = stats.get("regenerations")
+            row.step_times_s = _timed(lambda: main(*args), repeat, self.device)
+            if self.device.dlpack_device_type() == tvm.cuda().dlpack_device_type():
+                row.driver_peak_bytes, row.driver_agrees = _driver_view(
+                    self._exe, args, self.device
+                )
+        return outputs
+
+
+def _driver_view(exe: Any, args: Sequence[Any], device: Any) -> tuple[int, bool]:
+    """The step's peak as the CUDA driver sees it, and whether the accounting agrees."""
+    from ..runtime.devices import agrees_with_driver, measure_driver_memory
+
+    memory_stats, reset_memory_stats = _memory_api()
+    vm = relax.VirtualMachine(exe, device, memory_cfg="naive")
+    vm["main"](*args)  # loads the kernels: first-use costs stay out of the reading
+    gc.collect()
+    reset_memory_stats()
+    base = memory_stats()["live_bytes"]
+    out, driver = measure_driver_memory(vm, "main", args, device)
+    stats = memory_stats()
+    del out
+    counted = int(stats["peak_bytes"] - base)
+    return driver.peak_bytes, agrees_with_driver(counted, driver, stats["allocations"])
+
+
+@contextlib.contextmanager
+def _budget(nbytes: int | None) -> Iterator[None]:
+    if nbytes is None:
+        yield
+        return
+    from ..runtime import set_memory_budget
+
+    with set_memory_budget(nbytes):
+        yield
+
+
+def _timed(step: Callable[[], Any], repeat: int, device: Any = None) -> list[float]:
+    """Wall times of ``repeat`` steps after one warm-up step."""
+    times = []
+    for i in range(repeat + 1):
+        start = time.perf_counter()
+        result = step()
+        if device is not None and device != tvm.cpu():
+            device.sync()
+        elapsed = time.perf_counter() - start
+        del result
+        if i:
+            times.append(elapsed)
+    return times
+
+
+# --------------------------------------------------------------------------------------------
+# PyTorch
+
+
+class _TorchRunner:
+    def __init__(self, config: TorchConfig, graph: ImportedGraph, device: Any = None) -> None:
+        import torch
+
+        if graph.torch_module is None:
+            raise ValueError(f"{config.name}: the workload has no torch module")
+        self.torch = torch
+        self.config = config
+        self.graph = graph
+        self.module = graph.torch_module
+        self.params = list(graph.torch_params or [])
+        self.cuda = (
+            device is not None and device.dlpack_device_type() == tvm.cuda().dlpack_device_type()
+        )
+        if self.cuda:
+            # A copy on the GPU: the reference keeps running the CPU original.
+            memo: dict[int, Any] = {}
+            self.module = copy.deepcopy(self.module, memo).to(f"cuda:{device.index}")
+            self.params = [memo.get(id(p), p) for p in self.params]
+        self.compilations = 0
+        self.compile_time_s = 0.0
+        self._graphs_at_start = 0
+        self.step_fn: Callable[..., Any] = self.module
+        if config.compile:
+            torch._dynamo.reset()
+            self._graphs_at_start = self._graph_count()
+            self.step_fn = torch.compile(self.module, dynamic=True)
+
+    def _graph_count(self) -> int:
+        counters = self.torch._dynamo.utils.counters
+        return int(counters["stats"]["unique_graphs"])
+
+    @contextlib.contextmanager
+    def _settings(self) -> Iterator[None]:
+        from .torch_memory import visible_inductor_allocations
+
+        with contextlib.ExitStack() as stack:
+            if self.config.compile:
+                stack.enter_context(visible_inductor_allocations())
+                # Cold compiles: a cache hit from an earlier config (or run) would hide the
+                # compile time and could reuse a graph partitioned under another budget.
+                stack.enter_context(self.torch._inductor.config.patch(fx_graph_cache=False))
+                stack.enter_context(self.torch._functorch.config.patch(enable_autograd_cache=False))
+                if self.config.activation_memory_budget is not None:
+                    stack.enter_context(
+                        self.torch._functorch.config.patch(
+                            activation_memory_budget=self.config.activation_memory_budget
+                        )
+                    )
+            if self.graph.kind != "training":
+                stack.enter_context(self.torch.no_grad())
+            yield
+
+    def _step(self, tensors: Sequence[Any]) -> list[Any]:
+        for param in self.params:
+            param.grad = None
+        result = self.step_fn(*tensors)
+        if self.graph.kind == "training":
+            (loss,) = result
+            loss.backward()
+            outputs = [loss, *[p.grad for p in self.params]]
+        else:
+            outputs = [result]
+        if self.cuda:
+            self.torch.cuda.synchronize()  # step times cover the GPU work, as TVM's do
+        return outputs
+
+    def measure(
+        self,
+        row: Measurement,
+        inputs: Sequence[np.ndarray],
+        dims: dict[str, int],
+        repeat: int,
+        budget_bytes: int | None,
+    ) -> list[np.ndarray]:
+        from .torch_memory import LiveBytesCounter
+
+        if budget_bytes is not None:
+            raise ValueError(f"{self.config.name}: runtime budgets apply to TVM configs only")
+        tensors = [self.torch.from_numpy(np.array(a)) for a in inputs]
+        if self.cuda:
+            tensors = [t.to(next(self.module.parameters()).device) for t in tensors]
+        with self._settings():
+            before = self._graph_count()
+            start = time.perf_counter()
+            self._step(tensors)
+            first_call = time.perf_counter() - start
+            compiled_now = self._graph_count() - before if self.config.compile else 0
+            gc.collect()
+            if self.cuda:
+                for param in self.params:
+                    param.grad = None  # released before the baseline is read, as _step does
+                self.torch.cuda.synchronize()
+                self.torch.cuda.reset_peak_memory_stats()
+                allocated_before = self.torch.cuda.memory_allocated()
+                outputs = self._step(tensors)
+                peak = self.torch.cuda.max_memory_allocated() - allocated_before
+                row.step_peak_bytes = int(peak)
+                arrays = [np.asarray(o.detach().cpu().numpy()).copy() for o in outputs]
+                del outputs
+            else:
+                counter = LiveBytesCounter()
+                with counter:
+                    outputs = self._step(tensors)
+                row.step_peak_bytes = int(counter.peak_bytes)
+                arrays = [np.asarray(o.detach().numpy()).copy() for o in outputs]
+                del outputs
+                counter.detach_all()
+            row.step_times_s = _timed(lambda: self._step(tensors), repeat)
+        if self.config.compile:
+            self.compilations = self._graph_count() - self._graphs_at_start
+            if compiled_now:
+                median = statistics.median(row.step_times_s) if row.step_times_s else 0.0
+                row.compile_time_s = max(0.0, first_call - median)
+                self.compile_time_s += row.compile_time_s
+        row.compilations = self.compilations
+        return arrays
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def _lower_bounds(graph: ImportedGraph, lengths: Sequence[int], warn: Callable[[str], None]):
+    try:
+        from ..analysis import memory_timeline
+
+        timeline = memory_timeline(graph.main)
+    except Exception as err:  # the analysis is optional for the ruler; report and go on
+        warn(f"lower bound unavailable: memory_timeline failed ({type(err).__name__}: {err})")
+        return dict.fromkeys(lengths)
+    bounds: dict[int, int | None] = {}
+    for length in lengths:
+        try:
+            bounds[length] = int(timeline.evaluate({"s": length}).lower_bound)
+        except Exception as err:
+            warn(f"lower bound at s={length} unavailable ({type(err).__name__}: {err})")
+            bounds[length] = None
+    return bounds
+
+
+def _device_for(target: tvm.target.Target) -> Any:
+    kind = target.kind.name
+    return tvm.cpu() if kind in ("llvm", "c") else tvm.device(kind, 0)
+
+
+def run_benchmark(
+    workload: Workload,
+    config_names: Sequence[str],
+    lengths: Sequence[int],
+    *,
+    target: str | dict | tvm.target.Target = "llvm",
+    repeat: int = 3,
+    tolerance: float = 1e-4,
+    trace: dict[str, Any] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> BenchResult:
+    """Measure every configuration at every length (see the module docstring).
+
+    Parameters
+    ----------
+    workload
+        What to run (:func:`~.workloads.build_workload`).
+    config_names
+        Registry names; budget references are added (and run first) when missing.
+    lengths
+        Sequence lengths; each is checked against the exported range before anything runs.
+    target
+        TVM target for the TVM configurations (torch runs on the CPU).
+    repeat
+        Timed steps per configuration and length (after one warm-up step).
+    tolerance
+        Largest relative error counted as correct.
+    trace
+        Description of the trace, copied into the result.
+    progress
+        Called with one line per step of the run (e.g. print to stderr).
+    """
+    from ..pipeline import as_target
+
+    say = progress or (lambda _msg: None)
+    tgt = as_target(target)
+    device = _device_for(tgt)
+    if tgt.kind.name == "cuda":
+        from ..runtime.devices import configure_cuda_compiler
+
+        configure_cuda_compiler()  # on a GPU machine TVM compiles the CUDA C while building
+    graph = workload.graph
+    lengths = sorted(set(int(n) for n in lengths))
+    inputs = {n: workload.inputs(n) for n in lengths}
+    dims = {n: graph.bind_dims(inputs[n]) for n in lengths}  # checks the ranges first
+    caller = {n: graph.param_bytes + int(sum(a.nbytes for a in inputs[n])) for n in lengths}
+
+    say("computing torch references and lower bounds")
+    references = {n: graph.reference(inputs[n]) if graph.reference else None for n in lengths}
+    lower = _lower_bounds(graph, lengths, say)
+
+    plan = resolve_configs(list(config_names))
+    summaries: list[ConfigSummary] = []
+    rows: list[Measurement] = []
+    step_peaks: dict[tuple[str, int], int | None] = {}
+    for config, requested in plan:
+        summary = _summary(config, requested)
+        summaries.append(summary)
+        try:
+            runner: Any = (
+                _TvmRunner(config, graph, tgt, device)
+                if isinstance(config, TvmConfig)
+                else _TorchRunner(config, graph, device)
+            )
+        except Exception as err:
+            for n in lengths:
+                rows.append(Measurement(config.name, n, error=_describe(err)))
+            say(f"{config.name}: failed to set up: {_describe(err)}")
+            continue
+        for n in lengths:
+            row = Measurement(config.name, n, caller_bytes=caller[n], lower_bound_bytes=lower[n])
+            budget = None
+            if isinstance(config, TvmConfig) and config.budget is not None:
+                reference_peak = step_peaks.get((config.budget_of, n))
+                if reference_peak is None:
+                    row.error = f"no peak of {config.budget_of} at s={n} to take the budget from"
+                    rows.append(row)
+                    continue
+                budget = max(1, int(config.budget * reference_peak))
+                row.budget_bytes = budget
+            say(f"{config.name}: s={n}")
+            try:
+                outputs = runner.measure(row, inputs[n], dims[n], repeat, budget)
+                row.peak_bytes = row.step_peak_bytes + caller[n]
+                row.step_time_s = statistics.median(row.step_times_s)
+                _check(row, outputs, references[n], graph, tolerance)
+            except Exception as err:
+                row.error = _describe(err)
+                say(f"{config.name}: s={n}: {row.error}")
+            step_peaks[(config.name, n)] = row.step_peak_bytes
+            rows.append(row)
+        summary.compile_time_s = runner.compile_time_s
+        summary.compilations = runner.compilations
+    return BenchResult(
+        workload=workload,
+        target=str(tgt.kind.name) if not isinstance(target, str) else target,
+        lengths=lengths,
+        trace=trace or {},
+        repeat=repeat,
+        tolerance=tolerance,
+        configs=summaries,
+        measurements=rows,
+    )
+
+
+def _check(
+    row: Measurement,
+    outputs: list[np.ndarray],
+    reference: list[np.ndarray] | None,
+    graph: ImportedGraph,
+    tolerance: float,
+) -> None:
+    if graph.kind == "training" and outputs:
+        row.loss = float(np.asarray(outputs[0]).reshape(-1)[0])
+    if reference is None:
+        return
+    if len(outputs) != len(reference):
+        raise ValueError(f"{len(outputs)} outputs, the reference has {len(reference)}")
+    row.max_rel_error = max(relative_error(o, r) for o, r in zip(outputs, reference))
+    row.correct = bool(row.max_rel_error <= tolerance)
+
+
+def _describe(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    # TVM errors carry a long traceback; the last line holds the message.
+    message = text[-1] if text else ""
+    return f"{type(err).__name__}: {message}"[:500]
+
+
+def _summary(config: BenchConfig, requested: bool) -> ConfigSummary:
+    if isinstance(config, TvmConfig):
+        settings = {
+            "static": config.static,
+            "keep_bounds": config.keep_bounds,
+            "budget": config.budget,
+            "budget_of": config.budget_of,
+        }
+    else:
+        settings = {
+            "compile": config.compile,
+            "activation_memory_budget": config.activation_memory_budget,
+        }
+    return ConfigSummary(
+        name=config.name,
+        kind=config.kind,
+        description=config.description,
+        requested=requested,
+        settings=settings,
+    )
+
+
+def measurement_dict(row: Measurement) -> dict[str, Any]:
+    """``row`` as a JSON-ready dict."""
+    return asdict(row)
+
+
+def _stderr(message: str) -> None:
+    print(f"... {message}", file=sys.stderr, flush=True)

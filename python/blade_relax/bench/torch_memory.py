@@ -1,0 +1,122 @@
+"""Live bytes of PyTorch on the CPU, counted by a ``TorchDispatchMode``.
+
+PyTorch has no allocator statistics for the CPU. :class:`LiveBytesCounter` sees every ATen op
+while it is active and records each storage an op *creates* (an output whose storage is not one
+of the op's inputs: views, in-place and ``out=`` ops allocate nothing), with a weak-reference
+finalizer that subtracts its bytes when the storage dies. ``peak_bytes`` is the highest total of
+live recorded storage: what a step allocates on top of what existed before (parameters,
+inputs), outputs and gradients included.
+
+``torch.compile`` needs two things to be measured the same way:
+
+* the mode declares ``ignore_compile_internals``, without which dynamo refuses to run compiled
+  code under a dispatch mode and silently falls back to eager;
+* Inductor's CPU wrapper allocates buffers with ``torch._C._dynamo.guards._empty_strided_cpu``,
+  which bypasses the dispatcher. :func:`visible_inductor_allocations` replaces it, while
+  compiled code is generated and run, by ``torch.empty_strided`` (the same allocation, through
+  the dispatcher, so the mode sees it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["LiveBytesCounter", "visible_inductor_allocations"]
+
+
+def _mode_base() -> type:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+def _storages(tree: Any) -> list[Any]:
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    found = []
+    for leaf in tree_flatten(tree)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
+            found.append(leaf.untyped_storage())
+    return found
+
+
+def _make_counter_class() -> type:
+    base = _mode_base()
+
+    class _LiveBytesCounter(base):  # type: ignore[misc, valid-type]
+        @classmethod
+        def ignore_compile_internals(cls) -> bool:
+            return True
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.live_bytes = 0
+            self.peak_bytes = 0
+            self.allocations = 0
+            self._tracked: dict[int, weakref.finalize] = {}
+
+        def _release(self, key: int, nbytes: int) -> None:
+            self.live_bytes -= nbytes
+            self._tracked.pop(key, None)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            inputs = {st.data_ptr() for st in _storages((args, kwargs)) if st.nbytes()}
+            for storage in _storages(out):
+                nbytes = storage.nbytes()
+                key = id(storage)
+                if nbytes == 0 or key in self._tracked or storage.data_ptr() in inputs:
+                    continue
+                self._tracked[key] = weakref.finalize(storage, self._release, key, nbytes)
+                self.live_bytes += nbytes
+                self.allocations += 1
+                self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            return out
+
+        def detach_all(self) -> None:
+            """Stop watching the recorded storages (their finalizers will not fire)."""
+            for finalizer in self._tracked.values():
+                finalizer.detach()
+            self._tracked.clear()
+
+    return _LiveBytesCounter
+
+
+_COUNTER_CLASS: type | None = None
+
+
+def LiveBytesCounter() -> Any:  # noqa: N802  (a factory that reads as a class)
+    """A fresh counter: ``with LiveBytesCounter() as c: step(); c.peak_bytes``.
+
+    Attributes of the returned mode: ``peak_bytes``, ``live_bytes`` and ``allocations``.
+    """
+    global _COUNTER_CLASS
+    if _COUNTER_CLASS is None:
+        _COUNTER_CLASS = _make_counter_class()
+    return _COUNTER_CLASS()
+
+
+@contextlib.contextmanager
+def visible_inductor_allocations() -> Iterator[None]:
+    """Route Inductor's CPU buffer allocations through the dispatcher while active."""
+    import torch
+
+    guards = torch._C._dynamo.guards
+    original = getattr(guards, "_empty_strided_cpu", None)
+    if original is None:  # pragma: no cover - other torch versions
+        yield
+        return
+
+    def empty_strided_cpu(size, stride, dtype):
+        return torch.empty_strided(size, stride, dtype=dtype, device="cpu")
+
+    guards._empty_strided_cpu = empty_strided_cpu
+    try:
+        yield
+    finally:
+        guards._empty_strided_cpu = original

@@ -1,0 +1,281 @@
+"""Benchmark workloads: a model, its imported graph, and its torch counterpart.
+
+``llama-train``
+    ``LlamaForCausalLM`` training step (loss + every gradient), torch's joint export.
+``gpt2-train``
+    ``GPT2LMHeadModel`` training step (``tie_word_embeddings=False``).
+``gpt2-infer``
+    ``GPT2LMHeadModel`` logits.
+``mlp-train``
+    A Relax-native MLP classifier over ``s`` tokens, differentiated by
+    ``relax.transform.Gradient``; the same model in torch is its reference.
+
+Models are built from a config with seeded random weights (nothing is downloaded). Sizes come
+from :class:`ModelSizes`: ``SMALL`` finishes on a 2-core CPU in minutes, ``REAL`` is the
+size to run on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from ..frontend import ImportedGraph, import_inference, import_training_step, relax_training_step
+
+__all__ = ["REAL", "SMALL", "WORKLOADS", "ModelSizes", "Workload", "build_workload"]
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """Model and run sizes of a workload.
+
+    Attributes
+    ----------
+    layers, hidden, heads, kv_heads, intermediate, vocab
+        Decoder layers, hidden size, attention heads, key/value heads (Llama), MLP width and
+        vocabulary (the number of classes for ``mlp-train``).
+    max_seq_len, min_seq_len
+        The exported range of the sequence length ``s``.
+    batch
+        Batch size (static).
+    """
+
+    layers: int = 2
+    hidden: int = 128
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 256
+    vocab: int = 512
+    max_seq_len: int = 256
+    min_seq_len: int = 2
+    batch: int = 1
+
+
+SMALL = ModelSizes()
+REAL = ModelSizes(
+    layers=4,
+    hidden=1024,
+    heads=16,
+    kv_heads=8,
+    intermediate=2816,
+    vocab=32000,
+    max_seq_len=2048,
+)
+PRESETS = {"small": SMALL, "real": REAL}
+
+
+@dataclass
+class Workload:
+    """One benchmark workload, ready to be measured.
+
+    Attributes
+    ----------
+    name
+        Registry name (``"llama-train"``).
+    sizes
+        The sizes it was built with.
+    graph
+        The imported graph (symbolic length ``s``, upper bound kept); configurations derive
+        their variants from it.
+    """
+
+    name: str
+    sizes: ModelSizes
+    graph: ImportedGraph
+
+    @property
+    def kind(self) -> str:
+        return self.graph.kind
+
+    def inputs(self, length: int, seed: int = 0) -> list[np.ndarray]:
+        """Seeded inputs at sequence length ``length`` (checked against the exported range)."""
+        dims = {"s": length}
+        if "b" in self.graph.dims:
+            dims["b"] = self.sizes.batch
+        return self.graph.random_inputs(dims, seed=seed + length)
+
+
+def _seed_torch(seed: int) -> None:
+    import torch
+
+    torch.manual_seed(seed)
+
+
+def _llama(sizes: ModelSizes, seed: int) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _seed_torch(seed)
+    config = LlamaConfig(
+        vocab_size=sizes.vocab,
+        hidden_size=sizes.hidden,
+        intermediate_size=sizes.intermediate,
+        num_hidden_layers=sizes.layers,
+        num_attention_heads=sizes.heads,
+        num_key_value_heads=sizes.kv_heads,
+        max_position_embeddings=max(sizes.max_seq_len, 2),
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    return LlamaForCausalLM(config).float()
+
+
+def _gpt2(sizes: ModelSizes, seed: int) -> Any:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    _seed_torch(seed)
+    config = GPT2Config(
+        vocab_size=sizes.vocab,
+        n_embd=sizes.hidden,
+        n_layer=sizes.layers,
+        n_head=sizes.heads,
+        n_inner=sizes.intermediate,
+        n_positions=max(sizes.max_seq_len, 2),
+        tie_word_embeddings=False,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        attn_implementation="eager",
+    )
+    return GPT2LMHeadModel(config).float()
+
+
+def _llama_train(sizes: ModelSizes, seed: int) -> ImportedGraph:
+    return import_training_step(
+        _llama(sizes, seed),
+        max_seq_len=sizes.max_seq_len,
+        min_seq_len=sizes.min_seq_len,
+        batch_size=sizes.batch,
+    )
+
+
+def _gpt2_train(sizes: ModelSizes, seed: int) -> ImportedGraph:
+    return import_training_step(
+        _gpt2(sizes, seed),
+        max_seq_len=sizes.max_seq_len,
+        min_seq_len=sizes.min_seq_len,
+        batch_size=sizes.batch,
+    )
+
+
+def _gpt2_infer(sizes: ModelSizes, seed: int) -> ImportedGraph:
+    return import_inference(
+        _gpt2(sizes, seed),
+        max_seq_len=sizes.max_seq_len,
+        min_seq_len=sizes.min_seq_len,
+        batch_size=sizes.batch,
+    )
+
+
+def mlp_forward_module(sizes: ModelSizes) -> tvm.IRModule:
+    """``main(x, onehot, w0, b0, ..., w_out, b_out) -> loss`` with ``x: (s, hidden)``.
+
+    ``layers`` hidden layers of ``Linear(hidden, intermediate) -> relu`` (the first from
+    ``hidden``), a ``Linear(., vocab)`` head, and the summed cross-entropy
+    ``-sum(log_softmax(logits) * onehot)`` (a sum: ``Gradient`` cannot differentiate ``mean``
+    over a symbolic axis).
+    """
+    s = tvm.tirx.Var("s", "int64")
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((s, sizes.hidden), "float32"))
+    onehot = relax.Var("onehot", relax.TensorType((s, sizes.vocab), "float32"))
+    widths = [sizes.hidden] + [sizes.intermediate] * sizes.layers + [sizes.vocab]
+    weights: list[relax.Var] = []
+    for i, (fan_in, fan_out) in enumerate(zip(widths[:-1], widths[1:])):
+        weights.append(relax.Var(f"w{i}", relax.TensorType((fan_in, fan_out), "float32")))
+        weights.append(relax.Var(f"b{i}", relax.TensorType((fan_out,), "float32")))
+    op = relax.op
+    with bb.function("main", [x, onehot, *weights]):
+        with bb.dataflow():
+            h = x
+            for i in range(len(widths) - 1):
+                h = bb.emit(op.add(op.matmul(h, weights[2 * i]), weights[2 * i + 1]))
+                if i < len(widths) - 2:
+                    h = bb.emit(op.nn.relu(h))
+            logp = bb.emit(op.nn.log_softmax(h, axis=-1))
+            picked = bb.emit(op.sum(op.multiply(logp, onehot)))
+            loss = bb.emit_output(op.negative(picked))
+        bb.emit_func_output(loss)
+    return bb.get()
+
+
+def _mlp_torch(sizes: ModelSizes, params: Sequence[np.ndarray]) -> Any:
+    import torch
+
+    class MlpStep(torch.nn.Module):
+        """The torch twin of :func:`mlp_forward_module`: ``(x, onehot) -> (loss,)``."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.weights = torch.nn.ParameterList(
+                [torch.nn.Parameter(torch.from_numpy(np.array(p))) for p in params]
+            )
+
+        def forward(self, x, onehot):
+            h = x
+            count = len(self.weights) // 2
+            for i in range(count):
+                h = h @ self.weights[2 * i] + self.weights[2 * i + 1]
+                if i < count - 1:
+                    h = torch.relu(h)
+            loss = -(torch.log_softmax(h, dim=-1) * onehot).sum()
+            return (loss,)
+
+    return MlpStep()
+
+
+def _mlp_train(sizes: ModelSizes, seed: int) -> ImportedGraph:
+    import torch
+
+    forward = mlp_forward_module(sizes)
+    rng = np.random.default_rng(seed)
+    params = []
+    for param in forward["main"].params[2:]:
+        shape = [int(v) for v in param.ty.shape.values]
+        scale = 1.0 / np.sqrt(shape[0]) if len(shape) == 2 else 0.1
+        params.append((rng.standard_normal(shape) * scale).astype("float32"))
+    module = _mlp_torch(sizes, params)
+    names = [p.name for p in forward["main"].params[2:]]
+
+    def reference(inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+        module.zero_grad(set_to_none=True)
+        (loss,) = module(*(torch.from_numpy(np.asarray(a)) for a in inputs))
+        loss.backward()
+        grads = [p.grad.numpy().copy() for p in module.weights]
+        module.zero_grad(set_to_none=True)
+        return [loss.detach().numpy().copy(), *grads]
+
+    graph = relax_training_step(
+        forward,
+        params=params,
+        num_input=2,
+        dims={"s": (sizes.min_seq_len, sizes.max_seq_len)},
+        param_names=names,
+        reference=reference,
+    )
+    return dataclasses.replace(graph, torch_module=module, torch_params=list(module.weights))
+
+
+WORKLOADS: dict[str, Callable[[ModelSizes, int], ImportedGraph]] = {
+    "llama-train": _llama_train,
+    "gpt2-train": _gpt2_train,
+    "gpt2-infer": _gpt2_infer,
+    "mlp-train": _mlp_train,
+}
+
+
+def build_workload(name: str, sizes: ModelSizes = SMALL, seed: int = 0) -> Workload:
+    """Build the model (seeded random weights) and import its graph."""
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
+    if sizes.hidden % sizes.heads or sizes.heads % max(sizes.kv_heads, 1):
+        raise ValueError(
+            f"hidden ({sizes.hidden}) must be a multiple of heads ({sizes.heads}), and heads "
+            f"a multiple of kv_heads ({sizes.kv_heads})"
+        )
+    return Workload(name=name, sizes=sizes, graph=WORKLOADS[name](sizes, seed))

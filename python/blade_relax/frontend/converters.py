@@ -1,0 +1,151 @@
+"""Converters for ATen operators that TVM 0.27's ``from_exported_program`` gets wrong or lacks.
+
+They are handed to ``from_exported_program(custom_convert_map=...)`` for every graph this package
+imports (inference graphs and joint forward+backward training graphs). Each converter takes the
+FX node and the importer, emits Relax through ``importer.block_builder`` and returns the result.
+
+Why each one exists:
+
+``empty_permuted.default``
+    Emitted by the joint graph for gradient buffers; its sizes hold symbolic values, which the
+    built-in converter passes through unconverted.
+``index_put.default`` with one index tensor
+    The backward of ``embedding``: ``zeros[V, H].index_put_([ids], grad, accumulate=True)``. It
+    becomes one ``scatter_elements`` with ``reduction="add"`` over flattened indices, which
+    legalizes for any symbolic number of indices.
+``native_layer_norm.default``
+    Must return the triple ``(out, mean, rstd)``: the backward graph reads ``mean`` and ``rstd``.
+    The built-in converter returns ``out`` alone, and ``getitem(out, 1)`` on a tensor then
+    silently yields ``out`` again, which corrupts GPT-2's gradients without any error.
+``slice.Tensor`` on a symbolic axis
+    ``labels[..., 1:]`` arrives with ``end = 2**63 - 1``. The built-in converter keeps that end,
+    so shapes become ``min(2**63 - 2, s)`` and byte counts overflow int64 during lowering. The
+    end is replaced by the axis size (and negative bounds are made relative to it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import tvm
+from tvm import relax
+
+__all__ = ["CUSTOM_CONVERTERS", "custom_convert_map"]
+
+# torch uses INT64_MAX for "to the end"; anything this large cannot be a real index.
+_OPEN_END = 1 << 62
+
+
+def _empty_permuted(node: Any, importer: Any) -> relax.Var:
+    import torch
+
+    size = importer.retrieve_args(node)[0]
+    dtype = importer._convert_data_type(
+        node.kwargs.get("dtype", torch.get_default_dtype()), importer.env
+    )
+    # The contents of an empty tensor are undefined; zeros are a valid choice.
+    return importer.block_builder.emit(relax.op.zeros(relax.ShapeExpr(list(size)), dtype))
+
+
+def _index_put(node: Any, importer: Any) -> relax.Var:
+    args = importer.retrieve_args(node)
+    data = args[0]
+    indices = args[1] if len(args) > 1 else node.kwargs.get("indices")
+    values = args[2] if len(args) > 2 else node.kwargs.get("values")
+    accumulate = args[3] if len(args) > 3 else node.kwargs.get("accumulate", False)
+    if (
+        not isinstance(indices, list | tuple)
+        or len(indices) != 1
+        or indices[0] is None
+        or not isinstance(data.ty, relax.TensorType)
+        or data.ty.shape is None
+    ):
+        return importer._index_put(node)
+    index = indices[0]
+    bb = importer.block_builder
+    data_shape = list(data.ty.shape.values)
+    index_shape = list(index.ty.shape.values)
+    # values broadcast to index.shape + data.shape[1:]; flatten the index dims into one.
+    values = bb.emit(relax.op.broadcast_to(values, relax.ShapeExpr(index_shape + data_shape[1:])))
+    flat_index = bb.emit(relax.op.reshape(index, [-1]))
+    flat_values = bb.emit(relax.op.reshape(values, [-1, *data_shape[1:]]))
+    expanded = flat_index
+    for _ in range(len(data_shape) - 1):
+        expanded = bb.emit(relax.op.expand_dims(expanded, -1))
+    expanded = bb.emit(relax.op.broadcast_to(expanded, flat_values.ty.shape))
+    reduction = "add" if accumulate else "update"
+    return bb.emit(
+        relax.op.scatter_elements(data, expanded, flat_values, axis=0, reduction=reduction)
+    )
+
+
+def _native_layer_norm(node: Any, importer: Any) -> relax.Var:
+    args = importer.retrieve_args(node)
+    x = args[0]
+    normalized_shape = node.args[1]
+    weight = args[2] if len(args) > 2 else None
+    bias = args[3] if len(args) > 3 else None
+    eps = float(args[4]) if len(args) > 4 else 1e-5
+    bb = importer.block_builder
+    dtype = x.ty.dtype
+    axes = list(range(-len(normalized_shape), 0))
+    mean = bb.emit(relax.op.mean(x, axes, keepdims=True))
+    centered = bb.emit(relax.op.subtract(x, mean))
+    squared = bb.emit(relax.op.multiply(centered, centered))
+    variance = bb.emit(relax.op.mean(squared, axes, keepdims=True))
+    rstd = bb.emit(relax.op.rsqrt(relax.op.add(variance, relax.const(eps, dtype))))
+    out = bb.emit(relax.op.multiply(centered, rstd))
+    if weight is not None:
+        out = bb.emit(relax.op.multiply(out, weight))
+    if bias is not None:
+        out = bb.emit(relax.op.add(out, bias))
+    return bb.emit(relax.Tuple([out, mean, rstd]))
+
+
+def _slice(node: Any, importer: Any) -> relax.Var:
+    x = importer.env[node.args[0]]
+    dim = node.args[1] if len(node.args) > 1 else 0
+    start = node.args[2] if len(node.args) > 2 else None
+    end = node.args[3] if len(node.args) > 3 else None
+    step = node.args[4] if len(node.args) > 4 else 1
+    shape = getattr(getattr(x, "ty", None), "shape", None)
+    values = getattr(shape, "values", None)
+    if values is None:
+        return importer._slice(node)
+    axis = dim % len(values)
+    size = values[axis]
+    start = 0 if start is None else start
+    end = _OPEN_END if end is None else end
+    constant_bounds = all(isinstance(v, int) for v in (start, end, step))
+    if isinstance(size, tvm.tirx.IntImm) or not constant_bounds or step != 1:
+        return importer._slice(node)
+    begin = size + start if start < 0 else start
+    if end >= _OPEN_END:
+        stop = size
+    elif end < 0:
+        stop = size + end
+    else:
+        return importer._slice(node)
+    if isinstance(begin, int) and begin == 0 and stop is size:
+        return x
+    # In bounds by construction: the stop is the axis size (or relative to it) and the start a
+    # small constant the exported length range admits.
+    return importer.block_builder.emit(
+        relax.op.strided_slice(x, [axis], [begin], [stop], [1], assume_inbound=True)
+    )
+
+
+CUSTOM_CONVERTERS: dict[str, Callable[[Any, Any], relax.Var]] = {
+    "empty_permuted.default": _empty_permuted,
+    "index_put.default": _index_put,
+    "native_layer_norm.default": _native_layer_norm,
+    "slice.Tensor": _slice,
+}
+
+
+def custom_convert_map(extra: dict[str, Callable[[Any, Any], relax.Var]] | None = None) -> dict:
+    """The converters above, updated with ``extra`` (a user's own converters win)."""
+    converters = dict(CUSTOM_CONVERTERS)
+    converters.update(extra or {})
+    return converters

@@ -1,0 +1,273 @@
+"""What an import returns: a Relax module with named symbolic dims, its weights, and a reference.
+
+:class:`ImportedGraph` is the one result type of every importer in this package (Hugging Face
+inference graphs, joint training steps, Relax-native training steps built by ``Gradient``). The
+calling convention of its ``main`` is fixed: the user inputs first (``input_names``), then the
+parameters (``param_names``, whose arrays are ``params``), and the outputs, flattened, are
+``output_names``.
+
+The exported range of every symbolic dim is kept in ``dims`` whether or not the function keeps
+its ``tir_var_upper_bound`` attribute, so :meth:`ImportedGraph.bind_dims` refuses a length beyond
+the range before anything runs (a graph exported by ``torch.export`` is only valid inside it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import tvm
+from tvm import relax
+
+__all__ = [
+    "DimOutOfRangeError",
+    "DimRange",
+    "ImportedGraph",
+    "drop_upper_bounds",
+    "flatten_outputs",
+    "set_dim_bounds",
+]
+
+UPPER_BOUND_ATTR = "tir_var_upper_bound"
+LOWER_BOUND_ATTR = "tir_var_lower_bound"
+
+
+class DimOutOfRangeError(ValueError):
+    """A concrete size lies outside the range a symbolic dim was exported (or declared) with."""
+
+
+@dataclass(frozen=True)
+class DimRange:
+    """The admissible values of one symbolic dim: ``lower <= value <= upper``.
+
+    Attributes
+    ----------
+    name
+        The dim's name, equal to the name of its ``tirx.Var`` in ``main``.
+    lower
+        Smallest admissible value.
+    upper
+        Largest admissible value, ``None`` when unbounded.
+    """
+
+    name: str
+    lower: int = 1
+    upper: int | None = None
+
+    def check(self, value: int, *, what: str | None = None) -> None:
+        """Raise :class:`DimOutOfRangeError` naming the bound when ``value`` is outside."""
+        label = what or f"dim {self.name!r}"
+        if value < self.lower:
+            raise DimOutOfRangeError(
+                f"{label} = {value} is below the exported lower bound {self.name} >= {self.lower}"
+            )
+        if self.upper is not None and value > self.upper:
+            raise DimOutOfRangeError(
+                f"{label} = {value} exceeds the exported upper bound {self.name} <= "
+                f"{self.upper} (the torch.export Dim max); import again with a larger maximum "
+                f"to run it"
+            )
+
+
+@dataclass
+class ImportedGraph:
+    """A Relax ``IRModule`` with a symbolic sequence length (and batch), ready to compile.
+
+    Attributes
+    ----------
+    mod
+        The module; its ``main`` takes ``input_names`` then ``param_names``.
+    params
+        The parameter arrays, in the order of ``param_names`` (the caller owns them).
+    input_names, param_names, output_names
+        Names of the inputs, parameters (as in ``model.named_parameters()``) and flattened
+        outputs (``"loss"``, ``"grad:<param name>"``, ``"logits"``, ...).
+    input_shapes
+        Shape of each input, a dim name for every symbolic axis (``(1, "s")``).
+    input_dtypes
+        Dtype of each input.
+    dims
+        The symbolic dims and the ranges they were exported with.
+    kind
+        ``"training"`` (loss and gradients) or ``"inference"``.
+    reference
+        Computes the same outputs with the source framework from numpy inputs (``None`` when
+        there is none); what correctness is checked against.
+    torch_module
+        For torch imports, the ``torch.nn.Module`` that was exported (its ``forward`` takes the
+        inputs as torch tensors and returns ``(loss,)`` or the logits).
+    torch_params
+        The torch parameters in the order of ``param_names`` (their ``.grad`` after a step are
+        the gradients ``main`` returns).
+    int_input_high
+        Exclusive upper bound of values for integer inputs (the vocabulary size for token ids).
+    """
+
+    mod: tvm.IRModule
+    params: list[np.ndarray]
+    input_names: list[str]
+    param_names: list[str]
+    output_names: list[str]
+    input_shapes: list[tuple[int | str, ...]]
+    input_dtypes: list[str]
+    dims: dict[str, DimRange]
+    kind: str
+    reference: Callable[[Sequence[np.ndarray]], list[np.ndarray]] | None = None
+    torch_module: Any = None
+    torch_params: list[Any] | None = None
+    int_input_high: int | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def main(self) -> relax.Function:
+        """The ``main`` function of :attr:`mod`."""
+        return self.mod["main"]
+
+    @property
+    def upper_bounds(self) -> dict[str, int]:
+        """The ``tir_var_upper_bound`` attribute of ``main`` (empty when dropped)."""
+        return _bounds_attr(self.main, UPPER_BOUND_ATTR)
+
+    @property
+    def param_bytes(self) -> int:
+        """Total bytes of :attr:`params`."""
+        return int(sum(p.nbytes for p in self.params))
+
+    def with_upper_bounds(self, keep: bool) -> ImportedGraph:
+        """A copy whose ``main`` keeps (planned at the bound) or drops its upper bounds.
+
+        Stock TVM's ``StaticPlanBlockMemory`` plans every internal buffer at the upper bound
+        when the attribute is present (the same bytes at every length); without it, dynamic
+        buffers are allocated at their actual size.
+        """
+        if keep:
+            bounds = {name: d.upper for name, d in self.dims.items() if d.upper is not None}
+            mod = set_dim_bounds(self.mod, upper=bounds)
+        else:
+            mod = drop_upper_bounds(self.mod)
+        return dataclasses.replace(self, mod=mod)
+
+    def check_dims(self, dims: Mapping[str, int]) -> None:
+        """Check concrete dims against :attr:`dims`; unknown names are an error too."""
+        for name, value in dims.items():
+            if name not in self.dims:
+                raise ValueError(f"unknown dim {name!r}; the graph has {sorted(self.dims)}")
+            what = "sequence length" if name == "s" else ("batch size" if name == "b" else None)
+            self.dims[name].check(int(value), what=f"{what} {name}" if what else None)
+
+    def bind_dims(self, inputs: Sequence[Any]) -> dict[str, int]:
+        """Concrete dims from the shapes of ``inputs`` (arrays or shapes), checked.
+
+        Raises
+        ------
+        DimOutOfRangeError
+            When a dim lies outside its exported range; the message names the bound.
+        ValueError
+            On a wrong number of inputs, a rank mismatch, or inconsistent sizes.
+        """
+        if len(inputs) != len(self.input_shapes):
+            raise ValueError(
+                f"expected {len(self.input_shapes)} inputs ({', '.join(self.input_names)}), "
+                f"got {len(inputs)}"
+            )
+        dims: dict[str, int] = {}
+        for name, spec, value in zip(self.input_names, self.input_shapes, inputs):
+            shape = tuple(int(v) for v in getattr(value, "shape", value))
+            if len(shape) != len(spec):
+                raise ValueError(f"input {name!r} has shape {shape}, expected rank {len(spec)}")
+            for axis, (want, got) in enumerate(zip(spec, shape)):
+                if isinstance(want, str):
+                    if dims.setdefault(want, got) != got:
+                        raise ValueError(
+                            f"input {name!r} axis {axis} is {got}, but dim {want!r} is "
+                            f"{dims[want]} in an earlier input"
+                        )
+                elif want != got:
+                    raise ValueError(f"input {name!r} axis {axis} is {got}, expected {want}")
+        self.check_dims(dims)
+        return dims
+
+    def input_shapes_at(self, dims: Mapping[str, int]) -> list[tuple[int, ...]]:
+        """The concrete input shapes at ``dims`` (checked against the ranges)."""
+        self.check_dims(dims)
+        return [
+            tuple(int(dims[v]) if isinstance(v, str) else int(v) for v in spec)
+            for spec in self.input_shapes
+        ]
+
+    def random_inputs(self, dims: Mapping[str, int], seed: int = 0) -> list[np.ndarray]:
+        """Seeded random inputs at ``dims``: token ids below :attr:`int_input_high`, floats
+        from a standard normal, one-hot rows for float inputs named ``*onehot*``."""
+        rng = np.random.default_rng(seed)
+        arrays = []
+        for name, shape, dtype in zip(
+            self.input_names, self.input_shapes_at(dims), self.input_dtypes
+        ):
+            if np.dtype(dtype).kind in "iu":
+                high = self.int_input_high or 2
+                arrays.append(rng.integers(0, high, size=shape).astype(dtype))
+            elif "onehot" in name:
+                classes = shape[-1]
+                picks = rng.integers(0, classes, size=shape[:-1])
+                arrays.append(np.eye(classes, dtype=dtype)[picks])
+            else:
+                arrays.append(rng.standard_normal(shape).astype(dtype))
+        return arrays
+
+
+def _bounds_attr(func: relax.Function, key: str) -> dict[str, int]:
+    attrs = func.attrs
+    if attrs is None or key not in attrs:
+        return {}
+    return {str(k): int(v) for k, v in attrs[key].items()}
+
+
+def drop_upper_bounds(mod: tvm.IRModule, func_name: str = "main") -> tvm.IRModule:
+    """A copy of ``mod`` whose ``func_name`` has no ``tir_var_upper_bound`` attribute."""
+    func = mod[func_name]
+    if UPPER_BOUND_ATTR not in (func.attrs or {}):
+        return mod
+    out = tvm.IRModule(dict(mod.functions), attrs=mod.attrs)
+    out[func_name] = func.without_attr(UPPER_BOUND_ATTR)
+    return out
+
+
+def set_dim_bounds(
+    mod: tvm.IRModule,
+    *,
+    upper: Mapping[str, int] | None = None,
+    lower: Mapping[str, int] | None = None,
+    func_name: str = "main",
+) -> tvm.IRModule:
+    """A copy of ``mod`` with ``tir_var_upper_bound`` / ``tir_var_lower_bound`` set on
+    ``func_name`` (a mapping left ``None`` leaves that attribute unchanged; an empty one
+    removes it)."""
+    func = mod[func_name]
+    for key, bounds in ((UPPER_BOUND_ATTR, upper), (LOWER_BOUND_ATTR, lower)):
+        if bounds is None:
+            continue
+        if bounds:
+            value = {str(k): tvm.tirx.IntImm("int64", int(v)) for k, v in bounds.items()}
+            func = func.with_attr(key, value)
+        elif key in (func.attrs or {}):
+            func = func.without_attr(key)
+    out = tvm.IRModule(dict(mod.functions), attrs=mod.attrs)
+    out[func_name] = func
+    return out
+
+
+def flatten_outputs(value: Any) -> list[Any]:
+    """Flatten the (possibly nested) tuple a VM function returns into a list of tensors."""
+    if isinstance(value, tvm.runtime.Tensor):
+        return [value]
+    if isinstance(value, list | tuple) or (
+        hasattr(value, "__len__") and hasattr(value, "__getitem__") and not hasattr(value, "shape")
+    ):
+        out: list[Any] = []
+        for item in value:
+            out.extend(flatten_outputs(item))
+        return out
+    return [value]

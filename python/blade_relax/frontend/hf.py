@@ -1,0 +1,547 @@
+"""Hugging Face causal LMs to Relax, with a symbolic sequence length ``s`` (and batch ``b``).
+
+Two graphs come out of one model object (built from a config, random weights):
+
+* :func:`import_inference`: ``input_ids -> logits``, by ``torch.export`` with ``Dim`` objects
+  and TVM's ``from_exported_program``.
+* :func:`import_training_step`: ``(input_ids, labels) -> (loss, grad of every trainable
+  parameter)``, from torch's joint forward+backward export
+  (``torch.export.experimental._export_forward_backward``). The importer drops gradient outputs,
+  so they are relabelled as user outputs first; a few ATen converters are replaced
+  (:mod:`.converters`).
+
+Conventions that hold for both: the model runs with ``attention_mask = ones_like(input_ids)``
+(without it the traced packed-sequence detection yields graphs TVM cannot compile) and
+``use_cache=False``; it is exported in eval mode (dropout off; gradients are still computed);
+attention is exported with the ``eager`` implementation (matmul + softmax, which the joint graph
+can differentiate and TVM can import), restored afterwards. Symbolic dims are renamed to ``s``
+and ``b`` and keep the exported ``Dim`` range in ``ImportedGraph.dims``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from .converters import custom_convert_map
+from .graph import (
+    LOWER_BOUND_ATTR,
+    UPPER_BOUND_ATTR,
+    DimRange,
+    ImportedGraph,
+    drop_upper_bounds,
+)
+
+__all__ = ["TiedParameterError", "import_inference", "import_training_step"]
+
+_PREFIX = "model."
+
+
+class TiedParameterError(ValueError):
+    """A tied (shared) parameter that the training import cannot handle as asked."""
+
+
+def _torch():
+    try:
+        import torch
+        import torch.export.experimental  # noqa: F401  (registers _export_forward_backward)
+    except ImportError as err:  # pragma: no cover - exercised only without the hf extra
+        raise ImportError(
+            "blade_relax.frontend needs torch and transformers: pip install 'blade-relax[hf]'"
+        ) from err
+    return torch
+
+
+def _make_wrappers():
+    torch = _torch()
+
+    class InferenceStep(torch.nn.Module):
+        """``input_ids -> logits`` with an all-ones attention mask and no KV cache."""
+
+        def __init__(self, model: Any) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids):
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                use_cache=False,
+            )
+            return out.logits
+
+    class TrainingStep(torch.nn.Module):
+        """``(input_ids, labels) -> (loss,)``: the model's own shifted cross-entropy."""
+
+        def __init__(self, model: Any) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, labels):
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                labels=labels,
+                use_cache=False,
+            )
+            return (out.loss,)
+
+    return InferenceStep, TrainingStep
+
+
+@contextlib.contextmanager
+def _export_settings(model: Any, attn_implementation: str | None) -> Iterator[None]:
+    """Eval mode and the requested attention implementation, restored on exit."""
+    was_training = model.training
+    config = getattr(model, "config", None)
+    old_attn = getattr(config, "_attn_implementation", None)
+    switch = attn_implementation is not None and old_attn not in (None, attn_implementation)
+    if switch:
+        _set_attn(model, attn_implementation)
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+        if switch:
+            _set_attn(model, old_attn)
+
+
+def _set_attn(model: Any, implementation: str) -> None:
+    setter = getattr(model, "set_attn_implementation", None)
+    if setter is not None:
+        setter(implementation)
+    else:
+        model.config._attn_implementation = implementation
+
+
+def _max_positions(model: Any) -> int | None:
+    config = getattr(model, "config", None)
+    for key in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, key, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _check_lengths(model: Any, min_seq_len: int, max_seq_len: int) -> None:
+    if min_seq_len < 2:
+        raise ValueError(
+            f"min_seq_len must be >= 2 (torch.export specializes sizes 0 and 1), got {min_seq_len}"
+        )
+    if max_seq_len < min_seq_len:
+        raise ValueError(f"max_seq_len {max_seq_len} is below min_seq_len {min_seq_len}")
+    limit = _max_positions(model)
+    if limit is not None and max_seq_len > limit:
+        raise ValueError(
+            f"max_seq_len {max_seq_len} exceeds the model's position limit {limit} "
+            f"(config.max_position_embeddings / n_positions)"
+        )
+
+
+def _example_inputs(model: Any, n_inputs: int, batch: int, length: int) -> tuple[Any, ...]:
+    torch = _torch()
+    vocab = int(getattr(model.config, "vocab_size", 2))
+    generator = torch.Generator().manual_seed(0)
+    return tuple(
+        torch.randint(0, vocab, (batch, length), generator=generator) for _ in range(n_inputs)
+    )
+
+
+def _dims_spec(
+    n_inputs: int,
+    min_seq_len: int,
+    max_seq_len: int,
+    max_batch_size: int | None,
+) -> tuple[dict[str, dict[int, Any]], dict[str, DimRange]]:
+    torch = _torch()
+    seq = torch.export.Dim("s", min=min_seq_len, max=max_seq_len)
+    ranges = {"s": DimRange("s", min_seq_len, max_seq_len)}
+    axes: dict[int, Any] = {1: seq}
+    if max_batch_size is not None:
+        axes[0] = torch.export.Dim("b", min=1, max=max_batch_size)
+        ranges["b"] = DimRange("b", 1, max_batch_size)
+    names = ["input_ids", "labels"][:n_inputs]
+    return {name: dict(axes) for name in names}, ranges
+
+
+def _rename_dims(
+    func: relax.Function, num_input: int, dynamic_axes: dict[int, Any]
+) -> tuple[relax.Function, dict[str, str]]:
+    """Rename the torch symbols (``s27``) of the inputs' dynamic axes to the ``Dim`` names."""
+    renames: dict[Any, tvm.tirx.Var] = {}
+    old_to_new: dict[str, str] = {}
+    for param in func.params[:num_input]:
+        values = param.ty.shape.values
+        for axis, dim in dynamic_axes.items():
+            var = values[axis]
+            if isinstance(var, tvm.tirx.Var) and var.name not in old_to_new:
+                new_name = dim.__name__
+                old_to_new[var.name] = new_name
+                if var.name != new_name:
+                    renames[var] = tvm.tirx.Var(new_name, "int64")
+    if renames:
+        func = func.bind_symbolic_vars(renames)
+    for key in (UPPER_BOUND_ATTR, LOWER_BOUND_ATTR):
+        if func.attrs is not None and key in func.attrs:
+            bounds = {old_to_new.get(str(k), str(k)): v for k, v in func.attrs[key].items()}
+            func = func.with_attr(key, bounds)
+    return func, old_to_new
+
+
+def _param_arrays(
+    ep: Any, func: relax.Function, num_input: int
+) -> tuple[list[str], list[np.ndarray]]:
+    """Names (as in ``model.named_parameters()``) and arrays of ``main``'s parameters."""
+    torch = _torch()
+    by_arg = {
+        spec.arg.name: spec.target
+        for spec in ep.graph_signature.input_specs
+        if spec.kind == torch.export.graph_signature.InputKind.PARAMETER
+    }
+    state = ep.state_dict
+    names, arrays = [], []
+    for param in func.params[num_input:]:
+        target = by_arg.get(param.name)
+        if target is None:
+            raise RuntimeError(f"main parameter {param.name!r} is not a model parameter")
+        names.append(target[len(_PREFIX) :] if target.startswith(_PREFIX) else target)
+        arrays.append(state[target].detach().cpu().numpy().copy())
+    return names, arrays
+
+
+def _finish(
+    mod: tvm.IRModule,
+    ep: Any,
+    num_input: int,
+    dynamic_axes: dict[int, Any],
+    keep_upper_bound: bool,
+) -> tuple[tvm.IRModule, list[str], list[np.ndarray]]:
+    func = mod["main"]
+    names, arrays = _param_arrays(ep, func, num_input)
+    if func.attrs is not None and "params" in func.attrs:
+        # The importer parks the weights in an attribute; the caller holds them instead.
+        func = func.without_attr("params")
+    func, _ = _rename_dims(func, num_input, dynamic_axes)
+    out = tvm.IRModule({"main": func})
+    if not keep_upper_bound:
+        out = drop_upper_bounds(out)
+    return out, names, arrays
+
+
+def _import(ep: Any, custom_converters: dict | None, decompose: bool) -> tvm.IRModule:
+    from tvm.relax.frontend.torch import from_exported_program
+
+    return from_exported_program(
+        ep,
+        keep_params_as_input=True,
+        run_ep_decomposition=decompose,
+        custom_convert_map=custom_convert_map(custom_converters),
+    )
+
+
+def import_inference(
+    model: Any,
+    *,
+    max_seq_len: int,
+    min_seq_len: int = 2,
+    batch_size: int = 1,
+    max_batch_size: int | None = None,
+    keep_upper_bound: bool = True,
+    attn_implementation: str | None = "eager",
+    custom_converters: dict[str, Callable] | None = None,
+) -> ImportedGraph:
+    """Import ``input_ids -> logits`` of a Hugging Face causal LM with a symbolic length.
+
+    Parameters
+    ----------
+    model
+        A ``transformers`` causal LM (``LlamaForCausalLM``, ``GPT2LMHeadModel``, ...).
+    max_seq_len, min_seq_len
+        The exported range of the sequence length ``s`` (``torch.export.Dim``).
+    batch_size
+        Batch of the example used for export (and of ``input_shapes`` when static).
+    max_batch_size
+        Make the batch symbolic too (``b`` in ``[1, max_batch_size]``); ``None``: static.
+    keep_upper_bound
+        Keep ``tir_var_upper_bound`` on ``main`` (stock TVM then plans every buffer at the
+        bound); ``False`` drops it (sizes follow the actual length).
+    attn_implementation
+        Attention implementation used while exporting (``None``: the model's own).
+    custom_converters
+        Extra ``from_exported_program`` converters (they win over ours).
+
+    Returns
+    -------
+    ImportedGraph
+        ``main(input_ids, *params) -> logits``; ``reference`` runs the model in torch.
+    """
+    torch = _torch()
+    _check_lengths(model, min_seq_len, max_seq_len)
+    inference_cls, _ = _make_wrappers()
+    wrapper = inference_cls(model)
+    dynamic, ranges = _dims_spec(1, min_seq_len, max_seq_len, max_batch_size)
+    example_batch = max(batch_size, 2) if max_batch_size is not None else batch_size
+    example = _example_inputs(model, 1, example_batch, min(max_seq_len, max(min_seq_len, 16)))
+    with _export_settings(model, attn_implementation):
+        ep = torch.export.export(wrapper, example, dynamic_shapes=dynamic)
+        mod = _import(ep, custom_converters, decompose=True)
+    mod, names, arrays = _finish(mod, ep, 1, dynamic["input_ids"], keep_upper_bound)
+    batch_axis: int | str = "b" if max_batch_size is not None else batch_size
+    named = dict(model.named_parameters(remove_duplicate=False))
+
+    def reference(inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+        (ids,) = inputs
+        with _export_settings(model, None), torch.no_grad():
+            logits = wrapper(torch.from_numpy(np.asarray(ids)))
+        return [logits.detach().numpy()]
+
+    return ImportedGraph(
+        mod=mod,
+        params=arrays,
+        input_names=["input_ids"],
+        param_names=names,
+        output_names=["logits"],
+        input_shapes=[(batch_axis, "s")],
+        input_dtypes=["int64"],
+        dims=ranges,
+        kind="inference",
+        reference=reference,
+        torch_module=wrapper,
+        torch_params=[named[name] for name in names],
+        int_input_high=int(model.config.vocab_size),
+        metadata={"model_type": getattr(model.config, "model_type", type(model).__name__)},
+    )
+
+
+def _tied_groups(model: Any) -> list[list[str]]:
+    """Groups of names that refer to one trainable parameter (first name first)."""
+    by_id: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if param.requires_grad:
+            by_id.setdefault(id(param), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+@contextlib.contextmanager
+def _untied(model: Any, groups: list[list[str]]) -> Iterator[None]:
+    """Give every alias of a tied parameter its own copy while exporting; restore on exit.
+
+    torch's joint export asserts that every parameter it lifts receives a gradient, and a tied
+    parameter breaks that bookkeeping. Exporting untied and summing the aliases' gradients
+    afterwards computes exactly the tied gradient.
+    """
+    torch = _torch()
+    saved: list[tuple[Any, str, Any]] = []
+    try:
+        for names in groups:
+            for alias in names[1:]:
+                owner_name, _, attr = alias.rpartition(".")
+                owner = model.get_submodule(owner_name) if owner_name else model
+                original = getattr(owner, attr)
+                saved.append((owner, attr, original))
+                copy = torch.nn.Parameter(original.detach().clone(), requires_grad=True)
+                setattr(owner, attr, copy)
+        yield
+    finally:
+        for owner, attr, original in reversed(saved):
+            setattr(owner, attr, original)
+
+
+def _regroup_outputs(
+    mod: tvm.IRModule,
+    names: list[str],
+    arrays: list[np.ndarray],
+    grad_targets: list[str],
+    groups: list[list[str]],
+    num_input: int,
+) -> tuple[tvm.IRModule, list[str], list[np.ndarray]]:
+    """Put gradients in parameter order; make each tied alias its primary, summing gradients.
+
+    Returns the module, the parameter names and arrays left (aliases removed). Afterwards output
+    ``i + 1`` is the gradient of parameter ``i``.
+    """
+    func = mod["main"]
+    params = list(func.params)
+    alias_of = {alias: group[0] for group in groups for alias in group[1:]}
+    binding = {
+        params[num_input + names.index(alias)]: params[num_input + names.index(primary)]
+        for alias, primary in alias_of.items()
+        if alias in names and primary in names
+    }
+    dropped = {alias for alias, primary in alias_of.items() if alias in names and primary in names}
+    kept = [i for i, n in enumerate(names) if n not in dropped]
+    position = {target: 1 + i for i, target in enumerate(grad_targets)}
+    plan = [[0]]
+    for i in kept:
+        name = names[i]
+        sources = [position[name]]
+        sources += [position[a] for a in dropped if alias_of[a] == name]
+        plan.append(sources)
+    identity = [[i] for i in range(len(grad_targets) + 1)]
+    if binding:
+        func = func.bind_params(binding)
+    if plan != identity:
+        func = _rewrite_outputs(func, plan)
+    return (
+        tvm.IRModule({"main": func}),
+        [names[i] for i in kept],
+        [arrays[i] for i in kept],
+    )
+
+
+def _rewrite_outputs(func: relax.Function, plan: list[list[int]]) -> relax.Function:
+    """Replace the result tuple by one whose output ``k`` is the sum of old outputs ``plan[k]``."""
+    body = func.body
+    ret = body.body
+    fields = list(ret.ty.fields)
+    bindings: list[relax.Binding] = []
+    items: list[relax.Var] = []
+    for i, ty in enumerate(fields):
+        var = relax.Var(f"out{i}", ty)
+        bindings.append(relax.VarBinding(var, relax.TupleGetItem(ret, i)))
+        items.append(var)
+    results: list[relax.Var] = []
+    for k, sources in enumerate(plan):
+        total = items[sources[0]]
+        for source in sources[1:]:
+            summed = relax.Var(f"grad_sum{k}", fields[sources[0]])
+            bindings.append(relax.VarBinding(summed, relax.op.add(total, items[source])))
+            total = summed
+        results.append(total)
+    out = relax.Var("outputs", relax.TupleType([r.ty for r in results]))
+    bindings.append(relax.VarBinding(out, relax.Tuple(results)))
+    new_body = relax.SeqExpr([*body.blocks, relax.BindingBlock(bindings)], out)
+    new_func = relax.Function(func.params, new_body, out.ty, func.is_pure, func.attrs)
+    return relax.BlockBuilder().normalize(new_func)
+
+
+def import_training_step(
+    model: Any,
+    *,
+    max_seq_len: int,
+    min_seq_len: int = 2,
+    batch_size: int = 1,
+    max_batch_size: int | None = None,
+    keep_upper_bound: bool = True,
+    attn_implementation: str | None = "eager",
+    tied_parameters: str = "sum",
+    custom_converters: dict[str, Callable] | None = None,
+) -> ImportedGraph:
+    """Import a training step: loss and the gradient of every trainable parameter.
+
+    The loss is the model's own cross-entropy on ``labels`` (shifted inside the model, as Hugging
+    Face causal LMs do). The graph is torch's joint forward+backward export; the relabelled
+    gradient outputs follow the loss in the order of ``param_names``.
+
+    Parameters
+    ----------
+    model
+        A ``transformers`` causal LM whose ``forward`` accepts ``labels``.
+    max_seq_len, min_seq_len, batch_size, max_batch_size, keep_upper_bound,
+    attn_implementation, custom_converters
+        As for :func:`import_inference`.
+    tied_parameters
+        What to do with parameters shared by several modules (GPT-2's ``lm_head`` and ``wte``
+        with ``tie_word_embeddings=True``): ``"sum"`` exports them untied and adds the
+        aliases' gradients in the graph, which is the gradient of the tied parameter (one
+        parameter, one gradient output); ``"error"`` raises :class:`TiedParameterError`.
+
+    Returns
+    -------
+    ImportedGraph
+        ``main(input_ids, labels, *params) -> (loss, grad_0, ..., grad_{n-1})``; ``reference``
+        runs the same step in torch and returns the loss and gradients as arrays.
+    """
+    torch = _torch()
+    if tied_parameters not in ("sum", "error"):
+        raise ValueError(f"tied_parameters must be 'sum' or 'error', not {tied_parameters!r}")
+    _check_lengths(model, min_seq_len, max_seq_len)
+    groups = _tied_groups(model)
+    if groups and tied_parameters == "error":
+        listed = "; ".join(" = ".join(g) for g in groups)
+        raise TiedParameterError(
+            f"the model ties parameters ({listed}); build it with tie_word_embeddings=False "
+            f"(or call import_training_step(..., tied_parameters='sum'))"
+        )
+    _, training_cls = _make_wrappers()
+    wrapper = training_cls(model)
+    dynamic, ranges = _dims_spec(2, min_seq_len, max_seq_len, max_batch_size)
+    example_batch = max(batch_size, 2) if max_batch_size is not None else batch_size
+    example = _example_inputs(model, 2, example_batch, min(max_seq_len, max(min_seq_len, 16)))
+    with _export_settings(model, attn_implementation), _untied(model, groups):
+        ep = torch.export.export(wrapper, example, dynamic_shapes=dynamic)
+        try:
+            joint = torch.export.experimental._export_forward_backward(ep, joint_loss_index=0)
+        except AssertionError as err:
+            if "did not receive a gradient" in str(err):
+                raise TiedParameterError(
+                    "torch's joint export found a trainable parameter without a gradient; "
+                    "freeze unused parameters (requires_grad=False) before importing"
+                ) from err
+            raise
+        grad_targets = _relabel_gradients(joint)
+        mod = _import(joint, custom_converters, decompose=False)
+    mod, names, arrays = _finish(mod, joint, 2, dynamic["input_ids"], keep_upper_bound)
+    targets = [t[len(_PREFIX) :] if t.startswith(_PREFIX) else t for t in grad_targets]
+    if set(targets) != set(names):
+        raise RuntimeError(
+            "the joint graph's gradients do not match the trainable parameters: "
+            f"{sorted(set(targets) ^ set(names))}"
+        )
+    mod, names, arrays = _regroup_outputs(mod, names, arrays, targets, groups, 2)
+    output_names = ["loss"] + [f"grad:{name}" for name in names]
+    batch_axis: int | str = "b" if max_batch_size is not None else batch_size
+    named = dict(model.named_parameters(remove_duplicate=False))
+
+    def reference(inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+        ids, labels = (torch.from_numpy(np.asarray(a)) for a in inputs)
+        with _export_settings(model, None):
+            model.zero_grad(set_to_none=True)
+            (loss,) = wrapper(ids, labels)
+            loss.backward()
+        grads = []
+        for name in names:
+            grad = named[name].grad
+            grads.append(
+                np.zeros_like(arrays[names.index(name)]) if grad is None else grad.numpy().copy()
+            )
+        model.zero_grad(set_to_none=True)
+        return [loss.detach().numpy().copy(), *grads]
+
+    return ImportedGraph(
+        mod=mod,
+        params=arrays,
+        input_names=["input_ids", "labels"],
+        param_names=names,
+        output_names=output_names,
+        input_shapes=[(batch_axis, "s"), (batch_axis, "s")],
+        input_dtypes=["int64", "int64"],
+        dims=ranges,
+        kind="training",
+        reference=reference,
+        torch_module=wrapper,
+        torch_params=[named[name] for name in names],
+        int_input_high=int(model.config.vocab_size),
+        metadata={
+            "model_type": getattr(model.config, "model_type", type(model).__name__),
+            "tied": [list(g) for g in groups],
+        },
+    )
+
+
+def _relabel_gradients(joint: Any) -> list[str]:
+    """Mark gradient outputs as user outputs (the importer keeps only those); their targets."""
+    torch = _torch()
+    kinds = torch.export.graph_signature.OutputKind
+    targets = []
+    for spec in joint.graph_signature.output_specs:
+        if spec.kind == kinds.GRADIENT_TO_PARAMETER:
+            targets.append(spec.target)
+            spec.kind = kinds.USER_OUTPUT
+    return targets

@@ -1,0 +1,525 @@
+"""The rematerialization decision on a concrete timeline: which tensors to evict for a budget.
+
+Model
+-----
+A function compiled with ``Rematerialize`` has a timeline of *points* (every storage allocation
+of the function, and every ``regenerate`` call). ``base[i]`` is the number of bytes live at
+point ``i`` when nothing is evicted: at an allocation point, right after the allocation; at a
+``regenerate`` point, right before the call.
+
+Each evictable tensor (a *slot*) has:
+
+* ``nbytes``: the bytes its storage frees;
+* ``start``: the first point at which those bytes are gone when it is evicted (the VM has
+  dropped its register right after the ``evict`` call);
+* ``site``: the point of its own ``regenerate`` call;
+* ``regen_peak``: the most bytes its regeneration allocates at once (its output included);
+* ``plan``: what its ``regenerate`` call materializes when it is evicted: a list of
+  ``(slot, slot_inputs)`` in dependency order ending with the slot itself. An earlier entry is
+  another evicted slot that the regeneration reads (a *chain*); it is materialized at this
+  site, kept for its own ``regenerate`` call, and costs nothing more there.
+
+A decision is an evicted set ``S`` and a *regime* for chained inputs:
+
+``cache``
+    A chained input is materialized at the first site that needs it and kept until its own
+    ``regenerate`` call: each evicted slot is recomputed once, but its bytes come back early.
+    A slot's bytes are missing on the points ``[start, end]``, where ``end`` is the first site
+    that materializes it.
+``temp``
+    A chained input is recomputed as a temporary wherever it is needed and dropped after its
+    last reader: more recomputation, less memory. A slot's bytes are missing on
+    ``[start, site]``.
+
+At a site, each materialization ``x`` in order peaks at ``live[site] + (outputs of the
+materializations still held) + regen_peak[x]``. The predicted peak is the largest of all those
+values and of the live bytes at every point; the recompute cost is the sum of the costs of
+every materialization.
+
+Decision
+--------
+:func:`decide` returns, over both regimes, the evicted set of least recompute cost whose
+predicted peak fits the budget: exact (every subset) when few slots can free memory, greedy
+otherwise (repeatedly the slot that removes the most bytes above the budget per unit of cost,
+then a pruning pass that puts back every slot the budget does not need, dearest first). When
+no set fits, :func:`minimum_peak` finds the smallest peak it can reach and the decision says
+the budget was not reachable.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = [
+    "ConcreteTimeline",
+    "Decision",
+    "SlotTimeline",
+    "decide",
+    "minimum_peak",
+    "predict_peak",
+]
+
+# Up to this many slots that can free memory, the decision tries every subset.
+EXACT_LIMIT = 10
+
+
+@dataclass(frozen=True)
+class SlotTimeline:
+    """One evictable tensor, in concrete bytes (see the module docstring).
+
+    Attributes
+    ----------
+    name
+        The variable name, for reports.
+    nbytes
+        Bytes freed while it is evicted.
+    cost
+        Recompute cost of its own regeneration (its chained inputs are slots of their own).
+    start
+        First point where its bytes are gone when evicted.
+    site
+        Point of its ``regenerate`` call.
+    regen_peak
+        Most bytes its regeneration allocates at once, its output included.
+    plan
+        ``(slot, slot_inputs)`` materialized at its site when evicted, dependencies first, the
+        slot itself last.
+    """
+
+    name: str
+    nbytes: int
+    cost: float
+    start: int
+    site: int
+    regen_peak: int
+    plan: tuple[tuple[int, tuple[int, ...]], ...] = ()
+
+    @property
+    def effective(self) -> bool:
+        """Whether evicting it frees anything at all."""
+        return self.nbytes > 0 and self.start <= self.site
+
+
+@dataclass(frozen=True)
+class ConcreteTimeline:
+    """A function's timeline at concrete dims.
+
+    Attributes
+    ----------
+    base
+        Live bytes at every point when nothing is evicted.
+    slots
+        The evictable tensors.
+    """
+
+    base: np.ndarray
+    slots: tuple[SlotTimeline, ...]
+
+    def __post_init__(self) -> None:
+        base = np.asarray(self.base, dtype=np.int64)
+        object.__setattr__(self, "base", base)
+        npoints = len(base)
+        for k, slot in enumerate(self.slots):
+            if not (0 <= slot.start <= npoints and 0 <= slot.site < max(npoints, 1)):
+                raise ValueError(
+                    f"slot {k} ({slot.name}): start {slot.start} / site {slot.site} outside "
+                    f"the {npoints} points of the timeline"
+                )
+            if not slot.plan or slot.plan[-1][0] != k:
+                raise ValueError(f"slot {k} ({slot.name}): its plan must end with the slot itself")
+        # Arrays and caches of the searches (not part of the value).
+        slots = self.slots
+        object.__setattr__(self, "_nbytes", np.array([x.nbytes for x in slots], dtype=np.int64))
+        object.__setattr__(self, "_regen", np.array([x.regen_peak for x in slots], dtype=np.int64))
+        object.__setattr__(self, "_start", np.array([x.start for x in slots], dtype=np.int64))
+        object.__setattr__(self, "_site", np.array([x.site for x in slots], dtype=np.int64))
+        object.__setattr__(self, "_plan_slots", [frozenset(x for x, _ in s.plan) for s in slots])
+        object.__setattr__(self, "_refs", [dict(s.plan) for s in slots])
+        object.__setattr__(self, "_sequences", {})
+        object.__setattr__(self, "_window_mask", None)
+
+    def window_mask(self) -> np.ndarray:
+        """``mask[k, i]``: point ``i`` lies in slot ``k``'s window ``[start, site]``."""
+        mask = self._window_mask
+        if mask is None:
+            points = np.arange(len(self.base))
+            mask = (points[None, :] >= self._start[:, None]) & (
+                points[None, :] <= self._site[:, None]
+            )
+            object.__setattr__(self, "_window_mask", mask)
+        return mask
+
+    @property
+    def base_peak(self) -> int:
+        """The peak with nothing evicted."""
+        return int(self.base.max()) if len(self.base) else 0
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the runtime does for one call.
+
+    Attributes
+    ----------
+    evicted
+        Slots to evict.
+    cache
+        The regime of chained inputs: kept once materialized (``True``) or temporaries.
+    peak
+        Predicted peak with those evictions.
+    base_peak
+        Predicted peak with no eviction.
+    cost
+        Recompute cost of the evictions.
+    budget
+        The budget the decision was made for (``None``: no budget).
+    reachable
+        Whether ``peak`` fits the budget (always true without a budget).
+    """
+
+    evicted: frozenset[int]
+    cache: bool
+    peak: int
+    base_peak: int
+    cost: float
+    budget: int | None
+    reachable: bool
+
+
+@dataclass
+class _Evaluation:
+    peak: int
+    cost: float
+    live: np.ndarray
+    # (site, value, slot materialized) of every materialization, in program order.
+    events: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+def _needed(tl: ConcreteTimeline, k: int, pending: frozenset[int]) -> tuple[int, ...]:
+    """What the ``regenerate`` call of ``k`` materializes, dependencies first.
+
+    ``pending`` are the slots of ``k``'s plan that are evicted and not available (materialized
+    and kept) at that point.
+    """
+    key = (k, pending)
+    found = tl._sequences.get(key)
+    if found is not None:
+        return found
+    needed = {k}
+    for x, refs in reversed(tl.slots[k].plan):
+        if x in needed:
+            needed.update(t for t in refs if t in pending)
+    sequence = tuple(x for x, _ in tl.slots[k].plan if x in needed)
+    tl._sequences[key] = sequence
+    return sequence
+
+
+def _evaluate(tl: ConcreteTimeline, evicted: Iterable[int], cache: bool = True) -> _Evaluation:
+    """Predict the live bytes, the peak and the cost when ``evicted`` are evicted."""
+    slots = tl.slots
+    chosen = frozenset(evicted)
+    base = tl.base
+    npoints = len(base)
+    if not chosen:
+        return _Evaluation(peak=tl.base_peak, cost=0.0, live=base)
+    # The end of each evicted slot's window, and what each regenerate call runs.
+    materialized: dict[int, int] = {}
+    runs: list[tuple[int, tuple[int, ...]]] = []
+    cost = 0.0
+    for k in sorted(chosen, key=lambda s: (slots[s].site, s)):
+        if k in materialized:
+            continue
+        site = slots[k].site
+        pending = tl._plan_slots[k] & chosen
+        if cache and materialized:
+            pending = pending.difference(materialized)
+        sequence = _needed(tl, k, pending)
+        if cache:
+            for x in sequence:
+                materialized[x] = site
+        else:
+            materialized[k] = site
+        cost += sum(slots[x].cost for x in sequence)
+        runs.append((site, sequence))
+    index = np.fromiter(materialized, dtype=np.int64, count=len(materialized))
+    ends = np.fromiter(materialized.values(), dtype=np.int64, count=len(materialized)) + 1
+    starts = tl._start[index]
+    nbytes = tl._nbytes[index]
+    delta = np.zeros(npoints + 1, dtype=np.int64)
+    # When a storage is still held at its copy (start > end), both are live in between: the
+    # same two updates with the roles of start and end swapped.
+    np.subtract.at(delta, starts, nbytes)
+    np.add.at(delta, ends, nbytes)
+    live = base + np.cumsum(delta[:-1])
+    peak = int(live.max()) if npoints else 0
+    events: list[tuple[int, int, int]] = []
+    for site, sequence in runs:
+        held = int(live[site])
+        last_reader: dict[int, int] = {}
+        if not cache:
+            members = set(sequence)
+            refs = tl._refs[sequence[-1]]
+            for i, x in enumerate(sequence):
+                for t in refs[x]:
+                    if t in members:
+                        last_reader[t] = i
+        for i, x in enumerate(sequence):
+            value = held + slots[x].regen_peak
+            events.append((site, value, x))
+            if value > peak:
+                peak = value
+            held += slots[x].nbytes
+            if not cache:
+                for t, reader in last_reader.items():
+                    if reader == i and t != sequence[-1]:
+                        held -= slots[t].nbytes
+    return _Evaluation(peak=peak, cost=cost, live=live, events=events)
+
+
+def predict_peak(tl: ConcreteTimeline, evicted: Iterable[int], cache: bool = True) -> int:
+    """The predicted peak bytes when the slots in ``evicted`` are evicted.
+
+    Parameters
+    ----------
+    tl
+        The concrete timeline.
+    evicted
+        Slot indices.
+    cache
+        The regime of chained inputs (see the module docstring).
+
+    Returns
+    -------
+    int
+    """
+    return _evaluate(tl, evicted, cache).peak
+
+
+def _effective(tl: ConcreteTimeline) -> list[int]:
+    return [k for k, slot in enumerate(tl.slots) if slot.effective]
+
+
+def _decision(
+    tl: ConcreteTimeline, evicted: Iterable[int], cache: bool, budget: int | None
+) -> Decision:
+    chosen = frozenset(evicted)
+    ev = _evaluate(tl, chosen, cache)
+    return Decision(
+        evicted=chosen,
+        cache=cache,
+        peak=ev.peak,
+        base_peak=tl.base_peak,
+        cost=ev.cost,
+        budget=budget,
+        reachable=budget is None or ev.peak <= budget,
+    )
+
+
+def _exact(tl: ConcreteTimeline, candidates: Sequence[int], budget: int) -> Decision:
+    """Every subset in both regimes: the cheapest that fits, else the smallest peak."""
+    best_fit: tuple[float, int, bool, tuple[int, ...]] | None = None
+    best_peak: tuple[int, float, bool, tuple[int, ...]] | None = None
+    for size in range(len(candidates) + 1):
+        for subset in itertools.combinations(candidates, size):
+            for cache in (True, False):
+                ev = _evaluate(tl, subset, cache)
+                if ev.peak <= budget:
+                    key = (ev.cost, ev.peak, not cache, subset)
+                    if best_fit is None or key[:3] < best_fit[:3]:
+                        best_fit = key
+                else:
+                    key = (ev.peak, ev.cost, not cache, subset)
+                    if best_peak is None or key[:3] < best_peak[:3]:
+                        best_peak = key
+    chosen = best_fit if best_fit is not None else best_peak
+    assert chosen is not None
+    return _decision(tl, chosen[3], not chosen[2], budget)
+
+
+def _gains(tl: ConcreteTimeline, ev: _Evaluation, budget: int) -> np.ndarray:
+    """For every slot, the bytes above ``budget`` its eviction would remove (chains ignored)."""
+    mask = tl.window_mask()
+    over = np.maximum(ev.live - budget, 0)
+    after = np.maximum(ev.live[None, :] - tl._nbytes[:, None] - budget, 0)
+    gain = ((over[None, :] - after) * mask).sum(axis=1)
+    for site, value, _ in ev.events:
+        if value > budget:
+            gain += np.where(mask[:, site], np.minimum(value - budget, tl._nbytes), 0)
+    own = ev.live[tl._site] - tl._nbytes + tl._regen
+    return gain - np.maximum(own - budget, 0)
+
+
+def _prune(tl: ConcreteTimeline, chosen: set[int], cache: bool, limit: int) -> set[int]:
+    """Put back every slot (dearest first) whose eviction the limit does not need."""
+    for x in sorted(chosen, key=lambda s: (-tl.slots[s].cost, s)):
+        trial = chosen - {x}
+        if predict_peak(tl, trial, cache) <= limit:
+            chosen = trial
+    return chosen
+
+
+def _greedy(
+    tl: ConcreteTimeline, candidates: Sequence[int], budget: int, cache: bool
+) -> Decision | None:
+    """The greedy eviction set that fits ``budget`` in one regime, or ``None``."""
+    allowed = np.zeros(len(tl.slots), dtype=bool)
+    allowed[list(candidates)] = True
+    costs = np.array([max(x.cost, 1e-9) for x in tl.slots])
+    chosen: set[int] = set()
+    ev = _evaluate(tl, chosen, cache)
+    while ev.peak > budget:
+        gains = np.where(allowed, _gains(tl, ev, budget), 0)
+        if gains.max() <= 0:
+            return None
+        best = int(np.argmax(gains / costs))
+        chosen.add(best)
+        allowed[best] = False
+        ev = _evaluate(tl, chosen, cache)
+    return _decision(tl, _prune(tl, chosen, cache, budget), cache, budget)
+
+
+def _peak_event(ev: _Evaluation) -> tuple[int, int | None]:
+    """Where the predicted peak occurs: the point, and the slot being materialized if any."""
+    for site, value, slot in ev.events:
+        if value == ev.peak:
+            return site, slot
+    return (int(np.argmax(ev.live)) if len(ev.live) else 0), None
+
+
+# At most this many additions are tried exactly per step of the minimum search (the best by
+# the estimate of :func:`_gains`).
+_TRIALS = 8
+
+
+def _minimum(tl: ConcreteTimeline, cache: bool) -> tuple[set[int], int]:
+    """Local search for the smallest peak in one regime: add or put back one slot at a time."""
+    candidates = _effective(tl)
+    chosen: set[int] = set()
+    ev = _evaluate(tl, chosen, cache)
+    for _ in range(4 * len(candidates) + 4):
+        at, making = _peak_event(ev)
+        trials: list[set[int]] = []
+        gains = _gains(tl, ev, ev.peak - 1)
+        order = [
+            x
+            for x in sorted(candidates, key=lambda c: -gains[c])
+            if x not in chosen and tl.slots[x].start <= at <= tl.slots[x].site
+        ]
+        trials.extend(chosen | {x} for x in order[:_TRIALS])
+        if making is not None:
+            # A regeneration makes the peak: keep one of the slots it recomputes instead.
+            plan_slots = tl._plan_slots[making]
+            trials.extend(chosen - {x} for x in chosen & plan_slots)
+        best: tuple[int, float, set[int]] | None = None
+        for trial in trials:
+            result = _evaluate(tl, trial, cache)
+            key = (result.peak, result.cost)
+            if best is None or key < best[:2]:
+                best = (result.peak, result.cost, trial)
+        if best is None or best[0] >= ev.peak:
+            break
+        chosen = best[2]
+        ev = _evaluate(tl, chosen, cache)
+    return chosen, ev.peak
+
+
+def _minimum_from_all(tl: ConcreteTimeline, cache: bool) -> tuple[set[int], int]:
+    """Greedy from the other end: evict everything, then keep, one at a time, the slot whose
+    return lowers the peak most (ties: the cost most), while the peak does not rise.
+
+    Keeping a slot cuts every chain through it (a checkpoint), which the additive search
+    rarely reaches when long chains of regenerations make the peak.
+    """
+    chosen = set(_effective(tl))
+    ev = _evaluate(tl, chosen, cache)
+    while chosen:
+        # Rank every return once, then apply them in that order while each still helps: one
+        # pass applies many returns for about the evaluations of one greedy step.
+        ranked = sorted(
+            (result.peak, result.cost, x)
+            for x in chosen
+            for result in (_evaluate(tl, chosen - {x}, cache),)
+        )
+        changed = False
+        for peak, _, x in ranked:
+            if peak > ev.peak:
+                break
+            result = _evaluate(tl, chosen - {x}, cache)
+            if result.peak < ev.peak or (result.peak == ev.peak and result.cost < ev.cost):
+                chosen.discard(x)
+                ev = result
+                changed = True
+        if not changed:
+            break
+    return chosen, ev.peak
+
+
+def minimum_peak(tl: ConcreteTimeline, budget: int | None = None) -> Decision:
+    """The smallest predicted peak the evictions can reach (a local search), at least cost.
+
+    Two local searches, the best result wins. (1) In each regime, starting from no eviction,
+    repeatedly take the best of: evicting one of the slots whose window covers the current
+    peak (the most promising few, tried exactly), or, when a regeneration makes the peak,
+    keeping one of the slots it recomputes; stop when none lowers the peak. (2) In the cache
+    regime, starting from every eviction, keep one slot at a time (checkpoints) while the peak
+    does not rise. Then put back every slot that the reached peak (or ``budget``, if larger)
+    does not need.
+
+    Parameters
+    ----------
+    tl
+        The concrete timeline.
+    budget
+        Recorded in the decision (its ``reachable`` compares against it).
+
+    Returns
+    -------
+    Decision
+    """
+    results = []
+    searches = [(_minimum, True), (_minimum, False), (_minimum_from_all, True)]
+    for search, cache in searches:
+        chosen, peak = search(tl, cache)
+        limit = peak if budget is None else max(peak, budget)
+        chosen = _prune(tl, chosen, cache, limit)
+        ev = _evaluate(tl, chosen, cache)
+        results.append((ev.peak, ev.cost, not cache, chosen))
+    peak, _, temp, chosen = min(results, key=lambda r: r[:3])
+    return _decision(tl, chosen, not temp, budget)
+
+
+def decide(tl: ConcreteTimeline, budget: int | None, *, exact_limit: int = EXACT_LIMIT) -> Decision:
+    """The evictions of least recompute cost that keep the predicted peak within ``budget``.
+
+    Parameters
+    ----------
+    tl
+        The concrete timeline.
+    budget
+        Bytes; ``None`` means no budget (nothing is evicted).
+    exact_limit
+        Up to this many slots that can free memory, every subset is tried.
+
+    Returns
+    -------
+    Decision
+        ``reachable`` is false when no eviction set fits; ``peak`` is then the smallest peak
+        found.
+    """
+    if budget is None or tl.base_peak <= budget:
+        return _decision(tl, (), True, budget)
+    candidates = _effective(tl)
+    if not candidates:
+        return _decision(tl, (), True, budget)
+    if len(candidates) <= exact_limit:
+        return _exact(tl, candidates, budget)
+    found = [
+        d for d in (_greedy(tl, candidates, budget, c) for c in (True, False)) if d is not None
+    ]
+    if found:
+        return min(found, key=lambda d: (d.cost, d.peak, not d.cache))
+    return minimum_peak(tl, budget)

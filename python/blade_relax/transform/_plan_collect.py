@@ -1,0 +1,477 @@
+"""What ``PlanMemory`` may plan in one Relax function (private helper).
+
+Reads a function after ``CallTIRRewrite`` (kernels called in destination-passing style on
+``R.builtin.alloc_tensor`` results) and records, for every allocation:
+
+* where it is allocated, its byte size, dtype, scope and device;
+* every binding that reads it, directly or through an alias (a var re-binding, a view such as
+  ``R.reshape``, a ``match_cast``, a tuple and its items);
+* whether it may be planned, and if not, why (``refusal``).
+
+An allocation is refused (left to ``LowerAllocTensor``: its own storage, freed at its last use)
+when it is part of the function's result, is used in another binding block, reaches a call
+whose memory behaviour is not known (a packed function, a Relax function, an ``If``, an
+operator), or has a size that cannot be expressed symbolically. Refusal is the safe default:
+the planner may only reuse memory whose every reader it can see.
+
+Existing ``R.memory.alloc_storage`` bindings (already planned memory) are recorded as well, so
+that the live-bytes model counts them; they are never re-planned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import tvm
+from tvm import relax, tirx
+
+__all__ = ["Allocation", "FunctionFacts", "KernelCall", "collect_facts"]
+
+_VIEW_OPS = frozenset({"relax.reshape", "relax.memory.view", "relax.memory.ensure_zero_offset"})
+_VIEW_PACKED = frozenset({"vm.builtin.reshape"})
+_ALLOC_TENSOR = "relax.builtin.alloc_tensor"
+_ALLOC_STORAGE = frozenset({"relax.memory.alloc_storage", "relax.vm.alloc_storage"})
+_TENSOR_IN_STORAGE = frozenset({"relax.memory.alloc_tensor", "relax.vm.alloc_tensor"})
+_CALL_TIR_DYN = "relax.vm.call_tir_dyn"
+# Operators that read only the shape or type of their argument: no reference survives them.
+_SHAPE_ONLY_OPS = frozenset({"relax.shape_of", "relax.tensor_to_shape"})
+
+
+@dataclass
+class Allocation:
+    """One allocation of the function: a ``builtin.alloc_tensor`` or an existing storage.
+
+    Attributes
+    ----------
+    id
+        Position in :attr:`FunctionFacts.allocations`.
+    var
+        The bound variable.
+    index
+        Flattened binding index of the allocation.
+    block
+        Index of the binding block holding it.
+    kind
+        ``"tensor"`` (a ``builtin.alloc_tensor``) or ``"storage"`` (an existing storage).
+    call
+        The allocating call.
+    shape, dtype, scope, device
+        Shape (PrimExprs), dtype string, storage scope and the runtime device index argument of
+        a tensor allocation (empty / None for a storage).
+    size_prim
+        Byte size as a PrimExpr (``None`` if not expressible).
+    first_use, last_use
+        First and last binding index that reads the allocation through any alias (``None``: never
+        read). A result of the function is read at ``num_bindings``.
+    refusal
+        Why the allocation may not be planned (``None``: it may).
+    """
+
+    id: int
+    var: relax.Var
+    index: int
+    block: int
+    kind: str
+    call: relax.Call
+    shape: tuple = ()
+    dtype: str = ""
+    scope: str = "global"
+    device: object = None
+    size_prim: object = None
+    first_use: int | None = None
+    last_use: int | None = None
+    refusal: str | None = None
+    hazard: bool = False
+    pinned: bool = False
+
+    @property
+    def plannable(self) -> bool:
+        return self.kind == "tensor" and self.refusal is None
+
+    @property
+    def end(self) -> int:
+        """The last binding that reads the allocation (its data is dead afterwards)."""
+        return self.index if self.last_use is None else max(self.index, self.last_use)
+
+    def mem_end(self, num_bindings: int) -> int:
+        """The last binding during which the VM still holds the allocation.
+
+        ``KillAfterLastUse`` drops a register after its last use, but never one that has no
+        use left once ``CanonicalizeBindings`` has run: an allocation never read, and the items
+        of a tuple read only through ``tuple[i]`` (the items are then read directly, and the
+        tuple register, holding them, lives until the function returns).
+        """
+        return num_bindings if self.pinned or self.last_use is None else self.end
+
+    def refuse(self, reason: str, hazard: bool = False) -> None:
+        """Mark as not plannable; ``hazard``: the stock planner would share it unsafely."""
+        if self.refusal is None:
+            self.refusal = reason
+        self.hazard = self.hazard or hazard
+
+
+@dataclass
+class KernelCall:
+    """A destination-passing call of a PrimFunc of the module."""
+
+    index: int
+    func: tirx.PrimFunc
+    args: list[relax.Expr]
+    arg_allocs: list[frozenset[int]]
+
+
+@dataclass
+class FunctionFacts:
+    """Everything the planner needs to know about one function (see the module docstring)."""
+
+    allocations: list[Allocation]
+    kernels: dict[int, KernelCall]
+    num_bindings: int
+    # Binding index at which each tirx var of a shape becomes available (-1: the signature).
+    var_defined_at: dict[tirx.Var, int] = field(default_factory=dict)
+    # Tuples read only through item accesses, which pin their items until the function returns
+    # (see ``Allocation.mem_end``): (tuple var, index of its last item access) for those in a
+    # non-dataflow block, where a kill may be inserted.
+    pinning_tuples: list[tuple[relax.Var, int]] = field(default_factory=list)
+
+    def release_pins(self) -> list[tuple[relax.Var, int]]:
+        """Unpin the items of the tuples that a kill after their last access will release."""
+        for var, _ in self.pinning_tuples:
+            for alloc_id in self._tuple_items.get(var, frozenset()):
+                self.allocations[alloc_id].pinned = False
+        return list(self.pinning_tuples)
+
+    _tuple_items: dict[relax.Var, frozenset[int]] = field(default_factory=dict)
+
+    def shape_ready_at(self, alloc: Allocation) -> int:
+        """The first binding index at which every dim of ``alloc``'s size is defined."""
+        ready = -1
+        for value in alloc.shape:
+            for var in _tir_vars(value):
+                ready = max(ready, self.var_defined_at.get(var, 1 << 60))
+        return ready
+
+
+def collect_facts(
+    func: relax.Function,
+    mod: tvm.IRModule,
+    trusted_packed: Iterable[str] = (),
+    no_plan: Iterable[str] = (),
+) -> FunctionFacts:
+    """Record the allocations of ``func`` and how they are used.
+
+    Parameters
+    ----------
+    func
+        A normalized Relax function (after ``CallTIRRewrite``).
+    mod
+        The module, to tell PrimFunc callees from others.
+    trusted_packed
+        Packed functions known to neither retain nor alias their tensor arguments (destination-
+        passing library kernels): arguments passed to them stay plannable.
+    no_plan
+        Names of variables whose allocation must keep its own storage (e.g. tensors that the
+        runtime may evict).
+
+    Returns
+    -------
+    FunctionFacts
+    """
+    trusted = frozenset(trusted_packed)
+    excluded = frozenset(no_plan)
+    allocs: list[Allocation] = []
+    kernels: dict[int, KernelCall] = {}
+    aliases: dict[relax.Var, frozenset[int]] = {}
+    fields: dict[relax.Var, list[frozenset[int]]] = {}
+    var_defined_at: dict[tirx.Var, int] = {}
+    # Tuple-valued vars built by a Tuple binding, and whether something other than an item
+    # access reads them (item accesses are canonicalized away before kills are inserted).
+    tuple_read: dict[relax.Var, bool] = {}
+    tuple_last: dict[relax.Var, int] = {}
+    tuple_killable: dict[relax.Var, bool] = {}
+    for param in func.params:
+        for var in _tir_vars_in_type(param.ty):
+            var_defined_at.setdefault(var, -1)
+
+    body = func.body
+    blocks = list(body.blocks) if isinstance(body, relax.SeqExpr) else []
+    index = 0
+    for block_index, block in enumerate(blocks):
+        for binding in block.bindings:
+            var, value = binding.var, binding.value
+            if isinstance(binding, relax.MatchCast):
+                for tvar in _tir_vars_in_type(binding.ty):
+                    var_defined_at.setdefault(tvar, index)
+            item_of = (
+                value.tuple_value
+                if isinstance(value, relax.TupleGetItem)
+                and isinstance(value.tuple_value, relax.Var)
+                and value.tuple_value in tuple_read
+                else None
+            )
+            for used_var in _free_vars(value):
+                if used_var in tuple_read and not used_var.same_as(item_of):
+                    tuple_read[used_var] = True
+            if item_of is not None:
+                tuple_last[item_of] = index
+                if isinstance(block, relax.DataflowBlock):
+                    tuple_killable[item_of] = False
+            used = _used_allocs(value, aliases)
+            for alloc_id in used:
+                alloc = allocs[alloc_id]
+                if alloc.first_use is None:
+                    alloc.first_use = index
+                alloc.last_use = index
+                if alloc.block != block_index:
+                    alloc.refuse("used outside the binding block that allocates it")
+            result = _binding_effect(
+                binding, index, block_index, mod, trusted, allocs, kernels, aliases, fields
+            )
+            aliases[var] = result
+            if isinstance(value, relax.Tuple):
+                tuple_read[var] = False
+                tuple_last[var] = index
+                tuple_killable[var] = not isinstance(block, relax.DataflowBlock)
+            if var.name in excluded:
+                for alloc_id in result:
+                    allocs[alloc_id].refuse("marked as not plannable (may be evicted)", True)
+            index += 1
+
+    result_expr = body.body if isinstance(body, relax.SeqExpr) else body
+    for used_var in _free_vars(result_expr):
+        if used_var in tuple_read:
+            tuple_read[used_var] = True
+    pinning: list[tuple[relax.Var, int]] = []
+    tuple_items: dict[relax.Var, frozenset[int]] = {}
+    for tuple_var, read in tuple_read.items():
+        if not read:
+            items = aliases.get(tuple_var, frozenset())
+            for alloc_id in items:
+                allocs[alloc_id].pinned = True
+            if tuple_killable.get(tuple_var, False) and items:
+                pinning.append((tuple_var, tuple_last[tuple_var]))
+                tuple_items[tuple_var] = items
+    for alloc_id in _used_allocs(result_expr, aliases):
+        allocs[alloc_id].last_use = index
+        allocs[alloc_id].refuse("part of the function's result")
+    for alloc in allocs:
+        if alloc.kind == "tensor" and alloc.first_use is None:
+            # Never written by a kernel: nothing to gain, keep it as it is.
+            alloc.refuse("never used")
+    return FunctionFacts(
+        allocations=allocs,
+        kernels=kernels,
+        num_bindings=index,
+        var_defined_at=var_defined_at,
+        pinning_tuples=pinning,
+        _tuple_items=tuple_items,
+    )
+
+
+def _binding_effect(
+    binding: relax.Binding,
+    index: int,
+    block_index: int,
+    mod: tvm.IRModule,
+    trusted: frozenset[str],
+    allocs: list[Allocation],
+    kernels: dict[int, KernelCall],
+    aliases: dict[relax.Var, frozenset[int]],
+    fields: dict[relax.Var, list[frozenset[int]]],
+) -> frozenset[int]:
+    """Allocations the bound var refers to, recording new allocations and refusals."""
+    var, value = binding.var, binding.value
+    if isinstance(binding, relax.MatchCast):
+        return _used_allocs(value, aliases)
+    if isinstance(value, relax.Var):
+        if value in fields:
+            fields[var] = fields[value]
+        return aliases.get(value, frozenset())
+    if isinstance(value, relax.Tuple):
+        items = [_used_allocs(f, aliases) for f in value.fields]
+        fields[var] = items
+        return frozenset().union(*items) if items else frozenset()
+    if isinstance(value, relax.TupleGetItem):
+        items = fields.get(value.tuple_value) if isinstance(value.tuple_value, relax.Var) else None
+        if items is not None and 0 <= value.index < len(items):
+            return items[value.index]
+        return _used_allocs(value.tuple_value, aliases)
+    if isinstance(value, relax.Call):
+        return _call_effect(
+            value, var, index, block_index, mod, trusted, allocs, kernels, aliases
+        )
+    if isinstance(value, (tvm.ir.GenericConst, relax.ShapeExpr, tvm.ir.StringImm)):
+        return frozenset()
+    if tvm.ir.is_prim_expr(value):
+        return frozenset()
+    # If, closures, anything else: whatever it reads may escape through it.
+    used = _used_allocs(value, aliases)
+    _refuse(allocs, used, f"read by a {type(value).__name__} the planner does not analyse")
+    return used
+
+
+def _call_effect(
+    call: relax.Call,
+    var: relax.Var,
+    index: int,
+    block_index: int,
+    mod: tvm.IRModule,
+    trusted: frozenset[str],
+    allocs: list[Allocation],
+    kernels: dict[int, KernelCall],
+    aliases: dict[relax.Var, frozenset[int]],
+) -> frozenset[int]:
+    op = call.op
+    args = list(call.args)
+    if isinstance(op, tvm.ir.Op):
+        name = op.name
+        if name == _ALLOC_TENSOR:
+            allocs.append(_tensor_allocation(len(allocs), var, index, block_index, call))
+            return frozenset({len(allocs) - 1})
+        if name in _ALLOC_STORAGE:
+            alloc = Allocation(
+                id=len(allocs),
+                var=var,
+                index=index,
+                block=block_index,
+                kind="storage",
+                call=call,
+                size_prim=_storage_size(call),
+                refusal="already planned storage",
+            )
+            allocs.append(alloc)
+            return frozenset({alloc.id})
+        if name in _TENSOR_IN_STORAGE or name in _VIEW_OPS:
+            return _used_allocs(args[0], aliases) if args else frozenset()
+        if name in _SHAPE_ONLY_OPS:
+            return frozenset()
+        if name == _CALL_TIR_DYN and len(args) == 2 and isinstance(args[1], relax.Tuple):
+            return _kernel_call(
+                args[0], list(args[1].fields), index, mod, allocs, kernels, aliases
+            )
+        if name.startswith("relax.memory.kill") or name == "relax.vm.kill_object":
+            return frozenset()
+        used = _used_allocs(call, aliases)
+        _refuse(allocs, used, f"passed to {name}, whose memory behaviour is not analysed")
+        return used
+    if isinstance(op, relax.ExternFunc):
+        symbol = str(op.global_symbol)
+        if symbol in _VIEW_PACKED:
+            return _used_allocs(args[0], aliases) if args else frozenset()
+        used = _used_allocs(call, aliases)
+        if symbol not in trusted:
+            _refuse(allocs, used, f"passed to the packed function {symbol}", hazard=True)
+            return used
+        return frozenset()
+    if isinstance(op, relax.GlobalVar):
+        return _kernel_call(op, args, index, mod, allocs, kernels, aliases)
+    used = _used_allocs(call, aliases)
+    _refuse(allocs, used, "passed to a call the planner does not analyse")
+    return used
+
+
+def _kernel_call(
+    callee: relax.Expr,
+    args: list[relax.Expr],
+    index: int,
+    mod: tvm.IRModule,
+    allocs: list[Allocation],
+    kernels: dict[int, KernelCall],
+    aliases: dict[relax.Var, frozenset[int]],
+) -> frozenset[int]:
+    func = None
+    if isinstance(callee, relax.GlobalVar) and callee in mod.functions:
+        func = mod[callee]
+    used = frozenset().union(*[_used_allocs(a, aliases) for a in args]) if args else frozenset()
+    if not isinstance(func, tirx.PrimFunc):
+        _refuse(allocs, used, "passed to a Relax function call")
+        return used
+    kernels[index] = KernelCall(
+        index=index,
+        func=func,
+        args=args,
+        arg_allocs=[_used_allocs(a, aliases) for a in args],
+    )
+    return frozenset()
+
+
+def _tensor_allocation(
+    alloc_id: int, var: relax.Var, index: int, block_index: int, call: relax.Call
+) -> Allocation:
+    alloc = Allocation(id=alloc_id, var=var, index=index, block=block_index, kind="tensor", call=call)
+    ty = call.ty
+    shape = getattr(ty, "shape", None) if isinstance(ty, relax.TensorType) else None
+    dtype = None if not isinstance(ty, relax.TensorType) or ty.dtype is None else str(ty.dtype)
+    if not isinstance(shape, relax.ShapeExpr) or not dtype or dtype == "void":
+        alloc.refuse("shape or dtype not known statically")
+        return alloc
+    alloc.shape = tuple(shape.values)
+    alloc.dtype = dtype
+    if len(call.args) >= 4 and isinstance(call.args[3], tvm.ir.StringImm):
+        alloc.scope = str(call.args[3].value)
+    alloc.device = call.args[2] if len(call.args) >= 3 else None
+    if not isinstance(alloc.device, tirx.IntImm):
+        alloc.refuse("device index not a constant")
+    dt = tvm.runtime.DataType(dtype)
+    if dt.lanes != 1 or dt.bits % 8 != 0:
+        alloc.refuse(f"dtype {dtype} is not byte-sized")
+        return alloc
+    size = tirx.IntImm("int64", dt.bits // 8)
+    for value in alloc.shape:
+        size = size * _as_int64(value)
+    # A canonical form (``n * 16`` rather than ``4 * n * 4``): what the storage size reads.
+    alloc.size_prim = tvm.sym.Analyzer().simplify(size)
+    return alloc
+
+
+def _storage_size(call: relax.Call) -> object:
+    size = call.args[0] if call.args else None
+    if isinstance(size, relax.ShapeExpr) and len(size.values) == 1:
+        return size.values[0]
+    return None
+
+
+def _as_int64(value: object) -> object:
+    if isinstance(value, tirx.IntImm):
+        return tirx.IntImm("int64", int(value.value))
+    if str(getattr(getattr(value, "ty", None), "dtype", "int64")) != "int64":
+        return tirx.Cast("int64", value)
+    return value
+
+
+def _used_allocs(expr: relax.Expr, aliases: Mapping[relax.Var, frozenset[int]]) -> frozenset[int]:
+    if isinstance(expr, relax.Var):
+        return aliases.get(expr, frozenset())
+    out: set[int] = set()
+    for var in relax.analysis.free_vars(expr):
+        out |= aliases.get(var, frozenset())
+    return frozenset(out)
+
+
+def _free_vars(expr: relax.Expr) -> list[relax.Var]:
+    if isinstance(expr, relax.Var):
+        return [expr]
+    return list(relax.analysis.free_vars(expr))
+
+
+def _refuse(
+    allocs: list[Allocation], ids: Iterable[int], reason: str, hazard: bool = False
+) -> None:
+    for alloc_id in ids:
+        allocs[alloc_id].refuse(reason, hazard)
+
+
+def _tir_vars(value: object) -> list[tirx.Var]:
+    if isinstance(value, tirx.Var):
+        return [value]
+    if isinstance(value, (tirx.IntImm, int)):
+        return []
+    return list(tirx.analysis.undefined_vars(value))
+
+
+def _tir_vars_in_type(ty: object) -> list[tirx.Var]:
+    try:
+        return list(relax.analysis.tir_vars_in_type(ty))
+    except Exception:  # a type the helper does not accept holds no shape vars we need
+        return []

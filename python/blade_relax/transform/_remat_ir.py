@@ -1,0 +1,303 @@
+"""What ``Rematerialize`` reads from a lowered Relax function: ops, aliases, uses and recipes.
+
+The function is at the stage after ``CallTIRRewrite``: no dataflow blocks, tensors created by
+``R.builtin.alloc_tensor`` and written by destination-passing calls of PrimFuncs. Each binding
+is classified:
+
+``alloc``   ``R.builtin.alloc_tensor``: a fresh tensor (a *root*).
+``kernel``  a call of a PrimFunc of the module whose trailing arguments are fresh ``alloc``
+            tensors (its outputs); the other arguments are its inputs.
+``alias``   ``y = x`` or ``R.match_cast(x, ...)``: another name for the same tensor.
+``view``    ``R.reshape``, ``R.memory.view``, ``R.memory.ensure_zero_offset`` or the packed
+            ``vm.builtin.reshape``: the same memory, another shape.
+``tuple`` / ``getitem``  tuples of tensors and their fields.
+``inert``   constants, shapes, primitive values: no tensor memory.
+``opaque``  anything else (packed calls, Relax function calls, kernels writing into an
+            argument that is not a fresh allocation). Its result cannot be recomputed, and the
+            tensors it takes may be mutated, so they are never recomputed nor read by a
+            recomputation.
+
+Every variable *holds* a set of roots (the tensors whose memory it keeps alive). A root's uses
+are the bindings that read any variable holding it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import tvm
+from tvm import relax
+
+__all__ = ["FunctionModel", "Op", "RecipeError", "UnsupportedFunction", "build_model"]
+
+_ALLOC_TENSOR = "relax.builtin.alloc_tensor"
+_VIEW_OPS = frozenset({"relax.reshape", "relax.memory.view", "relax.memory.ensure_zero_offset"})
+_VIEW_PACKED = frozenset({"vm.builtin.reshape"})
+
+
+class UnsupportedFunction(Exception):
+    """The function has a construct the pass does not handle; it is left unchanged."""
+
+
+class RecipeError(Exception):
+    """No regeneration recipe exists for a tensor within the limits."""
+
+
+@dataclass
+class Op:
+    """One binding, classified (see the module docstring).
+
+    Attributes
+    ----------
+    index
+        Position in program order.
+    var, value
+        The binding.
+    kind
+        ``alloc``, ``kernel``, ``alias``, ``view``, ``tuple``, ``getitem``, ``inert``, ``opaque``.
+    reads
+        Variables the binding reads (kernel outputs excluded).
+    outputs
+        For a kernel: the fresh tensors it writes.
+    source
+        For ``alias``, ``view`` and ``getitem``: the variable it refers to.
+    is_match_cast
+        The binding is a ``MatchCast``.
+    """
+
+    index: int
+    var: relax.Var
+    value: relax.Expr
+    kind: str
+    reads: tuple[relax.Var, ...] = ()
+    outputs: tuple[relax.Var, ...] = ()
+    source: relax.Var | None = None
+    is_match_cast: bool = False
+
+
+@dataclass
+class FunctionModel:
+    """The classified bindings of one function and the facts the pass derives from them."""
+
+    func: relax.Function
+    params: list[relax.Var]
+    ops: list[Op]
+    outputs: list[relax.Var]
+    op_of: dict[relax.Var, Op] = field(default_factory=dict)
+    holds: dict[relax.Var, frozenset[relax.Var]] = field(default_factory=dict)
+    members: dict[relax.Var, list[relax.Var]] = field(default_factory=dict)
+    uses: dict[relax.Var, list[int]] = field(default_factory=dict)
+    var_uses: dict[relax.Var, list[int]] = field(default_factory=dict)
+    writer: dict[relax.Var, int] = field(default_factory=dict)
+    mutable: set[relax.Var] = field(default_factory=set)
+    tuple_fields: dict[relax.Var, list[relax.Expr]] = field(default_factory=dict)
+
+    @property
+    def end(self) -> int:
+        """Position of the function's result (after the last binding)."""
+        return len(self.ops)
+
+    def is_root(self, var: relax.Var) -> bool:
+        """Whether ``var`` is a fresh tensor (an ``alloc``)."""
+        op = self.op_of.get(var)
+        return op is not None and op.kind == "alloc"
+
+    def last_use(self, var: relax.Var) -> int:
+        """Last position reading ``var`` itself (its definition when never read)."""
+        positions = self.var_uses.get(var)
+        if positions:
+            return positions[-1]
+        op = self.op_of.get(var)
+        return op.index if op is not None else -1
+
+    def root_last_use(self, root: relax.Var) -> int:
+        """Last position reading any variable that holds ``root``."""
+        positions = self.uses.get(root)
+        return positions[-1] if positions else self.writer.get(root, -1)
+
+    def defined_at(self, var: relax.Var) -> int:
+        """Position of the binding defining ``var`` (-1 for parameters)."""
+        op = self.op_of.get(var)
+        return op.index if op is not None else -1
+
+
+def _callee(call: relax.Call) -> str | None:
+    op = call.op
+    if isinstance(op, tvm.ir.Op):
+        if op.name in ("relax.call_pure_packed", "relax.call_packed") and call.args:
+            first = call.args[0]
+            if isinstance(first, relax.ExternFunc):
+                return first.global_symbol
+        return op.name
+    if isinstance(op, relax.ExternFunc):
+        return op.global_symbol
+    return None
+
+
+def _vars_in(expr: relax.Expr, defined: set[relax.Var]) -> tuple[relax.Var, ...]:
+    """Relax variables read by ``expr``, in order of first occurrence.
+
+    Relax and TIR variables share one class in TVM 0.27 and ``free_vars`` returns both; the
+    Relax variables of a function are its parameters and bound variables (``defined``).
+    """
+    seen: dict[relax.Var, None] = {}
+    for var in relax.analysis.free_vars(expr):
+        if var in defined:
+            seen.setdefault(var, None)
+    return tuple(seen)
+
+
+def _is_inert(value: relax.Expr) -> bool:
+    return not isinstance(
+        value,
+        relax.Var | relax.Call | relax.Tuple | relax.TupleGetItem | relax.If | relax.Function,
+    )
+
+
+def _classify(
+    index: int,
+    binding: relax.Binding,
+    mod: tvm.IRModule,
+    written: set[relax.Var],
+    allocs: set[relax.Var],
+    defined: set[relax.Var],
+) -> Op:
+    var, value = binding.var, binding.value
+    if isinstance(binding, relax.MatchCast):
+        if isinstance(value, relax.Var):
+            return Op(index, var, value, "alias", (value,), source=value, is_match_cast=True)
+        return Op(index, var, value, "opaque", _vars_in(value, defined), is_match_cast=True)
+    if isinstance(value, relax.If):
+        raise UnsupportedFunction("control flow (If)")
+    if isinstance(value, relax.Var):
+        return Op(index, var, value, "alias", (value,), source=value)
+    if isinstance(value, relax.Tuple):
+        return Op(index, var, value, "tuple", _vars_in(value, defined))
+    if isinstance(value, relax.TupleGetItem):
+        source = value.tuple_value
+        if isinstance(source, relax.Var):
+            return Op(index, var, value, "getitem", (source,), source=source)
+        return Op(index, var, value, "opaque", _vars_in(value, defined))
+    if isinstance(value, relax.Call):
+        name = _callee(value)
+        if name == _ALLOC_TENSOR:
+            return Op(index, var, value, "alloc", _vars_in(value, defined))
+        if name in _VIEW_OPS or name in _VIEW_PACKED:
+            args = list(value.args)
+            if isinstance(value.op, tvm.ir.Op) and value.op.name in (
+                "relax.call_pure_packed",
+                "relax.call_packed",
+            ):
+                args = args[1:]
+            if args and isinstance(args[0], relax.Var):
+                return Op(index, var, value, "view", _vars_in(value, defined), source=args[0])
+        if isinstance(value.op, relax.GlobalVar) and value.op in mod.functions:
+            callee = mod[value.op]
+            if isinstance(callee, tvm.tirx.PrimFunc):
+                args = list(value.args)
+                outputs: list[relax.Var] = []
+                for arg in reversed(args):
+                    if isinstance(arg, relax.Var) and arg in allocs and arg not in written:
+                        outputs.append(arg)
+                    else:
+                        break
+                outputs.reverse()
+                inputs = args[: len(args) - len(outputs)]
+                if outputs and not any(isinstance(a, relax.Var) and a in outputs for a in inputs):
+                    reads = _vars_in(relax.Tuple(inputs), defined) if inputs else ()
+                    return Op(index, var, value, "kernel", reads, tuple(outputs))
+        return Op(index, var, value, "opaque", _vars_in(value, defined))
+    if isinstance(value, relax.Function):
+        raise UnsupportedFunction("a nested function")
+    if _is_inert(value):
+        return Op(index, var, value, "inert", ())
+    return Op(index, var, value, "opaque", _vars_in(value, defined))
+
+
+def build_model(func: relax.Function, mod: tvm.IRModule) -> FunctionModel:
+    """Classify the bindings of ``func`` and compute holders, uses and mutability.
+
+    Raises
+    ------
+    UnsupportedFunction
+        For dataflow blocks (the pass runs after ``ToNonDataflow``), control flow and nested
+        functions.
+    """
+    body = func.body
+    if not isinstance(body, relax.SeqExpr):
+        raise UnsupportedFunction("a body that is not a SeqExpr")
+    defined: set[relax.Var] = set(func.params)
+    for block in body.blocks:
+        defined.update(b.var for b in block.bindings)
+    ops: list[Op] = []
+    written: set[relax.Var] = set()
+    allocs: set[relax.Var] = set()
+    for block in body.blocks:
+        if isinstance(block, relax.DataflowBlock):
+            raise UnsupportedFunction("a dataflow block (run after ToNonDataflow)")
+        for binding in block.bindings:
+            op = _classify(len(ops), binding, mod, written, allocs, defined)
+            ops.append(op)
+            if op.kind == "alloc":
+                allocs.add(op.var)
+            elif op.kind == "kernel":
+                written.update(op.outputs)
+    if isinstance(body.body, relax.If | relax.Function):
+        raise UnsupportedFunction("a result that is not a plain expression")
+    outputs = list(_vars_in(body.body, defined))
+    model = FunctionModel(func=func, params=list(func.params), ops=ops, outputs=outputs)
+    for param in model.params:
+        model.holds[param] = frozenset({param})
+    for op in ops:
+        model.op_of[op.var] = op
+        held: set[relax.Var] = set()
+        if op.kind == "alloc":
+            held = {op.var}
+        elif op.kind in ("alias", "view"):
+            held = set(model.holds.get(op.source, ()))
+        elif op.kind == "tuple":
+            model.tuple_fields[op.var] = list(op.value.fields)
+            for f in op.value.fields:
+                if isinstance(f, relax.Var):
+                    held |= model.holds.get(f, frozenset())
+        elif op.kind == "getitem":
+            fields = model.tuple_fields.get(op.source)
+            index = int(op.value.index)
+            if fields is not None and 0 <= index < len(fields):
+                f = fields[index]
+                if isinstance(f, relax.Var):
+                    held = set(model.holds.get(f, ()))
+                    if f in model.tuple_fields:
+                        model.tuple_fields[op.var] = model.tuple_fields[f]
+            else:
+                held = set(model.holds.get(op.source, ()))
+        elif op.kind == "opaque":
+            # The result may alias any argument, and is a value of its own.
+            held = {op.var}
+            for v in op.reads:
+                held |= model.holds.get(v, frozenset())
+        elif op.kind == "kernel":
+            for out in op.outputs:
+                if out in model.writer:
+                    model.mutable.add(out)
+                model.writer[out] = op.index
+        model.holds[op.var] = frozenset(held)
+        for root in held:
+            model.members.setdefault(root, []).append(op.var)
+        for v in op.reads:
+            model.var_uses.setdefault(v, []).append(op.index)
+            for root in model.holds.get(v, ()):
+                positions = model.uses.setdefault(root, [])
+                if not positions or positions[-1] != op.index:
+                    positions.append(op.index)
+        if op.kind == "opaque":
+            # Opaque calls may write into their tensor arguments.
+            for v in op.reads:
+                model.mutable |= model.holds.get(v, frozenset())
+    for v in outputs:
+        model.var_uses.setdefault(v, []).append(model.end)
+        for root in model.holds.get(v, ()):
+            positions = model.uses.setdefault(root, [])
+            if not positions or positions[-1] != model.end:
+                positions.append(model.end)
+    return model

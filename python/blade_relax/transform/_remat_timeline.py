@@ -1,0 +1,582 @@
+"""The timeline the remat runtime decides on, read from the IR the VM will run.
+
+``Rematerialize`` runs before memory planning, but what the VM allocates is decided by the
+planner (``StaticPlanBlockMemory``, ``PlanMemory``) and ``KillAfterLastUse``. So the timeline is
+computed twice: ``Rematerialize`` attaches an estimate from the lowered IR (every
+``R.builtin.alloc_tensor`` its own storage, registers dropped after their last use), and
+:class:`RematTimeline`, run after ``KillAfterLastUse``, replaces it with the exact one read
+from the planned IR (``alloc_storage`` sizes, explicit kills). The pipeline runs both; a
+user's own pipeline without ``RematTimeline`` still works, on the estimate.
+
+:func:`simulate` walks a function once, tracking which storages each register keeps alive:
+
+* points: every storage allocation (the live bytes right after it) and every ``regenerate``
+  call (the live bytes right before it);
+* each storage's live interval over the points, its size as a Python integer expression over
+  the function's dims;
+* each slot's window: ``start`` is the first point after the VM has let go of the evicted
+  tensor's storage (the ``evict`` call keeps it in the runtime's stash when the tensor is
+  kept), ``site`` the point of its ``regenerate`` call.
+
+It also checks the alias hazard: a storage held by the stash or by a regenerated tensor must
+never receive another tensor (a planner that did not see the alias would overwrite it), and
+raises :class:`RematHazardError` if it does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from ..runtime.remat import REMAT_FORMAT, metadata_key
+
+__all__ = [
+    "BEGIN",
+    "EVICT",
+    "META_ATTR",
+    "REGEN_ATTR",
+    "REGENERATE",
+    "RELEASE_ATTR",
+    "RematHazardError",
+    "RematTimeline",
+    "Simulation",
+    "attach_metadata",
+    "prim_to_py",
+    "simulate",
+]
+
+BEGIN = "blade_relax.remat_begin"
+EVICT = "blade_relax.evict"
+REGENERATE = "blade_relax.regenerate"
+# Function attribute holding the metadata JSON (on the rematerialized function).
+META_ATTR = "blade_relax.remat"
+# Function attribute marking a regeneration function: "<function>/<slot>".
+REGEN_ATTR = "blade_relax.remat_regen"
+# Function attribute marking the module's no-op release function.
+RELEASE_ATTR = "blade_relax.remat_release"
+
+_STORAGE_ALLOCS = frozenset({"relax.memory.alloc_storage", "relax.vm.alloc_storage"})
+_TENSOR_IN_STORAGE = frozenset({"relax.memory.alloc_tensor", "relax.vm.alloc_tensor"})
+_KILLS = frozenset(
+    {"relax.memory.kill_tensor", "relax.memory.kill_storage", "relax.vm.kill_object"}
+)
+_VIEWS = frozenset(
+    {"relax.reshape", "relax.memory.view", "relax.memory.ensure_zero_offset", "vm.builtin.reshape"}
+)
+
+
+class RematHazardError(RuntimeError):
+    """A storage the remat runtime may still hand out was given to another tensor."""
+
+
+# --------------------------------------------------------------------------- expressions
+_BINARY = {
+    "Add": "+",
+    "Sub": "-",
+    "Mul": "*",
+    "FloorDiv": "//",
+    "FloorMod": "%",
+    "LT": "<",
+    "LE": "<=",
+    "GT": ">",
+    "GE": ">=",
+    "EQ": "==",
+    "NE": "!=",
+    "And": "and",
+    "Or": "or",
+}
+
+
+def prim_to_py(expr: Any, rename: dict[Any, str] | None = None) -> str:
+    """A Python integer expression equal to a TIR ``PrimExpr`` (names are the vars' names).
+
+    ``rename`` replaces variables by given Python text (to express a kernel's sizes in its
+    caller's dims).
+
+    Raises
+    ------
+    ValueError
+        For nodes other than integer constants, vars, arithmetic, min/max, casts, comparisons,
+        logic and ``Select``.
+    """
+    if isinstance(expr, int):
+        return str(expr)
+    if isinstance(expr, tvm.tirx.IntImm):
+        return str(int(expr.value))
+    if isinstance(expr, tvm.tirx.Var):
+        if rename is not None and expr in rename:
+            return rename[expr]
+        return str(expr.name)
+
+    def py(x: Any) -> str:
+        return prim_to_py(x, rename)
+
+    kind = type(expr).__name__
+    if kind in _BINARY:
+        return f"({py(expr.a)} {_BINARY[kind]} {py(expr.b)})"
+    if kind in ("Min", "Max"):
+        return f"{kind.lower()}({py(expr.a)}, {py(expr.b)})"
+    if kind == "Div":
+        return f"tdiv({py(expr.a)}, {py(expr.b)})"
+    if kind == "Mod":
+        return f"tmod({py(expr.a)}, {py(expr.b)})"
+    if kind == "Cast":
+        return py(expr.value)
+    if kind == "Not":
+        return f"(not {py(expr.a)})"
+    if kind == "Select":
+        cond, t, f = (py(x) for x in (expr.condition, expr.true_value, expr.false_value))
+        return f"({t} if {cond} else {f})"
+    raise ValueError(f"cannot evaluate a {kind} at run time: {expr}")
+
+
+def _itemsize(dtype: Any) -> int:
+    dt = tvm.runtime.DataType(str(dtype))
+    return (dt.bits * dt.lanes + 7) // 8
+
+
+def tensor_bytes_py(ty: relax.TensorType) -> str:
+    """Bytes of a tensor type as a Python expression."""
+    shape = ty.shape
+    if not isinstance(shape, relax.ShapeExpr) or ty.dtype is None:
+        raise ValueError(f"tensor type without a known shape and dtype: {ty}")
+    terms = [prim_to_py(v) for v in shape.values] or ["1"]
+    return f"({' * '.join(terms)} * {_itemsize(ty.dtype)})"
+
+
+def _dtype_of(value: Any) -> Any:
+    return getattr(value, "value", value)
+
+
+# --------------------------------------------------------------------------- simulation
+@dataclass
+class StorageInterval:
+    """One storage: its size and the points ``[first, end)`` where it is live."""
+
+    size: str
+    first: int
+    end: int
+    name: str = ""
+
+
+@dataclass
+class SlotWindow:
+    """Where one slot's bytes are gone when it is evicted."""
+
+    nbytes: str = "0"
+    start: int | None = None
+    site: int | None = None
+
+
+@dataclass
+class Simulation:
+    """The result of :func:`simulate`."""
+
+    points: int = 0
+    storages: list[StorageInterval] = field(default_factory=list)
+    slots: dict[int, SlotWindow] = field(default_factory=dict)
+    exact: bool = True
+    notes: list[str] = field(default_factory=list)
+
+    def peak_expr(self) -> str:
+        """The largest live bytes at any allocation point, as a Python expression."""
+        if not self.storages:
+            return "0"
+        terms = []
+        for point in range(self.points):
+            live = [s.size for s in self.storages if s.first <= point < s.end]
+            if any(s.first == point for s in self.storages):
+                terms.append(" + ".join(live) if live else "0")
+        unique = list(dict.fromkeys(terms))
+        return unique[0] if len(unique) == 1 else f"max({', '.join(unique)})"
+
+
+def _callee(call: relax.Call) -> tuple[str | None, list[Any]]:
+    op = call.op
+    args = list(call.args)
+    if isinstance(op, tvm.ir.Op):
+        if op.name in (
+            "relax.call_builtin_with_ctx",
+            "relax.call_pure_packed",
+            "relax.call_packed",
+        ):
+            if args and isinstance(args[0], relax.ExternFunc):
+                rest = args[1:]
+                if (
+                    op.name == "relax.call_builtin_with_ctx"
+                    and rest
+                    and isinstance(rest[0], relax.Tuple)
+                ):
+                    rest = list(rest[0].fields)
+                return args[0].global_symbol, rest
+        return op.name, args
+    if isinstance(op, relax.ExternFunc):
+        return op.global_symbol, args
+    return None, args
+
+
+def _last_uses(func: relax.Function) -> dict[int, list[relax.Var]]:
+    """Binding position -> variables whose last occurrence it is (as KillAfterLastUse sees)."""
+    last: dict[relax.Var, int] = {}
+    index = 0
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            for var in relax.analysis.free_vars(binding.value):
+                last[var] = index
+            index += 1
+    for var in relax.analysis.free_vars(func.body.body):
+        last[var] = index  # returned: never dropped
+    # A variable never read dies right after its binding (KillAfterLastUse removes unused
+    # trivial bindings, and no kernel output goes unread in a lowered function).
+    index = 0
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            last.setdefault(binding.var, index)
+            index += 1
+    out: dict[int, list[relax.Var]] = {}
+    for var, position in last.items():
+        out.setdefault(position, []).append(var)
+    return out
+
+
+def simulate(func: relax.Function, mod: tvm.IRModule, stage: str) -> Simulation:
+    """Walk ``func`` and record its storages, points and slot windows.
+
+    Parameters
+    ----------
+    func
+        A normalized Relax function, non-dataflow.
+    mod
+        Its module (to tell PrimFunc kernels from Relax calls).
+    stage
+        ``"lowered"`` (``R.builtin.alloc_tensor`` allocates, registers die after their last
+        use) or ``"memory"`` (``alloc_storage`` allocates, explicit kills).
+
+    Returns
+    -------
+    Simulation
+
+    Raises
+    ------
+    RematHazardError
+        A storage held by the runtime's stash or by a regenerated tensor receives another
+        tensor.
+    """
+    sim = Simulation()
+    holds: dict[relax.Var, frozenset[int]] = {p: frozenset() for p in func.params}
+    registers: dict[int, set[relax.Var]] = {}
+    stash: dict[int, frozenset[int]] = {}
+    stashed: dict[int, int] = {}
+    tainted: set[int] = set()
+    ends: dict[int, int | None] = {}
+    deaths = _last_uses(func) if stage == "lowered" else {}
+
+    def drop(var: relax.Var) -> None:
+        for sid in holds.get(var, ()):
+            owners = registers[sid]
+            owners.discard(var)
+            if owners:
+                continue
+            if stashed.get(sid, 0) == 0:
+                if ends[sid] is None:
+                    ends[sid] = sim.points
+            else:
+                for slot, sids in stash.items():
+                    window = sim.slots[slot]
+                    if sid in sids and window.start is None and not any(registers[s] for s in sids):
+                        window.start = sim.points
+        holds[var] = frozenset()
+
+    def allocate(var: relax.Var, size: str) -> None:
+        sid = len(sim.storages)
+        sim.storages.append(StorageInterval(size=size, first=sim.points, end=-1, name=var.name))
+        ends[sid] = None
+        registers[sid] = {var}
+        holds[var] = frozenset({sid})
+        sim.points += 1
+
+    def hold(var: relax.Var, sids: frozenset[int]) -> None:
+        holds[var] = sids
+        for sid in sids:
+            registers[sid].add(var)
+
+    index = 0
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            var, value = binding.var, binding.value
+            sources: list[Any] = []
+            if isinstance(value, relax.Var):
+                sources = [value]
+            elif isinstance(value, relax.Tuple):
+                sources = list(value.fields)
+            elif isinstance(value, relax.TupleGetItem):
+                sources = [value.tuple_value]
+            elif isinstance(value, relax.Call):
+                name, args = _callee(value)
+                if name in _STORAGE_ALLOCS:
+                    size = args[0]
+                    values = size.values if isinstance(size, relax.ShapeExpr) else None
+                    if values is None:
+                        raise ValueError(
+                            f"alloc_storage with a size the timeline cannot read: {size}"
+                        )
+                    count = " * ".join(prim_to_py(v) for v in values) or "1"
+                    itemsize = 1
+                    if name == "relax.vm.alloc_storage":
+                        itemsize = _itemsize(_dtype_of(args[2]))
+                    allocate(var, f"({count} * {itemsize})" if itemsize != 1 else f"({count})")
+                elif name == "relax.builtin.alloc_tensor" and stage == "lowered":
+                    allocate(var, tensor_bytes_py(var.ty))
+                elif name in _TENSOR_IN_STORAGE:
+                    sids = holds.get(args[0], frozenset())
+                    if sids & (tainted | set(stashed)):
+                        raise RematHazardError(
+                            f"`{var.name}` is placed in a storage that holds an evictable or "
+                            "regenerated tensor: the memory plan does not see that alias"
+                        )
+                    sources = [args[0]]
+                elif name in _KILLS:
+                    if args and isinstance(args[0], relax.Var):
+                        drop(args[0])
+                elif name in _VIEWS:
+                    sources = [a for a in args[:1] if isinstance(a, relax.Var)]
+                elif name == EVICT:
+                    slot = int(args[1].value)
+                    sids = holds.get(args[2], frozenset())
+                    window = sim.slots.setdefault(slot, SlotWindow())
+                    window.nbytes = " + ".join(sim.storages[s].size for s in sorted(sids)) or "0"
+                    stash[slot] = sids
+                    for sid in sids:
+                        stashed[sid] = stashed.get(sid, 0) + 1
+                elif name == REGENERATE:
+                    slot = int(args[1].value)
+                    window = sim.slots.setdefault(slot, SlotWindow())
+                    window.site = sim.points
+                    sim.points += 1
+                    sids = stash.pop(slot, frozenset())
+                    for sid in sids:
+                        stashed[sid] -= 1
+                    tainted.update(sids)
+                    hold(var, sids)
+                elif name == BEGIN or _is_prim_func(value, mod):
+                    pass  # no memory: the frame, or a kernel writing into its arguments
+                elif isinstance(value.op, relax.GlobalVar):
+                    # A Relax function allocates what the timeline of this one cannot see.
+                    sim.exact = False
+                    sim.notes.append(f"call of Relax function {value.op.name_hint}")
+                elif (
+                    name is not None
+                    and name.startswith("relax.")
+                    and not name.startswith(("relax.call_", "relax.null_value"))
+                ):
+                    pass  # operators that allocate nothing at this stage (shape ops, ...)
+                else:
+                    if isinstance(var.ty, relax.TensorType | relax.TupleType):
+                        sim.exact = False
+                        sim.notes.append(f"tensor from {name}")
+            elif isinstance(value, relax.If):
+                sim.exact = False
+                sim.notes.append("control flow")
+            if isinstance(binding, relax.MatchCast) and isinstance(value, relax.Var):
+                sources = [value]
+            if sources:
+                sids: frozenset[int] = frozenset()
+                for s in sources:
+                    if isinstance(s, relax.Var):
+                        sids |= holds.get(s, frozenset())
+                hold(var, sids)
+            if stage == "lowered":
+                for dead in deaths.get(index, ()):
+                    drop(dead)
+            index += 1
+    for sid, storage in enumerate(sim.storages):
+        end = ends[sid]
+        storage.end = sim.points if end is None else end
+    return sim
+
+
+def _is_prim_func(call: relax.Call, mod: tvm.IRModule) -> bool:
+    op = call.op
+    return (
+        isinstance(op, relax.GlobalVar)
+        and op in mod.functions
+        and isinstance(mod[op], tvm.tirx.PrimFunc)
+    )
+
+
+# --------------------------------------------------------------------------- metadata
+def build_metadata(
+    function: str,
+    dims: Sequence[str],
+    sim: Simulation,
+    slots: Sequence[dict[str, Any]],
+    regen_peaks: Sequence[str],
+    exact: bool,
+) -> dict[str, Any]:
+    """Assemble the metadata JSON the runtime reads.
+
+    Parameters
+    ----------
+    function
+        Name of the rematerialized function.
+    dims
+        Names of the dims ``remat_begin`` receives, in order.
+    sim
+        The simulation of the function.
+    slots
+        Per slot, its static part: ``name``, ``cost`` (expression), ``plan``, ``regen``
+        (name of its regeneration function).
+    regen_peaks
+        Per slot, the peak bytes of its regeneration function (expression).
+    exact
+        Whether the simulation read the planned IR.
+    """
+    exprs: list[str] = []
+    index_of: dict[str, int] = {}
+
+    def expr(text: str) -> int:
+        if text not in index_of:
+            index_of[text] = len(exprs)
+            exprs.append(text)
+        return index_of[text]
+
+    storages = [[expr(s.size), s.first, s.end] for s in sim.storages]
+    out_slots = []
+    for k, static in enumerate(slots):
+        window = sim.slots.get(k, SlotWindow())
+        site = window.site if window.site is not None else 0
+        start = window.start if window.start is not None and window.site is not None else site + 1
+        out_slots.append(
+            {
+                "name": static["name"],
+                "regen": static["regen"],
+                "bytes": expr(window.nbytes),
+                "cost": expr(static["cost"]),
+                "regen_peak": expr(regen_peaks[k]),
+                "start": start,
+                "site": site,
+                "plan": static["plan"],
+            }
+        )
+    return {
+        "format": REMAT_FORMAT,
+        "function": function,
+        "dims": list(dims),
+        "exact": bool(exact and sim.exact),
+        "points": max(sim.points, 1),
+        "exprs": exprs,
+        "storages": storages,
+        "slots": out_slots,
+    }
+
+
+def metadata_constant(text: str) -> relax.Expr:
+    """The ``uint8`` tensor constant that carries the metadata JSON into the executable."""
+    return relax.const(np.frombuffer(text.encode(), dtype=np.uint8).copy(), "uint8")
+
+
+def attach_metadata(func: relax.Function, meta: dict[str, Any]) -> relax.Function:
+    """Write ``meta`` into the ``remat_begin`` call of ``func`` and into its attribute."""
+    text = json.dumps(meta, separators=(",", ":"))
+    key = metadata_key(meta["function"], text)
+    body = func.body
+    blocks = []
+    replaced = False
+    for block in body.blocks:
+        bindings = []
+        for binding in block.bindings:
+            value = binding.value
+            if not replaced and isinstance(value, relax.Call):
+                name, args = _callee(value)
+                if name == BEGIN:
+                    new_args = relax.Tuple(
+                        [tvm.ir.StringImm(key), metadata_constant(text), *args[2:]]
+                    )
+                    value = relax.Call(
+                        value.op, [value.args[0], new_args], value.attrs, value.ty_args
+                    )
+                    binding = relax.VarBinding(binding.var, value)
+                    replaced = True
+            bindings.append(binding)
+        blocks.append(
+            relax.DataflowBlock(bindings)
+            if isinstance(block, relax.DataflowBlock)
+            else relax.BindingBlock(bindings)
+        )
+    new_func = relax.Function(
+        func.params,
+        relax.SeqExpr(blocks, body.body),
+        func.ret_ty,
+        func.is_pure,
+        func.attrs,
+        func.span,
+    )
+    return relax.BlockBuilder().normalize(new_func.with_attr(META_ATTR, text))
+
+
+def regen_functions(mod: tvm.IRModule) -> dict[str, relax.Function]:
+    """The regeneration functions of ``mod`` by name."""
+    out = {}
+    for gv, func in mod.functions.items():
+        if isinstance(func, relax.Function) and func.attrs is not None and REGEN_ATTR in func.attrs:
+            out[gv.name_hint] = func
+    return out
+
+
+def refresh_metadata(mod: tvm.IRModule, stage: str) -> tvm.IRModule:
+    """Recompute the metadata of every rematerialized function of ``mod`` at ``stage``."""
+    regens = regen_functions(mod)
+    updates = {}
+    for gv, func in mod.functions.items():
+        if (
+            not isinstance(func, relax.Function)
+            or func.attrs is None
+            or META_ATTR not in func.attrs
+        ):
+            continue
+        old = json.loads(str(func.attrs[META_ATTR]))
+        sim = simulate(func, mod, stage)
+        peaks = []
+        for slot in old["slots"]:
+            regen = regens.get(slot["regen"])
+            if regen is None:
+                raise ValueError(
+                    f"regeneration function {slot['regen']} is missing from the module"
+                )
+            regen_sim = simulate(regen, mod, stage)
+            if not regen_sim.exact:
+                sim.exact = False
+            peaks.append(regen_sim.peak_expr())
+        statics = [
+            {k: s[k] for k in ("name", "regen", "plan")} | {"cost": old["exprs"][s["cost"]]}
+            for s in old["slots"]
+        ]
+        meta = build_metadata(
+            old["function"], old["dims"], sim, statics, peaks, exact=stage == "memory"
+        )
+        updates[gv] = attach_metadata(func, meta)
+    if not updates:
+        return mod
+    mod = mod.clone() if hasattr(mod, "clone") else mod
+    for gv, func in updates.items():
+        mod[gv] = func
+    return mod
+
+
+@tvm.transform.module_pass(opt_level=0, name="RematTimeline")
+class RematTimeline:
+    """Replace the estimated remat timeline with the one read from the planned IR.
+
+    Runs after ``KillAfterLastUse`` (the IR then holds ``alloc_storage`` with the planned sizes
+    and the VM's kills) and before ``VMShapeLower``. A module without rematerialized functions
+    passes through unchanged.
+    """
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        return refresh_metadata(mod, "memory")

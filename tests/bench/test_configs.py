@@ -1,0 +1,88 @@
+"""The configuration registry: fixed names, families, budget references."""
+
+from __future__ import annotations
+
+import pytest
+
+from blade_relax.bench import configs
+from blade_relax.bench.configs import (
+    TorchConfig,
+    TvmConfig,
+    get_config,
+    register_budget_family,
+    register_config,
+    register_config_family,
+    resolve_configs,
+    stock_pipeline_factory,
+)
+
+
+@pytest.fixture(autouse=True)
+def restore_registry():
+    saved = dict(configs._CONFIGS), dict(configs._FAMILIES)
+    yield
+    configs._CONFIGS.clear()
+    configs._CONFIGS.update(saved[0])
+    configs._FAMILIES.clear()
+    configs._FAMILIES.update(saved[1])
+
+
+def test_stock_configs_are_registered():
+    dynamic, bounded, static = (get_config(n) for n in ("tvm-dynamic", "tvm-bounded", "tvm-static"))
+    assert (dynamic.static, dynamic.keep_bounds) == (False, False)
+    assert (bounded.static, bounded.keep_bounds) == (False, True)
+    assert (static.static, static.keep_bounds) == (True, False)
+    assert get_config("torch-eager") == TorchConfig("torch-eager", description="PyTorch eager")
+    assert get_config("torch-compile").compile
+
+
+def test_family_argument_becomes_the_budget():
+    config = get_config("torch-compile@0.5")
+    assert isinstance(config, TorchConfig)
+    assert config.name == "torch-compile@0.5"
+    assert config.compile and config.activation_memory_budget == 0.5
+    with pytest.raises(ValueError, match="expected a number"):
+        get_config("torch-compile@half")
+    with pytest.raises(ValueError, match="must be positive"):
+        get_config("torch-compile@-1")
+
+
+def test_unknown_and_duplicate_names_are_clear_errors():
+    with pytest.raises(ValueError, match="unknown config 'nope'.*tvm-dynamic"):
+        get_config("nope")
+    with pytest.raises(ValueError, match="already registered"):
+        register_config(TvmConfig("tvm-dynamic", pipeline=stock_pipeline_factory))
+    with pytest.raises(ValueError, match="register a family"):
+        register_config(TvmConfig("x@1", pipeline=stock_pipeline_factory))
+    with pytest.raises(ValueError, match="needs budget_of"):
+        TvmConfig("x", pipeline=stock_pipeline_factory, budget=0.5)
+
+
+def test_budget_family_resolves_its_reference_first():
+    register_config(TvmConfig("my-pass", pipeline=stock_pipeline_factory, description="mine"))
+    register_budget_family("my-pass")
+    config = get_config("my-pass@0.25")
+    assert (config.budget, config.budget_of, config.name) == (0.25, "my-pass", "my-pass@0.25")
+    assert config.pipeline is stock_pipeline_factory
+    plan = resolve_configs(["torch-eager", "my-pass@0.25"])
+    assert [(c.name, requested) for c, requested in plan] == [
+        ("torch-eager", True),
+        ("my-pass", False),
+        ("my-pass@0.25", True),
+    ]
+    # Asking for the reference too marks it requested, once.
+    plan = resolve_configs(["my-pass@0.25", "my-pass"])
+    assert [(c.name, requested) for c, requested in plan] == [
+        ("my-pass", True),
+        ("my-pass@0.25", True),
+    ]
+
+
+def test_custom_family():
+    register_config_family(
+        "static-at",
+        lambda arg: TvmConfig(f"static-at@{arg}", pipeline=stock_pipeline_factory, static=True),
+    )
+    assert get_config("static-at@x").static
+    with pytest.raises(ValueError, match="already registered"):
+        register_config_family("static-at", lambda arg: None)

@@ -1,0 +1,130 @@
+"""The ruler end to end on the small Relax-native workload: JSON schema, table, plot, budgets."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from blade_relax.bench import ModelSizes, build_workload, main, run_benchmark
+from blade_relax.bench import configs as registry
+from blade_relax.bench.configs import TvmConfig, register_budget_family, register_config
+from blade_relax.bench.configs import stock_pipeline_factory as stock
+from blade_relax.bench.report import SCHEMA, markdown_table
+from blade_relax.frontend import DimOutOfRangeError
+
+pytest.importorskip("torch")
+
+TINY = ["--workload", "mlp-train", "--hidden", "16", "--intermediate", "32", "--vocab", "8",
+        "--layers", "1", "--max-seq-len", "48", "--repeat", "1", "--quiet"]  # fmt: skip
+TINY_SIZES = ModelSizes(layers=1, hidden=16, intermediate=32, vocab=8, max_seq_len=48)
+
+RESULT_KEYS = {
+    "config", "seq_len", "peak_bytes", "step_peak_bytes", "caller_bytes", "lower_bound_bytes",
+    "step_time_s", "step_times_s", "compile_time_s", "compilations", "loss", "max_rel_error",
+    "correct", "budget_bytes", "evictions", "regenerations", "driver_peak_bytes",
+    "driver_agrees", "error",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def run_json(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    argv = [*TINY, "--configs", "tvm-dynamic,tvm-bounded,tvm-static,torch-eager",
+            "--lengths", "8,40", "--out", str(out / "r.json"), "--plot", str(out / "p.png")]  # fmt: skip
+    code = main(argv)
+    return code, json.loads((out / "r.json").read_text()), out
+
+
+def test_cli_run_succeeds_and_writes_plot(run_json):
+    code, doc, out = run_json
+    assert code == 0
+    assert doc["all_correct"] is True
+    assert (out / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_json_schema(run_json):
+    _, doc, _ = run_json
+    assert doc["schema"] == SCHEMA
+    assert set(doc) >= {
+        "schema", "workload", "target", "environment", "trace", "repeat", "tolerance",
+        "all_correct", "configs", "results",
+    }  # fmt: skip
+    assert doc["workload"]["name"] == "mlp-train"
+    assert doc["workload"]["dims"] == {"s": [2, 48]}
+    assert doc["workload"]["outputs"][0] == "loss"
+    assert doc["target"] == "llvm"
+    assert doc["trace"]["measured_lengths"] == [8, 40]
+    assert [c["name"] for c in doc["configs"]] == [
+        "tvm-dynamic", "tvm-bounded", "tvm-static", "torch-eager",
+    ]  # fmt: skip
+    for config in doc["configs"]:
+        assert set(config) == {
+            "name", "kind", "description", "requested", "compile_time_s", "compilations",
+            "settings",
+        }  # fmt: skip
+    assert len(doc["results"]) == 8
+    for row in doc["results"]:
+        assert set(row) == RESULT_KEYS
+        assert row["error"] is None and row["correct"] is True
+        assert row["max_rel_error"] <= 1e-4
+        assert row["peak_bytes"] == row["step_peak_bytes"] + row["caller_bytes"]
+        assert row["step_peak_bytes"] > 0 and row["lower_bound_bytes"] > row["caller_bytes"]
+        assert len(row["step_times_s"]) == 1
+
+
+def test_measured_facts(run_json):
+    _, doc, _ = run_json
+    rows = {(r["config"], r["seq_len"]): r for r in doc["results"]}
+    # Compiled once vs once per length.
+    assert rows[("tvm-dynamic", 40)]["compilations"] == 1
+    assert rows[("tvm-static", 40)]["compilations"] == 2
+    assert rows[("tvm-dynamic", 40)]["compile_time_s"] == 0.0
+    # Same loss everywhere; more bytes at the longer length for the size-following configs.
+    for config in ("tvm-dynamic", "tvm-static", "torch-eager"):
+        assert rows[(config, 40)]["peak_bytes"] > rows[(config, 8)]["peak_bytes"]
+        assert rows[(config, 8)]["loss"] == pytest.approx(rows[("torch-eager", 8)]["loss"], 1e-5)
+    # Planning at the bound costs bytes at short lengths.
+    assert rows[("tvm-bounded", 8)]["peak_bytes"] > rows[("tvm-dynamic", 8)]["peak_bytes"]
+    assert rows[("tvm-dynamic", 8)]["caller_bytes"] == rows[("torch-eager", 8)]["caller_bytes"]
+
+
+def test_lengths_beyond_the_bound_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        main([*TINY, "--lengths", "8,49"])
+    assert "s <= 48" in capsys.readouterr().err
+
+
+def test_list_configs(capsys):
+    assert main(["--list-configs"]) == 0
+    listed = capsys.readouterr().out
+    for name in ("tvm-dynamic", "tvm-bounded", "tvm-static", "torch-eager", "torch-compile@B"):
+        assert name in listed
+
+
+@pytest.fixture
+def budget_family():
+    saved = dict(registry._CONFIGS), dict(registry._FAMILIES)
+    register_config(TvmConfig("stock-again", pipeline=stock))
+    register_budget_family("stock-again")
+    yield
+    registry._CONFIGS.clear()
+    registry._CONFIGS.update(saved[0])
+    registry._FAMILIES.clear()
+    registry._FAMILIES.update(saved[1])
+
+
+def test_budget_is_a_fraction_of_the_reference_peak(budget_family):
+    workload = build_workload("mlp-train", TINY_SIZES)
+    result = run_benchmark(workload, ["stock-again@0.5"], [12], repeat=1)
+    assert [(c.name, c.requested) for c in result.configs] == [
+        ("stock-again", False),
+        ("stock-again@0.5", True),
+    ]
+    reference, budgeted = result.measurements
+    assert budgeted.budget_bytes == int(0.5 * reference.step_peak_bytes)
+    assert budgeted.error is None and budgeted.correct
+    assert "stock-again@0.5" in markdown_table(result)
+    assert "| stock-again |" not in markdown_table(result)  # not requested, not shown
+    with pytest.raises(DimOutOfRangeError, match="s <= 48"):
+        run_benchmark(workload, ["tvm-dynamic"], [49])

@@ -1,0 +1,185 @@
+"""Hugging Face models to Relax: training steps and inference graphs match torch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+import blade_relax  # noqa: F401  (installs the runtime accounting)
+from blade_relax.frontend import (
+    DimOutOfRangeError,
+    TiedParameterError,
+    flatten_outputs,
+    import_inference,
+    import_training_step,
+)
+from blade_relax.pipeline import stock_pipeline
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+MAX_LEN = 64
+TOLERANCE = 1e-4
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_LEN,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def tiny_gpt2(tied: bool):
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=96,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=MAX_LEN,
+        tie_word_embeddings=tied,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def run(graph, lengths, keep_bounds=False):
+    """Compile once (stock pipeline) and return [(outputs, reference)] per length."""
+    variant = graph.with_upper_bounds(keep_bounds)
+    exe = tvm.compile(variant.mod, "llvm", relax_pipeline=stock_pipeline("llvm"))
+    vm = relax.VirtualMachine(exe, tvm.cpu())
+    params = [tvm.runtime.tensor(p) for p in graph.params]
+    results = []
+    for length in lengths:
+        inputs = graph.random_inputs({"s": length}, seed=length)
+        graph.bind_dims(inputs)
+        out = vm["main"](*[tvm.runtime.tensor(a) for a in inputs], *params)
+        results.append(([t.numpy() for t in flatten_outputs(out)], graph.reference(inputs)))
+    return results
+
+
+def assert_matches(results, count):
+    for outputs, reference in results:
+        assert len(outputs) == len(reference) == count
+        for out, ref in zip(outputs, reference):
+            assert out.shape == ref.shape
+            err = np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
+            assert err <= TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def llama_step():
+    return import_training_step(tiny_llama(), max_seq_len=MAX_LEN)
+
+
+def test_llama_training_step_matches_torch(llama_step):
+    graph = llama_step
+    model_params = dict(tiny_llama().named_parameters())
+    assert graph.param_names == list(model_params)
+    assert graph.output_names == ["loss"] + [f"grad:{n}" for n in graph.param_names]
+    assert [p.shape for p in graph.params] == [tuple(p.shape) for p in model_params.values()]
+    results = run(graph, [7, 40])
+    assert_matches(results, 1 + len(graph.param_names))
+    # The two lengths give different losses: the graph really follows the length.
+    assert results[0][0][0] != results[1][0][0]
+
+
+def test_llama_step_has_a_named_symbolic_length(llama_step):
+    main = llama_step.main
+    ids, labels = main.params[:2]
+    seq = ids.ty.shape.values[1]
+    assert isinstance(seq, tvm.tirx.Var) and seq.name == "s"
+    assert labels.ty.shape.values[1].same_as(seq)
+    assert llama_step.upper_bounds == {"s": MAX_LEN}
+    assert llama_step.dims["s"].lower == 2 and llama_step.dims["s"].upper == MAX_LEN
+    dropped = llama_step.with_upper_bounds(False)
+    assert dropped.upper_bounds == {}
+    assert "tir_var_upper_bound" not in dropped.main.attrs
+    assert dropped.with_upper_bounds(True).upper_bounds == {"s": MAX_LEN}
+
+
+def test_llama_step_planned_at_the_bound_matches_torch(llama_step):
+    assert_matches(run(llama_step, [5], keep_bounds=True), 1 + len(llama_step.param_names))
+
+
+def test_length_beyond_the_bound_is_refused_before_running(llama_step):
+    inputs = llama_step.random_inputs({"s": 8})
+    too_long = [np.zeros((1, MAX_LEN + 1), dtype="int64")] * 2
+    assert llama_step.bind_dims(inputs) == {"s": 8}
+    with pytest.raises(DimOutOfRangeError, match=f"s <= {MAX_LEN}") as info:
+        llama_step.bind_dims(too_long)
+    assert str(MAX_LEN + 1) in str(info.value)
+    with pytest.raises(DimOutOfRangeError, match="s >= 2"):
+        llama_step.bind_dims([np.zeros((1, 1), dtype="int64")] * 2)
+    with pytest.raises(ValueError, match="dim 's' is 5"):
+        llama_step.bind_dims([np.zeros((1, 5), "int64"), np.zeros((1, 6), "int64")])
+
+
+def test_gpt2_tied_training_step_sums_the_tied_gradient():
+    model = tiny_gpt2(tied=True)
+    graph = import_training_step(model, max_seq_len=MAX_LEN)
+    unique = dict(model.named_parameters())  # the tied lm_head.weight appears once
+    assert graph.param_names == list(unique)
+    assert graph.metadata["tied"] == [["transformer.wte.weight", "lm_head.weight"]]
+    # The model is left tied after the import.
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert_matches(run(graph, [9, 33]), 1 + len(graph.param_names))
+
+
+def test_tied_parameters_error_says_what_to_change():
+    with pytest.raises(TiedParameterError, match="tie_word_embeddings=False"):
+        import_training_step(tiny_gpt2(tied=True), max_seq_len=MAX_LEN, tied_parameters="error")
+
+
+def test_import_rejects_a_maximum_beyond_the_position_table():
+    with pytest.raises(ValueError, match="position limit 64"):
+        import_training_step(tiny_gpt2(tied=False), max_seq_len=2 * MAX_LEN)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, lambda: tiny_gpt2(tied=True)], ids=["llama", "gpt2"])
+def test_inference_graph_matches_logits(make):
+    graph = import_inference(make(), max_seq_len=MAX_LEN)
+    assert graph.output_names == ["logits"]
+    results = run(graph, [6, 29])
+    assert_matches(results, 1)
+    assert results[1][0][0].shape == (1, 29, 96)
+
+
+def test_symbolic_batch_and_length():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_LEN,
+    )
+    graph = import_training_step(
+        transformers.LlamaForCausalLM(config), max_seq_len=MAX_LEN, max_batch_size=4
+    )
+    assert graph.input_shapes == [("b", "s"), ("b", "s")]
+    assert graph.upper_bounds == {"b": 4, "s": MAX_LEN}
+    names = [v.name for v in graph.main.params[0].ty.shape.values]
+    assert names == ["b", "s"]
+    with pytest.raises(DimOutOfRangeError, match="b <= 4"):
+        graph.bind_dims([np.zeros((5, 8), "int64")] * 2)
+    variant = graph.with_upper_bounds(False)
+    exe = tvm.compile(variant.mod, "llvm", relax_pipeline=stock_pipeline("llvm"))
+    vm = relax.VirtualMachine(exe, tvm.cpu())
+    inputs = graph.random_inputs({"b": 3, "s": 20})
+    out = vm["main"](*map(tvm.runtime.tensor, inputs), *map(tvm.runtime.tensor, graph.params))
+    got = [t.numpy() for t in flatten_outputs(out)]
+    assert_matches([(got, graph.reference(inputs))], 1 + len(graph.param_names))

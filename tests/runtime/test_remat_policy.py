@@ -1,0 +1,290 @@
+"""The remat decision on synthetic timelines, the metadata reader, and the runtime builtins."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import warnings
+
+import numpy as np
+import pytest
+import tvm
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import blade_relax  # noqa: F401  (registers the builtins)
+from blade_relax.runtime import (
+    RematBudgetWarning,
+    RematProgram,
+    last_remat_decision,
+    memory_stats,
+    reset_memory_stats,
+    set_memory_budget,
+)
+from blade_relax.runtime._remat_policy import (
+    ConcreteTimeline,
+    SlotTimeline,
+    decide,
+    minimum_peak,
+    predict_peak,
+)
+from blade_relax.runtime.remat import REMAT_FORMAT, compile_expressions, metadata_key
+
+
+def slot(k, nbytes, start, site, cost=1.0, regen_peak=None, deps=()):
+    """A slot whose plan materializes ``deps`` (in order, no deps of their own) then itself."""
+    plan = tuple((d, ()) for d in deps) + ((k, tuple(deps)),)
+    return SlotTimeline(
+        name=f"t{k}",
+        nbytes=nbytes,
+        cost=cost,
+        start=start,
+        site=site,
+        regen_peak=nbytes if regen_peak is None else regen_peak,
+        plan=plan,
+    )
+
+
+# --------------------------------------------------------------------------- model
+def test_one_eviction_lowers_its_window():
+    tl = ConcreteTimeline(base=np.array([10, 20, 30, 20, 10]), slots=(slot(0, 10, 1, 4),))
+    assert tl.base_peak == 30
+    assert predict_peak(tl, []) == 30
+    # Bytes gone on points 1..4; the regeneration at point 4 peaks at 0 + 10.
+    assert predict_peak(tl, [0]) == 20
+
+
+def test_regeneration_peak_counts():
+    # A regeneration that needs a temporary as large as its output peaks at twice its bytes.
+    tl = ConcreteTimeline(
+        base=np.array([10, 30, 10, 25]), slots=(slot(0, 10, 1, 3, regen_peak=20),)
+    )
+    assert predict_peak(tl, [0]) == max(10, 20, 0, 15 + 20)
+
+
+def test_no_budget_and_budget_above_peak_evict_nothing():
+    tl = ConcreteTimeline(base=np.array([10, 30, 10]), slots=(slot(0, 10, 1, 2),))
+    for budget in (None, 30, 1000):
+        decision = decide(tl, budget)
+        assert decision.evicted == frozenset() and decision.reachable
+        assert decision.peak == 30
+
+
+def test_least_cost_eviction_wins():
+    base = np.array([10, 40, 40, 10])
+    slots = (slot(0, 10, 1, 3, cost=5.0), slot(1, 10, 1, 3, cost=2.0))
+    tl = ConcreteTimeline(base=base, slots=slots)
+    decision = decide(tl, 30)
+    assert decision.evicted == frozenset({1}) and decision.reachable and decision.peak == 30
+    both = decide(tl, 20)
+    assert both.evicted == frozenset({0, 1}) and both.peak == 20 and both.cost == 7.0
+
+
+def test_exact_and_greedy_agree_on_a_small_case():
+    base = np.array([5, 40, 50, 45, 10, 8])
+    slots = (
+        slot(0, 10, 1, 5, cost=10.0),
+        slot(1, 15, 2, 4, cost=4.0),
+        slot(2, 5, 1, 3, cost=1.0),
+    )
+    tl = ConcreteTimeline(base=base, slots=slots)
+    for budget in (45, 40, 35, 30):
+        exact = decide(tl, budget)
+        greedy = decide(tl, budget, exact_limit=0)
+        assert exact.reachable == greedy.reachable
+        if exact.reachable:
+            assert exact.peak <= budget and greedy.peak <= budget
+            assert exact.cost <= greedy.cost
+
+
+def test_chain_cache_versus_temporaries():
+    # Slot 1 is recomputed from slot 0; both evicted.
+    base = np.array([10, 30, 40, 40, 30, 20])
+    slots = (slot(0, 10, 1, 5, cost=3.0), slot(1, 10, 2, 3, cost=2.0, deps=(0,)))
+    tl = ConcreteTimeline(base=base, slots=slots)
+    # cache: slot 0 comes back at point 3 (slot 1's site) and stays: windows [1,3] and [2,3].
+    live_cache = [10, 20, 20, 20, 30, 20]
+    events_cache = [20 + 10, 20 + 10 + 10]  # slot 0 then slot 1 at point 3
+    assert predict_peak(tl, [0, 1], cache=True) == max(live_cache + events_cache)
+    # temp: slot 0 is a temporary at point 3 and again regenerated at its own site 5.
+    live_temp = [10, 20, 20, 20, 20, 10]
+    events_temp = [20 + 10, 20 + 10 + 10, 10 + 10]
+    assert predict_peak(tl, [0, 1], cache=False) == max(live_temp + events_temp)
+    temp = decide(tl, 30)
+    assert temp.reachable and temp.peak <= 30
+
+
+def test_unreachable_budget_reports_the_smallest_peak():
+    base = np.array([10, 50, 10])
+    tl = ConcreteTimeline(base=base, slots=(slot(0, 20, 1, 2),))
+    decision = decide(tl, 5)
+    assert not decision.reachable
+    best = minimum_peak(tl)
+    assert decision.peak == best.peak == predict_peak(tl, decision.evicted, decision.cache)
+    assert best.peak == 30
+
+
+def test_ineffective_slot_is_never_chosen():
+    # Its storage is still held by the function at its site (start after site).
+    tl = ConcreteTimeline(base=np.array([10, 50, 10]), slots=(slot(0, 20, 3, 2),))
+    assert not tl.slots[0].effective
+    assert decide(tl, 30).evicted == frozenset()
+
+
+def test_bad_timeline_is_rejected():
+    with pytest.raises(ValueError, match="outside"):
+        ConcreteTimeline(base=np.array([1, 2]), slots=(slot(0, 1, 0, 9),))
+    with pytest.raises(ValueError, match="plan"):
+        bad = SlotTimeline("x", 1, 1.0, 0, 1, 1, plan=((1, ()),))
+        ConcreteTimeline(base=np.array([1, 2]), slots=(bad,))
+
+
+@st.composite
+def timelines(draw):
+    npoints = draw(st.integers(3, 12))
+    base = draw(st.lists(st.integers(0, 100), min_size=npoints, max_size=npoints))
+    count = draw(st.integers(1, 6))
+    slots = []
+    for k in range(count):
+        start = draw(st.integers(0, npoints - 1))
+        site = draw(st.integers(start, npoints - 1))
+        nbytes = draw(st.integers(1, 30))
+        deps = tuple(d for d in range(k) if draw(st.booleans()) and slots[d].site > site)
+        slots.append(slot(k, nbytes, start, site, cost=float(draw(st.integers(1, 9))), deps=deps))
+    # Live bytes include every slot's bytes over its window (nothing evicted).
+    arr = np.array(base, dtype=np.int64)
+    for s in slots:
+        arr[s.start : s.site + 1] += s.nbytes
+    return ConcreteTimeline(base=arr, slots=tuple(slots))
+
+
+@settings(max_examples=60, deadline=None)
+@given(timelines(), st.floats(0.2, 1.1))
+def test_decisions_keep_their_promise(tl, fraction):
+    budget = int(fraction * tl.base_peak)
+    for exact_limit in (10, 0):
+        decision = decide(tl, budget, exact_limit=exact_limit)
+        assert decision.peak == predict_peak(tl, decision.evicted, decision.cache)
+        if decision.reachable:
+            assert decision.peak <= budget
+        else:
+            assert decision.peak > budget
+            assert decision.peak <= tl.base_peak
+    # The exact search is never dearer than the greedy one, and never misses a feasible set.
+    exact = decide(tl, budget)
+    greedy = decide(tl, budget, exact_limit=0)
+    if greedy.reachable:
+        assert exact.reachable and exact.cost <= greedy.cost
+    feasible = any(
+        predict_peak(tl, subset, cache) <= budget
+        for size in range(len(tl.slots) + 1)
+        for subset in itertools.combinations(range(len(tl.slots)), size)
+        for cache in (True, False)
+    )
+    assert exact.reachable == feasible
+
+
+# --------------------------------------------------------------------------- metadata
+def _meta() -> dict:
+    """Three storages of 4*s, 8*s and 4*s bytes; slot 0 is the second one."""
+    return {
+        "format": REMAT_FORMAT,
+        "function": "f",
+        "dims": ["s"],
+        "exact": True,
+        "points": 4,
+        "exprs": ["(4 * s)", "(8 * s)", "(3 * s)"],
+        "storages": [[0, 0, 4], [1, 1, 4], [0, 2, 3]],
+        "slots": [
+            {
+                "name": "t",
+                "regen": "f_remat0",
+                "bytes": 1,
+                "cost": 2,
+                "regen_peak": 1,
+                "start": 2,
+                "site": 3,
+                "plan": [[0, [["a", 0]]]],
+            }
+        ],
+    }
+
+
+def test_program_evaluates_the_timeline_once_per_shape():
+    program = RematProgram(_meta())
+    tl = program.timeline([10])
+    assert tl.base.tolist() == [40, 120, 160, 120]
+    assert tl.slots[0].nbytes == 80 and tl.slots[0].cost == 30.0
+    assert program.timeline([10]) is tl
+    assert program.decision([10], None) is program.decision([10], None)
+    # Evicted: [40, 120, 80, 40] and the regeneration at point 3 peaks at 40 + 80.
+    decision = program.decision([10], 130)
+    assert decision.evicted == frozenset({0}) and decision.peak == 120 and decision.reachable
+    assert not program.decision([10], 100).reachable
+
+
+def test_program_rejects_other_formats_and_code():
+    with pytest.raises(ValueError, match="format"):
+        RematProgram({**_meta(), "format": "other/9"})
+    for bad in ("__import__('os')", "s.real", "open(s)", "1.5 * s", "t + 1"):
+        with pytest.raises(ValueError):
+            compile_expressions(["s"], [bad])
+    assert compile_expressions(["s"], ["max(s, 3) // 2", "tdiv(-7, 2)", "tmod(-7, 2)"])(5) == (
+        2,
+        -3,
+        -1,
+    )
+
+
+# --------------------------------------------------------------------------- builtins
+def _begin(meta: dict, dims: list[int]):
+    text = json.dumps(meta)
+    tensor = tvm.runtime.tensor(np.frombuffer(text.encode(), dtype=np.uint8).copy())
+    begin = tvm.get_global_func("blade_relax.remat_begin")
+    return begin(
+        None, metadata_key(meta["function"], text), tensor, tvm.runtime.ShapeTuple(dims), None
+    )
+
+
+def test_no_budget_path_evaluates_nothing_and_keeps_tensors():
+    meta = {**_meta(), "function": "f_nobudget"}
+    set_memory_budget(None)
+    frame = _begin(meta, [10])
+    assert frame.program._timelines == {}  # the decision path did no work
+    x = tvm.runtime.tensor(np.arange(4, dtype="float32"))
+    tvm.get_global_func("blade_relax.evict")(None, frame, 0, x)
+    back = tvm.get_global_func("blade_relax.regenerate")(frame, 0)
+    assert back.same_as(x)
+
+
+def test_budget_eviction_is_counted():
+    meta = {**_meta(), "function": "f_evict"}
+    reset_memory_stats()
+    from blade_relax.runtime import current_live_bytes
+
+    with set_memory_budget(130 + current_live_bytes()):
+        frame = _begin(meta, [10])
+    assert frame.evicted == frozenset({0})
+    x = tvm.runtime.tensor(np.zeros(20, dtype="float32"))
+    tvm.get_global_func("blade_relax.evict")(None, frame, 0, x)
+    stats = memory_stats()
+    assert stats["evictions"] == 1 and stats["evicted_bytes"] == 80
+    decision = last_remat_decision()
+    assert decision["reachable"] and decision["evicted"] == ["t"]
+    live = decision["live_at_entry"]
+    assert decision["predicted_peak"] - live == 120 and decision["no_remat_peak"] - live == 160
+
+
+def test_unreachable_budget_warns_once_naming_budget_and_peak():
+    meta = {**_meta(), "function": "f_warn"}
+    with set_memory_budget(50):
+        with pytest.warns(
+            RematBudgetWarning, match=r"budget of 50 bytes.*smallest reachable peak is \d+ bytes"
+        ):
+            _begin(meta, [10])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _begin(meta, [10])  # the same shape and budget: no second warning
+    decision = last_remat_decision()
+    assert not decision["reachable"]
+    assert decision["predicted_peak"] - decision["live_at_entry"] == 120
