@@ -124,9 +124,27 @@ def get_pipeline(
     return _pipeline
 
 
-def stock_pipeline(target: str | dict | tvm.target.Target = "llvm") -> tvm.transform.Pass:
-    """TVM's default pipeline for ``target`` (with fusion): the baseline we compare against."""
-    return get_pipeline(target, schedule=False, remat=False, plan=False)
+def stock_pipeline(
+    target: str | dict | tvm.target.Target = "llvm",
+    *,
+    after_fusion: tuple[tvm.transform.Pass, ...] = (),
+) -> tvm.transform.Pass:
+    """TVM's default pipeline for ``target`` (with fusion): the baseline we compare against.
+
+    ``after_fusion`` passes run after ``FuseTIR`` and before ``ToNonDataflow`` (where
+    ``MemoryAwareSchedule`` would run), e.g. ``relax.transform.TopologicalSort(...)``.
+    """
+    tgt = as_target(target)
+    passes = _pass_list(tgt, False, False, False, None, None, None)
+    cut = next(i for i, p in enumerate(passes) if p.info.name == "RewriteDataflowReshape")
+    passes[cut:cut] = list(after_fusion)
+
+    @tvm.transform.module_pass(opt_level=0, name="stock_pipeline")
+    def _pipeline(mod: tvm.ir.IRModule, _ctx: tvm.transform.PassContext) -> tvm.ir.IRModule:
+        with tgt:
+            return tvm.transform.Sequential(passes)(mod)
+
+    return _pipeline
 
 
 def lower_to_memory_stage(

@@ -54,7 +54,11 @@ def _run(vm: relax.VirtualMachine, args: list[np.ndarray]) -> tuple[list[np.ndar
     before = memory_stats()["live_bytes"]
     out = vm["main"](*inputs)
     stats = memory_stats()
-    return [o.numpy() for o in flatten_outputs(out)], stats["peak_bytes"] - before, stats["allocations"]
+    return (
+        [o.numpy() for o in flatten_outputs(out)],
+        stats["peak_bytes"] - before,
+        stats["allocations"],
+    )
 
 
 def _dims_of(mod: tvm.IRModule) -> list[str]:

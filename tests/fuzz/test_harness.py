@@ -19,6 +19,7 @@ from blade_relax.testing.differential import (
     IllFormedIR,
     ProgramReport,
     Variant,
+    _Case,
     _check_variant,
     check_program,
     compile_checked,
@@ -166,9 +167,8 @@ def test_peak_check_fails_on_a_wrong_prediction():
     assert predicted_peak(other, dims) > measured.peak
     report = ProgramReport(program=_program())
     wrong = CompiledVariant(Variant("wrong"), good.executable, other)
-    _check_variant(
-        report, wrong, [(dims, args, measured.outputs)], True, random.Random(0), 0, tvm.cpu()
-    )
+    case = _Case(dims, args, measured.outputs)
+    _check_variant(report, wrong, [case], True, random.Random(0), 0, tvm.cpu())
     assert [f.kind for f in report.mismatches] == ["peak"]
     assert str(measured.peak) in report.mismatches[0].detail
 

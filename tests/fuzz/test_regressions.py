@@ -75,3 +75,39 @@ def test_timeline_predicts_remat_peak_without_budget():
         got = measure_call(relax.VirtualMachine(remat.executable, tvm.cpu()), args)
         assert outputs_equal(expected.outputs, got.outputs) is None
         assert got.peak == predicted_peak(remat.memory_stage, {"m": m}), m
+
+
+@I.ir_module
+class EvictionAroundCall:
+    # Fuzz seed 131: the remat metadata leaves out what a called Relax function allocates
+    # (it marks itself inexact), yet the decision calls budgets reachable that the call then
+    # exceeds: at n=17, m=1 the budgets 98..101 B were "reachable" and the peak was 116 B.
+    @R.function(private=True)
+    def helper(p: R.Tensor(("h",), "float32")):
+        with R.dataflow():
+            e = R.exp(p)
+            R.output(e)
+        return e
+
+    @R.function
+    def main(x0: R.Tensor(("n",), "float32"), x1: R.Tensor(("m", 6), "float32")):
+        m = T.int64()
+        cls = EvictionAroundCall
+        a = R.nn.relu(x1)
+        g = cls.helper(x0)
+        b = R.reshape(a, R.shape([m * 6]))
+        return (b, g)
+
+
+def test_reachable_budget_holds_around_a_call():
+    remat = compile_checked(EvictionAroundCall, REMAT)
+    vm = relax.VirtualMachine(remat.executable, tvm.cpu())
+    args = [np.linspace(-1, 1, 17, dtype="float32"), np.linspace(-1, 1, 6, dtype="float32")[None]]
+    free = measure_call(relax.VirtualMachine(remat.executable, tvm.cpu()), args)
+    checked = 0
+    for budget in range(free.peak // 2, free.peak + 1):
+        got = measure_call(vm, args, budget)
+        if got.decision is not None and got.decision["reachable"]:
+            checked += 1
+            assert got.peak_absolute <= budget, (budget, got.decision)
+    assert checked

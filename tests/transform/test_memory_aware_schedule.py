@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import tvm
 from tvm import relax
+from tvm.relax.backend.cpu_generic import pipeline as cpu_phases
 from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
-from tvm.relax.backend.cpu_generic import pipeline as cpu_phases
 
 import blade_relax
 from blade_relax.analysis import memory_timeline
@@ -155,9 +155,7 @@ def test_unknown_comparison_accepted_only_by_sampling():
     assert {p["s"] for p in points} >= {1, 512}
     assert all(a <= b for a, b in zip(_peaks(sampled, points), _peaks(before, points)))
 
-    strict, report = schedule_module(
-        before, ScheduleOptions(proof_budget=0, accept_sampled=False)
-    )
+    strict, report = schedule_module(before, ScheduleOptions(proof_budget=0, accept_sampled=False))
     tvm.ir.assert_structural_equal(strict, before)
     assert report.blocks[0].strategy == "input"
 

@@ -325,3 +325,76 @@ register_config_family(
 # ---------------------------------------------------------------------------------------------
 # blade_relax configurations: each pass adds its own below (a few lines each, see the module
 # docstring), once the pass exists and passes its tests.
+
+
+def _blade_factory(**flags: bool) -> PipelineFactory:
+    def factory(target: Any) -> Any:
+        from ..pipeline import get_pipeline
+
+        return get_pipeline(target, **flags)
+
+    return factory
+
+
+def _toposort_factory(target: Any) -> Any:
+    from tvm import relax
+
+    from ..pipeline import stock_pipeline
+
+    sort = relax.transform.TopologicalSort(order="depth-first", direction="from-outputs")
+    return stock_pipeline(target, after_fusion=(sort,))
+
+
+register_config(
+    TvmConfig(
+        "tvm-toposort",
+        pipeline=_toposort_factory,
+        description="stock TVM + TopologicalSort(depth-first, from outputs), bounds dropped",
+    )
+)
+register_config(
+    TvmConfig(
+        "blade-relax-schedule",
+        pipeline=_blade_factory(schedule=True, remat=False, plan=False),
+        description="stock + MemoryAwareSchedule, bounds dropped",
+    )
+)
+register_config(
+    TvmConfig(
+        "blade-relax-plan",
+        pipeline=_blade_factory(schedule=False, remat=False, plan=True),
+        description="stock + PlanMemory (in place of StaticPlanBlockMemory), bounds dropped",
+    )
+)
+register_config(
+    TvmConfig(
+        "blade-relax",
+        pipeline=_blade_factory(schedule=True, remat=True, plan=False),
+        description="MemoryAwareSchedule + Rematerialize, no budget, bounds dropped",
+    )
+)
+register_budget_family("blade-relax")
+register_config(
+    TvmConfig(
+        "blade-relax-full",
+        pipeline=_blade_factory(schedule=True, remat=True, plan=True),
+        description="MemoryAwareSchedule + Rematerialize + PlanMemory, bounds dropped",
+    )
+)
+register_budget_family("blade-relax-full")
+register_config(
+    TvmConfig(
+        "blade-relax-static",
+        pipeline=_blade_factory(schedule=True, remat=True, plan=True),
+        static=True,
+        description="blade-relax-full recompiled for every exact length",
+    )
+)
+register_config(
+    TvmConfig(
+        "blade-relax-schedule-static",
+        pipeline=_blade_factory(schedule=True, remat=False, plan=False),
+        static=True,
+        description="blade-relax-schedule recompiled for every exact length",
+    )
+)

@@ -3,16 +3,18 @@
 For one program and several admissible shapes, every pipeline variant (``schedule``, ``remat``
 at several memory budgets, ``plan``, and all passes together) must
 
-* compile to IR that is well formed before and after every pass
-  (``tvm.relax.ir.instrument.WellFormedInstrument`` in the ``PassContext``);
+* compile to IR that is well formed before and after every pass of the pipeline (the check of
+  ``tvm.relax.ir.instrument.WellFormedInstrument``, from an instrument in the ``PassContext``);
 * give outputs identical, bit for bit, to those of the stock pipeline (the kernels are the same:
   every memory pass runs after fusion, so any difference is a bug, never rounding);
 * allocate exactly the bytes the symbolic timeline predicts for the IR it runs
   (``memory_timeline`` of the module just before ``VMShapeLower``, evaluated at the dims,
   against ``memory_stats()["peak_bytes"]`` minus the live bytes before the call);
-* under a memory budget the rematerialization runtime called reachable, stay within it, and
-  peak exactly where its decision said;
-* release every byte it allocated once the outputs are dropped.
+* under a memory budget, peak exactly where the rematerialization runtime's decision said
+  (where its metadata claims an exact timeline) and within the budget wherever the decision
+  called it reachable;
+* release every byte it allocated once its VM is dropped (a VM keeps the registers of its last
+  call until the next one).
 
 Variants whose pass is still a placeholder (its constructor raises ``NotImplementedError``) are
 left out by :func:`available_variants`, so the harness picks up each pass as it lands.
@@ -26,7 +28,15 @@ Known limits of the references, reported as *known*, never as mismatches:
   same way.
 * The timeline counts an ``If`` or a call of another Relax function as one fresh allocation of
   the result (it does not look inside), so the peak is compared only for functions without
-  them.
+  them (counted as ``peak_skipped_control_flow``).
+
+Usage::
+
+    from blade_relax.testing import program_from_seed
+    from blade_relax.testing.differential import check_program
+
+    report = check_program(program_from_seed(27), shapes=3)
+    assert report.ok, report.describe()
 """
 
 from __future__ import annotations

@@ -114,9 +114,13 @@ def _worker(seeds: list[int], shapes: int, budgets: int) -> int:
     from .program_gen import program_from_seed
 
     out = sys.stdout
+    # Lets the tests check that a crashing worker is reported and replaced.
+    crash_seed = os.environ.get("BLADE_RELAX_FUZZ_CRASH_SEED")
     for seed in seeds:
         out.write(json.dumps({"event": "start", "seed": seed}) + "\n")
         out.flush()
+        if crash_seed is not None and seed == int(crash_seed):
+            os.abort()
         try:
             report = check_program(
                 program_from_seed(seed), shapes=shapes, budgets_per_shape=budgets

@@ -119,6 +119,10 @@ class KernelCall:
     func: tirx.PrimFunc
     args: list[relax.Expr]
     arg_allocs: list[frozenset[int]]
+    # Whether each argument starts at its allocation's first byte with its row-major layout
+    # (the allocation itself, a re-binding or a reshape): only then may an output be placed
+    # over it element for element.
+    arg_exact: list[bool] = field(default_factory=list)
 
 
 @dataclass
@@ -190,6 +194,9 @@ def collect_facts(
     tuple_read: dict[relax.Var, bool] = {}
     tuple_last: dict[relax.Var, int] = {}
     tuple_killable: dict[relax.Var, bool] = {}
+    # Vars that refer to memory at an offset or with another element layout (memory.view).
+    inexact: set[relax.Var] = set()
+    tuple_items: dict[relax.Var, list[relax.Expr]] = {}
     for param in func.params:
         for var in _tir_vars_in_type(param.ty):
             var_defined_at.setdefault(var, -1)
@@ -229,7 +236,10 @@ def collect_facts(
                 binding, index, block_index, mod, trusted, allocs, kernels, aliases, fields
             )
             aliases[var] = result
+            if _is_inexact(binding, value, inexact, tuple_items):
+                inexact.add(var)
             if isinstance(value, relax.Tuple):
+                tuple_items[var] = list(value.fields)
                 tuple_read[var] = False
                 tuple_last[var] = index
                 tuple_killable[var] = not isinstance(block, relax.DataflowBlock)
@@ -259,6 +269,8 @@ def collect_facts(
         if alloc.kind == "tensor" and alloc.first_use is None:
             # Never written by a kernel: nothing to gain, keep it as it is.
             alloc.refuse("never used")
+    for call in kernels.values():
+        call.arg_exact = [not (isinstance(a, relax.Var) and a in inexact) for a in call.args]
     return FunctionFacts(
         allocations=allocs,
         kernels=kernels,
@@ -298,9 +310,7 @@ def _binding_effect(
             return items[value.index]
         return _used_allocs(value.tuple_value, aliases)
     if isinstance(value, relax.Call):
-        return _call_effect(
-            value, var, index, block_index, mod, trusted, allocs, kernels, aliases
-        )
+        return _call_effect(value, var, index, block_index, mod, trusted, allocs, kernels, aliases)
     if isinstance(value, (tvm.ir.GenericConst, relax.ShapeExpr, tvm.ir.StringImm)):
         return frozenset()
     if tvm.ir.is_prim_expr(value):
@@ -347,9 +357,7 @@ def _call_effect(
         if name in _SHAPE_ONLY_OPS:
             return frozenset()
         if name == _CALL_TIR_DYN and len(args) == 2 and isinstance(args[1], relax.Tuple):
-            return _kernel_call(
-                args[0], list(args[1].fields), index, mod, allocs, kernels, aliases
-            )
+            return _kernel_call(args[0], list(args[1].fields), index, mod, allocs, kernels, aliases)
         if name.startswith("relax.memory.kill") or name == "relax.vm.kill_object":
             return frozenset()
         used = _used_allocs(call, aliases)
@@ -399,7 +407,9 @@ def _kernel_call(
 def _tensor_allocation(
     alloc_id: int, var: relax.Var, index: int, block_index: int, call: relax.Call
 ) -> Allocation:
-    alloc = Allocation(id=alloc_id, var=var, index=index, block=block_index, kind="tensor", call=call)
+    alloc = Allocation(
+        id=alloc_id, var=var, index=index, block=block_index, kind="tensor", call=call
+    )
     ty = call.ty
     shape = getattr(ty, "shape", None) if isinstance(ty, relax.TensorType) else None
     dtype = None if not isinstance(ty, relax.TensorType) or ty.dtype is None else str(ty.dtype)
@@ -447,6 +457,31 @@ def _used_allocs(expr: relax.Expr, aliases: Mapping[relax.Var, frozenset[int]]) 
     for var in relax.analysis.free_vars(expr):
         out |= aliases.get(var, frozenset())
     return frozenset(out)
+
+
+def _is_inexact(
+    binding: relax.Binding,
+    value: relax.Expr,
+    inexact: set[relax.Var],
+    tuple_items: dict[relax.Var, list[relax.Expr]],
+) -> bool:
+    """Whether the bound var may refer to memory not at offset 0 / in another layout."""
+    if isinstance(binding, relax.MatchCast) or isinstance(value, relax.Var):
+        return isinstance(value, relax.Var) and value in inexact
+    if isinstance(value, relax.TupleGetItem):
+        items = (
+            tuple_items.get(value.tuple_value) if isinstance(value.tuple_value, relax.Var) else None
+        )
+        if items is None or not 0 <= value.index < len(items):
+            return True
+        item = items[value.index]
+        return isinstance(item, relax.Var) and item in inexact
+    if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op):
+        if value.op.name == "relax.reshape":
+            arg = value.args[0]
+            return isinstance(arg, relax.Var) and arg in inexact
+        return value.op.name in ("relax.memory.view", "relax.memory.ensure_zero_offset")
+    return False
 
 
 def _free_vars(expr: relax.Expr) -> list[relax.Var]:

@@ -263,13 +263,6 @@ class LiveModel:
             for m in range(a, b):
                 self._extra[m].append(region.delta.expr)
 
-    def bound_at(self, bindings: dict[str, int]) -> int:
-        """The bound (unshared peak) at concrete dims, for reports."""
-        best = 0
-        for m in range(len(self.moments)):
-            best = max(best, self.graph.evaluate(SymbolicExpr(self._base_at(m)), bindings))
-        return best
-
     # ------------------------------------------------------------------ internals
     def _accumulate(self, points: PointSet) -> np.ndarray:
         live = np.zeros((len(self.moments), points.size), dtype=np.int64)
@@ -369,4 +362,3 @@ def _sample_points(graph: ShapeGraph, symbols: Sequence[sympy.Symbol]) -> list[d
         seen.add(key)
         uniq.append(p)
     return uniq or [{}]
-

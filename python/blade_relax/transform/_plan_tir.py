@@ -215,7 +215,9 @@ def inplace_verdict(
             return InplaceVerdict(False, f"output {param.name} also depends on the input")
     if state.get(id(out_var), _NONE) == _NONE:
         return InplaceVerdict(True, "the output does not depend on the input")
-    return InplaceVerdict(True, "each output element depends only on the input element it overwrites")
+    return InplaceVerdict(
+        True, "each output element depends only on the input element it overwrites"
+    )
 
 
 def _propagate(entry: _Block, state: dict[int, int], buffers: list[Any]) -> None:
@@ -232,7 +234,9 @@ def _propagate(entry: _Block, state: dict[int, int], buffers: list[Any]) -> None
     blk = entry.block
     if any(int(iv.iter_type) != _DATA_PAR for iv in blk.iter_vars) or blk.init is not None:
         result = _MISALIGNED
-    elif any(a.in_index for a in dependent) or len({id(_canon(s.var, buffers)) for s in stores}) > 1:
+    elif (
+        any(a.in_index for a in dependent) or len({id(_canon(s.var, buffers)) for s in stores}) > 1
+    ):
         result = _MISALIGNED
     elif any(state.get(id(_canon(a.var, buffers))) == _MISALIGNED for a in dependent):
         result = _MISALIGNED
@@ -310,7 +314,9 @@ def _in_range(analyzer: Any, a: Any, m: Any) -> bool:
     if analyzer.can_prove(a < m):
         return True
     # floordiv(x, c) < m  <=  x < m * c for a positive constant c.
-    if _type_key(a) in ("prim.FloorDiv", "ir.FloorDiv", "tirx.FloorDiv") and isinstance(a.b, tirx.IntImm):
+    if _type_key(a) in ("prim.FloorDiv", "ir.FloorDiv", "tirx.FloorDiv") and isinstance(
+        a.b, tirx.IntImm
+    ):
         c = int(a.b.value)
         return c > 0 and bool(analyzer.can_prove(a.a < m * c))
     return False

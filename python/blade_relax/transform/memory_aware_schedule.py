@@ -22,15 +22,31 @@ kind) is left untouched, and so is a function whose shapes cannot be analysed.
 
 Memory model
 ------------
-The model of :func:`blade_relax.analysis.memory_timeline` at the ``relax`` stage: a binding
-that computes a tensor (an operator, ``call_tir``, a packed call) allocates its result (one
-buffer per field of a tuple result); views (``reshape``, ``call_tir`` of a reshape kernel that
-``RewriteDataflowReshape`` will turn into a view, tuples, ``TupleGetItem``, ``match_cast``)
-allocate nothing and keep their source alive. A buffer is freed after the last binding that
-reads a variable referring to it, unless one of those variables is used after the block.
-Parameters belong to the caller and are never counted; values from earlier blocks are live on
-entry and freed after their last use in the block (each as its own buffer). At a binding, live
-bytes are ``live_before + allocated`` (inputs are still live while the outputs are written).
+Orders are scored by the bytes of storage the VM will hold, as the runtime accounting
+(:func:`blade_relax.runtime.memory_stats`) measures them. Plain liveness first: a binding that
+computes a tensor (an operator, ``call_tir``, a packed call) allocates its result (one buffer
+per field of a tuple result); views (``reshape``, a ``call_tir`` of a reshape kernel that
+``RewriteDataflowReshape`` turns into a view, tuples, ``TupleGetItem``, ``match_cast``) keep
+their source alive. A buffer is freed after the last binding that reads a variable referring
+to it, unless one of those variables is used after the block. Parameters belong to the caller
+and are never counted; values of earlier blocks are live on entry and freed after their last
+use in the block. At a binding, live bytes are ``live_before + allocated``.
+
+Two facts of the stock lowering are modelled on top, because they decide the measured peak:
+
+* ``KillAfterLastUse`` kills only variables that are read. After ``CallTIRRewrite`` the
+  result of a multi-output kernel is a tuple variable that nothing reads (``TupleGetItem``
+  folds to the field), so its fields live until the function returns; so does the source of a
+  view or a tuple that is never read.
+* With ``ScheduleOptions.planner="static"`` (the default), ``StaticPlanBlockMemory``'s storage
+  reuse: a buffer's storage token returns to the pool after the last *call* that reads it, a
+  new buffer takes a pooled token of the same dtype and provably equal size (for constant
+  sizes, the closest within a factor 16, enlarged if needed), and a storage lives from its
+  first buffer's allocation to its last buffer's last use.
+
+On fused graphs these figures equal the memory-stage timeline
+(:func:`blade_relax.analysis.memory_timeline`) of the lowered function, which equals the
+measured bytes (tested).
 
 How it decides
 --------------
@@ -48,14 +64,15 @@ several strategies (``ScheduleOptions.strategies``):
     Post-order depth-first from the block's sinks, arguments in order (what
     ``relax.transform.TopologicalSort(order="depth-first", direction="from-outputs")`` does).
 ``refine``
-    Local search from the input order (with the storage planner's model; and once more with
-    plain liveness, whose moves are then replayed one by one under the planner's model,
-    keeping those that leave no point above the input): at the step where the peak is reached (each acceptance
-    point in turn, largest peak first), move the producer of a live buffer to just before its
-    other reader (with the ancestors only it needs), or the last reader of a live buffer (with
-    the ancestors it still waits for) to just before the peak step; keep a
-    move only if the peak gets no higher at any acceptance point and lower (or reached by
-    fewer steps) at the point being worked on. At most ``refine_evaluations`` orders scored.
+    Local search from the input order: at the step where the peak is reached (each acceptance
+    point in turn, largest peak first), move the producer of a live buffer, with the ancestors
+    only it needs, to just before its first other reader, or the last reader of a live buffer,
+    with the ancestors it still waits for, to just before the peak step; keep a move only if
+    the peak gets no higher at any acceptance point and lower (or reached by fewer steps) at
+    the point being worked on. At most ``refine_evaluations`` orders are scored. With the
+    storage planner's model the search also runs once on plain liveness, and its moves are
+    replayed one by one under the planner's model, keeping those that leave no point above the
+    input (``refine-liveness``).
 
 When a comparison in a greedy step is UNKNOWN (it holds for some admissible shapes only), the
 tie is broken by the values at ``ShapeGraph.representative_points()``: the smaller value at
@@ -68,9 +85,9 @@ is **proven** no higher than the input's for every admissible value of the dims,
 ``accept_sampled``) if no proof is found but it is no higher at every *acceptance point* (the
 representative points and every power of two in the dims' ranges, see
 :mod:`._schedule_cost`) and all byte counts can be evaluated. It must also be strictly lower at
-one of those points. Among the accepted candidates the pass keeps one not proven worse than
-another, then the lowest worst-case ratio to the input's peak over the acceptance points; so
-the result is never worse than the input order at any of those points.
+one of those points. Among the accepted candidates the pass keeps the lowest worst-case ratio
+to the input's peak over the acceptance points, then the lowest mean ratio, proven orders
+first on ties; so the result is never worse than the input order at any of those points.
 
 Cost: each strategy is a list scheduler whose steps cost ``O(#distinct ready keys)`` cached
 comparisons; peaks of an order are numpy cumulative sums. Blocks of several thousand bindings
@@ -541,9 +558,10 @@ class _BlockBuilder:
                 if not isinstance(value, (relax.Var, relax.Tuple, *_LEAVES)):
                     raise _Unsupported(f"match_cast of a {type(value).__name__} in {var.name}")
                 refs = self._value_refs(var, value, inplace, i)
-                defined = _tir_var_names(
-                    [relax.analysis.definable_tir_vars_in_type(binding.ty)]
-                ) - self.tir_defined_before
+                defined = (
+                    _tir_var_names([relax.analysis.definable_tir_vars_in_type(binding.ty)])
+                    - self.tir_defined_before
+                )
                 if defined:
                     match_defs.append((i, defined))
             else:
@@ -848,8 +866,9 @@ def _rows(
     return block.initial + np.cumsum(allocated, axis=0) - (np.cumsum(freed, axis=0) - freed)
 
 
-def _last_position(pos: np.ndarray, nodes: np.ndarray, starts: np.ndarray, count: int,
-                   buffers: np.ndarray) -> np.ndarray:
+def _last_position(
+    pos: np.ndarray, nodes: np.ndarray, starts: np.ndarray, count: int, buffers: np.ndarray
+) -> np.ndarray:
     out = np.full(count, -1, dtype=np.int64)
     if nodes.size:
         out[buffers] = np.maximum.reduceat(pos[nodes], starts)
@@ -916,7 +935,10 @@ def _plan_storage(
     import bisect
 
     release = _last_position(
-        pos, block.call_cons_node, block.call_cons_start, block.sizes.shape[0],
+        pos,
+        block.call_cons_node,
+        block.call_cons_start,
+        block.sizes.shape[0],
         block.call_cons_buffer,
     )
     buffers = np.nonzero(block.plannable)[0]
@@ -1170,9 +1192,9 @@ def _replay(
         moved = _move(tl.order, group, dst)
         new_pos = np.empty(block.n, dtype=np.int64)
         new_pos[np.asarray(moved, dtype=np.int64)] = np.arange(block.n, dtype=np.int64)
-        if any(
-            new_pos[q] > new_pos[x] for x in nodes for q in block.preds[x]
-        ) or any(new_pos[y] < new_pos[x] for x in nodes for y in block.succs[x]):
+        if any(new_pos[q] > new_pos[x] for x in nodes for q in block.preds[x]) or any(
+            new_pos[y] < new_pos[x] for x in nodes for y in block.succs[x]
+        ):
             continue
         cand = _timeline(block, moved)
         if (cand.peaks > reference).any():
@@ -1320,7 +1342,9 @@ def schedule_function(
     try:
         graph = ShapeGraph.from_function(func)
     except Exception as err:  # unusual shapes: leave the function as it is
-        warnings.warn(f"MemoryAwareSchedule: {name or 'function'} left unchanged: {err}", stacklevel=2)
+        warnings.warn(
+            f"MemoryAwareSchedule: {name or 'function'} left unchanged: {err}", stacklevel=2
+        )
         return func, report
 
     blocks = list(body.blocks)
@@ -1341,8 +1365,9 @@ def schedule_function(
     for k, blk in enumerate(blocks):
         new_blocks.append(blk)
         if isinstance(blk, relax.DataflowBlock):
-            order = _schedule_one(blk, k, graph, mod, params, used_after[k], tir_defined,
-                                  options, name, report)
+            order = _schedule_one(
+                blk, k, graph, mod, params, used_after[k], tir_defined, options, name, report
+            )
             if order is not None:
                 bindings = list(blk.bindings)
                 new_blocks[-1] = relax.DataflowBlock([bindings[i] for i in order], blk.span)
@@ -1355,8 +1380,9 @@ def schedule_function(
     if not changed:
         return func, report
     new_body = relax.SeqExpr(new_blocks, body.body, body.span)
-    new_func = relax.Function(func.params, new_body, func.ret_ty, func.is_pure, func.attrs,
-                              func.span)
+    new_func = relax.Function(
+        func.params, new_body, func.ret_ty, func.is_pure, func.attrs, func.span
+    )
     return relax.BlockBuilder().normalize(new_func), report
 
 
@@ -1441,8 +1467,6 @@ class MemoryAwareSchedule:
             raise TypeError(f"options must be a ScheduleOptions, got {type(options).__name__}")
         self.options = options or ScheduleOptions()
 
-    def transform_module(
-        self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext
-    ) -> tvm.IRModule:
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         new_mod, _ = schedule_module(mod, self.options)
         return new_mod

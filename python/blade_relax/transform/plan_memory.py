@@ -27,20 +27,28 @@ How it plans
    alias, e.g. runtime eviction, so the storage must be the tensor's own) or named in the
    function attribute ``"blade_relax.no_plan"`` (a list of variable names; ``Rematerialize``
    lists evictable tensors there). Sizes are canonical ``SymbolicExpr`` byte counts.
-2. **In-place** (``_plan_tir``): when a kernel's input dies at that call and the kernel provably
-   reads each input element before writing the output element at the same place (or reads all
-   of the input before touching the output), and the input's storage is provably no smaller
-   (``ShapeGraph.compare``), the output is placed in the input's storage. Equal sizes are taken
-   first, unconditionally: they only remove bytes.
+2. **In-place** (``_plan_tir``): when a kernel's input dies at that call, every value the
+   kernel reads from it flows only into the output element at the same flat position (read
+   from the TIR: elementwise blocks, reshapes, fused chains; not transposes, reductions or
+   splits), and the input's storage is provably no smaller (``ShapeGraph.compare``), the output
+   is placed in the input's storage. Equal sizes are taken first, unconditionally: they only
+   remove bytes; larger storages go through the peak check of step 3.
 3. **Sharing**: tensors (in-place chains) are visited in program order. A storage whose last
    tensor is dead may take a new tensor when its size is proven ``>=`` (best fit), or, when the
    new tensor's dims are available where the storage is allocated, by growing to the ``Max`` of
    the two (evaluated at run time from the concrete dims). A decision is accepted only if it is
    proven not to raise the peak of the unshared program at any allocation point (``_plan_peak``):
    sharing keeps a storage allocated between its tensors and by the difference of sizes, which
-   the runtime counts. So the peak never exceeds the unplanned program's, nor therefore that of
-   ``StaticPlanBlockMemory`` with or without ``tir_var_upper_bound``.
-4. **Rewrite** into the stock form (see above).
+   the runtime counts. Among safe choices the one adding the fewest live bytes wins.
+4. **Tuples**: a tuple read only through ``t[i]`` is never killed by ``KillAfterLastUse`` (its
+   item accesses are canonicalized away), so the VM would hold its items until the function
+   returns; ``R.vm.kill_object(t)`` is inserted after its last item access.
+5. **Rewrite** into the stock form (see above).
+
+The planned peak is thus never above that of the program without sharing (each tensor in its
+own storage, with the same in-place placements and tuple kills), for every admissible value of
+the dims. Stock planning can only add to that program's live bytes, except that it may reuse
+the storage of a tensor pinned by a tuple; step 4 removes those pins.
 
 Dynamic sizes are never planned at ``tir_var_upper_bound``: a storage is sized by the symbolic
 expression of its tensors, so a short sequence does not pay for the longest.
@@ -189,9 +197,7 @@ class PlanMemory:
         self.options = options or PlanOptions()
         self.plans: dict[str, FunctionPlan] = {}
 
-    def transform_module(
-        self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext
-    ) -> tvm.IRModule:
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Plan every Relax function of ``mod``; hand the unplannable ones to the stock pass."""
         planned: dict[tvm.ir.GlobalVar, relax.Function] = {}
         to_stock: list[tvm.ir.GlobalVar] = []
@@ -321,9 +327,7 @@ def plan_function(
         function=name,
         mode="planned",
         storages=tuple(
-            StoragePlan(
-                tensors=tuple(m.var.name for g in s.groups for m in g.members), size=s.size
-            )
+            StoragePlan(tensors=tuple(m.var.name for g in s.groups for m in g.members), size=s.size)
             for s in storages.storages
         ),
         inplace=tuple((a, b) for a, b, _ in inplace_pairs),
@@ -414,7 +418,7 @@ def _inplace_equal(
                 if in_group.members[-1].id != in_id or not _compatible(source, out):
                     continue
                 positions = [p for p, ids in enumerate(call.arg_allocs) if in_id in ids]
-                if any(len(call.arg_allocs[p]) != 1 for p in positions):
+                if any(len(call.arg_allocs[p]) != 1 or not call.arg_exact[p] for p in positions):
                     continue
                 relation = graph.compare(in_group.size, sizes[out.id])
                 if not relation.holds_ge:
@@ -475,8 +479,9 @@ def _share(
     for group in sorted(groups, key=lambda g: g.start):
         choice = None
         if options.share or ge_inplace:
-            choice = _choose(group, storages, storage_of, group_of, ge_inplace, graph, model,
-                             options, allocs)
+            choice = _choose(
+                group, storages, storage_of, group_of, ge_inplace, graph, model, options, allocs
+            )
         if choice is None:
             storage = _Storage(groups=[group], size=group.size, size_prim=group.size_prim)
             storages.append(storage)
