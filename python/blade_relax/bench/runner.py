@@ -201,11 +201,15 @@ class _TvmRunner:
         row.compilations = self.compilations
         main = vm["main"]
         args = [tvm.runtime.tensor(a, self.device) for a in inputs] + self._params
+        # The measured step runs on a fresh VM: a VM keeps its last result alive until its next
+        # call returns, and the remat runtime releases that result early under a budget, which
+        # would otherwise credit a budgeted config with bytes the previous step left behind.
+        fresh_main = relax.VirtualMachine(self._exe, self.device)["main"]
         with _budget(budget_bytes):
             gc.collect()
             reset_memory_stats()
             base = memory_stats()["live_bytes"]
-            out = main(*args)
+            out = fresh_main(*args)
             stats = memory_stats()
             outputs = [np.asarray(t.numpy()) for t in flatten_outputs(out)]
             del out
