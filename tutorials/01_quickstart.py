@@ -38,7 +38,9 @@ mod["main"].show()
 graph = ShapeGraph.from_function(mod["main"])
 print("dims:", dict(graph.dims))
 b = SymbolicExpr.dim("b")
-print("b*hidden*4 vs hidden*intermediate*4:", graph.compare(b * hidden * 4, hidden * intermediate * 4))
+print(
+    "b*hidden*4 vs hidden*intermediate*4:", graph.compare(b * hidden * 4, hidden * intermediate * 4)
+)
 print("b*intermediate*4 vs b*hidden*4:", graph.compare(b * intermediate * 4, b * hidden * 4))
 
 ######################################################################

@@ -47,8 +47,14 @@ passes = (
     + [Rematerialize()]
     + finalize
 )
-print("pass names:", [p.info.name for p in passes if p.info.name in
-                      ("MemoryAwareSchedule", "Rematerialize", "PlanMemory")])
+print(
+    "pass names:",
+    [
+        p.info.name
+        for p in passes
+        if p.info.name in ("MemoryAwareSchedule", "Rematerialize", "PlanMemory")
+    ],
+)
 
 
 @tvm.transform.module_pass(opt_level=0, name="MyPipeline")
@@ -72,8 +78,10 @@ with tvm.transform.PassContext(opt_level=3, disabled_pass=["Rematerialize"]):
 import numpy as np  # noqa: E402
 
 args = [tvm.runtime.tensor(a) for a in random_arguments(mod["main"], {"s": 48})]
-results = [relax.VirtualMachine(e, tvm.cpu())["main"](*args).numpy() for e in
-           (exe, exe_custom, exe_no_remat)]
+results = [
+    relax.VirtualMachine(e, tvm.cpu())["main"](*args).numpy()
+    for e in (exe, exe_custom, exe_no_remat)
+]
 for r in results[1:]:
     np.testing.assert_array_equal(results[0], r)
 print("outputs identical across the three pipelines")

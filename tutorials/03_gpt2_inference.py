@@ -17,8 +17,8 @@ import os
 
 import numpy as np
 import torch
-import tvm
 import transformers
+import tvm
 from tvm import relax
 
 import blade_relax
@@ -52,12 +52,15 @@ print("symbolic peak of the high-level graph:", timeline.peak)
 # ``tvm-bounded`` keeps ``tir_var_upper_bound``, so stock TVM plans every buffer at s=128;
 # ``tvm-dynamic`` drops it and allocates per call; blade_relax plans on symbolic sizes.
 executables = {
-    "tvm-bounded": tvm.compile(graph.with_upper_bounds(True).mod, "llvm",
-                               relax_pipeline=stock_pipeline("llvm")),
-    "tvm-dynamic": tvm.compile(graph.with_upper_bounds(False).mod, "llvm",
-                               relax_pipeline=stock_pipeline("llvm")),
-    "blade_relax": tvm.compile(graph.with_upper_bounds(False).mod, "llvm",
-                               relax_pipeline=blade_relax.get_pipeline("llvm")),
+    "tvm-bounded": tvm.compile(
+        graph.with_upper_bounds(True).mod, "llvm", relax_pipeline=stock_pipeline("llvm")
+    ),
+    "tvm-dynamic": tvm.compile(
+        graph.with_upper_bounds(False).mod, "llvm", relax_pipeline=stock_pipeline("llvm")
+    ),
+    "blade_relax": tvm.compile(
+        graph.with_upper_bounds(False).mod, "llvm", relax_pipeline=blade_relax.get_pipeline("llvm")
+    ),
 }
 vms = {name: relax.VirtualMachine(exe, tvm.cpu()) for name, exe in executables.items()}
 params = [tvm.runtime.tensor(p) for p in graph.params]
@@ -68,7 +71,7 @@ for length in (8, 32, 128):
     ids = rng.integers(0, config.vocab_size, size=(1, length)).astype("int64")
     expected = graph.reference([ids])[0]
     row = f"{length:>5}"
-    for name, vm in vms.items():
+    for vm in vms.values():
         reset_memory_stats()
         base = memory_stats()["live_bytes"]
         logits = vm["main"](tvm.runtime.tensor(ids), *params)

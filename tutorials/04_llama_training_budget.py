@@ -18,8 +18,8 @@ import os
 
 import numpy as np
 import torch
-import tvm
 import transformers
+import tvm
 from tvm import relax
 
 import blade_relax
@@ -70,6 +70,8 @@ for length in (16, 64) if small else (64, 256):
         with set_memory_budget(int(free_peak * fraction)):
             arrays, peak, stats = step(ids)
         same = all(np.array_equal(a, b) for a, b in zip(arrays, reference))
-        print(f"{length:>5} {fraction:>7} {peak:>12,} {stats['evictions']:>9} "
-              f"{stats['regenerations']:>6}  {same}")
+        print(
+            f"{length:>5} {fraction:>7} {peak:>12,} {stats['evictions']:>9} "
+            f"{stats['regenerations']:>6}  {same}"
+        )
         assert same, "rematerialization changed the numbers"

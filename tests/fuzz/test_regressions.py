@@ -7,6 +7,7 @@ program that showed it.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import tvm
 from tvm import relax
 from tvm.script import ir as I
@@ -62,6 +63,10 @@ class KeptEvictionCandidate:
         return (d, c)
 
 
+@pytest.mark.xfail(
+    reason="open bug: memory_timeline has no rules for the remat builtins, so on remat IR it "
+    "under-predicts the measured peak (560 B vs 700 B on fuzz seed 27)",
+)
 def test_timeline_predicts_remat_peak_without_budget():
     stock = compile_checked(KeptEvictionCandidate, STOCK)
     remat = compile_checked(KeptEvictionCandidate, REMAT)
@@ -99,6 +104,10 @@ class EvictionAroundCall:
         return (b, g)
 
 
+@pytest.mark.xfail(
+    reason="open bug: the remat decision calls a budget reachable although a called Relax "
+    "function's allocations are missing from its timeline (fuzz seed 131)",
+)
 def test_reachable_budget_holds_around_a_call():
     remat = compile_checked(EvictionAroundCall, REMAT)
     vm = relax.VirtualMachine(remat.executable, tvm.cpu())

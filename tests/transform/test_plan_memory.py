@@ -652,6 +652,48 @@ def test_tensors_reaching_packed_calls_or_marked_keep_their_storage():
     assert ops.count("relax.builtin.alloc_tensor") == 3  # a, b and the result d
 
 
+def test_evicted_tensors_keep_their_storage_and_regenerate_arguments_stay_planned():
+    # The runtime rematerialization protocol: `x` handed to `evict` must own its storage; the
+    # tensor `regenerate` returns extends `x`'s lifetime; `regenerate` only reads `y`.
+    # fmt: off
+    @I.ir_module
+    class Before:
+        @T.prim_func(private=True, s_tir=True)
+        def exp(a: T.handle, b: T.handle):
+            n = T.int64()
+            A = T.match_buffer(a, (n, T.int64(4)), "float32")
+            B = T.match_buffer(b, (n, T.int64(4)), "float32")
+            for i, j in T.grid(n, T.int64(4)):
+                with T.sblock("exp"):
+                    vi, vj = T.axis.remap("SS", [i, j])
+                    B[vi, vj] = T.exp(A[vi, vj])
+
+        @R.function(pure=False)
+        def main(x0: R.Tensor(("n", 4), "float32"), frame: R.Object) -> R.Tensor(("n", 4), "float32"):
+            n = T.int64()
+            cls = Before
+            x = R.builtin.alloc_tensor(R.shape([n, 4]), R.dtype("float32"), R.prim_value(0), R.str("global"))
+            _ = cls.exp(x0, x)
+            y = R.builtin.alloc_tensor(R.shape([n, 4]), R.dtype("float32"), R.prim_value(0), R.str("global"))
+            _1 = cls.exp(x, y)
+            _e = R.call_builtin_with_ctx("blade_relax.evict", (frame, R.prim_value(0), x), ty_args=R.Object)
+            z = R.builtin.alloc_tensor(R.shape([n, 4]), R.dtype("float32"), R.prim_value(0), R.str("global"))
+            _2 = cls.exp(y, z)
+            x1 = R.call_packed("blade_relax.regenerate", frame, R.prim_value(0), y, ty_args=R.Tensor((n, 4), "float32"))
+            w = R.builtin.alloc_tensor(R.shape([n, 4]), R.dtype("float32"), R.prim_value(0), R.str("global"))
+            _3 = cls.exp(x1, w)
+            out = R.builtin.alloc_tensor(R.shape([n, 4]), R.dtype("float32"), R.prim_value(0), R.str("global"))
+            _4 = cls.exp(w, out)
+            return out
+    # fmt: on
+    pass_ = PlanMemory()
+    pass_(Before)
+    plan = pass_.plans["main"]
+    assert plan.refusals["x"] == "handed to the runtime for eviction"
+    placed = {t for s in plan.storages for t in s.tensors}
+    assert {"y", "z", "w"} <= placed and "x" not in placed
+
+
 def test_nothing_provable_is_left_to_stock_planner():
     # Sizes built from an operation the symbolic engine does not model: nothing can be proven,
     # so the function is planned exactly as StaticPlanBlockMemory plans it.

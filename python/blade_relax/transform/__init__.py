@@ -2,7 +2,7 @@
 
 from .memory_aware_schedule import MemoryAwareSchedule, ScheduleOptions
 from .plan_memory import PlanMemory, PlanOptions
-from .rematerialize import RematOptions, Rematerialize
+from .rematerialize import Rematerialize, RematOptions
 
 __all__ = [
     "MemoryAwareSchedule",

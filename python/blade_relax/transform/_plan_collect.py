@@ -34,6 +34,8 @@ _ALLOC_TENSOR = "relax.builtin.alloc_tensor"
 _ALLOC_STORAGE = frozenset({"relax.memory.alloc_storage", "relax.vm.alloc_storage"})
 _TENSOR_IN_STORAGE = frozenset({"relax.memory.alloc_tensor", "relax.vm.alloc_tensor"})
 _CALL_TIR_DYN = "relax.vm.call_tir_dyn"
+_EVICT = "blade_relax.evict"
+_REGENERATE = "blade_relax.regenerate"
 # Operators that read only the shape or type of their argument: no reference survives them.
 _SHAPE_ONLY_OPS = frozenset({"relax.shape_of", "relax.tensor_to_shape"})
 
@@ -197,6 +199,8 @@ def collect_facts(
     # Vars that refer to memory at an offset or with another element layout (memory.view).
     inexact: set[relax.Var] = set()
     tuple_items: dict[relax.Var, list[relax.Expr]] = {}
+    # Runtime rematerialization: slot -> allocations handed to ``evict`` under that slot.
+    stash: dict[int, frozenset[int]] = {}
     for param in func.params:
         for var in _tir_vars_in_type(param.ty):
             var_defined_at.setdefault(var, -1)
@@ -233,7 +237,7 @@ def collect_facts(
                 if alloc.block != block_index:
                     alloc.refuse("used outside the binding block that allocates it")
             result = _binding_effect(
-                binding, index, block_index, mod, trusted, allocs, kernels, aliases, fields
+                binding, index, block_index, mod, trusted, allocs, kernels, aliases, fields, stash
             )
             aliases[var] = result
             if _is_inexact(binding, value, inexact, tuple_items):
@@ -253,7 +257,7 @@ def collect_facts(
         if used_var in tuple_read:
             tuple_read[used_var] = True
     pinning: list[tuple[relax.Var, int]] = []
-    tuple_items: dict[relax.Var, frozenset[int]] = {}
+    pinned_items: dict[relax.Var, frozenset[int]] = {}
     for tuple_var, read in tuple_read.items():
         if not read:
             items = aliases.get(tuple_var, frozenset())
@@ -261,7 +265,7 @@ def collect_facts(
                 allocs[alloc_id].pinned = True
             if tuple_killable.get(tuple_var, False) and items:
                 pinning.append((tuple_var, tuple_last[tuple_var]))
-                tuple_items[tuple_var] = items
+                pinned_items[tuple_var] = items
     for alloc_id in _used_allocs(result_expr, aliases):
         allocs[alloc_id].last_use = index
         allocs[alloc_id].refuse("part of the function's result")
@@ -277,7 +281,7 @@ def collect_facts(
         num_bindings=index,
         var_defined_at=var_defined_at,
         pinning_tuples=pinning,
-        _tuple_items=tuple_items,
+        _tuple_items=pinned_items,
     )
 
 
@@ -291,6 +295,7 @@ def _binding_effect(
     kernels: dict[int, KernelCall],
     aliases: dict[relax.Var, frozenset[int]],
     fields: dict[relax.Var, list[frozenset[int]]],
+    stash: dict[int, frozenset[int]],
 ) -> frozenset[int]:
     """Allocations the bound var refers to, recording new allocations and refusals."""
     var, value = binding.var, binding.value
@@ -310,7 +315,9 @@ def _binding_effect(
             return items[value.index]
         return _used_allocs(value.tuple_value, aliases)
     if isinstance(value, relax.Call):
-        return _call_effect(value, var, index, block_index, mod, trusted, allocs, kernels, aliases)
+        return _call_effect(
+            value, var, index, block_index, mod, trusted, allocs, kernels, aliases, stash
+        )
     if isinstance(value, (tvm.ir.GenericConst, relax.ShapeExpr, tvm.ir.StringImm)):
         return frozenset()
     if tvm.ir.is_prim_expr(value):
@@ -331,9 +338,13 @@ def _call_effect(
     allocs: list[Allocation],
     kernels: dict[int, KernelCall],
     aliases: dict[relax.Var, frozenset[int]],
+    stash: dict[int, frozenset[int]],
 ) -> frozenset[int]:
     op = call.op
     args = list(call.args)
+    remat = _remat_effect(call, allocs, aliases, stash)
+    if remat is not None:
+        return remat
     if isinstance(op, tvm.ir.Op):
         name = op.name
         if name == _ALLOC_TENSOR:
@@ -377,6 +388,52 @@ def _call_effect(
     used = _used_allocs(call, aliases)
     _refuse(allocs, used, "passed to a call the planner does not analyse")
     return used
+
+
+def _remat_effect(
+    call: relax.Call,
+    allocs: list[Allocation],
+    aliases: dict[relax.Var, frozenset[int]],
+    stash: dict[int, frozenset[int]],
+) -> frozenset[int] | None:
+    """The runtime rematerialization protocol (``blade_relax.runtime.remat``), or None.
+
+    ``evict(frame, k, x)`` may keep ``x`` in the frame's stash (never in planned storage: it
+    is refused); ``x' = regenerate(frame, k, ...)`` hands the stashed tensor back (or a
+    recomputed one of the same size), so ``x'`` extends ``x``'s lifetime. ``regenerate`` only
+    reads its other arguments during the call: they stay plannable.
+    """
+    op, args = call.op, list(call.args)
+    if (
+        isinstance(op, tvm.ir.Op)
+        and op.name == "relax.call_builtin_with_ctx"
+        and len(args) >= 2
+        and isinstance(args[0], relax.ExternFunc)
+        and str(args[0].global_symbol) == _EVICT
+        and isinstance(args[1], relax.Tuple)
+        and len(args[1].fields) == 3
+    ):
+        slot = _int_value(args[1].fields[1])
+        held = _used_allocs(args[1].fields[2], aliases)
+        _refuse(allocs, held, "handed to the runtime for eviction", hazard=True)
+        if slot is None:
+            _refuse(allocs, _used_allocs(args[1], aliases), "evicted through an unknown slot")
+            return None
+        stash[slot] = stash.get(slot, frozenset()) | held
+        return frozenset()
+    if isinstance(op, relax.ExternFunc) and str(op.global_symbol) == _REGENERATE and len(args) >= 2:
+        slot = _int_value(args[1])
+        if slot is None:
+            return None
+        return stash.get(slot, frozenset())
+    return None
+
+
+def _int_value(expr: relax.Expr) -> int | None:
+    if isinstance(expr, tirx.IntImm):
+        return int(expr.value)
+    value = getattr(expr, "value", None)
+    return int(value.value) if isinstance(value, tirx.IntImm) else None
 
 
 def _kernel_call(

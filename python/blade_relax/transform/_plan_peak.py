@@ -12,15 +12,20 @@ questions about a decision, given as binding ranges with a symbolic byte delta e
 
 * ``screen``: does the decision keep every moment within the bound at a few sample points? (a
   fast filter used to rank candidates; never a proof);
-* ``prove``: does it, for every admissible value? When every dim has a finite range and the
-  grid of all admissible values is small, the check is exhaustive (exact integer arithmetic at
-  every point of the grid, which is a proof). Otherwise each affected moment is compared
-  symbolically (``ShapeGraph.compare``) with the moments that attain the bound, under a budget
-  of comparisons; once the budget is spent, only decisions that add nothing are accepted.
+* ``prove``: does it, for every admissible value? The admissible box of the dims is split into
+  a *head* (from each dim's lower bound, as many values as ``max_grid_points`` allows), checked
+  point by point with exact integer arithmetic, and one *tail* per dim whose range goes beyond
+  the head (that dim above the head, the others over their whole range), where each affected
+  moment is compared symbolically (``ShapeGraph.compare`` on a graph of the tail's ranges)
+  with the moments that dominate the tail, under a budget of comparisons. A tail starts where
+  sizes are large, so its asymptotically largest terms decide and one dominating moment
+  usually suffices. When the head covers every admissible value the proof is exhaustive.
+  Once the budget is spent, only decisions that add nothing are accepted.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -185,25 +190,32 @@ class LiveModel:
         self.proofs_left = max_proofs
         symbols, ranges = _free_dims(graph, [iv.size for iv in self.base])
         self.screen_points = PointSet.from_points(symbols, _sample_points(graph, symbols))
-        self.grid: PointSet | None = None
-        count = 1
-        for lo, hi in ranges:
-            count = count * (hi - lo + 1) if lo is not None and hi is not None else -1
-            if count < 0:
-                break
-        if 0 < count <= max_grid_points and count * max(len(self.moments), 1) <= max_grid_cells:
-            self.grid = PointSet.grid(symbols, ranges)  # type: ignore[arg-type]
-        self.exhaustive = self.grid is not None
         self._base_screen = self._accumulate(self.screen_points)
         self._live_screen = self._base_screen.copy()
         self.bound_screen = self._base_screen.max(axis=0) if len(self.moments) else None
+        # The admissible box is split into a head, checked point by point, and tails (one per
+        # dim whose range goes beyond the head), checked symbolically on their own ranges,
+        # where the asymptotically largest terms decide.
+        self.grid: PointSet | None = None
+        self.tails: list[_Tail] = []
+        head = _head_box(ranges, max_grid_points, max_grid_cells // max(len(self.moments), 1))
+        if head is None:
+            self.tails.append(_Tail(graph, {}, self._argmax_moments(self.screen_points)))
+        else:
+            self.grid = PointSet.grid(symbols, head)
+            for i, ((_lo, hi), (_, head_hi)) in enumerate(zip(ranges, head)):
+                if hi is not None and hi <= head_hi:
+                    continue
+                tail_ranges = dict(zip((s_.name for s_ in symbols), ranges))
+                tail_ranges[symbols[i].name] = (head_hi + 1, hi)
+                self.tails.append(self._make_tail(symbols, tail_ranges))
+        self.exhaustive = not self.tails
         if self.grid is not None:
             self._base_grid = self._accumulate(self.grid)
             self._live_grid = self._base_grid.copy()
             self.bound_grid = self._base_grid.max(axis=0) if len(self.moments) else None
         self._extra: list[list[sympy.Expr]] = [[] for _ in range(len(self.moments))]
         self._base_sym: dict[int, sympy.Expr] = {}
-        self._peak_moments: list[int] | None = None
 
     # ------------------------------------------------------------------ queries
     def evaluable(self, expr: SymbolicExpr) -> bool:
@@ -234,22 +246,24 @@ class LiveModel:
         """Whether the decision keeps every moment within the bound for all admissible dims."""
         if not len(self.moments):
             return True
+        slices = self._slices(regions)
         if self.grid is not None:
-            for region, (a, b) in zip(regions, self._slices(regions)):
+            for region, (a, b) in zip(regions, slices):
                 if a >= b:
                     continue
                 delta = self.grid.eval(region.delta)
                 if np.any(self._live_grid[a:b].max(axis=0) + delta > self.bound_grid):
                     return False
-            return True
-        for region, (a, b) in zip(regions, self._slices(regions)):
-            if a >= b:
-                continue
-            if self.graph.compare(region.delta, 0).holds_le:
-                continue  # adds nothing anywhere: the invariant already covers these moments
-            for m in range(a, b):
-                if not self._prove_moment(m, region.delta.expr):
-                    return False
+        for tail in self.tails:
+            for region, (a, b) in zip(regions, slices):
+                if a >= b:
+                    continue
+                delta = tail.map(region.delta.expr)
+                if tail.graph.compare(delta, 0).holds_le:
+                    continue  # adds nothing there: the invariant already covers these moments
+                for m in range(a, b):
+                    if not self._prove_moment(tail, m, delta):
+                        return False
         return True
 
     def apply(self, regions: Sequence[Region]) -> None:
@@ -291,21 +305,69 @@ class LiveModel:
         self._base_sym[m] = value
         return value
 
-    def _peak_candidates(self) -> list[int]:
-        if self._peak_moments is None:
-            order = list(dict.fromkeys(int(i) for i in self._base_screen.argmax(axis=0)))
-            self._peak_moments = order
-        return self._peak_moments
+    def _argmax_moments(self, points: PointSet) -> list[int]:
+        live = self._accumulate(points)
+        if not len(self.moments):
+            return []
+        return list(dict.fromkeys(int(i) for i in live.argmax(axis=0)))
 
-    def _prove_moment(self, m: int, delta: sympy.Expr) -> bool:
-        live = self._base_at(m) + sympy.Add(*self._extra[m]) + delta
-        for j in self._peak_candidates():
+    def _make_tail(
+        self, symbols: Sequence[sympy.Symbol], ranges: dict[str, tuple[int | None, int | None]]
+    ) -> _Tail:
+        graph = ShapeGraph.from_ranges(ranges)
+        mapping = {s: graph.dims[s.name].symbol for s in symbols if s.name in graph.dims}
+        # Sample the tail geometrically from its start to find the moments that dominate there.
+        values: dict[str, list[int]] = {}
+        for name, (lo, hi) in ranges.items():
+            lo = 1 if lo is None else lo
+            cands = [lo, 2 * lo, 16 * lo, 256 * lo] if hi is None else [lo, (lo + hi) // 2, hi]
+            values[name] = sorted({v for v in cands if hi is None or v <= hi})
+        names = [s.name for s in symbols]
+        points = [
+            dict(zip(names, combo)) for combo in itertools.product(*(values[n] for n in names))
+        ]
+        return _Tail(graph, mapping, self._argmax_moments(PointSet.from_points(symbols, points)))
+
+    def _prove_moment(self, tail: _Tail, m: int, delta: sympy.Expr) -> bool:
+        live = tail.map(self._base_at(m) + sympy.Add(*self._extra[m])) + delta
+        for j in tail.candidates:
             if self.proofs_left <= 0:
                 return False
             self.proofs_left -= 1
-            if self.graph.compare(SymbolicExpr(self._base_at(j)), SymbolicExpr(live)).holds_ge:
+            if tail.graph.compare(tail.map(self._base_at(j)), live).holds_ge:
                 return True
         return False
+
+
+@dataclass
+class _Tail:
+    """A part of the admissible dims checked symbolically, with the moments dominating it."""
+
+    graph: ShapeGraph
+    mapping: dict
+    candidates: list[int]
+
+    def map(self, expr: sympy.Expr) -> sympy.Expr:
+        return expr.xreplace(self.mapping) if self.mapping else expr
+
+
+def _head_box(
+    ranges: Sequence[tuple[int | None, int | None]], max_points: int, max_points_by_cells: int
+) -> list[tuple[int, int]] | None:
+    """The box checked point by point: as much of the ranges as the limits allow."""
+    if any(lo is None for lo, _ in ranges):
+        return None
+    if not ranges:
+        return []
+    limit = max(1, min(max_points, max_points_by_cells))
+    per_dim = max(1, int(round(limit ** (1.0 / len(ranges)))))
+    while per_dim > 1 and per_dim ** len(ranges) > limit:
+        per_dim -= 1
+    box = []
+    for lo, hi in ranges:
+        head_hi = lo + per_dim - 1
+        box.append((lo, head_hi if hi is None else min(hi, head_hi)))
+    return box
 
 
 def _free_dims(
@@ -342,9 +404,7 @@ def _sample_points(graph: ShapeGraph, symbols: Sequence[sympy.Symbol]) -> list[d
         for value in (lo + 1, (lo + hi) // 2, hi - 1):
             if lo <= value <= hi:
                 extra.append({sym.name: value})
-    out = []
-    for base in points:
-        out.append(base)
+    out = list(points)
     for delta in extra:
         for base in points[:1]:
             p = dict(base)

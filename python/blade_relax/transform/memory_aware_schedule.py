@@ -216,7 +216,9 @@ class BlockReport:
     peak_before, peak_after
         Peak live bytes of the block at each acceptance point, input order and kept order.
     candidates
-        Per candidate strategy: ``"rejected"``, ``"sampled"``, ``"proven"`` or ``"no gain"``.
+        Per candidate strategy: ``"proven"`` (accepted, peak proven no higher), ``"sampled"``
+        (accepted from the acceptance points), ``"rejected"``, ``"no gain"`` or
+        ``"duplicate"`` (same order as an earlier candidate or the input).
     peak_expr_before, peak_expr_after
         The symbolic peaks (Max over the steps that can be the peak).
     seconds
