@@ -165,3 +165,55 @@ def test_kill_semantics_keep_storage_alive_through_tensor():
 
 def test_blade_relax_import_counts_stock_vm():
     assert hasattr(blade_relax, "get_pipeline")
+
+
+def test_remat_builtins_keep_the_evicted_tensor_until_regenerate():
+    # Without an eviction decision the remat runtime keeps an "evicted" tensor in its frame
+    # until `regenerate` hands it back, so the tensor stays live across the gap although its
+    # register is killed right after `evict`.
+    @I.ir_module
+    class Remat:
+        @R.function(pure=False)
+        def main(shape: R.Shape(["n"])):
+            n = T.int64()
+            frame = R.call_packed("blade_relax.remat_begin", ty_args=R.Object)
+            storage = R.memory.alloc_storage(R.shape([n * 4]), 0, "global", "uint8")
+            t = R.memory.alloc_tensor(storage, 0, R.shape([n]), "float32")
+            _k1 = R.memory.kill_storage(storage)
+            _e = R.call_packed("blade_relax.evict", frame, R.prim_value(0), t, ty_args=R.Object)
+            _k2 = R.memory.kill_tensor(t)
+            gap = R.builtin.alloc_tensor(R.shape([2 * n]), "float32", 0)
+            back = R.call_packed(
+                "blade_relax.regenerate",
+                frame,
+                R.prim_value(0),
+                ty_args=R.Tensor((n,), "float32"),
+            )
+            _k3 = R.vm.kill_object(frame)
+            _k4 = R.memory.kill_tensor(back)
+            return gap
+
+    at = memory_timeline(Remat["main"]).evaluate({"n": 10})
+    # frame, storage, t, kill, evict, kill t (still kept), gap, regenerate (no new bytes),
+    # kill frame, kill back (freed here).
+    assert at.live_during == [0, 40, 40, 40, 40, 40, 120, 120, 120, 120]
+    assert at.live_after == [0, 40, 40, 40, 40, 40, 120, 120, 120, 80]
+
+
+def test_remat_regenerate_without_kept_tensor_allocates():
+    @I.ir_module
+    class Regenerate:
+        @R.function(pure=False)
+        def main(shape: R.Shape(["n"])):
+            n = T.int64()
+            frame = R.call_packed("blade_relax.remat_begin", ty_args=R.Object)
+            back = R.call_packed(
+                "blade_relax.regenerate",
+                frame,
+                R.prim_value(1),
+                ty_args=R.Tensor((n,), "float32"),
+            )
+            return back
+
+    at = memory_timeline(Regenerate["main"]).evaluate({"n": 10})
+    assert at.live_during == [0, 40]

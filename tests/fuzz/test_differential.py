@@ -27,11 +27,8 @@ def variants():
     return found
 
 
-KNOWN_MISMATCHES = {
-    # memory_timeline does not model the remat builtins yet: predicted 560 B, measured 700 B
-    # (see test_regressions.test_timeline_predicts_remat_peak_without_budget).
-    27: "open bug: timeline of remat IR under-predicts the measured peak",
-}
+# Seeds with a known, open mismatch (reason as the value); empty when every seed must pass.
+KNOWN_MISMATCHES: dict[int, str] = {}
 
 
 @pytest.mark.parametrize(

@@ -51,8 +51,9 @@ def test_remat_timeline_output_is_well_formed():
 class KeptEvictionCandidate:
     # Fuzz seed 27: `a` is evictable between its two readers; without a budget the remat
     # runtime keeps it in the frame's stash, so it stays live across `c`, but the timeline of
-    # the final IR frees it at its kill after `evict` (seed 27: predicted 560 B, measured 700 B
-    # at m=3; here 400 B against 500 B at m=1).
+    # the final IR freed it at its kill after `evict` (seed 27: predicted 560 B, measured 700 B
+    # at m=3; here 400 B against 500 B at m=1). The timeline now follows the tensor into the
+    # frame (ValueEffect.keeps) and out of it at `regenerate` (ValueEffect.takes).
     # (A plain block, so that nothing fuses.)
     @R.function
     def main(x: R.Tensor((5, 5, "m"), "float32"), w: R.Tensor(("m", 2), "float32")):
@@ -63,10 +64,6 @@ class KeptEvictionCandidate:
         return (d, c)
 
 
-@pytest.mark.xfail(
-    reason="open bug: memory_timeline has no rules for the remat builtins, so on remat IR it "
-    "under-predicts the measured peak (560 B vs 700 B on fuzz seed 27)",
-)
 def test_timeline_predicts_remat_peak_without_budget():
     stock = compile_checked(KeptEvictionCandidate, STOCK)
     remat = compile_checked(KeptEvictionCandidate, REMAT)

@@ -79,11 +79,20 @@ class ValueEffect:
         Variables whose memory the result refers to (views, tuples, tensors in a storage).
     kills
         A variable whose register the binding drops.
+    keeps
+        ``(owner, key, var)``: the callee keeps ``var``'s memory alive inside the object
+        ``owner`` (a runtime frame) under ``key``, until a later binding takes it or ``owner``
+        is dropped. Rematerialization's ``evict`` does this when it decides to keep the tensor.
+    takes
+        ``(owner, key)``: the result is the memory kept under ``key`` in ``owner``, which lets
+        go of it. When nothing is kept there, the result is a fresh allocation of its size.
     """
 
     allocates: SymbolicExpr | None = None
     aliases: tuple[relax.Var, ...] = ()
     kills: relax.Var | None = None
+    keeps: tuple[relax.Var, object, relax.Var] | None = None
+    takes: tuple[relax.Var, object] | None = None
 
 
 TimelineRule = Callable[[relax.Call, relax.Var, ShapeGraph], ValueEffect]
@@ -278,6 +287,44 @@ def _tensor_vars(exprs: Sequence[relax.Expr]) -> tuple[relax.Var, ...]:
     return tuple(e for e in exprs if isinstance(e, relax.Var))
 
 
+def _builtin_args(call: relax.Call) -> list[relax.Expr]:
+    """The data arguments of a packed call, unpacking ``call_builtin_with_ctx``'s tuple."""
+    _, args = _callee_name(call)
+    if len(args) == 1 and isinstance(args[0], relax.Tuple):
+        return list(args[0].fields)
+    return args
+
+
+def _slot_key(expr: relax.Expr) -> object:
+    # Relax integer constants are IntImm expressions in TVM 0.27.
+    if isinstance(expr, tvm.tirx.IntImm):
+        return int(expr.value)
+    return expr
+
+
+def _remat_evict_rule(call: relax.Call, var: relax.Var, graph: ShapeGraph) -> ValueEffect:
+    # blade_relax.evict(frame, slot, tensor): without an eviction decision (no budget) the
+    # runtime keeps the tensor in the frame until its regenerate, so that is what the timeline
+    # of the final IR predicts; the runtime's own decision timeline models real evictions.
+    args = _builtin_args(call)
+    if len(args) == 3 and isinstance(args[0], relax.Var) and isinstance(args[2], relax.Var):
+        return ValueEffect(keeps=(args[0], _slot_key(args[1]), args[2]))
+    return ValueEffect()
+
+
+def _remat_regenerate_rule(call: relax.Call, var: relax.Var, graph: ShapeGraph) -> ValueEffect:
+    # blade_relax.regenerate(frame, slot, ...): returns the kept tensor, or recomputes it.
+    args = _builtin_args(call)
+    if len(args) >= 2 and isinstance(args[0], relax.Var):
+        return ValueEffect(takes=(args[0], _slot_key(args[1])))
+    return ValueEffect(allocates=graph.bytes_of(var))
+
+
+def _remat_begin_rule(call: relax.Call, var: relax.Var, graph: ShapeGraph) -> ValueEffect:
+    # The frame object holds no tensor memory of its own.
+    return ValueEffect()
+
+
 def _returns_nothing(var: relax.Var) -> bool:
     ty = var.ty
     if isinstance(ty, relax.TupleType):
@@ -331,6 +378,15 @@ def _call_effect(
     if _returns_nothing(var):
         return ValueEffect()
     return ValueEffect(allocates=graph.bytes_of(var))
+
+
+_RULES.update(
+    {
+        "blade_relax.evict": _remat_evict_rule,
+        "blade_relax.regenerate": _remat_regenerate_rule,
+        "blade_relax.remat_begin": _remat_begin_rule,
+    }
+)
 
 
 def _effect(binding: BindingInfo, graph: ShapeGraph, mod: tvm.IRModule | None) -> ValueEffect:
@@ -414,13 +470,23 @@ def memory_timeline(
             elif last < n:
                 death.setdefault(last, []).append(binding.var)
 
-    def release(var: relax.Var, position: int) -> None:
-        for alloc_id in refs.get(var, ()):
+    # kept[(owner, key)]: allocation ids a runtime object keeps for a later binding (keeps /
+    # takes of ValueEffect); the pair itself is their holder while kept.
+    kept: dict[tuple[relax.Var, object], frozenset[int]] = {}
+
+    def let_go(holder: object, alloc_ids: frozenset[int], position: int) -> None:
+        for alloc_id in alloc_ids:
             owners_of = holders[alloc_id]
-            owners_of.discard(var)
+            owners_of.discard(holder)
             if not owners_of and ends[alloc_id] is None:
                 ends[alloc_id] = position
                 freed_at[position].append(alloc_id)
+
+    def release(var: relax.Var, position: int) -> None:
+        let_go(var, refs.get(var, frozenset()), position)
+        # Dropping a runtime object drops what it kept.
+        for pair in [p for p in kept if p[0].same_as(var)]:
+            let_go(pair, kept.pop(pair), position)
 
     for binding in info.bindings:
         i = binding.index
@@ -438,9 +504,27 @@ def memory_timeline(
                 refs.get(f, frozenset()) if isinstance(f, relax.Var) else frozenset()
                 for f in value.fields
             ]
-        if effect.allocates is not None:
+        allocates = effect.allocates
+        if effect.takes is not None:
+            pair = next((p for p in kept if _same_key(p, effect.takes)), None)
+            if pair is None:
+                allocates = graph.bytes_of(binding.var)
+            else:
+                taken = kept.pop(pair)
+                own |= taken
+                # The result holds them now; the runtime object no longer does.
+                for alloc_id in taken:
+                    holders[alloc_id].discard(pair)
+        if effect.keeps is not None:
+            owner, key, source = effect.keeps
+            pair = (owner, key)
+            stored = refs.get(source, frozenset())
+            kept[pair] = kept.get(pair, frozenset()) | stored
+            for alloc_id in stored:
+                holders[alloc_id].add(pair)
+        if allocates is not None:
             alloc_id = len(sizes)
-            sizes.append(effect.allocates)
+            sizes.append(allocates)
             owners.append(binding.var)
             starts.append(i)
             ends.append(None)
@@ -499,6 +583,10 @@ def memory_timeline(
         output_bytes=_sum(sizes[a] for a in sorted(output_ids)),
         working_sets=working_sets,
     )
+
+
+def _same_key(pair: tuple[relax.Var, object], wanted: tuple[relax.Var, object]) -> bool:
+    return pair[0].same_as(wanted[0]) and pair[1] == wanted[1]
 
 
 def _sum(exprs) -> SymbolicExpr:
