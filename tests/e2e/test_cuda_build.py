@@ -16,6 +16,7 @@ Sizes are tiny (one decoder layer) because CUDA compilation on a 2-core CI machi
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -24,6 +25,7 @@ import tvm_ffi
 from tvm import relax, tirx
 
 import blade_relax
+from blade_relax.bench.workloads import ModelSizes, gpt2_model, llama_model
 from blade_relax.frontend.builtin import BUILTIN_MODELS
 from blade_relax.runtime.devices import compile_cuda_source, cuda_source
 
@@ -178,35 +180,20 @@ def test_unscheduled_kernel_is_reported() -> None:
 
 
 # ---------------------------------------------------------------------- Hugging Face workloads
+# One decoder layer: the build tests check compilation, not numerics.
+TINY = ModelSizes(
+    layers=1, hidden=32, heads=2, kv_heads=1, intermediate=128, vocab=128, max_seq_len=MAX_LEN
+)
+
+
 def _tiny_llama():
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=MAX_LEN,
-    )
-    return transformers.LlamaForCausalLM(config)
+    pytest.importorskip("transformers")
+    return llama_model(dataclasses.replace(TINY, intermediate=64), attn_implementation=None)
 
 
 def _tiny_gpt2():
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        vocab_size=128,
-        n_embd=32,
-        n_layer=1,
-        n_head=2,
-        n_positions=MAX_LEN,
-        tie_word_embeddings=False,
-    )
-    return transformers.GPT2LMHeadModel(config)
+    pytest.importorskip("transformers")
+    return gpt2_model(TINY, attn_implementation=None)
 
 
 MODELS = {"llama": _tiny_llama, "gpt2": _tiny_gpt2}

@@ -17,6 +17,7 @@ accounting's live bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 
@@ -26,6 +27,7 @@ import tvm
 from tvm import relax
 
 import blade_relax
+from blade_relax.bench.workloads import ModelSizes, gpt2_model, llama_model
 from blade_relax.frontend import flatten_outputs
 from blade_relax.frontend.builtin import mlp, random_arguments
 from blade_relax.runtime import (
@@ -83,38 +85,19 @@ def _rel_err(out: np.ndarray, ref: np.ndarray) -> float:
 
 
 # ---------------------------------------------------------------------- workloads
+TINY = ModelSizes(
+    layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=128, max_seq_len=MAX_LEN
+)
+
+
 def _tiny_llama():
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=MAX_LEN,
-    )
-    return transformers.LlamaForCausalLM(config)
+    pytest.importorskip("transformers")
+    return llama_model(TINY, attn_implementation=None)
 
 
 def _tiny_gpt2():
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        vocab_size=128,
-        n_embd=64,
-        n_layer=2,
-        n_head=4,
-        n_positions=MAX_LEN,
-        tie_word_embeddings=False,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    return transformers.GPT2LMHeadModel(config)
+    pytest.importorskip("transformers")
+    return gpt2_model(dataclasses.replace(TINY, intermediate=256), attn_implementation=None)
 
 
 MODELS = {"llama": _tiny_llama, "gpt2": _tiny_gpt2}

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import tvm
 from tvm import relax
 
 import blade_relax  # noqa: F401  (installs the runtime accounting)
+from blade_relax.bench.workloads import ModelSizes, gpt2_model, llama_model
 from blade_relax.frontend import (
     DimOutOfRangeError,
     TiedParameterError,
@@ -24,34 +27,19 @@ MAX_LEN = 64
 TOLERANCE = 1e-4
 
 
+TINY = ModelSizes(
+    layers=2, hidden=32, heads=4, kv_heads=2, intermediate=64, vocab=96, max_seq_len=MAX_LEN
+)
+
+
 def tiny_llama():
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=MAX_LEN,
-    )
-    return transformers.LlamaForCausalLM(config)
+    return llama_model(TINY, attn_implementation=None)
 
 
 def tiny_gpt2(tied: bool):
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        vocab_size=96,
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        n_positions=MAX_LEN,
-        tie_word_embeddings=tied,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
+    return gpt2_model(
+        dataclasses.replace(TINY, intermediate=128), tied=tied, attn_implementation=None
     )
-    return transformers.GPT2LMHeadModel(config)
 
 
 def run(graph, lengths, keep_bounds=False):

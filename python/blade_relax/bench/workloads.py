@@ -28,7 +28,16 @@ from tvm import relax
 
 from ..frontend import ImportedGraph, import_inference, import_training_step, relax_training_step
 
-__all__ = ["REAL", "SMALL", "WORKLOADS", "ModelSizes", "Workload", "build_workload"]
+__all__ = [
+    "REAL",
+    "SMALL",
+    "WORKLOADS",
+    "ModelSizes",
+    "Workload",
+    "build_workload",
+    "gpt2_model",
+    "llama_model",
+]
 
 
 @dataclass(frozen=True)
@@ -107,10 +116,27 @@ def _seed_torch(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _llama(sizes: ModelSizes, seed: int) -> Any:
+def llama_model(
+    sizes: ModelSizes,
+    *,
+    seed: int = 0,
+    attn_implementation: str | None = "eager",
+) -> Any:
+    """A ``LlamaForCausalLM`` of ``sizes`` with seeded random weights (nothing downloaded).
+
+    Parameters
+    ----------
+    sizes
+        Layers, widths, vocabulary and ``max_seq_len`` (its position limit).
+    seed
+        ``torch.manual_seed`` before the weights are drawn.
+    attn_implementation
+        Passed to the config; ``None`` keeps the library's default (``sdpa``).
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     _seed_torch(seed)
+    extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     config = LlamaConfig(
         vocab_size=sizes.vocab,
         hidden_size=sizes.hidden,
@@ -120,15 +146,35 @@ def _llama(sizes: ModelSizes, seed: int) -> Any:
         num_key_value_heads=sizes.kv_heads,
         max_position_embeddings=max(sizes.max_seq_len, 2),
         tie_word_embeddings=False,
-        attn_implementation="eager",
+        **extra,
     )
     return LlamaForCausalLM(config).float()
 
 
-def _gpt2(sizes: ModelSizes, seed: int) -> Any:
+def gpt2_model(
+    sizes: ModelSizes,
+    *,
+    seed: int = 0,
+    tied: bool = False,
+    attn_implementation: str | None = "eager",
+) -> Any:
+    """A ``GPT2LMHeadModel`` of ``sizes`` with seeded random weights and no dropout.
+
+    Parameters
+    ----------
+    sizes
+        Layers, widths (``kv_heads`` unused), vocabulary and ``max_seq_len``.
+    seed
+        ``torch.manual_seed`` before the weights are drawn.
+    tied
+        Tie the output projection to the token embedding (GPT-2's own default).
+    attn_implementation
+        Passed to the config; ``None`` keeps the library's default (``sdpa``).
+    """
     from transformers import GPT2Config, GPT2LMHeadModel
 
     _seed_torch(seed)
+    extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     config = GPT2Config(
         vocab_size=sizes.vocab,
         n_embd=sizes.hidden,
@@ -136,18 +182,18 @@ def _gpt2(sizes: ModelSizes, seed: int) -> Any:
         n_head=sizes.heads,
         n_inner=sizes.intermediate,
         n_positions=max(sizes.max_seq_len, 2),
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
-        attn_implementation="eager",
+        **extra,
     )
     return GPT2LMHeadModel(config).float()
 
 
 def _llama_train(sizes: ModelSizes, seed: int) -> ImportedGraph:
     return import_training_step(
-        _llama(sizes, seed),
+        llama_model(sizes, seed=seed),
         max_seq_len=sizes.max_seq_len,
         min_seq_len=sizes.min_seq_len,
         batch_size=sizes.batch,
@@ -156,7 +202,7 @@ def _llama_train(sizes: ModelSizes, seed: int) -> ImportedGraph:
 
 def _gpt2_train(sizes: ModelSizes, seed: int) -> ImportedGraph:
     return import_training_step(
-        _gpt2(sizes, seed),
+        gpt2_model(sizes, seed=seed),
         max_seq_len=sizes.max_seq_len,
         min_seq_len=sizes.min_seq_len,
         batch_size=sizes.batch,
@@ -165,7 +211,7 @@ def _gpt2_train(sizes: ModelSizes, seed: int) -> ImportedGraph:
 
 def _gpt2_infer(sizes: ModelSizes, seed: int) -> ImportedGraph:
     return import_inference(
-        _gpt2(sizes, seed),
+        gpt2_model(sizes, seed=seed),
         max_seq_len=sizes.max_seq_len,
         min_seq_len=sizes.min_seq_len,
         batch_size=sizes.batch,
