@@ -1,128 +1,1055 @@
-"""The ``blade-relax`` command line: ``demo``, ``report`` and ``bench``."""
+"""The ``blade-relax`` command line: ``demo``, ``report`` and ``bench``.
+
+``demo``
+    Compiles a built-in model with a dynamic dimension three ways and runs it at several sizes:
+    TVM's stock pipeline, blade_relax's pipeline (:func:`blade_relax.get_pipeline`), and the
+    same executable under a runtime memory budget (a fraction of its own measured peak). For
+    each it prints the peak the symbolic timeline predicts next to the peak the runtime
+    accounting measures, the ratio to stock, the evictions and regenerations, and writes a plot.
+    A prediction that misses its measurement, or outputs that differ from stock TVM's, end the
+    command with status 1.
+``report``
+    The :class:`blade_relax.analysis.MemoryReport` of one function of a module saved as
+    TVMScript (``mod.script()``) or of a built-in model, before and after our passes, as a text
+    table, JSON, a Chrome trace and a plot.
+``bench``
+    The benchmark ruler, :func:`blade_relax.bench.main`, with its own flags.
+
+Bad input (an unknown model, a missing or unparsable file, malformed ``--dims``/``--sizes``,
+an unwritable output path, ...) ends the command with status 2 and one line on stderr. Progress
+lines of long steps (building a model, compiling, lowering) go to stderr, results to stdout.
+"""
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
+import math
+import os
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NoReturn
 
-__all__ = ["main"]
+if TYPE_CHECKING:
+    from .bench.workloads import ModelSizes
+
+__all__ = ["CliError", "Model", "build_parser", "load_model", "main", "model_names"]
+
+DEFAULT_DEMO_MODEL = "mlp-deep-train"
+DEFAULT_DEMO_SIZES = "16,128,1024"
+DEFAULT_BUDGET = 0.9
+DEFAULT_DEMO_PLOT = "blade_relax_demo.png"
+# Report dims that the user leaves out are evaluated at this value (clipped to the dim's range).
+DEFAULT_REPORT_DIM = 128
+BENCH_PREFIX = "bench:"
+# Outputs of blade_relax's executables are compared with stock TVM's: the kernels are the same,
+# so anything beyond float rounding is a bug.
+OUTPUT_RTOL = 1e-5
 
 
 class CliError(Exception):
-    """Bad input: reported as one line on stderr with a non-zero exit code."""
+    """Bad input: reported as one line on stderr with exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (no usage block) through :class:`CliError`."""
+
+    def error(self, message: str) -> NoReturn:
+        raise CliError(f"{message} (see {self.prog} --help)")
 
 
 def _progress(message: str) -> None:
     print(f"... {message}", file=sys.stderr, flush=True)
 
 
-def _parse_sizes(text: str) -> list[int]:
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    for line in text.splitlines():
+        if line.strip():
+            return line.strip()
+    return type(err).__name__
+
+
+# ------------------------------------------------------------------------------------ models
+@dataclass
+class Model:
+    """A module to report on or run, with a way to make arguments for its ``main``.
+
+    Attributes
+    ----------
+    name
+        The name it was asked for (a built-in name or a file path).
+    mod
+        The Relax module.
+    description
+        One line saying what it is.
+    make_args
+        Numpy arrays for the parameters of ``main`` at concrete dims (``None`` for a file).
+    check_dims
+        Raises ``ValueError`` when concrete dims lie outside the model's declared ranges.
+    """
+
+    name: str
+    mod: Any
+    description: str
+    make_args: Callable[[Mapping[str, int]], list[Any]] | None = None
+    check_dims: Callable[[Mapping[str, int]], None] | None = None
+
+
+def _deep_mlp_sizes() -> ModelSizes:
+    from .bench.workloads import ModelSizes
+
+    return ModelSizes(layers=4, hidden=64, intermediate=256, vocab=128)
+
+
+def _deep_mlp_train() -> Model:
+    """A four-layer MLP classifier's training step (loss and every gradient), dynamic ``s``.
+
+    Deep enough that rematerialization has activations to trade, small enough to compile in a
+    couple of seconds; built in Relax and differentiated by ``relax.transform.Gradient``.
+    """
+    import numpy as np
+
+    from .bench.workloads import mlp_forward_module
+    from .frontend import relax_training_step
+
+    sizes = _deep_mlp_sizes()
+    forward = mlp_forward_module(sizes)
+    rng = np.random.default_rng(0)
+    params = []
+    for param in forward["main"].params[2:]:
+        shape = [int(v) for v in param.ty.shape.values]
+        scale = 1.0 / math.sqrt(shape[0]) if len(shape) == 2 else 0.1
+        params.append((rng.standard_normal(shape) * scale).astype("float32"))
+    graph = relax_training_step(
+        forward, params=params, num_input=2, dims={"s": (1, None)}, keep_upper_bound=False
+    )
+    return _graph_model(
+        DEFAULT_DEMO_MODEL,
+        graph,
+        f"training step of an MLP classifier ({sizes.layers} hidden layers of {sizes.intermediate}, "
+        f"input {sizes.hidden}, {sizes.vocab} classes), {len(params)} parameters; "
+        "dynamic number of rows s",
+    )
+
+
+def _graph_model(name: str, graph: Any, description: str) -> Model:
+    def make_args(dims: Mapping[str, int]) -> list[Any]:
+        return [*graph.random_inputs(dims), *graph.params]
+
+    return Model(name, graph.mod, description, make_args, graph.check_dims)
+
+
+def _builtin_model(name: str) -> Model:
+    from .frontend.builtin import BUILTIN_MODELS, random_arguments
+
+    mod = BUILTIN_MODELS[name]()
+    doc = (BUILTIN_MODELS[name].__doc__ or name).strip().splitlines()[0].replace("``", "")
+
+    def make_args(dims: Mapping[str, int]) -> list[Any]:
+        return random_arguments(mod["main"], dict(dims))
+
+    return Model(name, mod, f"built-in: {doc}", make_args)
+
+
+def _bench_ranges() -> dict[str, tuple[int, int]]:
+    """The dim ranges the benchmark workloads are exported with (the ``small`` preset)."""
+    from .bench.workloads import SMALL
+
+    return {"s": (SMALL.min_seq_len, SMALL.max_seq_len)}
+
+
+def _precheck_bench_dims(name: str, dims: Mapping[str, int], flag: str) -> None:
+    """Refuse dims outside a benchmark workload's range before spending time on its export."""
+    if not name.startswith(BENCH_PREFIX) or name not in model_names():
+        return
+    ranges = _bench_ranges()
+    for dim, value in dims.items():
+        if dim not in ranges:
+            raise CliError(f"{flag}: unknown dim {dim!r}; {name} has {', '.join(sorted(ranges))}")
+        low, high = ranges[dim]
+        if not low <= value <= high:
+            raise CliError(f"{flag}: {dim} = {value} is outside {name}'s range [{low}, {high}]")
+
+
+def _bench_model(name: str) -> Model:
+    from .bench.workloads import build_workload
+
+    workload_name = name[len(BENCH_PREFIX) :]
+    _progress(f"building the {workload_name} workload (small sizes; PyTorch export for HF models)")
     try:
-        sizes = [int(part) for part in text.split(",") if part.strip()]
+        workload = build_workload(workload_name)
+    except ImportError as err:
+        raise CliError(f"{name} needs PyTorch and transformers: {_first_line(err)}") from None
+    graph = workload.graph.with_upper_bounds(False)
+    ranges = ", ".join(
+        f"{d.lower} <= {n} <= {d.upper if d.upper is not None else 'inf'}"
+        for n, d in graph.dims.items()
+    )
+    return _graph_model(name, graph, f"benchmark workload {workload_name} ({graph.kind}; {ranges})")
+
+
+def model_names() -> list[str]:
+    """Every model name ``demo --model`` and ``report`` accept."""
+    from .bench.workloads import WORKLOADS
+    from .frontend.builtin import BUILTIN_MODELS
+
+    return [
+        DEFAULT_DEMO_MODEL,
+        *BUILTIN_MODELS,
+        *(f"{BENCH_PREFIX}{name}" for name in WORKLOADS),
+    ]
+
+
+def load_model(name: str) -> Model:
+    """A model by name: the demo's MLP, a built-in model, or ``bench:<workload>``.
+
+    Raises
+    ------
+    CliError
+        When no model has that name.
+    """
+    from .frontend.builtin import BUILTIN_MODELS
+
+    if name == DEFAULT_DEMO_MODEL:
+        return _deep_mlp_train()
+    if name in BUILTIN_MODELS:
+        return _builtin_model(name)
+    if name in model_names():
+        return _bench_model(name)
+    raise CliError(f"unknown model {name!r}; choose one of {', '.join(model_names())}")
+
+
+def _load_script(path: str) -> Model:
+    import tvm
+    import tvm.script
+    from tvm import relax
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+    except UnicodeDecodeError:
+        raise CliError(f"{path} is not a text file") from None
+    except OSError as err:
+        raise CliError(f"cannot read {path}: {err.strerror}") from None
+    problem = None
+    try:
+        parsed = tvm.script.from_source(source)
+    except Exception as err:  # the parser raises SyntaxError, DiagnosticError, TVMError, ...
+        problem = _first_line(err).removeprefix("error: ")
+        if "No result exists in IRBuilder" in problem:
+            problem = "it defines no IRModule or function (save one with mod.script())"
+    if problem is not None:
+        # Raised outside the handler so that the parser's frames are not kept alive as context.
+        _collect_quietly()
+        raise CliError(f"cannot parse {path} as TVMScript: {problem}")
+    if isinstance(parsed, relax.Function):
+        parsed = tvm.IRModule({"main": parsed})
+    if not isinstance(parsed, tvm.IRModule):
+        raise CliError(
+            f"{path} holds a {type(parsed).__name__}, not an IRModule of Relax functions"
+        )
+    return Model(path, parsed, f"TVMScript module from {path}")
+
+
+def _resolve_input(text: str) -> Model:
+    if text in model_names():
+        return load_model(text)
+    if os.path.isdir(text):
+        raise CliError(f"{text} is a directory, not a TVMScript file or model name")
+    if os.path.exists(text):
+        return _load_script(text)
+    looks_like_path = os.sep in text or text.endswith((".py", ".tvmscript", ".txt", ".relax"))
+    if looks_like_path:
+        raise CliError(f"no such file: {text}")
+    raise CliError(
+        f"{text!r} is neither a file nor a model name; models: {', '.join(model_names())}"
+    )
+
+
+# ------------------------------------------------------------------------------ argument text
+def _parse_sizes(text: str) -> list[int]:
+    parts = [part.strip() for part in text.split(",")]
+    try:
+        sizes = [int(part) for part in parts if part]
     except ValueError:
         raise CliError(f"--sizes takes comma-separated integers, not {text!r}") from None
     if not sizes or any(s < 1 for s in sizes):
         raise CliError(f"--sizes needs positive integers, got {text!r}")
-    return sizes
+    return sorted(set(sizes))
 
 
-def run_demo(args: argparse.Namespace) -> int:
-    """Compile a built-in dynamic model, run it at several sizes, compare predicted and measured."""
+def _parse_dims(text: str | None) -> dict[str, int]:
+    """``"s=64,b=2"`` → ``{"s": 64, "b": 2}``; the names are checked later against the function."""
+    if not text:
+        return {}
+    dims: dict[str, int] = {}
+    for part in text.split(","):
+        name, sep, value = (p.strip() for p in part.partition("="))
+        if not sep or not name or not value or not name.isidentifier():
+            raise CliError(f"--dims takes name=value pairs separated by commas, not {part!r}")
+        try:
+            number = int(value)
+        except ValueError:
+            raise CliError(
+                f"--dims: the value of {name} must be an integer, not {value!r}"
+            ) from None
+        if number < 1:
+            raise CliError(f"--dims: {name} = {number}, but a dim must be at least 1")
+        if name in dims:
+            raise CliError(f"--dims: {name} is given twice")
+        dims[name] = number
+    return dims
+
+
+def _parse_fraction(value: float) -> float:
+    if not (0.0 < value <= 1.0) or math.isnan(value):
+        raise CliError(f"--budget is a fraction of blade_relax's peak in (0, 1], not {value}")
+    return value
+
+
+def _check_writable(path: str | None, flag: str) -> str | None:
+    """Fail before any long step when an output path cannot be written."""
+    if path is None:
+        return None
+    if not path or os.path.isdir(path):
+        raise CliError(f"{flag}: {path!r} is not a file path")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise CliError(f"{flag}: the directory {parent} does not exist")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise CliError(f"{flag}: {path} is not writable")
+    if not os.access(parent, os.W_OK):
+        raise CliError(f"{flag}: the directory {parent} is not writable")
+    return path
+
+
+def _write_text(path: str, text: str, flag: str) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as err:
+        raise CliError(f"{flag}: cannot write {path}: {err.strerror}") from None
+
+
+def _human(nbytes: float) -> str:
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{nbytes} B"  # pragma: no cover - the loop always returns
+
+
+# ---------------------------------------------------------------------------------- the demo
+@dataclass
+class RunResult:
+    """One VM call of one executable at one size.
+
+    Attributes
+    ----------
+    peak_bytes
+        Peak of the call as the runtime accounting counts it, minus the bytes live before it.
+    predicted_bytes
+        What the compiler predicted for the same call: the evaluated symbolic timeline, or the
+        remat runtime's decision under a budget (``None`` when nothing predicted it).
+    evictions, regenerations
+        Counters of :func:`blade_relax.runtime.memory_stats` for the call.
+    outputs
+        The flattened outputs as numpy arrays.
+    budget_bytes
+        The budget the call ran under, if any.
+    reachable
+        Whether the remat runtime found an eviction set within the budget.
+    live_trace
+        Live bytes (minus those live before the call) after each VM instruction of the call.
+    """
+
+    peak_bytes: int
+    predicted_bytes: int | None
+    evictions: int = 0
+    regenerations: int = 0
+    outputs: list[Any] = field(default_factory=list)
+    budget_bytes: int | None = None
+    reachable: bool | None = None
+    live_trace: list[int] = field(default_factory=list)
+
+
+def _run_once(
+    exe: Any, arrays: Sequence[Any], bindings: Mapping[str, int], budget: int | None = None
+) -> RunResult:
     import tvm
     from tvm import relax
 
-    from .analysis import memory_timeline
-    from .frontend.builtin import BUILTIN_MODELS, random_arguments
-    from .pipeline import lower_to_memory_stage, stock_pipeline
-    from .runtime import memory_stats, reset_memory_stats
+    from .frontend import flatten_outputs
+    from .runtime import (
+        current_live_bytes,
+        last_remat_decision,
+        memory_stats,
+        reset_memory_stats,
+        set_memory_budget,
+    )
+    from .runtime.remat import RematBudgetWarning
 
-    if args.model not in BUILTIN_MODELS:
-        raise CliError(f"unknown model {args.model!r}; choose one of {', '.join(BUILTIN_MODELS)}")
-    sizes = _parse_sizes(args.sizes)
-    mod = BUILTIN_MODELS[args.model]()
-    _progress(f"compiling {args.model} with the stock TVM pipeline for llvm")
-    exe = tvm.compile(mod, "llvm", relax_pipeline=stock_pipeline("llvm"))
+    # A fresh VM on a clean slate: a VM keeps its last result until its next call, and stale
+    # results of earlier calls would otherwise count as live bytes of this one.
+    gc.collect()
     vm = relax.VirtualMachine(exe, tvm.cpu())
-    lowered = lower_to_memory_stage(mod)
-    timeline = memory_timeline(lowered["main"], mod=lowered)
-    dims = sorted(timeline.graph.dims)
-    print(f"model: {args.model}   dynamic dims: {', '.join(dims)}")
-    print(f"symbolic peak (bytes): {timeline.peak}")
+    tensors = [tvm.runtime.tensor(a) for a in arrays]
+    reset_memory_stats()
+    base = memory_stats()["live_bytes"]
+    trace: list[int] = []
+
+    def instrument(_func: Any, _name: str, before_run: bool, _ret: Any, *_args: Any) -> int:
+        # Memory over the program as the runtime sees it: the live bytes after every instruction.
+        if not before_run:
+            trace.append(current_live_bytes() - base)
+        return 0  # run the instruction as usual
+
+    vm.set_instrument(instrument)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RematBudgetWarning)
+        if budget is None:
+            out = vm["main"](*tensors)
+        else:
+            with set_memory_budget(base + budget):
+                out = vm["main"](*tensors)
+    stats = memory_stats()
+    vm.set_instrument(None)
+    outputs = [t.numpy() for t in flatten_outputs(out)]
+    del out, vm
+    result = RunResult(
+        peak_bytes=stats["peak_bytes"] - base,
+        predicted_bytes=None,
+        evictions=stats["evictions"],
+        regenerations=stats["regenerations"],
+        outputs=outputs,
+        budget_bytes=budget,
+        live_trace=trace,
+    )
+    decision = last_remat_decision() if budget is not None else None
+    if decision is not None and decision["budget"] == base + budget:
+        if {k: int(v) for k, v in decision["dims"].items()} == dict(bindings):
+            result.predicted_bytes = int(decision["predicted_peak"]) - base
+            result.reachable = bool(decision["reachable"])
+    return result
+
+
+def _outputs_note(reference: Sequence[Any], outputs: Sequence[Any]) -> tuple[str, bool]:
+    import numpy as np
+
+    if len(reference) != len(outputs):
+        return "DIFFER", False
+    worst = 0.0
+    for ref, out in zip(reference, outputs):
+        if ref.shape != out.shape:
+            return "DIFFER", False
+        if np.array_equal(ref, out):
+            continue
+        scale = max(float(np.linalg.norm(ref.astype("float64"))), 1e-30)
+        worst = max(worst, float(np.linalg.norm((out - ref).astype("float64"))) / scale)
+    if worst == 0.0:
+        return "identical", True
+    return (f"rel err {worst:.0e}", True) if worst <= OUTPUT_RTOL else ("DIFFER", False)
+
+
+@dataclass
+class DemoRow:
+    """One line of the demo's table."""
+
+    size: int
+    pipeline: str
+    result: RunResult
+    stock_peak: int
+    outputs: str
+    outputs_ok: bool
+
+    @property
+    def matches(self) -> bool | None:
+        if self.result.predicted_bytes is None:
+            return None
+        return self.result.predicted_bytes == self.result.peak_bytes
+
+
+def _demo_table(rows: Sequence[DemoRow], dim_label: str) -> str:
+    header = (
+        f"| {dim_label:>6} | pipeline          | budget         | predicted peak | measured peak "
+        "| match | vs stock | evictions | regenerations | outputs   |"
+    )
+    rule = (
+        "|-------:|-------------------|----------------|---------------:|--------------:"
+        "|:-----:|---------:|----------:|--------------:|-----------|"
+    )
+    lines = [header, rule]
+    for row in rows:
+        r = row.result
+        predicted = f"{r.predicted_bytes:,}" if r.predicted_bytes is not None else "-"
+        match = {None: "-", True: "yes", False: "NO"}[row.matches]
+        if r.budget_bytes is None:
+            budget = "-"
+        else:
+            budget = f"{r.budget_bytes:,} " + ("met" if r.peak_bytes <= r.budget_bytes else "over")
+        lines.append(
+            f"| {row.size:>6} | {row.pipeline:<17} | {budget:<14} | {predicted:>14} "
+            f"| {r.peak_bytes:>13,} "
+            f"| {match:^5} | {r.peak_bytes / row.stock_peak:>8.3f} | {r.evictions:>9} "
+            f"| {r.regenerations:>13} | {row.outputs:<9} |"
+        )
+    return "\n".join(lines)
+
+
+def _demo_plot(
+    path: str,
+    model: str,
+    dim_label: str,
+    rows: Sequence[DemoRow],
+    budget_fraction: float,
+) -> None:
+    """Left: live bytes over one call at the largest size; right: peak vs size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mib = float(2**20)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    at_size = max(r.size for r in rows)
+    budget_bytes = None
+    for row in (r for r in rows if r.size == at_size):
+        live = row.result.live_trace or [0]
+        n = max(len(live) - 1, 1)
+        label = f"{row.pipeline} (peak {_human(row.result.peak_bytes)})"
+        left.plot([i / n for i in range(len(live))], [v / mib for v in live], label=label)
+        budget_bytes = row.result.budget_bytes or budget_bytes
+    if budget_bytes is not None:
+        left.axhline(
+            budget_bytes / mib,
+            color="tab:red",
+            linestyle="--",
+            label=f"budget ({budget_fraction:g} x blade_relax peak)",
+        )
+    left.set_xlabel("position in the call (VM instructions, scaled to [0, 1])")
+    left.set_ylabel("live bytes allocated by the VM (MiB)")
+    left.set_title(f"{model}: memory during one call at {dim_label}={at_size}")
+    left.legend(loc="best", fontsize=8)
+
+    for pipeline, style in (("stock TVM", "o-"), ("blade_relax", "s-")):
+        points = [(r.size, r.result.peak_bytes) for r in rows if r.pipeline == pipeline]
+        right.plot([p[0] for p in points], [p[1] / mib for p in points], style, label=pipeline)
+    budget_rows = [r for r in rows if r.result.budget_bytes is not None]
+    right.plot(
+        [r.size for r in budget_rows],
+        [r.result.peak_bytes / mib for r in budget_rows],
+        "^-",
+        label=f"blade_relax under budget ({budget_fraction:g} x)",
+    )
+    right.plot(
+        [r.size for r in budget_rows],
+        [r.result.budget_bytes / mib for r in budget_rows],
+        ":",
+        color="tab:red",
+        label="budget",
+    )
+    sizes = sorted({r.size for r in rows})
+    if len(sizes) > 1 and sizes[-1] / sizes[0] >= 10:
+        right.set_xscale("log")
+        right.set_yscale("log")
+    right.set_xlabel(f"{dim_label}")
+    right.set_ylabel("measured peak (MiB)")
+    right.set_title("measured peak of one call vs size")
+    right.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as err:
+        raise CliError(f"--plot: cannot write {path}: {err.strerror}") from None
+    finally:
+        plt.close(fig)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """Stock TVM vs blade_relax vs blade_relax under a budget; predicted vs measured peaks."""
+    sizes = _parse_sizes(args.sizes)
+    fraction = _parse_fraction(args.budget)
+    plot_path = None if args.no_plot else _check_writable(args.plot, "--plot")
+    if args.model.startswith(BENCH_PREFIX):
+        for size in sizes:
+            _precheck_bench_dims(args.model, {"s": size}, "--sizes")
+    model = load_model(args.model)
+
+    import tvm
+
+    from .analysis import memory_timeline
+    from .pipeline import get_pipeline, lower_to_memory_stage, stock_pipeline
+    from .symbolic import ShapeGraph
+
+    func = model.mod["main"]
+    dims = sorted(ShapeGraph.from_function(func).dims)
+    if not dims:
+        raise CliError(f"model {model.name} has no dynamic dims to vary")
+    all_bindings = [{d: size for d in dims} for size in sizes]
+    if model.check_dims is not None:
+        for bindings in all_bindings:
+            try:
+                model.check_dims(bindings)
+            except ValueError as err:
+                raise CliError(f"--sizes: {_first_line(err)}") from None
+
+    _progress(f"compiling {model.name} with the stock TVM pipeline (llvm)")
+    stock_exe = tvm.compile(model.mod, "llvm", relax_pipeline=stock_pipeline("llvm"))
+    _progress(f"compiling {model.name} with the blade_relax pipeline (llvm)")
+    blade_exe = tvm.compile(model.mod, "llvm", relax_pipeline=get_pipeline("llvm"))
+    _progress("lowering both to the memory stage for the symbolic timelines")
+    stock_low = lower_to_memory_stage(model.mod)
+    blade_low = lower_to_memory_stage(model.mod, schedule=True, remat=True, plan=True)
+    stock_tl = memory_timeline(stock_low["main"], mod=stock_low)
+    blade_tl = memory_timeline(blade_low["main"], mod=blade_low)
+
+    dim_label = ",".join(dims)
+    print(f"model: {model.name}  ({model.description})")
+    print(f"dynamic dims: {dim_label}  (every dim set to each size)")
+    print(f"symbolic peak, stock TVM:   {stock_tl.peak}")
+    print(f"symbolic peak, blade_relax: {blade_tl.peak}")
+    print(
+        f"budget: {fraction:g} x blade_relax's measured peak at each size; predictions under "
+        "the budget come from the remat runtime's decision"
+    )
     print()
-    print(f"| {'dims':<16} | {'predicted peak':>15} | {'measured peak':>15} | match |")
-    print(f"|{'-' * 18}|{'-' * 17}|{'-' * 17}|-------|")
-    all_match = True
-    for size in sizes:
-        bindings = {d: size for d in dims}
-        arrays = random_arguments(mod["main"], bindings)
-        tensors = [tvm.runtime.tensor(a) for a in arrays]
-        reset_memory_stats()
-        base = memory_stats()["live_bytes"]
-        out = vm["main"](*tensors)
-        measured = memory_stats()["peak_bytes"] - base
-        del out
-        predicted = timeline.evaluate(bindings).peak
-        all_match &= predicted == measured
-        label = ",".join(f"{d}={v}" for d, v in bindings.items())
-        mark = "yes" if predicted == measured else "NO"
-        print(f"| {label:<16} | {predicted:>15,} | {measured:>15,} | {mark:^5} |")
-    return 0 if all_match else 1
+
+    rows: list[DemoRow] = []
+    for size, bindings in zip(sizes, all_bindings):
+        _progress(f"running at {dim_label}={size}")
+        arrays = model.make_args(bindings) if model.make_args else []
+        stock = _run_once(stock_exe, arrays, bindings)
+        stock.predicted_bytes = stock_tl.evaluate(bindings).peak
+        blade = _run_once(blade_exe, arrays, bindings)
+        blade.predicted_bytes = blade_tl.evaluate(bindings).peak
+        budget = max(1, int(fraction * blade.peak_bytes))
+        budgeted = _run_once(blade_exe, arrays, bindings, budget=budget)
+        for label, result in (
+            ("stock TVM", stock),
+            ("blade_relax", blade),
+            (f"blade_relax @{fraction:g}", budgeted),
+        ):
+            if result is stock:
+                note, ok = "reference", True
+            else:
+                note, ok = _outputs_note(stock.outputs, result.outputs)
+            rows.append(DemoRow(size, label, result, stock.peak_bytes, note, ok))
+
+    print(_demo_table(rows, dim_label))
+    print()
+    status = _demo_summary(rows, dim_label, fraction)
+    if plot_path is not None:
+        _demo_plot(plot_path, model.name, dim_label, rows, fraction)
+        print(f"plot: {plot_path}")
+    return status
 
 
+def _demo_summary(rows: Sequence[DemoRow], dim_label: str, fraction: float) -> int:
+    largest = max(r.size for r in rows)
+    stock, blade, budget = (r for r in rows if r.size == largest)
+    print(
+        f"at {dim_label}={largest}: blade_relax peaks at {_human(blade.result.peak_bytes)}, "
+        f"{blade.result.peak_bytes / stock.result.peak_bytes:.3f} x stock TVM's "
+        f"{_human(stock.result.peak_bytes)}"
+    )
+    b = budget.result
+    met = b.budget_bytes is not None and b.peak_bytes <= b.budget_bytes
+    print(
+        f"under a budget of {fraction:g} x that peak ({_human(b.budget_bytes or 0)}): "
+        f"{b.evictions} evictions, {b.regenerations} regenerations, peak "
+        f"{_human(b.peak_bytes)} ({b.peak_bytes / stock.result.peak_bytes:.3f} x stock): "
+        + ("budget met" if met else "over budget, the smallest peak the runtime could reach")
+    )
+    for row in rows:
+        r = row.result
+        if r.budget_bytes is not None and r.reachable is False and row.size != largest:
+            print(
+                f"  {dim_label}={row.size}: the budget ({r.budget_bytes:,} B) is below what "
+                f"evictions can reach; ran at {r.peak_bytes:,} B"
+            )
+    misses = [r for r in rows if r.matches is False]
+    unpredicted = [r for r in rows if r.matches is None]
+    wrong = [r for r in rows if not r.outputs_ok]
+    checked = len(rows) - len(unpredicted)
+    if misses:
+        for r in misses:
+            print(
+                f"PREDICTION MISSED at {dim_label}={r.size}, {r.pipeline}: predicted "
+                f"{r.result.predicted_bytes:,} B, measured {r.result.peak_bytes:,} B"
+            )
+    else:
+        print(f"predicted == measured for all {checked} predicted runs")
+    for r in wrong:
+        print(f"OUTPUTS DIFFER from stock TVM at {dim_label}={r.size}, {r.pipeline}")
+    return 1 if misses or wrong else 0
+
+
+# -------------------------------------------------------------------------------- the report
+def _function(mod: Any, name: str, where: str) -> Any:
+    from tvm import relax
+
+    names = sorted(gv.name_hint for gv in mod.get_global_vars())
+    if name not in names:
+        raise CliError(f"no function {name!r} in {where}; it has: {', '.join(names)}")
+    func = mod[name]
+    if not isinstance(func, relax.Function):
+        relax_names = [n for n in names if isinstance(mod[n], relax.Function)]
+        raise CliError(
+            f"{name!r} in {where} is a {type(func).__name__}, not a Relax function; Relax "
+            f"functions: {', '.join(relax_names) or 'none'}"
+        )
+    return func
+
+
+def _bind_dims(
+    given: Mapping[str, int], dim_ranges: Mapping[str, Any], model: Model, func_name: str
+) -> dict[str, int]:
+    unknown = sorted(set(given) - set(dim_ranges))
+    if unknown:
+        have = ", ".join(sorted(dim_ranges)) or "no symbolic dims"
+        raise CliError(f"--dims: unknown dim {unknown[0]!r}; {func_name} has {have}")
+    bindings: dict[str, int] = {}
+    for name, dim in sorted(dim_ranges.items()):
+        lower, upper = dim.lower, dim.upper
+        if name in given:
+            value = given[name]
+            if value < lower or (upper is not None and value > upper):
+                top = upper if upper is not None else "inf"
+                raise CliError(f"--dims: {name} = {value} is outside its range [{lower}, {top}]")
+        else:
+            value = max(lower, DEFAULT_REPORT_DIM)
+            value = min(value, upper) if upper is not None else value
+        bindings[name] = value
+    if model.check_dims is not None and func_name == "main" and bindings:
+        try:
+            model.check_dims(bindings)
+        except ValueError as err:
+            raise CliError(f"--dims: {_first_line(err)}") from None
+    return bindings
+
+
+def _merged_chrome_trace(reports: Sequence[Any]) -> dict[str, Any]:
+    """One trace with a process (pid) per report, so Perfetto shows them one above the other."""
+    events: list[dict[str, Any]] = []
+    other: dict[str, Any] = {}
+    for pid, report in enumerate(reports, start=1):
+        trace = report.to_chrome_trace()
+        for event in trace["traceEvents"]:
+            events.append({**event, "pid": pid})
+        other[report.label] = trace.get("otherData", {})
+    return {"traceEvents": events, "displayTimeUnit": "ns", "otherData": other}
+
+
+def run_report(args: argparse.Namespace) -> int:
+    """Print (and write) the memory report of one function, before and after our passes."""
+    given = _parse_dims(args.dims)
+    json_path = _check_writable(args.json, "--json")
+    trace_path = _check_writable(args.chrome_trace, "--chrome-trace")
+    plot_path = _check_writable(args.plot, "--plot")
+    if args.rows < 1:
+        raise CliError(f"--rows must be at least 1, not {args.rows}")
+    _precheck_bench_dims(args.input, given, "--dims")
+    model = _resolve_input(args.input)
+    func = _function(model.mod, args.function, model.name)
+
+    from .analysis import MemoryReport, memory_timeline
+    from .pipeline import lower_to_memory_stage
+    from .symbolic import ShapeGraph
+
+    # Dims are checked on the function as given, before the (slower) lowering.
+    bindings = _bind_dims(given, ShapeGraph.from_function(func).dims, model, args.function)
+
+    target = {"llvm": "llvm", "cuda": {"kind": "cuda", "arch": "sm_90"}}[args.target]
+    stages: list[tuple[str, Any]] = []
+    if args.pipeline == "none":
+        stages.append(("input", model.mod))
+    else:
+        flags_of = {"stock TVM": {}, "blade_relax": {"schedule": True, "remat": True, "plan": True}}
+        wanted = ["stock TVM"] + (["blade_relax"] if args.pipeline == "blade" else [])
+        for label in wanted:
+            _progress(f"lowering {model.name} with the {label} pipeline ({args.target})")
+            try:
+                lowered = lower_to_memory_stage(model.mod, target, **flags_of[label])
+            except Exception as err:  # TVM's passes raise their own error types
+                raise CliError(
+                    f"the {label} pipeline cannot lower {model.name}: {_first_line(err)}"
+                ) from None
+            stages.append((label, lowered))
+
+    timelines = []
+    for label, mod in stages:
+        lowered_func = _function(mod, args.function, f"{model.name} after the {label} pipeline")
+        try:
+            timelines.append((label, memory_timeline(lowered_func, mod=mod)))
+        except Exception as err:
+            raise CliError(
+                f"cannot build the memory timeline of {args.function}: {_first_line(err)}"
+            ) from None
+
+    for _, timeline in timelines:
+        # Lowering may name dims of its own (shape computations); they take the default.
+        extra = {n: d for n, d in timeline.graph.dims.items() if n not in bindings}
+        bindings.update(_bind_dims({}, extra, model, args.function))
+    reports = []
+    for label, timeline in timelines:
+        try:
+            evaluated = timeline.evaluate(bindings)
+        except ValueError as err:
+            raise CliError(f"--dims: {_first_line(err)}") from None
+        reports.append(MemoryReport(label=label, timeline=timeline, evaluated=evaluated))
+
+    print(f"input: {model.name}  ({model.description})")
+    print(
+        f"function: {args.function}   dims: "
+        + (", ".join(f"{k}={v}" for k, v in bindings.items()) or "none")
+    )
+    for report in reports:
+        print()
+        print(report.to_text(max_rows=args.rows))
+    if len(reports) == 2:
+        before, after = reports
+        print()
+        print(
+            f"blade_relax vs stock TVM at {bindings}: peak {after.peak:,} B vs {before.peak:,} B "
+            f"({after.peak / max(before.peak, 1):.3f} x)"
+        )
+
+    if json_path is not None:
+        payload = {
+            "schema": "blade_relax.report/1",
+            "input": model.name,
+            "function": args.function,
+            "target": args.target,
+            "pipeline": args.pipeline,
+            "dims": bindings,
+            "reports": [json.loads(r.to_json()) for r in reports],
+        }
+        _write_text(json_path, json.dumps(payload, indent=2) + "\n", "--json")
+        print(f"json: {json_path}")
+    if trace_path is not None:
+        _write_text(trace_path, json.dumps(_merged_chrome_trace(reports)) + "\n", "--chrome-trace")
+        print(f"chrome trace: {trace_path}")
+    if plot_path is not None:
+        main_report, *others = reports[::-1]
+        try:
+            main_report.plot(
+                plot_path, *others, title=f"{model.name}: {args.function} at {bindings}"
+            )
+        except OSError as err:
+            raise CliError(f"--plot: cannot write {plot_path}: {err.strerror}") from None
+        print(f"plot: {plot_path}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------- bench
 def run_bench(argv: Sequence[str]) -> int:
+    """Hand the arguments to the benchmark's own command line."""
     from .bench import main as bench_main
 
     return int(bench_main(list(argv)) or 0)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="blade-relax",
-        description="Peak-memory optimizations on symbolic shapes for Apache TVM Relax.",
+# ------------------------------------------------------------------------------------ parser
+def _models_help() -> str:
+    from .bench.workloads import WORKLOADS
+    from .frontend.builtin import BUILTIN_MODELS
+
+    return (
+        f"{DEFAULT_DEMO_MODEL} (a 4-layer MLP training step), the built-ins "
+        f"{', '.join(BUILTIN_MODELS)}, and the benchmark workloads "
+        f"{', '.join(BENCH_PREFIX + w for w in WORKLOADS)} (need PyTorch; dims within the "
+        "exported range)"
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``blade-relax`` (``bench`` is handed to :func:`blade_relax.bench.main`)."""
+    parser = _Parser(
+        prog="blade-relax",
+        description="Peak-memory optimizations on symbolic shapes for Apache TVM Relax.\n"
+        "See the story on a small model (demo), read the memory report of a module (report),\n"
+        "or measure configurations side by side (bench).",
+        epilog="examples:\n"
+        "  blade-relax demo\n"
+        "  blade-relax demo --model mlp-train --sizes 64,512 --budget 0.95 --plot demo.png\n"
+        "  blade-relax report attention --dims s=256 --json report.json --plot report.png\n"
+        "  blade-relax report my_module.py --function main --dims n=64 --pipeline stock\n"
+        "  blade-relax bench --workload mlp-train --configs tvm-dynamic,blade-relax\n"
+        "exit status: 0 on success, 1 when the demo's check fails, 2 on bad input (one line\n"
+        "on stderr). Progress lines go to stderr, results to stdout.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,report,bench}")
+
     demo = sub.add_parser(
         "demo",
-        help="compile a small built-in dynamic model and show predicted vs measured peak bytes",
-        description="Compile a small built-in model with a dynamic dimension for the CPU, run it "
-        "at several sizes, and print the peak bytes the symbolic timeline predicts next to the "
-        "peak bytes the runtime accounting measured.",
+        help="stock TVM vs blade_relax vs blade_relax under a memory budget, on a small model",
+        description="Compile a model with a dynamic dimension for the CPU with TVM's stock "
+        "pipeline and with blade_relax's, run both at several sizes, then run blade_relax's "
+        "executable again under a memory budget (a fraction of its own peak) so that the "
+        "runtime evicts and regenerates tensors. Prints, per size and pipeline, the peak the "
+        "compiler predicted and the peak the runtime accounting measured (bytes allocated by "
+        "the VM during one call), the ratio to stock TVM, evictions, regenerations and whether "
+        "the outputs equal stock TVM's; writes a plot. Exits with 1 when a prediction misses "
+        "its measurement or outputs differ, with 2 on bad input.",
     )
     demo.add_argument(
         "--model",
-        default="mlp-train",
-        help="built-in model (mlp, attention, layer-norm, "
-        "concat-split, mlp-train; default: mlp-train)",
+        default=DEFAULT_DEMO_MODEL,
+        metavar="NAME",
+        help=f"the model (default: {DEFAULT_DEMO_MODEL}); one of: {_models_help()}",
     )
     demo.add_argument(
         "--sizes",
-        default="16,128,1024",
-        help="comma-separated values for the dynamic dims (default: 16,128,1024)",
+        default=DEFAULT_DEMO_SIZES,
+        metavar="N,N,...",
+        help="comma-separated positive values for the dynamic dims; every dim of the model "
+        f"takes each value in turn (default: {DEFAULT_DEMO_SIZES})",
     )
+    demo.add_argument(
+        "--budget",
+        type=float,
+        default=DEFAULT_BUDGET,
+        metavar="FRACTION",
+        help="the memory budget of the third run, as a fraction in (0, 1] of blade_relax's "
+        f"measured peak at the same size (default: {DEFAULT_BUDGET})",
+    )
+    demo.add_argument(
+        "--plot",
+        default=DEFAULT_DEMO_PLOT,
+        metavar="PATH",
+        help="PNG to write: live bytes during one call at the largest size (stock TVM, "
+        "blade_relax, blade_relax under the budget) and measured peak vs size (default: "
+        f"{DEFAULT_DEMO_PLOT})",
+    )
+    demo.add_argument("--no-plot", action="store_true", help="do not write the plot")
+
+    report = sub.add_parser(
+        "report",
+        help="the memory report of a TVMScript module or a named model",
+        description="Build the symbolic memory timeline of one Relax function, evaluate it at "
+        "concrete dims and print a table of live bytes per binding, the peak and the lower "
+        "bound. The function is first lowered to the memory stage (the IR the VM runs, with its "
+        "allocations and frees) by TVM's stock pipeline and, with --pipeline blade, by "
+        "blade_relax's as well, so the report shows memory before and after our passes.",
+    )
+    report.add_argument(
+        "input",
+        metavar="INPUT",
+        help="a file holding an IRModule as TVMScript (what mod.script() prints), or a model "
+        f"name: {_models_help()}",
+    )
+    report.add_argument(
+        "--function",
+        default="main",
+        metavar="NAME",
+        help="the Relax function to report on (default: main)",
+    )
+    report.add_argument(
+        "--dims",
+        default=None,
+        metavar="NAME=N,...",
+        help="concrete values of the symbolic dims, e.g. s=64,b=2; dims left out take "
+        f"{DEFAULT_REPORT_DIM} (clipped to their declared range)",
+    )
+    report.add_argument(
+        "--pipeline",
+        choices=("blade", "stock", "none"),
+        default="blade",
+        help="blade: report after TVM's stock pipeline and after blade_relax's (default); "
+        "stock: after the stock pipeline only; none: the function as given, unlowered",
+    )
+    report.add_argument(
+        "--target",
+        choices=("llvm", "cuda"),
+        default="llvm",
+        help="target the pipelines lower for (default: llvm; cuda needs no GPU: sm_90)",
+    )
+    report.add_argument(
+        "--rows",
+        type=int,
+        default=30,
+        metavar="N",
+        help="bindings shown in each table, those with the most live bytes (default: 30)",
+    )
+    report.add_argument("--json", metavar="PATH", help="write the reports as JSON here")
+    report.add_argument(
+        "--chrome-trace",
+        metavar="PATH",
+        help="write a Chrome trace-event JSON here (open in https://ui.perfetto.dev)",
+    )
+    report.add_argument(
+        "--plot", metavar="PATH", help="write a PNG of live bytes over the program here"
+    )
+
     sub.add_parser(
         "bench",
-        help="the benchmark ruler (same flags as python -m blade_relax.bench)",
+        help="the benchmark ruler; same flags as python -m blade_relax.bench "
+        "(blade-relax bench --help lists them)",
         add_help=False,
     )
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``blade-relax`` console script."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "bench":
-        return run_bench(argv[1:])
-    parser = build_parser()
-    args = parser.parse_args(argv)
+# --------------------------------------------------------------------------------------- main
+def _collect_quietly() -> None:
+    """Collect garbage with the native stderr silenced.
+
+    When TVM's parser raises it can leave a half-built block builder behind, whose destructor
+    warns on stderr whenever the garbage collector gets to it; collected here, after a failed
+    parse, the warning does not add to the one-line error.
+    """
     try:
+        saved = os.dup(2)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        gc.collect()
+        return
+    try:
+        sys.stderr.flush()
+        os.dup2(devnull, 2)
+        gc.collect()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``blade-relax`` console script.
+
+    Parameters
+    ----------
+    argv
+        The arguments after the program name; ``sys.argv[1:]`` when ``None``.
+
+    Returns
+    -------
+    int
+        The exit status: 0 on success, 1 when the demo's check fails, 2 on bad input.
+    """
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list and args_list[0] == "bench":
+        return run_bench(args_list[1:])
+    try:
+        parser = build_parser()
+        try:
+            args = parser.parse_args(args_list)
+        except SystemExit as done:  # --help
+            return int(done.code or 0)
         if args.command == "demo":
             return run_demo(args)
+        if args.command == "report":
+            return run_report(args)
+        raise CliError(f"unknown command {args.command!r}")
     except CliError as err:
-        print(f"blade-relax: error: {err}", file=sys.stderr)
+        print(f"blade-relax: error: {err}", file=sys.stderr, flush=True)
         return 2
-    parser.error(f"unknown command {args.command!r}")
-    return 2
 
 
 if __name__ == "__main__":

@@ -170,12 +170,13 @@ class MemoryReport:
     def to_text(self, max_rows: int = 30) -> str:
         """A readable table: the bindings with the largest live bytes, and the headline."""
         s = self.summary()
+        bound = s["lower_bound_bytes"] - s["persistent_bytes"]
         lines = [
             f"memory report {self.label}".rstrip() + f"  (stage: {s['stage']}, dims: {s['dims']})",
             f"  peak:        {s['peak_bytes']:>14,} B  ({_human(s['peak_bytes'])}) "
             f"at {s['peak_binding']}",
-            f"  lower bound: {s['lower_bound_bytes']:>14,} B  ({_human(s['lower_bound_bytes'])})"
-            " incl. persistent",
+            # On the peak's basis (parameters excluded), so that the two lines compare.
+            f"  lower bound: {bound:>14,} B  ({_human(bound)}) excl. persistent",
             f"  persistent:  {s['persistent_bytes']:>14,} B",
             f"  symbolic peak: {s['peak_symbolic']}",
         ]
