@@ -9,6 +9,9 @@ Where each pass runs, and why there:
   ``evict``/``regenerate`` calls, which may not stand in a dataflow block, and the planner must
   see them so that evictable tensors never land in shared storage.
 * ``PlanMemory`` takes the place of ``StaticPlanBlockMemory``.
+* ``CheckDimRanges`` runs after ``Rematerialize`` and before memory planning: its assertions
+  on the declared dim ranges are impure (no dataflow block, no purity checking) and become the
+  first bindings of the body, ahead of every allocation and kernel (see check_dim_ranges.py).
 
 The pipeline is registered as the Relax pipeline ``"blade_relax"``, so
 ``tvm.compile(mod, target, relax_pipeline=relax.get_pipeline("blade_relax", target=target))``
@@ -57,6 +60,9 @@ def _pass_list(
     schedule_options: Any,
     remat_options: Any,
     plan_options: Any,
+    *,
+    check_dims: bool = False,
+    check_options: Any = None,
 ) -> list[tvm.transform.Pass]:
     phases = _backend_phases(target)
     passes: list[tvm.transform.Pass] = []
@@ -71,6 +77,10 @@ def _pass_list(
         from .transform import Rematerialize
 
         passes.append(Rematerialize(remat_options))
+    if check_dims:
+        from .transform import CheckDimRanges
+
+        passes.append(CheckDimRanges(check_options))
     for finalize_pass in phases.finalize_passes(target):
         if plan and finalize_pass.info.name == "StaticPlanBlockMemory":
             from .transform import PlanMemory
@@ -95,6 +105,8 @@ def get_pipeline(
     schedule_options: Any = None,
     remat_options: Any = None,
     plan_options: Any = None,
+    check_dims: bool = True,
+    check_options: Any = None,
 ) -> tvm.transform.Pass:
     """The full Relax pipeline for ``target`` with the selected memory passes.
 
@@ -104,8 +116,12 @@ def get_pipeline(
         ``"llvm"``, ``{"kind": "cuda", "arch": "sm_90"}`` or a ``tvm.target.Target``.
     schedule, remat, plan
         Enable ``MemoryAwareSchedule``, ``Rematerialize`` and ``PlanMemory``. With all three
-        off, the result is TVM's default pipeline for the target.
-    schedule_options, remat_options, plan_options
+        off and ``check_dims=False``, the result is TVM's default pipeline for the target.
+    check_dims
+        Enable ``CheckDimRanges``: a call whose dims lie outside the ranges the function
+        declares (``tir_var_lower_bound`` / ``tir_var_upper_bound``) fails before any kernel
+        runs, with an error naming the dim, its value and the range.
+    schedule_options, remat_options, plan_options, check_options
         Option dataclasses handed to the passes (``None`` for their defaults).
 
     Returns
@@ -114,7 +130,17 @@ def get_pipeline(
         A module pass usable as ``tvm.compile(mod, target, relax_pipeline=...)``.
     """
     tgt = as_target(target)
-    passes = _pass_list(tgt, schedule, remat, plan, schedule_options, remat_options, plan_options)
+    passes = _pass_list(
+        tgt,
+        schedule,
+        remat,
+        plan,
+        schedule_options,
+        remat_options,
+        plan_options,
+        check_dims=check_dims,
+        check_options=check_options,
+    )
 
     @tvm.transform.module_pass(opt_level=0, name="blade_relax_pipeline")
     def _pipeline(mod: tvm.ir.IRModule, _ctx: tvm.transform.PassContext) -> tvm.ir.IRModule:
@@ -165,8 +191,8 @@ def lower_to_memory_stage(
     target
         As for :func:`get_pipeline`.
     **flags
-        ``schedule``, ``remat``, ``plan`` and option keywords of :func:`get_pipeline`; all
-        passes default to off, which gives the stock pipeline.
+        ``schedule``, ``remat``, ``plan``, ``check_dims`` and option keywords of
+        :func:`get_pipeline`; all passes default to off, which gives the stock pipeline.
     """
     tgt = as_target(target)
     options = {"schedule": False, "remat": False, "plan": False}
@@ -179,6 +205,8 @@ def lower_to_memory_stage(
         options.pop("schedule_options", None),
         options.pop("remat_options", None),
         options.pop("plan_options", None),
+        check_dims=options.pop("check_dims", False),
+        check_options=options.pop("check_options", None),
     )
     if options:
         raise TypeError(f"unknown pipeline options: {sorted(options)}")

@@ -21,6 +21,7 @@ from tvm.script import tirx as T
 
 from blade_relax import runtime
 from blade_relax.frontend.builtin import mlp, mlp_training_step, random_arguments
+from blade_relax.pipeline import get_pipeline
 from blade_relax.testing.differential import (
     STOCK,
     Variant,
@@ -62,28 +63,137 @@ def _bounded_mlp():
     return mod
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="no dim-range check yet: the VM runs s=1 below tir_var_lower_bound silently and "
-    "fails s=17 with 'storage allocation failure' (see the fuzzing report)",
+# Our pipelines, each with the dim-range check on (the default), also with every pass off.
+CHECKED = (
+    Variant("checks-only"),
+    Variant("schedule", schedule=True),
+    Variant("remat", remat=True),
+    Variant("plan", plan=True),
+    ALL,
 )
-@pytest.mark.parametrize("variant", [STOCK, ALL], ids=lambda v: v.name)
-@pytest.mark.parametrize("s", [1, 17])
-def test_dim_outside_declared_range_is_a_clear_error(variant, s):
-    mod = _bounded_mlp()
-    vm = _vm(compile_checked(mod, variant))
-    kernels = []
+# What the VM may run before the check fails: its shape-matching prologue and the check itself
+# (the condition computed by a ComputePrimValue host function, then the assertion).
+_PROLOGUE = (
+    "vm.builtin.alloc_shape_heap",
+    "vm.builtin.check_tensor_info",
+    "vm.builtin.match_shape",
+    "vm.builtin.make_prim_value",
+    "shape_func",
+    "compute_symbolic_expr",
+    "relax.run.assert_op",
+)
 
-    def instrument(func, name, before_run, ret_value, *args):
+
+@pytest.fixture(scope="module")
+def bounded_compiled():
+    """The bounded MLP compiled once per variant (the tests share them)."""
+    cache: dict[str, object] = {}
+
+    def get(variant):
+        if variant.name not in cache:
+            cache[variant.name] = compile_checked(_bounded_mlp(), variant)
+        return cache[variant.name]
+
+    return get
+
+
+def _calls_until_error(vm, args, match):
+    calls = []
+
+    def instrument(func, name, before_run, ret_value, *iargs):
         if before_run:
-            kernels.append(name)
+            calls.append(name)
 
     vm.set_instrument(instrument)
-    args = random_arguments(mod["main"], {"s": s})
-    with pytest.raises(Exception, match=r"\bs\b.*\b2\b.*\b16\b") as info:
+    with pytest.raises(Exception, match=match) as info:
         vm["main"](*[tvm.runtime.tensor(a) for a in args])
-    assert "storage allocation failure" not in str(info.value)
-    assert kernels == [], f"kernels ran before the error: {kernels}"
+    return calls, str(info.value)
+
+
+@pytest.mark.parametrize("variant", CHECKED, ids=lambda v: v.name)
+@pytest.mark.parametrize("s", [1, 17])
+def test_dim_outside_declared_range_is_a_clear_error(bounded_compiled, variant, s):
+    mod = _bounded_mlp()
+    vm = _vm(bounded_compiled(variant))
+    args = random_arguments(mod["main"], {"s": s})
+    calls, message = _calls_until_error(
+        vm, args, rf"dim s = {s} is outside its declared range \[2, 16\]"
+    )
+    assert "storage allocation failure" not in message
+    # Nothing but the shape prologue and the check ran: no allocation, no kernel.
+    assert calls and calls[-1] == "relax.run.assert_op", calls
+    ran = [c for c in calls if not c.startswith(_PROLOGUE)]
+    assert ran == [], f"ran before the error: {ran}"
+
+
+def test_stock_pipeline_has_no_dim_check():
+    """The baseline stays TVM's: below the lower bound it runs, silently."""
+    mod = _bounded_mlp()
+    out = measure_call(_vm(compile_checked(mod, STOCK)), random_arguments(mod["main"], {"s": 1}))
+    assert out.outputs.shape == (1, 8)
+
+
+def test_dim_check_adds_no_allocation_and_keeps_the_predicted_peak(bounded_compiled):
+    from blade_relax.analysis import memory_timeline
+
+    mod = _bounded_mlp()
+    unchecked = {
+        "checks-only": STOCK,
+        "plan": Variant(
+            "plan-unchecked",
+            pipeline=lambda t: get_pipeline(
+                t, schedule=False, remat=False, plan=True, check_dims=False
+            ),
+        ),
+    }
+    for name, without in unchecked.items():
+        checked = bounded_compiled(next(v for v in CHECKED if v.name == name))
+        plain = compile_checked(mod, without)
+        for s in (2, 9, 16):
+            args = random_arguments(mod["main"], {"s": s})
+            a, b = measure_call(_vm(checked), args), measure_call(_vm(plain), args)
+            assert outputs_equal(b.outputs, a.outputs) is None
+            assert a.peak == b.peak, (name, s)
+            # The timeline of the IR the VM runs counts the check as no memory.
+            predicted = [
+                memory_timeline(c.memory_stage["main"], mod=c.memory_stage).evaluate({"s": s}).peak
+                for c in (checked, plain)
+            ]
+            assert predicted == [a.peak, a.peak], (name, s, predicted)
+
+
+def _bounded_training_step():
+    mod = mlp_training_step()
+    mod["main"] = mod["main"].with_attr("tir_var_upper_bound", {"b": 32})
+    return mod
+
+
+def test_training_step_with_remat_checks_before_the_remat_runtime(train):
+    mod = _bounded_training_step()
+    compiled = compile_checked(mod, ALL)
+    unchecked = compile_checked(
+        mod, Variant("all-unchecked", pipeline=lambda t: get_pipeline(t, check_dims=False))
+    )
+    _, reference, _ = train
+    # Inside the range: the values of the unbounded step, and the bytes, evictions and remat
+    # decision of the same pipeline without the check, with and without a budget.
+    args = random_arguments(mod["main"], {"b": 32})
+    expected = measure_call(_vm(reference), args).outputs
+    for budget in (None, 1):
+        got = measure_call(_vm(compiled), args, budget=budget)
+        plain = measure_call(_vm(unchecked), args, budget=budget)
+        assert outputs_equal(expected, got.outputs) is None
+        assert (got.peak, got.evictions) == (plain.peak, plain.evictions)
+        if budget is not None:
+            assert got.decision["predicted_peak"] == plain.decision["predicted_peak"]
+    # Above it: the check fails before the remat runtime is asked for a decision.
+    calls, _ = _calls_until_error(
+        _vm(compiled),
+        random_arguments(mod["main"], {"b": 33}),
+        r"dim b = 33 is outside its declared range \(-inf, 32\]",
+    )
+    ran = [c for c in calls if not c.startswith(_PROLOGUE)]
+    assert ran == [], f"ran before the error: {ran}"
 
 
 def test_dims_inside_declared_range_run():

@@ -34,7 +34,7 @@ CUDA = {"kind": "cuda", "arch": ARCH}
 MAX_LEN = 64
 
 
-STOCK = {"schedule": False, "remat": False, "plan": False}
+STOCK = {"schedule": False, "remat": False, "plan": False, "check_dims": False}
 BLADE = {"schedule": True, "remat": True, "plan": True}
 VARIANTS = {"stock": STOCK, "blade": BLADE}
 

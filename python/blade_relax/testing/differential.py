@@ -100,7 +100,13 @@ class Variant:
         return self.plan
 
 
-STOCK = Variant("stock")
+# TVM's default pipeline: no blade_relax pass, not even the dim-range check.
+STOCK = Variant(
+    "stock",
+    pipeline=lambda target: get_pipeline(
+        target, schedule=False, remat=False, plan=False, check_dims=False
+    ),
+)
 ALL_VARIANTS: tuple[Variant, ...] = (
     Variant("schedule", schedule=True),
     Variant("remat", remat=True),
@@ -691,7 +697,9 @@ def _check_budget(
         )
         return
     reachable = bool(decision.get("reachable"))
-    if not reachable and not decision.get("cached") and m.budget_warnings != 1:
+    # An inexact timeline (reason "inexact") warns once per program, not once per decision.
+    per_decision = decision.get("reason") != "inexact"
+    if not reachable and not decision.get("cached") and per_decision and m.budget_warnings != 1:
         report.findings.append(
             Finding(
                 "decision",

@@ -7,32 +7,39 @@ max)``). The memory passes and ``StaticPlanBlockMemory`` trust these ranges: a s
 sized for the upper bound, a proof may hold only inside the range. Without a check, a call with
 a dim above its upper bound fails deep inside the VM ("storage allocation failure") or writes
 past a planned buffer, and a call below the lower bound runs silently on a plan made for other
-sizes. This pass inserts, for every bounded dim, ::
+sizes. This pass inserts, for every bounded dim ``s``, what ``LegalizeOps`` makes of
+``R.assert_op(R.prim_value(T.And(s >= lo, s <= hi)), [R.prim_value(s)], format=...)``::
 
-    _ = R.assert_op(R.prim_value(T.And(s >= lo, s <= hi)), [R.prim_value(s)],
-                    format="dim s = {} is outside its declared range [lo, hi]")
+    R.call_packed("relax.run.assert_op", R.prim_value(T.And(s >= lo, s <= hi)),
+                  R.str("dim s = {} is outside its declared range [lo, hi]"), R.prim_value(s),
+                  ty_args=R.Tuple())
 
-so that the call fails with a message naming the dim, its value and its range.
+so that the call fails with a message naming the dim, its value and its range, e.g.
+``dim s = 17 is outside its declared range [2, 16]`` (an undeclared end reads ``(-inf`` or
+``inf)``). The legalized form is emitted because the pass runs after ``LegalizeOps``, and the
+VM cannot run ``R.assert_op`` itself.
 
 Where it runs
 -------------
-After ``ToNonDataflow`` and ``RemovePurityChecking`` (``R.assert_op`` is impure: it may not
-stand in a dataflow block, nor in a function still checked for purity), and before memory
-planning (``StaticPlanBlockMemory`` / ``PlanMemory``): the assertions are then the first
-bindings of the body, ahead of every allocation the planner inserts (it places each
-``alloc_storage`` in the block of its first tensor, never in an earlier block) and of every
+After ``ToNonDataflow`` and ``RemovePurityChecking`` (the assertion is impure: it may not stand
+in a dataflow block, nor in a function still checked for purity), and before memory planning
+(``StaticPlanBlockMemory`` / ``PlanMemory``): the assertions are then the first bindings of the
+body, ahead of every allocation the planners insert (each ``alloc_storage`` goes just before
+the first tensor placed in it, also when its size is a constant upper bound) and of every
 kernel. In :func:`blade_relax.get_pipeline` it runs after ``Rematerialize``, so that the
 runtime's remat decision is never asked for a shape the function refuses. Nothing later
-removes it: the assertion's result is unused, but the call is impure, and the finalize passes
+removes it: its result is unused, but the call is impure, and the finalize passes
 (``KillAfterLastUse``, ``VMShapeLower``, ...) remove no impure binding. At run time the
 shape-matching prologue of ``VMShapeLower`` binds the dims from the arguments first, then the
-assertions run; ``ComputePrimValue`` turns each condition into a tiny host function.
+assertions run; ``ComputePrimValue`` turns each condition into a tiny host function (a host
+function on CUDA too). The memory timeline (``blade_relax.analysis.memory_timeline``) counts
+both bindings as no memory, as the runtime accounting measures them.
 
 What it assumes
 ---------------
 The module is normalized. A dim is checked where it is defined: dims of the parameters'
-types at the start of the body, in a binding block of their own; a dim first defined by a
-``match_cast`` of a top-level binding block just after that binding. Dims defined only inside
+types at the start of the body; a dim first defined by a ``match_cast`` of a top-level,
+non-dataflow binding block just after that binding. Dims defined only inside
 an ``If`` branch, or not defined at all, are not checked.
 
 What it checks
@@ -60,6 +67,8 @@ __all__ = ["CheckDimRanges", "DimCheck", "DimRangeOptions", "declared_dim_checks
 
 #: Function attribute set on a function this pass has transformed (the names of checked dims).
 CHECKED_ATTR = "blade_relax.checked_dims"
+#: The packed function ``R.assert_op`` is legalized to (registered by ``tvm.relax.op.base``).
+ASSERT_FUNC = "relax.run.assert_op"
 _LOWER_ATTR = "tir_var_lower_bound"
 _UPPER_ATTR = "tir_var_upper_bound"
 
@@ -176,12 +185,18 @@ def _checks_pure(func: relax.Function) -> bool:
 
 
 def _assert_binding(check: DimCheck, var: tirx.Var) -> relax.VarBinding:
-    call = relax.op.assert_op(
-        relax.prim_value(check.condition(var)),
-        [relax.prim_value(var)],
-        format=check.message,
+    # The form LegalizeOps gives ``R.assert_op``: the pass runs after legalization, and the VM
+    # runs this packed call as is (condition, format string, then the format arguments).
+    call = relax.Call(
+        relax.ExternFunc(ASSERT_FUNC),
+        [
+            relax.prim_value(check.condition(var)),
+            tvm.ir.StringImm(check.message),
+            relax.prim_value(var),
+        ],
+        ty_args=[relax.TupleType([])],
     )
-    # Normalizing a lone call gives it its type (an empty tuple).
+    # A hand-built call has no type until normalized; well-formedness needs one.
     call = relax.BlockBuilder().normalize(call)
     return relax.VarBinding(relax.Var(f"check_{check.name}", call.ty), call)
 
@@ -227,7 +242,8 @@ def _with_checks(
     new_func = relax.Function(
         func.params, new_body, func.ret_ty, func.is_pure, func.attrs, func.span
     )
-    return new_func, placed
+    # A hand-built body has no type until normalized.
+    return relax.BlockBuilder().normalize(new_func), placed
 
 
 @tvm.transform.module_pass(opt_level=0, name="CheckDimRanges")
@@ -245,9 +261,7 @@ class CheckDimRanges:
 
     def __init__(self, options: DimRangeOptions | None = None) -> None:
         if options is not None and not isinstance(options, DimRangeOptions):
-            raise TypeError(
-                f"CheckDimRanges expects DimRangeOptions, got {type(options).__name__}"
-            )
+            raise TypeError(f"CheckDimRanges expects DimRangeOptions, got {type(options).__name__}")
         self.options = options or DimRangeOptions()
         self.checked: dict[str, tuple[str, ...]] = {}
 
