@@ -23,6 +23,7 @@ from blade_relax.runtime import (
     reset_memory_stats,
     set_memory_budget,
 )
+from blade_relax.transform import RematOptions
 
 LAYERS, WIDTH = 4, 32
 LENGTHS = (7, 64, 300)
@@ -53,6 +54,12 @@ def executables():
         "plan": dict(schedule=False, remat=False, plan=True),
         "remat": dict(schedule=False, remat=True, plan=True),
         "remat-stock-plan": dict(schedule=False, remat=True, plan=False),
+        "remat-own-storage": dict(
+            schedule=False,
+            remat=True,
+            plan=False,
+            remat_options=RematOptions(own_storage_fraction=0.0),
+        ),
     }
     return {
         name: tvm.compile(mod, "llvm", relax_pipeline=blade_relax.get_pipeline("llvm", **flags))
@@ -99,7 +106,7 @@ def test_no_budget_evicts_nothing(executables, n):
     assert program.timeline([n]).base_peak == stats["peak_bytes"]
 
 
-@pytest.mark.parametrize("variant", ["remat", "remat-stock-plan"])
+@pytest.mark.parametrize("variant", ["remat", "remat-stock-plan", "remat-own-storage"])
 @pytest.mark.parametrize("n", LENGTHS)
 def test_budgets_identical_numerics_and_bytes(executables, variant, n):
     args = _args(n)
@@ -143,3 +150,80 @@ def test_tightest_reachable_budget_holds(executables):
     with pytest.warns(RematBudgetWarning, match=f"budget of {lowest - 1} bytes"):
         values, stats = _run(executables["remat"], args, lowest - 1)
     assert stats["peak_bytes"] == lowest and _same(values, reference)
+
+
+# --------------------------------------------------------------------------- calls
+def _module_with_a_call() -> tvm.IRModule:
+    """``a`` (2n floats) waits over a large concatenation and a call of ``helper``, whose
+    result ``g`` dies right after its one reader; ``a`` is read again before the last ops.
+
+    The VM keeps ``g`` in its return register until the next function returns. Without the
+    release the pass inserts after the call, that moment would depend on the decision (the
+    last op when ``a`` is kept, its regeneration when it is evicted) and the final
+    concatenation would peak below the prediction. Every run must peak where the decision
+    predicts.
+    """
+    from tvm.script import ir as I
+    from tvm.script import relax as R
+
+    @I.ir_module
+    class Module:
+        @R.function(private=True)
+        def helper(p: R.Tensor(("h",), "float32")):
+            with R.dataflow():
+                e = R.exp(p)
+                R.output(e)
+            return e
+
+        @R.function
+        def main(x: R.Tensor(("n",), "float32")):
+            cls = Module
+            a = R.concat([x, x])
+            c = R.concat([x, x, x, x, x, x])
+            d = R.sum(c)
+            g = cls.helper(x)
+            b = R.tanh(g)
+            s = R.sum(b)
+            t = R.add(d, s)
+            e = R.multiply(a, t)
+            f = R.concat([e, e])
+            return f
+
+    return Module
+
+
+@pytest.mark.parametrize("n", (3, 500))
+def test_budget_around_a_call_is_exact(n):
+    """The callee's storages and its result in the VM's return register are on the timeline:
+    the decision predicts the measured peak, and every budget it calls reachable holds."""
+    from blade_relax.transform import RematOptions
+
+    options = RematOptions(min_bytes=0, min_fraction=0.0)
+    pipeline = blade_relax.get_pipeline("llvm", remat_options=options)
+    exe = tvm.compile(_module_with_a_call(), "llvm", relax_pipeline=pipeline)
+    x = tvm.runtime.tensor(np.linspace(-1, 1, n, dtype="float32"))
+    reference = tvm.compile(_module_with_a_call(), "llvm")
+
+    def run(executable, budget=None):
+        vm = relax.VirtualMachine(executable, tvm.cpu())
+        with set_memory_budget(budget):
+            reset_memory_stats()
+            out = vm["main"](x).numpy()
+            stats = memory_stats()
+        return out, stats
+
+    expected, _ = run(reference)
+    free_out, free = run(exe)
+    assert np.array_equal(free_out, expected)
+    reachable = 0
+    for budget in range(free["peak_bytes"] // 2, free["peak_bytes"] + 1, max(1, n // 4)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RematBudgetWarning)
+            out, stats = run(exe, budget)
+        decision = last_remat_decision()
+        assert decision["exact"] and np.array_equal(out, expected)
+        assert stats["peak_bytes"] == decision["predicted_peak"], (budget, decision)
+        if decision["reachable"]:
+            reachable += 1
+            assert stats["peak_bytes"] <= budget
+    assert reachable

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 import blade_relax  # noqa: F401  (registers the builtins)
 from blade_relax.runtime import (
     RematBudgetWarning,
+    RematInexactWarning,
     RematProgram,
     last_remat_decision,
     memory_stats,
@@ -288,3 +289,111 @@ def test_unreachable_budget_warns_once_naming_budget_and_peak():
     decision = last_remat_decision()
     assert not decision["reachable"]
     assert decision["predicted_peak"] - decision["live_at_entry"] == 120
+    assert decision["reason"] == "budget" and decision["exact"]
+
+
+def test_inexact_timeline_is_never_called_reachable_and_warns_once_per_program():
+    """A timeline that misses allocations (a call it could not follow) promises no budget."""
+    meta = {
+        **_meta(),
+        "function": "f_inexact",
+        "exact": False,
+        "notes": ["call of helper: control flow (If)"],
+    }
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for dims, budget in (([10], 130), ([10], 10**9), ([12], 130), ([10], 50)):
+            with set_memory_budget(budget):
+                frame = _begin(meta, dims)
+            decision = last_remat_decision()
+            assert not decision["reachable"] and decision["reason"] == "inexact"
+            assert not decision["exact"] and decision["budget"] == budget
+    inexact = [w for w in caught if issubclass(w.category, RematInexactWarning)]
+    assert len(inexact) == 1 and len(caught) == 1
+    message = str(inexact[0].message)
+    assert "best effort" in message and "control flow (If)" in message
+    # The decision is still made on what the timeline knows: the budget of 130 evicts.
+    from blade_relax.runtime import current_live_bytes
+
+    with set_memory_budget(130 + current_live_bytes()):
+        frame = _begin(meta, [10])
+    assert frame.evicted == frozenset({0})
+
+
+# --------------------------------------------------------------------------- mixed regime
+def _mixed_case() -> ConcreteTimeline:
+    """``y`` (slot 2, site 4) reads the chained inputs ``x`` (slot 0) and ``z`` (slot 1).
+
+    Keeping ``x`` from point 4 to its own site (8) holds it over point 5; recomputing ``z``
+    at its own site (10), where more is live, peaks above the budget: only keeping ``z`` and
+    recomputing ``x`` as a temporary reaches 30.
+    """
+
+    def mk(k, site, regen_peak, plan):
+        return SlotTimeline(
+            name=f"t{k}",
+            nbytes=10,
+            cost=1.0,
+            start=1,
+            site=site,
+            regen_peak=regen_peak,
+            plan=plan,
+        )
+
+    slots = (
+        mk(0, 8, 10, ((0, ()),)),
+        mk(1, 10, 20, ((1, ()),)),
+        mk(2, 4, 10, ((0, ()), (1, ()), (2, (0, 1)))),
+    )
+    return ConcreteTimeline(
+        base=np.array([30, 30, 35, 55, 30, 35, 30, 30, 30, 30, 30, 30]), slots=slots
+    )
+
+
+def test_mixed_regime_reaches_below_both_pure_regimes():
+    tl = _mixed_case()
+    subsets = [s for n in range(4) for s in itertools.combinations(range(3), n)]
+    pure = min(predict_peak(tl, s, c) for s in subsets for c in (True, False))
+    assert pure == 35
+    assert predict_peak(tl, {0, 1, 2}, frozenset({1})) == 30
+    # The pure regimes are the two ends of the mixed one.
+    for s in subsets:
+        assert predict_peak(tl, s, frozenset(s)) == predict_peak(tl, s, True)
+        assert predict_peak(tl, s, frozenset()) == predict_peak(tl, s, False)
+    best = minimum_peak(tl)
+    assert best.peak == 30 and best.cache == frozenset({1})
+    assert best.evicted == frozenset({0, 1, 2})
+    # A budget only the mixed regime meets is reachable, and keeps its promise.
+    decision = decide(tl, 32)
+    assert decision.reachable and decision.peak <= 32
+    assert predict_peak(tl, decision.evicted, decision.cache) == decision.peak
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**31 - 1))
+def test_minimum_peak_is_never_above_the_pure_searches(seed):
+    rng = np.random.default_rng(seed)
+    npoints = 14
+    nslots = 5
+    slots = []
+    for k in range(nslots):
+        start = int(rng.integers(1, 6))
+        site = int(rng.integers(start + 1, npoints))
+        deps = tuple(int(d) for d in range(k) if slots[d].site > site and rng.random() < 0.5)
+        slots.append(
+            SlotTimeline(
+                name=f"t{k}",
+                nbytes=int(rng.integers(1, 20)),
+                cost=float(rng.integers(1, 10)),
+                start=start,
+                site=site,
+                regen_peak=int(rng.integers(1, 30)),
+                plan=tuple((d, ()) for d in deps) + ((k, deps),),
+            )
+        )
+    tl = ConcreteTimeline(base=rng.integers(20, 80, npoints), slots=tuple(slots))
+    best = minimum_peak(tl)
+    assert best.peak == predict_peak(tl, best.evicted, best.cache)
+    subsets = [s for n in range(nslots + 1) for s in itertools.combinations(range(nslots), n)]
+    exact_pure = min(predict_peak(tl, s, c) for s in subsets for c in (True, False))
+    assert best.peak <= max(exact_pure, tl.base_peak)

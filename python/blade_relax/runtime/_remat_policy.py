@@ -30,6 +30,9 @@ A decision is an evicted set ``S`` and a *regime* for chained inputs:
     A chained input is recomputed as a temporary wherever it is needed and dropped after its
     last reader: more recomputation, less memory. A slot's bytes are missing on
     ``[start, site]``.
+mixed
+    A set of slots: a chained input in the set is kept (as in ``cache``), any other is a
+    temporary (as in ``temp``).
 
 At a site, each materialization ``x`` in order peaks at ``live[site] + (outputs of the
 materializations still held) + regen_peak[x]``. The predicted peak is the largest of all those
@@ -42,8 +45,9 @@ Decision
 predicted peak fits the budget: exact (every subset) when few slots can free memory, greedy
 otherwise (repeatedly the slot that removes the most bytes above the budget per unit of cost,
 then a pruning pass that puts back every slot the budget does not need, dearest first). When
-no set fits, :func:`minimum_peak` finds the smallest peak it can reach and the decision says
-the budget was not reachable.
+no set fits, :func:`minimum_peak` finds the smallest peak it can reach, also in a *mixed*
+regime (each chained input kept or recomputed as a temporary, chosen per slot), and the
+decision says whether that reaches the budget.
 """
 
 from __future__ import annotations
@@ -62,6 +66,11 @@ __all__ = [
     "minimum_peak",
     "predict_peak",
 ]
+
+Regime = bool | frozenset
+"""Which chained inputs are kept once materialized: all (``True``, the cache regime), none
+(``False``, the temp regime), or the slots in a set (mixed)."""
+
 
 # Up to this many slots that can free memory, the decision tries every subset.
 EXACT_LIMIT = 10
@@ -168,7 +177,8 @@ class Decision:
     evicted
         Slots to evict.
     cache
-        The regime of chained inputs: kept once materialized (``True``) or temporaries.
+        The regime of chained inputs: kept once materialized (``True``), temporaries
+        (``False``), or kept when in the given set (mixed).
     peak
         Predicted peak with those evictions.
     base_peak
@@ -179,15 +189,20 @@ class Decision:
         The budget the decision was made for (``None``: no budget).
     reachable
         Whether ``peak`` fits the budget (always true without a budget).
+    reason
+        Why the budget is not reachable: ``"budget"`` (below the smallest peak the evictions
+        reach) or ``"inexact"`` (the timeline leaves out allocations, set by the caller of
+        :func:`decide`); ``None`` when reachable.
     """
 
     evicted: frozenset[int]
-    cache: bool
+    cache: Regime
     peak: int
     base_peak: int
     cost: float
     budget: int | None
     reachable: bool
+    reason: str | None = None
 
 
 @dataclass
@@ -218,7 +233,13 @@ def _needed(tl: ConcreteTimeline, k: int, pending: frozenset[int]) -> tuple[int,
     return sequence
 
 
-def _evaluate(tl: ConcreteTimeline, evicted: Iterable[int], cache: bool = True) -> _Evaluation:
+def _keeper(cache: Regime):
+    if isinstance(cache, bool):
+        return lambda _x: cache
+    return cache.__contains__
+
+
+def _evaluate(tl: ConcreteTimeline, evicted: Iterable[int], cache: Regime = True) -> _Evaluation:
     """Predict the live bytes, the peak and the cost when ``evicted`` are evicted."""
     slots = tl.slots
     chosen = frozenset(evicted)
@@ -226,6 +247,7 @@ def _evaluate(tl: ConcreteTimeline, evicted: Iterable[int], cache: bool = True) 
     npoints = len(base)
     if not chosen:
         return _Evaluation(peak=tl.base_peak, cost=0.0, live=base)
+    kept = _keeper(cache)
     # The end of each evicted slot's window, and what each regenerate call runs.
     materialized: dict[int, int] = {}
     runs: list[tuple[int, tuple[int, ...]]] = []
@@ -235,14 +257,14 @@ def _evaluate(tl: ConcreteTimeline, evicted: Iterable[int], cache: bool = True) 
             continue
         site = slots[k].site
         pending = tl._plan_slots[k] & chosen
-        if cache and materialized:
+        if materialized:
+            # Kept materializations are in the stash; a plan never names a slot whose own
+            # regenerate call came earlier.
             pending = pending.difference(materialized)
         sequence = _needed(tl, k, pending)
-        if cache:
-            for x in sequence:
+        for x in sequence:
+            if x == k or kept(x):
                 materialized[x] = site
-        else:
-            materialized[k] = site
         cost += sum(slots[x].cost for x in sequence)
         runs.append((site, sequence))
     index = np.fromiter(materialized, dtype=np.int64, count=len(materialized))
@@ -259,9 +281,10 @@ def _evaluate(tl: ConcreteTimeline, evicted: Iterable[int], cache: bool = True) 
     events: list[tuple[int, int, int]] = []
     for site, sequence in runs:
         held = int(live[site])
+        # A temporary (a chained input not kept) lives until its last reader in the run.
         last_reader: dict[int, int] = {}
-        if not cache:
-            members = set(sequence)
+        members = {x for x in sequence[:-1] if not kept(x)}
+        if members:
             refs = tl._refs[sequence[-1]]
             for i, x in enumerate(sequence):
                 for t in refs[x]:
@@ -273,14 +296,13 @@ def _evaluate(tl: ConcreteTimeline, evicted: Iterable[int], cache: bool = True) 
             if value > peak:
                 peak = value
             held += slots[x].nbytes
-            if not cache:
-                for t, reader in last_reader.items():
-                    if reader == i and t != sequence[-1]:
-                        held -= slots[t].nbytes
+            for t, reader in last_reader.items():
+                if reader == i:
+                    held -= slots[t].nbytes
     return _Evaluation(peak=peak, cost=cost, live=live, events=events)
 
 
-def predict_peak(tl: ConcreteTimeline, evicted: Iterable[int], cache: bool = True) -> int:
+def predict_peak(tl: ConcreteTimeline, evicted: Iterable[int], cache: Regime = True) -> int:
     """The predicted peak bytes when the slots in ``evicted`` are evicted.
 
     Parameters
@@ -304,10 +326,11 @@ def _effective(tl: ConcreteTimeline) -> list[int]:
 
 
 def _decision(
-    tl: ConcreteTimeline, evicted: Iterable[int], cache: bool, budget: int | None
+    tl: ConcreteTimeline, evicted: Iterable[int], cache: Regime, budget: int | None
 ) -> Decision:
     chosen = frozenset(evicted)
     ev = _evaluate(tl, chosen, cache)
+    reachable = budget is None or ev.peak <= budget
     return Decision(
         evicted=chosen,
         cache=cache,
@@ -315,7 +338,8 @@ def _decision(
         base_peak=tl.base_peak,
         cost=ev.cost,
         budget=budget,
-        reachable=budget is None or ev.peak <= budget,
+        reachable=reachable,
+        reason=None if reachable else "budget",
     )
 
 
@@ -353,7 +377,7 @@ def _gains(tl: ConcreteTimeline, ev: _Evaluation, budget: int) -> np.ndarray:
     return gain - np.maximum(own - budget, 0)
 
 
-def _prune(tl: ConcreteTimeline, chosen: set[int], cache: bool, limit: int) -> set[int]:
+def _prune(tl: ConcreteTimeline, chosen: set[int], cache: Regime, limit: int) -> set[int]:
     """Put back every slot (dearest first) whose eviction the limit does not need."""
     for x in sorted(chosen, key=lambda s: (-tl.slots[s].cost, s)):
         trial = chosen - {x}
@@ -458,16 +482,86 @@ def _minimum_from_all(tl: ConcreteTimeline, cache: bool) -> tuple[set[int], int]
     return chosen, ev.peak
 
 
+# Rounds of the mixed-regime refinement of the minimum search.
+_REFINE_ROUNDS = 48
+
+
+def _chain_inputs(tl: ConcreteTimeline, chosen: frozenset[int]) -> set[int]:
+    """Evicted slots that the regeneration of another evicted slot may materialize."""
+    out: set[int] = set()
+    for k in chosen:
+        out.update(x for x in tl._plan_slots[k] if x != k and x in chosen)
+    return out
+
+
+def _refine(
+    tl: ConcreteTimeline, chosen: set[int], cache: Regime
+) -> tuple[frozenset[int], frozenset[int]]:
+    """Lower the peak of ``(chosen, cache)`` by choosing, per chained input, whether it is
+    kept once materialized, while adding or dropping evictions.
+
+    A chained input kept from an early site to its own holds its bytes over every point in
+    between; recomputed as a temporary it costs a second recomputation but no memory there.
+    Each round tries every such switch, every eviction of one of the slots whose window covers
+    the peak (the most promising few), and dropping one of the slots a regeneration at the peak
+    recomputes; the best move by (peak, cost) is taken while it lowers the peak.
+    """
+    evicted = frozenset(chosen)
+    if isinstance(cache, bool):
+        keep = frozenset(_chain_inputs(tl, evicted)) if cache else frozenset()
+    else:
+        keep = frozenset(cache)
+    ev = _evaluate(tl, evicted, keep)
+    effective = _effective(tl)
+    for _ in range(_REFINE_ROUNDS):
+        at, making = _peak_event(ev)
+        # Kept materializations whose bytes are back at the peak (materialized at an earlier
+        # site, needed at a later one): as temporaries they would not be there.
+        covering = frozenset(
+            x for site, _, x in ev.events if x in keep and site < at <= tl.slots[x].site
+        )
+        trials: list[tuple[frozenset[int], frozenset[int]]] = []
+        for x in _chain_inputs(tl, evicted):
+            trials.append((evicted, keep ^ {x}))
+        if covering:
+            trials.append((evicted, keep - covering))
+        gains = _gains(tl, ev, ev.peak - 1)
+        order = [
+            x
+            for x in sorted(effective, key=lambda c: -gains[c])
+            if x not in evicted and tl.slots[x].start <= at <= tl.slots[x].site
+        ]
+        for x in order[:_TRIALS]:
+            trials.append((evicted | {x}, keep))
+            trials.append((evicted | {x}, keep | {x}))
+            trials.append((evicted | {x}, (keep - covering) | {x}))
+            trials.append((evicted | {x}, frozenset({x})))
+        if making is not None:
+            for x in evicted & tl._plan_slots[making]:
+                trials.append((evicted - {x}, keep - {x}))
+        best: tuple[int, float, frozenset[int], frozenset[int], _Evaluation] | None = None
+        for trial_evicted, trial_keep in trials:
+            result = _evaluate(tl, trial_evicted, trial_keep)
+            key = (result.peak, result.cost)
+            if best is None or key < best[:2]:
+                best = (result.peak, result.cost, trial_evicted, trial_keep, result)
+        if best is None or best[0] >= ev.peak:
+            break
+        evicted, keep, ev = best[2], best[3], best[4]
+    return evicted, keep
+
+
 def minimum_peak(tl: ConcreteTimeline, budget: int | None = None) -> Decision:
     """The smallest predicted peak the evictions can reach (a local search), at least cost.
 
-    Two local searches, the best result wins. (1) In each regime, starting from no eviction,
+    Local searches, the best result wins. (1) In each regime, starting from no eviction,
     repeatedly take the best of: evicting one of the slots whose window covers the current
     peak (the most promising few, tried exactly), or, when a regeneration makes the peak,
     keeping one of the slots it recomputes; stop when none lowers the peak. (2) In the cache
     regime, starting from every eviction, keep one slot at a time (checkpoints) while the peak
-    does not rise. Then put back every slot that the reached peak (or ``budget``, if larger)
-    does not need.
+    does not rise. (3) From the best of those, a mixed regime: per chained input, kept or a
+    temporary (:func:`_refine`). Then put back every slot that the reached peak (or
+    ``budget``, if larger) does not need.
 
     Parameters
     ----------
@@ -487,9 +581,23 @@ def minimum_peak(tl: ConcreteTimeline, budget: int | None = None) -> Decision:
         limit = peak if budget is None else max(peak, budget)
         chosen = _prune(tl, chosen, cache, limit)
         ev = _evaluate(tl, chosen, cache)
-        results.append((ev.peak, ev.cost, not cache, chosen))
-    peak, _, temp, chosen = min(results, key=lambda r: r[:3])
-    return _decision(tl, chosen, not temp, budget)
+        results.append((ev.peak, ev.cost, not cache, chosen, cache))
+    peak, cost, _, chosen, cache = min(results, key=lambda r: r[:3])
+    if budget is None or peak > budget:
+        # The local searches end in different places: refine each, keep the best.
+        refined = []
+        for _, _, _, start, regime in results:
+            evicted, keep = _refine(tl, start, regime)
+            ev = _evaluate(tl, evicted, keep)
+            refined.append((ev.peak, ev.cost, evicted, keep))
+        best_peak, _, evicted, keep = min(refined, key=lambda r: r[:2])
+        if best_peak < peak:
+            limit = best_peak if budget is None else max(best_peak, budget)
+            evicted = frozenset(_prune(tl, set(evicted), keep, limit))
+            # A kept slot that is no chained input any more keeps nothing: normalize.
+            keep = keep & frozenset(_chain_inputs(tl, evicted))
+            return _decision(tl, evicted, keep, budget)
+    return _decision(tl, chosen, cache, budget)
 
 
 def decide(tl: ConcreteTimeline, budget: int | None, *, exact_limit: int = EXACT_LIMIT) -> Decision:
@@ -516,7 +624,12 @@ def decide(tl: ConcreteTimeline, budget: int | None, *, exact_limit: int = EXACT
     if not candidates:
         return _decision(tl, (), True, budget)
     if len(candidates) <= exact_limit:
-        return _exact(tl, candidates, budget)
+        found = _exact(tl, candidates, budget)
+        if found.reachable:
+            return found
+        # No subset fits in a pure regime: a mixed one may (see minimum_peak).
+        lowest = minimum_peak(tl, budget)
+        return lowest if (lowest.peak, lowest.cost) < (found.peak, found.cost) else found
     found = [
         d for d in (_greedy(tl, candidates, budget, c) for c in (True, False)) if d is not None
     ]

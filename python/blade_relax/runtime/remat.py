@@ -5,19 +5,23 @@ How a compiled function talks to this module
 ``blade_relax.transform.Rematerialize`` rewrites a function so that the VM calls, through
 ``R.call_builtin_with_ctx`` (the first Python argument is the VM context):
 
-``frame = blade_relax.remat_begin(key, metadata, dims, release)``
+``frame = blade_relax.remat_begin(key, metadata, dims, release, fn_0, ..., fn_k)``
     Once per call, first thing. ``key`` names the metadata, ``metadata`` is a ``uint8`` tensor
     constant holding its JSON (read once per key), ``dims`` the concrete values of the
-    function's symbolic dims, ``release`` a no-op closure (see below). The decision is made here: the timeline is evaluated at ``dims``
-    (once per shape), the evictions are chosen for the memory budget of this thread (once per
-    shape and budget), and a frame object carries them through the call.
+    function's symbolic dims, ``release`` a no-op closure (see below), ``fn_k`` the
+    regeneration closure of slot ``k`` (passed once per call, kept by the frame). The decision
+    is made here: the timeline is evaluated at ``dims`` (once per shape), the evictions are
+    chosen for the memory budget of this thread (once per shape and budget), and a frame
+    object carries them through the call.
 ``blade_relax.evict(frame, slot, tensor)``
     After the last use of ``tensor`` before a peak. A kept tensor goes into the frame's stash;
     an evicted one is dropped, and the VM frees it when it kills its register right after.
-``tensor = blade_relax.regenerate(frame, slot, closure_0, ..., closure_m, arg_0, ...)``
-    Before the next use (a plain ``R.call_packed``: the VM context comes from the frame). Returns the stashed tensor, or recomputes it by invoking the
-    compiled regeneration closures (Relax functions of the module: TVM kernels, no Python
-    numerics) on the arguments, which the VM holds alive anyway at that point. Chained
+``tensor = blade_relax.regenerate(frame, slot, inputs)``
+    Before the next use (a plain ``R.call_packed``: the VM context comes from the frame;
+    ``inputs`` is a tuple, so that handing back a kept tensor converts three arguments
+    whatever the size of the plan). Returns the stashed tensor, or recomputes it by invoking
+    the compiled regeneration closures (Relax functions of the module: TVM kernels, no Python
+    numerics) on the inputs, which the VM holds alive anyway at that point. Chained
     regenerations (a closure that reads another evicted tensor) materialize that tensor too
     and keep it in the stash for its own ``regenerate`` call.
 
@@ -41,6 +45,11 @@ and ``remat_begin`` neither evaluates nor decides anything. When no eviction set
 runs with the smallest peak the decision can reach and one :class:`RematBudgetWarning` names
 the budget and that peak (once per shape and budget).
 
+A function whose timeline is not exact (it calls a function the compiler could not follow, or
+takes tensors from packed functions) is decided on what the timeline knows, best effort: the
+decision never calls the budget reachable (``reason="inexact"``), and one
+:class:`RematInexactWarning` per program says so.
+
 With a budget set, ``remat_begin`` first invokes ``release``: the value the VM returned from its
 previous call would otherwise stay alive (and counted) until this call returns.
 """
@@ -48,6 +57,7 @@ previous call would otherwise stay alive (and counted) until this call returns.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import hashlib
 import json
 import threading
@@ -67,12 +77,13 @@ from .accounting import current_live_bytes, record_eviction, record_regeneration
 __all__ = [
     "REMAT_FORMAT",
     "RematBudgetWarning",
+    "RematInexactWarning",
     "RematProgram",
     "last_remat_decision",
     "remat_programs",
 ]
 
-REMAT_FORMAT = "blade_relax.remat/1"
+REMAT_FORMAT = "blade_relax.remat/2"
 
 # Decisions kept per program before the cache is emptied (shapes x budgets).
 _DECISION_CACHE_LIMIT = 1024
@@ -80,6 +91,13 @@ _DECISION_CACHE_LIMIT = 1024
 
 class RematBudgetWarning(UserWarning):
     """The memory budget cannot be met by any eviction set; the call ran with a higher peak."""
+
+
+class RematInexactWarning(RematBudgetWarning):
+    """The function's timeline leaves out some allocations: its budget is best effort.
+
+    Emitted once per program (compiled function), the first time it runs under a budget.
+    """
 
 
 # --------------------------------------------------------------------------- expressions
@@ -211,6 +229,9 @@ class RematProgram:
         self.function: str = str(meta["function"])
         self.dims: tuple[str, ...] = tuple(meta["dims"])
         self.exact: bool = bool(meta.get("exact", False))
+        # Why the timeline is inexact (calls it could not follow, control flow, ...).
+        self.notes: tuple[str, ...] = tuple(str(n) for n in meta.get("notes", ()))
+        self.warned_inexact = False
         self.npoints: int = int(meta["points"])
         exprs = list(meta["exprs"])
         self._evaluate = compile_expressions(self.dims, exprs)
@@ -288,6 +309,9 @@ class RematProgram:
         if found is not None:
             return found
         result = decide(self.timeline(key[0]), budget)
+        if budget is not None and not self.exact:
+            # The timeline misses allocations: no budget can be promised.
+            result = dataclasses.replace(result, reachable=False, reason="inexact")
         if len(self._decisions) >= _DECISION_CACHE_LIMIT:
             self._decisions.clear()
         self._decisions[key] = result
@@ -313,16 +337,23 @@ _invoke_closure = tvm.get_global_func("vm.builtin.invoke_closure")
 class _Frame:
     """The state of one call of a rematerialized function (held in a VM register)."""
 
-    __slots__ = ("ctx", "program", "evicted", "cache", "release", "stash")
+    __slots__ = ("ctx", "program", "evicted", "cache", "release", "fns", "stash")
 
     def __init__(
-        self, ctx: Any, program: RematProgram, evicted: frozenset[int], cache: bool, release: Any
+        self,
+        ctx: Any,
+        program: RematProgram,
+        evicted: frozenset[int],
+        cache: bool | frozenset[int],
+        release: Any,
+        fns: Any,
     ) -> None:
         self.ctx = ctx
         self.program = program
         self.evicted = evicted
         self.cache = cache
         self.release = release
+        self.fns = fns
         self.stash: dict[int, Any] = {}
 
 
@@ -342,14 +373,14 @@ def _tensor_nbytes(tensor: Any) -> int:
     return (count * dtype.bits * dtype.lanes + 7) // 8
 
 
-def _remat_begin(ctx: Any, key: Any, metadata: Any, dims: Any, release: Any) -> _Frame:
+def _remat_begin(ctx: Any, key: Any, metadata: Any, dims: Any, release: Any, *fns: Any) -> _Frame:
     program = _programs.get(key)
     if program is None:
         program = _load_program(str(key), metadata)
     get_budget = getattr(_budget, "get_memory_budget", None)
     budget = get_budget() if get_budget is not None else None
     if budget is None:
-        return _Frame(ctx, program, _NO_EVICTION, True, release)
+        return _Frame(ctx, program, _NO_EVICTION, True, release, fns)
     values = tuple(dims)
     if release is not None:
         # The VM still holds what its last call returned (until this call returns): drop it
@@ -363,7 +394,19 @@ def _remat_begin(ctx: Any, key: Any, metadata: Any, dims: Any, release: Any) -> 
     if decision is None:
         decision = program.decision(values, available)
     elapsed = time.perf_counter() - start
-    if not decision.reachable and not cached:
+    if not program.exact:
+        if not program.warned_inexact:
+            program.warned_inexact = True
+            why = "; ".join(program.notes) or "unknown allocations"
+            warnings.warn(
+                RematInexactWarning(
+                    f"blade_relax remat: the memory timeline of `{program.function}` is not "
+                    f"exact ({why}): the memory budget of {int(budget)} bytes is best effort, "
+                    "never promised (last_remat_decision() reports reachable=False)"
+                ),
+                stacklevel=2,
+            )
+    elif not decision.reachable and not cached:
         warnings.warn(
             RematBudgetWarning(
                 f"blade_relax remat: `{program.function}` at {program.dims_of(values)} cannot "
@@ -375,7 +418,7 @@ def _remat_begin(ctx: Any, key: Any, metadata: Any, dims: Any, release: Any) -> 
         )
     # The report is built only when asked for (last_remat_decision): this path runs per call.
     _local.last = (program, values, int(budget), live, decision, elapsed, cached)
-    return _Frame(ctx, program, decision.evicted, decision.cache, release)
+    return _Frame(ctx, program, decision.evicted, decision.cache, release, fns)
 
 
 def _remat_evict(_ctx: Any, frame: _Frame, slot: int, tensor: Any) -> None:
@@ -385,15 +428,14 @@ def _remat_evict(_ctx: Any, frame: _Frame, slot: int, tensor: Any) -> None:
         frame.stash[slot] = tensor
 
 
-def _remat_regenerate(frame: _Frame, slot: int, *args: Any) -> Any:
+def _remat_regenerate(frame: _Frame, slot: int, inputs: Any = ()) -> Any:
     stash = frame.stash
     kept = stash.pop(slot, None)
     if kept is not None:
         return kept
     ctx = frame.ctx
     plan = frame.program.slots[slot].plan
-    closures = args[: len(plan)]
-    inputs = args[len(plan) :]
+    fns = frame.fns
     # Which entries of the plan this call must run: the slot itself, and every chained input
     # that is neither kept in the stash nor materialized already.
     needed = {slot}
@@ -402,19 +444,22 @@ def _remat_regenerate(frame: _Frame, slot: int, *args: Any) -> Any:
             for kind, index in node.refs:
                 if kind == "s" and index not in stash:
                     needed.add(index)
-    # In the temp regime a chained input lives only until its last reader in this call.
+    # A chained input that is not kept (temp regime, or mixed) lives only until its last
+    # reader in this call.
+    cache = frame.cache
+    kept = (lambda _x: cache) if isinstance(cache, bool) else cache.__contains__
     last_reader: dict[int, int] = {}
-    if not frame.cache:
-        for i, node in enumerate(plan):
-            if node.slot in needed:
-                for kind, index in node.refs:
-                    if kind == "s" and index in needed:
-                        last_reader[index] = i
+    for i, node in enumerate(plan):
+        if node.slot in needed:
+            for kind, index in node.refs:
+                if kind == "s" and index in needed and not kept(index):
+                    last_reader[index] = i
     temps: dict[int, Any] = {}
     result = None
-    for i, (closure, node) in enumerate(zip(closures, plan)):
+    for i, node in enumerate(plan):
         if node.slot not in needed:
             continue
+        closure = fns[node.slot]
         try:
             values = [
                 inputs[j] if kind == "a" else (temps[j] if j in temps else stash[j])
@@ -430,7 +475,7 @@ def _remat_regenerate(frame: _Frame, slot: int, *args: Any) -> Any:
         record_regeneration(_tensor_nbytes(out))
         if node.slot == slot:
             result = out
-        elif frame.cache:
+        elif kept(node.slot):
             stash[node.slot] = out
         else:
             temps[node.slot] = out
@@ -455,9 +500,12 @@ def last_remat_decision() -> dict[str, Any] | None:
     dict or None
         ``function``, ``dims``, ``budget``, ``live_at_entry``, ``predicted_peak`` and
         ``no_remat_peak`` (bytes, the bytes live at entry included), ``reachable``,
-        ``evicted`` (names), ``evictable`` (how many slots the function has), ``cache`` (the
-        regime of chained inputs), ``recompute_cost``, ``decision_seconds`` (time to fetch or
-        make the decision) and ``cached``. ``None`` before any call with a budget.
+        ``reason`` (why not reachable: ``"budget"``, below the smallest reachable peak, or
+        ``"inexact"``, the timeline misses allocations; ``None`` when reachable), ``exact``
+        (whether the function's timeline is exact), ``evicted`` (names), ``evictable`` (how
+        many slots the function has), ``cache`` (the regime of chained inputs: ``True`` kept,
+        ``False`` temporaries, ``"mixed"``), ``recompute_cost``, ``decision_seconds`` (time to
+        fetch or make the decision) and ``cached``. ``None`` before any call with a budget.
     """
     last = getattr(_local, "last", None)
     if last is None:
@@ -471,9 +519,11 @@ def last_remat_decision() -> dict[str, Any] | None:
         "predicted_peak": decision.peak + live,
         "no_remat_peak": decision.base_peak + live,
         "reachable": decision.reachable,
+        "reason": decision.reason,
+        "exact": program.exact,
         "evicted": sorted(program.slots[k].name for k in decision.evicted),
         "evictable": len(program.slots),
-        "cache": decision.cache,
+        "cache": decision.cache if isinstance(decision.cache, bool) else "mixed",
         "recompute_cost": decision.cost,
         "decision_seconds": elapsed,
         "cached": cached,

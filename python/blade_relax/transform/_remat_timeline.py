@@ -18,6 +18,13 @@ user's own pipeline without ``RematTimeline`` still works, on the estimate.
   tensor's storage (the ``evict`` call keeps it in the runtime's stash when the tensor is
   kept), ``site`` the point of its ``regenerate`` call.
 
+Calls of other Relax functions are followed: the callee's storages join the timeline at the
+call (its dims expressed in the caller's from the argument shapes), its registers die when it
+returns, and its result also lives in the VM's return register (``return_value_`` in TVM's
+``vm.cc``) until the next function returns. What cannot be followed (an ``If``, a tensor a
+packed function makes, a callee whose dims the arguments do not define) makes the
+simulation inexact, with a note saying why.
+
 It also checks the alias hazard: a storage held by the stash or by a regenerated tensor must
 never receive another tensor (a planner that did not see the alias would overwrite it), and
 raises :class:`RematHazardError` if it does.
@@ -54,6 +61,8 @@ __all__ = [
 BEGIN = "blade_relax.remat_begin"
 EVICT = "blade_relax.evict"
 REGENERATE = "blade_relax.regenerate"
+# The VM builtin that calls a closure (the function inserts it to call ``release``).
+INVOKE_CLOSURE = "vm.builtin.invoke_closure"
 # Function attribute holding the metadata JSON (on the rematerialized function).
 META_ATTR = "blade_relax.remat"
 # Function attribute marking a regeneration function: "<function>/<slot>".
@@ -93,11 +102,12 @@ _BINARY = {
 }
 
 
-def prim_to_py(expr: Any, rename: dict[Any, str] | None = None) -> str:
+def prim_to_py(expr: Any, rename: dict[Any, str] | None = None, strict: bool = False) -> str:
     """A Python integer expression equal to a TIR ``PrimExpr`` (names are the vars' names).
 
     ``rename`` replaces variables by given Python text (to express a kernel's sizes in its
-    caller's dims).
+    caller's dims); with ``strict``, a variable missing from ``rename`` is an error (a callee's
+    var may share its name with an unrelated dim of the caller).
 
     Raises
     ------
@@ -112,10 +122,12 @@ def prim_to_py(expr: Any, rename: dict[Any, str] | None = None) -> str:
     if isinstance(expr, tvm.tirx.Var):
         if rename is not None and expr in rename:
             return rename[expr]
+        if strict:
+            raise ValueError(f"symbolic var {expr.name} is not defined by the call's arguments")
         return str(expr.name)
 
     def py(x: Any) -> str:
-        return prim_to_py(x, rename)
+        return prim_to_py(x, rename, strict)
 
     kind = type(expr).__name__
     if kind in _BINARY:
@@ -141,12 +153,12 @@ def _itemsize(dtype: Any) -> int:
     return (dt.bits * dt.lanes + 7) // 8
 
 
-def tensor_bytes_py(ty: relax.TensorType) -> str:
-    """Bytes of a tensor type as a Python expression."""
+def tensor_bytes_py(ty: relax.TensorType, rename: dict[Any, str] | None = None) -> str:
+    """Bytes of a tensor type as a Python expression (``rename``: see :func:`prim_to_py`)."""
     shape = ty.shape
     if not isinstance(shape, relax.ShapeExpr) or ty.dtype is None:
         raise ValueError(f"tensor type without a known shape and dtype: {ty}")
-    terms = [prim_to_py(v) for v in shape.values] or ["1"]
+    terms = [prim_to_py(v, rename, strict=rename is not None) for v in shape.values] or ["1"]
     return f"({' * '.join(terms)} * {_itemsize(ty.dtype)})"
 
 
@@ -245,15 +257,41 @@ def _last_uses(func: relax.Function) -> dict[int, list[relax.Var]]:
     return out
 
 
+# Deepest chain of Relax function calls the simulation follows (a deeper or recursive chain
+# makes the timeline inexact).
+_MAX_CALL_DEPTH = 8
+
+
+class _InexactCall(Exception):
+    """A called Relax function the simulation cannot follow (the reason is the message)."""
+
+
+class _VMReturn:
+    """The VM's return register (``return_value_`` in TVM's ``vm.cc``) as a holder of storages.
+
+    Every ``Ret`` of a VM function stores the returned value there, where it stays until the
+    next ``Ret``: a callee's result outlives the caller's kill of it until then.
+    """
+
+    name = "vm.return_value"
+
+
 def simulate(func: relax.Function, mod: tvm.IRModule, stage: str) -> Simulation:
     """Walk ``func`` and record its storages, points and slot windows.
+
+    Calls of other Relax functions of ``mod`` are followed: the callee's storages join the
+    timeline at the call, its dims are expressed in the caller's from the shapes of the call's
+    arguments, its registers die when it returns, and its result lives in the VM's return
+    register until the next function returns. A call the simulation cannot follow (control
+    flow in the callee, dims it cannot map, recursion) makes the timeline inexact, as does any
+    ``If`` or any tensor made outside the VM's allocator; :attr:`Simulation.notes` says why.
 
     Parameters
     ----------
     func
         A normalized Relax function, non-dataflow.
     mod
-        Its module (to tell PrimFunc kernels from Relax calls).
+        Its module (to tell PrimFunc kernels from Relax calls, and to follow calls).
     stage
         ``"lowered"`` (``R.builtin.alloc_tensor`` allocates, registers die after their last
         use) or ``"memory"`` (``alloc_storage`` allocates, explicit kills).
@@ -268,137 +306,260 @@ def simulate(func: relax.Function, mod: tvm.IRModule, stage: str) -> Simulation:
         A storage held by the runtime's stash or by a regenerated tensor receives another
         tensor.
     """
-    sim = Simulation()
-    holds: dict[relax.Var, frozenset[int]] = {p: frozenset() for p in func.params}
-    registers: dict[int, set[relax.Var]] = {}
-    stash: dict[int, frozenset[int]] = {}
-    stashed: dict[int, int] = {}
-    tainted: set[int] = set()
-    ends: dict[int, int | None] = {}
-    deaths = _last_uses(func) if stage == "lowered" else {}
+    walker = _Walker(mod, stage)
+    walker.run(func, None, {}, ())
+    sim = walker.sim
+    for sid, storage in enumerate(sim.storages):
+        end = walker.ends[sid]
+        storage.end = sim.points if end is None else end
+    return sim
 
-    def drop(var: relax.Var) -> None:
-        for sid in holds.get(var, ()):
-            owners = registers[sid]
+
+class _Walker:
+    """The state of one :func:`simulate`: storages, their holders, the stash."""
+
+    def __init__(self, mod: tvm.IRModule, stage: str) -> None:
+        self.mod = mod
+        self.stage = stage
+        self.sim = Simulation()
+        self.holds: dict[Any, frozenset[int]] = {}
+        self.registers: dict[int, set[Any]] = {}
+        self.stash: dict[int, frozenset[int]] = {}
+        self.stashed: dict[int, int] = {}
+        self.tainted: set[int] = set()
+        self.ends: dict[int, int | None] = {}
+        self.ret = _VMReturn()
+
+    # ----------------------------------------------------------------- holders
+    def drop(self, var: Any) -> None:
+        sim = self.sim
+        for sid in self.holds.get(var, ()):
+            owners = self.registers[sid]
             owners.discard(var)
             if owners:
                 continue
-            if stashed.get(sid, 0) == 0:
-                if ends[sid] is None:
-                    ends[sid] = sim.points
+            if self.stashed.get(sid, 0) == 0:
+                if self.ends[sid] is None:
+                    self.ends[sid] = sim.points
             else:
-                for slot, sids in stash.items():
+                for slot, sids in self.stash.items():
                     window = sim.slots[slot]
-                    if sid in sids and window.start is None and not any(registers[s] for s in sids):
+                    if (
+                        sid in sids
+                        and window.start is None
+                        and not any(self.registers[s] for s in sids)
+                    ):
                         window.start = sim.points
-        holds[var] = frozenset()
+        self.holds[var] = frozenset()
 
-    def allocate(var: relax.Var, size: str) -> None:
+    def allocate(self, var: relax.Var, size: str) -> None:
+        sim = self.sim
         sid = len(sim.storages)
         sim.storages.append(StorageInterval(size=size, first=sim.points, end=-1, name=var.name))
-        ends[sid] = None
-        registers[sid] = {var}
-        holds[var] = frozenset({sid})
+        self.ends[sid] = None
+        self.registers[sid] = {var}
+        self.holds[var] = frozenset({sid})
         sim.points += 1
 
-    def hold(var: relax.Var, sids: frozenset[int]) -> None:
-        holds[var] = sids
+    def hold(self, var: Any, sids: frozenset[int]) -> None:
+        self.holds[var] = sids
         for sid in sids:
-            registers[sid].add(var)
+            self.registers[sid].add(var)
 
-    index = 0
-    for block in func.body.blocks:
-        for binding in block.bindings:
-            var, value = binding.var, binding.value
-            sources: list[Any] = []
-            if isinstance(value, relax.Var):
-                sources = [value]
-            elif isinstance(value, relax.Tuple):
-                sources = list(value.fields)
-            elif isinstance(value, relax.TupleGetItem):
-                sources = [value.tuple_value]
-            elif isinstance(value, relax.Call):
-                name, args = _callee(value)
-                if name in _STORAGE_ALLOCS:
-                    size = args[0]
-                    values = size.values if isinstance(size, relax.ShapeExpr) else None
-                    if values is None:
-                        raise ValueError(
-                            f"alloc_storage with a size the timeline cannot read: {size}"
-                        )
-                    count = " * ".join(prim_to_py(v) for v in values) or "1"
-                    itemsize = 1
-                    if name == "relax.vm.alloc_storage":
-                        itemsize = _itemsize(_dtype_of(args[2]))
-                    allocate(var, f"({count} * {itemsize})" if itemsize != 1 else f"({count})")
-                elif name == "relax.builtin.alloc_tensor" and stage == "lowered":
-                    allocate(var, tensor_bytes_py(var.ty))
-                elif name in _TENSOR_IN_STORAGE:
-                    sids = holds.get(args[0], frozenset())
-                    if sids & (tainted | set(stashed)):
-                        raise RematHazardError(
-                            f"`{var.name}` is placed in a storage that holds an evictable or "
-                            "regenerated tensor: the memory plan does not see that alias"
-                        )
-                    sources = [args[0]]
-                elif name in _KILLS:
-                    if args and isinstance(args[0], relax.Var):
-                        drop(args[0])
-                elif name in _VIEWS:
-                    sources = [a for a in args[:1] if isinstance(a, relax.Var)]
-                elif name == EVICT:
-                    slot = int(args[1].value)
-                    sids = holds.get(args[2], frozenset())
-                    window = sim.slots.setdefault(slot, SlotWindow())
-                    window.nbytes = " + ".join(sim.storages[s].size for s in sorted(sids)) or "0"
-                    stash[slot] = sids
-                    for sid in sids:
-                        stashed[sid] = stashed.get(sid, 0) + 1
-                elif name == REGENERATE:
-                    slot = int(args[1].value)
-                    window = sim.slots.setdefault(slot, SlotWindow())
-                    window.site = sim.points
-                    sim.points += 1
-                    sids = stash.pop(slot, frozenset())
-                    for sid in sids:
-                        stashed[sid] -= 1
-                    tainted.update(sids)
-                    hold(var, sids)
-                elif name == BEGIN or _is_prim_func(value, mod):
-                    pass  # no memory: the frame, or a kernel writing into its arguments
-                elif isinstance(value.op, relax.GlobalVar):
-                    # A Relax function allocates what the timeline of this one cannot see.
-                    sim.exact = False
-                    sim.notes.append(f"call of Relax function {value.op.name_hint}")
-                elif (
-                    name is not None
-                    and name.startswith("relax.")
-                    and not name.startswith(("relax.call_", "relax.null_value"))
-                ):
-                    pass  # operators that allocate nothing at this stage (shape ops, ...)
-                else:
-                    if isinstance(var.ty, relax.TensorType | relax.TupleType):
-                        sim.exact = False
-                        sim.notes.append(f"tensor from {name}")
-            elif isinstance(value, relax.If):
-                sim.exact = False
-                sim.notes.append("control flow")
-            if isinstance(binding, relax.MatchCast) and isinstance(value, relax.Var):
-                sources = [value]
-            if sources:
-                sids: frozenset[int] = frozenset()
-                for s in sources:
-                    if isinstance(s, relax.Var):
-                        sids |= holds.get(s, frozenset())
-                hold(var, sids)
-            if stage == "lowered":
+    def held_by(self, expr: Any) -> frozenset[int]:
+        """Storages an argument or a result expression keeps alive."""
+        if isinstance(expr, relax.Var):
+            return self.holds.get(expr, frozenset())
+        if isinstance(expr, relax.Tuple):
+            out: frozenset[int] = frozenset()
+            for field_ in expr.fields:
+                out |= self.held_by(field_)
+            return out
+        return frozenset()
+
+    def inexact(self, note: str) -> None:
+        self.sim.exact = False
+        self.sim.notes.append(note)
+
+    # ----------------------------------------------------------------- one function
+    def run(
+        self,
+        func: relax.Function,
+        rename: dict[Any, str] | None,
+        params: dict[relax.Var, frozenset[int]],
+        chain: tuple[str, ...],
+    ) -> frozenset[int]:
+        """Walk one function (a callee when ``rename`` is a dict); its result's storages."""
+        for param in func.params:
+            self.hold(param, params.get(param, frozenset()))
+        deaths = _last_uses(func) if self.stage == "lowered" else {}
+        index = 0
+        for block in func.body.blocks:
+            for binding in block.bindings:
+                self.bind(binding, rename, chain)
                 for dead in deaths.get(index, ()):
-                    drop(dead)
-            index += 1
-    for sid, storage in enumerate(sim.storages):
-        end = ends[sid]
-        storage.end = sim.points if end is None else end
-    return sim
+                    self.drop(dead)
+                index += 1
+        return self.held_by(func.body.body) if rename is not None else frozenset()
+
+    def py(self, expr: Any, rename: dict[Any, str] | None) -> str:
+        return prim_to_py(expr, rename, strict=rename is not None)
+
+    def bind(self, binding: relax.Binding, rename: dict[Any, str] | None, chain) -> None:
+        var, value = binding.var, binding.value
+        sim, stage = self.sim, self.stage
+        sources: list[Any] = []
+        if isinstance(value, relax.Var):
+            sources = [value]
+        elif isinstance(value, relax.Tuple):
+            sources = list(value.fields)
+        elif isinstance(value, relax.TupleGetItem):
+            sources = [value.tuple_value]
+        elif isinstance(value, relax.Call):
+            name, args = _callee(value)
+            if name in _STORAGE_ALLOCS:
+                size = args[0]
+                values = size.values if isinstance(size, relax.ShapeExpr) else None
+                if values is None:
+                    raise ValueError(f"alloc_storage with a size the timeline cannot read: {size}")
+                count = " * ".join(self.py(v, rename) for v in values) or "1"
+                itemsize = 1
+                if name == "relax.vm.alloc_storage":
+                    itemsize = _itemsize(_dtype_of(args[2]))
+                self.allocate(var, f"({count} * {itemsize})" if itemsize != 1 else f"({count})")
+            elif name == "relax.builtin.alloc_tensor" and stage == "lowered":
+                self.allocate(var, tensor_bytes_py(var.ty, rename))
+            elif name in _TENSOR_IN_STORAGE:
+                sids = self.holds.get(args[0], frozenset())
+                if sids & (self.tainted | set(self.stashed)):
+                    raise RematHazardError(
+                        f"`{var.name}` is placed in a storage that holds an evictable or "
+                        "regenerated tensor: the memory plan does not see that alias"
+                    )
+                sources = [args[0]]
+            elif name in _KILLS:
+                if args and isinstance(args[0], relax.Var):
+                    self.drop(args[0])
+            elif name in _VIEWS:
+                sources = [a for a in args[:1] if isinstance(a, relax.Var)]
+            elif name == EVICT:
+                slot = int(args[1].value)
+                sids = self.holds.get(args[2], frozenset())
+                window = sim.slots.setdefault(slot, SlotWindow())
+                window.nbytes = " + ".join(sim.storages[s].size for s in sorted(sids)) or "0"
+                self.stash[slot] = sids
+                for sid in sids:
+                    self.stashed[sid] = self.stashed.get(sid, 0) + 1
+            elif name == REGENERATE:
+                slot = int(args[1].value)
+                window = sim.slots.setdefault(slot, SlotWindow())
+                window.site = sim.points
+                sim.points += 1
+                sids = self.stash.pop(slot, frozenset())
+                for sid in sids:
+                    self.stashed[sid] -= 1
+                self.tainted.update(sids)
+                self.hold(var, sids)
+            elif name == BEGIN or _is_prim_func(value, self.mod):
+                pass  # no memory: the frame, or a kernel writing into its arguments
+            elif isinstance(value.op, relax.GlobalVar):
+                self.call(var, value.op, list(value.args), rename, chain)
+            elif name == INVOKE_CLOSURE and args and isinstance(args[0], relax.GlobalVar):
+                self.call(var, args[0], list(args[1:]), rename, chain)
+            elif (
+                name is not None
+                and name.startswith("relax.")
+                and not name.startswith(("relax.call_", "relax.null_value"))
+            ):
+                pass  # operators that allocate nothing at this stage (shape ops, ...)
+            else:
+                if isinstance(var.ty, relax.TensorType | relax.TupleType):
+                    self.inexact(f"tensor from {name}")
+        elif isinstance(value, relax.If):
+            self.inexact("control flow (If)")
+        if isinstance(binding, relax.MatchCast) and isinstance(value, relax.Var):
+            sources = [value]
+        if sources:
+            sids: frozenset[int] = frozenset()
+            for s in sources:
+                if isinstance(s, relax.Var):
+                    sids |= self.holds.get(s, frozenset())
+            self.hold(var, sids)
+
+    # ----------------------------------------------------------------- calls
+    def call(
+        self,
+        var: relax.Var,
+        gv: relax.GlobalVar,
+        call_args: list[relax.Expr],
+        rename: dict[Any, str] | None,
+        chain: tuple[str, ...],
+    ) -> None:
+        """Follow a call of a Relax function of the module."""
+        callee = self.mod[gv] if gv in self.mod.functions else None
+        result: frozenset[int] | None = None
+        try:
+            if not isinstance(callee, relax.Function):
+                raise _InexactCall(f"call of {gv.name_hint}, not a Relax function of the module")
+            if gv.name_hint in chain or len(chain) >= _MAX_CALL_DEPTH:
+                raise _InexactCall(f"recursive or too deep call of {gv.name_hint}")
+            if callee.attrs is not None and META_ATTR in callee.attrs:
+                raise _InexactCall(f"call of {gv.name_hint}, itself rematerialized")
+            inner = self.callee_dims(callee, call_args, rename)
+            params = {p: self.held_by(a) for p, a in zip(callee.params, call_args)}
+            result = self.run(callee, inner, params, (*chain, gv.name_hint))
+        except _InexactCall as err:
+            self.inexact(str(err))
+        except ValueError as err:  # a size the caller's dims cannot express
+            self.inexact(f"call of {gv.name_hint}: {err}")
+        if result is None:
+            # What the callee allocates is unknown; its result may alias its arguments.
+            result = frozenset()
+            for arg in call_args:
+                result |= self.held_by(arg)
+        self.hold(var, result)
+        # The callee's Ret: its result goes to the VM's return register (the value there
+        # before is released), and its frame is gone with every register.
+        self.drop(self.ret)
+        self.hold(self.ret, result)
+        if isinstance(callee, relax.Function):
+            for param in callee.params:
+                self.drop(param)
+            for block in callee.body.blocks:
+                for binding in block.bindings:
+                    self.drop(binding.var)
+
+    def callee_dims(
+        self,
+        callee: relax.Function,
+        args: Sequence[relax.Expr],
+        rename: dict[Any, str] | None,
+    ) -> dict[Any, str]:
+        """The callee's symbolic vars as expressions over the caller's dims."""
+        if len(callee.params) != len(args):
+            raise _InexactCall("call with another number of arguments than parameters")
+        inner: dict[Any, str] = {}
+
+        def match(formal: Sequence[Any], actual: Sequence[Any] | None) -> None:
+            if actual is None or len(actual) != len(formal):
+                return
+            for f, a in zip(formal, actual):
+                if isinstance(f, tvm.tirx.Var) and f not in inner:
+                    inner[f] = f"({self.py(a, rename)})"
+
+        for param, arg in zip(callee.params, args):
+            pty, aty = param.ty, getattr(arg, "ty", None)
+            if isinstance(pty, relax.TensorType) and isinstance(pty.shape, relax.ShapeExpr):
+                shape = getattr(aty, "shape", None)
+                match(
+                    pty.shape.values, shape.values if isinstance(shape, relax.ShapeExpr) else None
+                )
+            elif isinstance(pty, relax.ShapeType) and pty.values is not None:
+                match(pty.values, arg.values if isinstance(arg, relax.ShapeExpr) else None)
+            elif isinstance(pty, relax.PrimType) and getattr(pty, "value", None) is not None:
+                actual = getattr(aty, "value", None)
+                match([pty.value], [actual] if actual is not None else None)
+        return inner
 
 
 def _is_prim_func(call: relax.Call, mod: tvm.IRModule) -> bool:
@@ -469,6 +630,7 @@ def build_metadata(
         "function": function,
         "dims": list(dims),
         "exact": bool(exact and sim.exact),
+        "notes": list(dict.fromkeys(sim.notes)),
         "points": max(sim.points, 1),
         "exprs": exprs,
         "storages": storages,
@@ -552,6 +714,7 @@ def refresh_metadata(mod: tvm.IRModule, stage: str) -> tvm.IRModule:
             regen_sim = simulate(regen, mod, stage)
             if not regen_sim.exact:
                 sim.exact = False
+                sim.notes.extend(f"{slot['regen']}: {note}" for note in regen_sim.notes)
             peaks.append(regen_sim.peak_expr())
         statics = [
             {k: s[k] for k in ("name", "regen", "plan")} | {"cost": old["exprs"][s["cost"]]}

@@ -8,7 +8,10 @@ calls it inserts may not stand in a dataflow block, and the tensors are then exp
 (``StaticPlanBlockMemory`` / ``PlanMemory``) and ``KillAfterLastUse``. The pipeline also runs
 the private ``RematTimeline`` after ``KillAfterLastUse`` to replace the estimated timeline by
 the one read from the planned IR. Functions with dataflow blocks, control flow or nested
-functions pass through unchanged.
+functions pass through unchanged, and so do functions called by a function the pass can
+transform (a callee's own decision would run nested in its caller's, which already accounts
+for the callee's allocations); the callees of a function it cannot transform (say, an ``If``
+dispatching to versions of a function) are transformed, each deciding for itself.
 
 What it does
 ------------
@@ -27,24 +30,42 @@ What it does
 3. Rewrite. Each recipe becomes a private Relax function (compiled TVM kernels; no Python
    numerics). The function gets:
 
-   - ``frame = blade_relax.remat_begin(key, metadata, R.shape([dims]), release)`` first
-     (``R.call_builtin_with_ctx``; ``release`` is the module's no-op function);
+   - ``frame = blade_relax.remat_begin(key, metadata, R.shape([dims]), release, fns...)``
+     first (``R.call_builtin_with_ctx``; ``release`` is the module's no-op function, ``fns``
+     the regeneration functions by slot);
    - ``blade_relax.evict(frame, k, x)`` after the last use of candidate ``x`` before its gap
      (``R.call_builtin_with_ctx``);
-   - ``x' = blade_relax.regenerate(frame, k, fns..., args...)`` before its next use
-     (``R.call_packed``), and every later use of ``x`` (and of its views) reads ``x'``; views
-     of ``x`` that nothing reads any more are removed.
+   - ``x' = blade_relax.regenerate(frame, k, (args...))`` before its next use
+     (``R.call_packed``; the tuple holds what the regeneration plan reads), and every later
+     use of ``x`` (and of its views) reads ``x'``; views of ``x`` that nothing reads any more
+     are removed.
 
    ``call_builtin_with_ctx`` is neither a PrimFunc nor a packed call, so
    ``StaticPlanBlockMemory`` gives no planned storage to the tensor passed to ``evict`` (and
    ``PlanMemory`` reads the attribute ``blade_relax.no_plan``): an evictable tensor owns its
    storage (freeing it frees memory), and the tensor ``regenerate`` may hand back is never an
-   alias the plan does not know about. The arguments of ``regenerate`` are only read during
-   the call, so they may stay in planned storage.
+   alias the plan does not know about. The inputs of ``regenerate`` are only read during
+   the call, so they may stay in planned storage (the stock planner plans the fields of a
+   tuple passed to a packed call like direct arguments).
+
+   After every call of another Relax function, ``release`` is invoked
+   (``vm.builtin.invoke_closure``): the VM keeps a function's result in its return register
+   until the next function returns, which would otherwise depend on the decision (a
+   ``regenerate`` that recomputes returns from closures, one that hands back a kept tensor
+   does not).
+
+   With ``own_storage_fraction``, large tensors that are not evictable get an explicit
+   ``R.memory.alloc_storage`` of their own, which the planners leave alone: a storage the
+   planner shares between a forward and a backward tensor stays allocated, idle, through
+   the backward peak that evictions are meant to lower.
 4. Metadata. The function's attribute ``blade_relax.remat`` (and the ``metadata`` constant of
    ``remat_begin``) holds, as JSON, the symbolic timeline (every storage's size over the dims
    and its live interval), and per candidate its symbolic bytes, symbolic recompute cost,
    regeneration peak, window and regeneration plan. The runtime evaluates it once per shape.
+   Calls of other Relax functions are simulated at the call site (the callee's dims mapped
+   from the argument shapes), so the timeline stays exact; where that is impossible (an
+   ``If`` in the callee, a tensor made by a packed function) the metadata says ``"exact":
+   false`` with notes, and the runtime never calls a budget reachable for it.
 
 Assumptions: kernels are destination-passing PrimFuncs that write only their trailing fresh
 outputs; the function's symbolic dims are all defined by its parameters' shapes.
@@ -65,6 +86,7 @@ from ._remat_select import Candidate, Recipe, build_recipe, classify_at, find_ga
 from ._remat_timeline import (
     BEGIN,
     EVICT,
+    INVOKE_CLOSURE,
     META_ATTR,
     REGEN_ATTR,
     REGENERATE,
@@ -107,6 +129,13 @@ class RematOptions:
         representative shape; a candidate's gap must cover a hot binding.
     functions
         Names of the functions to transform; ``None`` for every Relax function.
+    own_storage_fraction
+        Tensors of a rematerialized function that reach this fraction of the peak at some
+        representative shape get a storage of their own (allocated where they are, freed
+        after their last use) instead of one the memory planner shares: a planned storage
+        lives from its first tensor to its last, and one shared by a forward and a backward
+        tensor stays allocated, idle, through the peak that evictions are meant to lower.
+        ``None`` leaves them to the planner.
     """
 
     max_candidates: int = 256
@@ -116,12 +145,17 @@ class RematOptions:
     min_fraction: float = 0.01
     hot_fraction: float = 0.25
     functions: tuple[str, ...] | None = None
+    own_storage_fraction: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_candidates < 0 or self.max_recipe_ops < 1 or self.min_gap < 0:
             raise ValueError(f"invalid RematOptions: {self}")
         if not 0.0 <= self.hot_fraction <= 1.0:
             raise ValueError(f"hot_fraction must be in [0, 1], got {self.hot_fraction}")
+        if self.own_storage_fraction is not None and not 0.0 <= self.own_storage_fraction <= 1.0:
+            raise ValueError(
+                f"own_storage_fraction must be in [0, 1] or None, got {self.own_storage_fraction}"
+            )
 
 
 @tvm.transform.module_pass(opt_level=0, name="Rematerialize")
@@ -142,8 +176,14 @@ class Rematerialize:
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         builder = relax.BlockBuilder(mod)
         changed = False
+        called = _called_by_transformable(mod)
         for gv, func in list(mod.functions.items()):
             if not isinstance(func, relax.Function):
+                continue
+            if gv in called:
+                # A callee's own remat decision would run nested in its caller's, which
+                # accounts for the callee's bytes with no eviction: only the outermost
+                # function the pass can transform decides.
                 continue
             if func.attrs is not None and any(
                 a in func.attrs for a in (META_ATTR, REGEN_ATTR, RELEASE_ATTR)
@@ -163,6 +203,41 @@ class Rematerialize:
 
 
 # --------------------------------------------------------------------------- helpers
+def _called_by_transformable(mod: tvm.IRModule) -> set[relax.GlobalVar]:
+    """Relax functions that a function this pass can transform calls or passes as a value.
+
+    A caller the pass leaves alone anyway (control flow, e.g. a dispatcher choosing between
+    versions of a function by shape) does not make its callees ineligible.
+    """
+    relax_gvs = {gv for gv, f in mod.functions.items() if isinstance(f, relax.Function)}
+    found: set[relax.GlobalVar] = set()
+    for gv in relax_gvs:
+        caller = mod[gv]
+        try:
+            build_model(caller, mod)
+        except UnsupportedFunction:
+            continue
+        named: set[relax.GlobalVar] = set()
+
+        def visit(node: Any, named: set[relax.GlobalVar] = named) -> None:
+            if isinstance(node, relax.GlobalVar) and node in relax_gvs:
+                named.add(node)
+
+        relax.analysis.post_order_visit(caller.body, visit)
+        found |= named - {gv}  # a function naming itself (recursion) stays eligible
+    return found
+
+
+def _calls_relax_function(value: relax.Expr, mod: tvm.IRModule) -> bool:
+    op = getattr(value, "op", None)
+    return (
+        isinstance(value, relax.Call)
+        and isinstance(op, relax.GlobalVar)
+        and op in mod.functions
+        and isinstance(mod[op], relax.Function)
+    )
+
+
 def _substitute(expr: relax.Expr, lookup) -> relax.Expr:
     """Replace variables in an A-normal-form value."""
     if isinstance(expr, relax.Var):
@@ -402,7 +477,12 @@ def _rematerialize(
         takes_dims[cand.slot] = with_dims
 
     release = _release_function(builder)
-    new_func, plans = _rewrite(func, model, ordered, candidates, gvs, takes_dims, dims, release)
+    new_func, plans = _rewrite(
+        func, model, ordered, candidates, gvs, takes_dims, dims, release, mod
+    )
+    if options.own_storage_fraction is not None:
+        large = _large_tensors(model, graph, points, peaks, options.own_storage_fraction)
+        new_func = _own_storage(new_func, large - set(candidates))
     statics = [
         {
             "name": cand.root.name,
@@ -419,6 +499,72 @@ def _rematerialize(
     peaks = [simulate(regens[c.slot], probe, "lowered").peak_expr() for c in ordered]
     meta = build_metadata(name, [d.name for d in dims], sim, statics, peaks, exact=False)
     return builder.normalize(attach_metadata(new_func, meta))
+
+
+def _large_tensors(
+    model: FunctionModel, graph: Any, points: list, peaks: list, fraction: float
+) -> set[relax.Var]:
+    """Fresh tensors reaching ``fraction`` of the peak at some representative shape."""
+    out = set()
+    for op in model.ops:
+        if op.kind != "alloc":
+            continue
+        try:
+            size = graph.bytes_of(op.var)
+            if any(
+                graph.evaluate(size, point) >= fraction * peak for point, peak in zip(points, peaks)
+            ):
+                out.add(op.var)
+        except (ValueError, KeyError):
+            continue  # a size the shape graph cannot evaluate: leave it to the planner
+    return out
+
+
+def _own_storage(func: relax.Function, tensors: set[relax.Var]) -> relax.Function:
+    """Give each of ``tensors`` (``R.builtin.alloc_tensor`` bindings) a storage of its own.
+
+    The explicit ``R.memory.alloc_storage`` / ``R.memory.alloc_tensor`` pair is what
+    ``LowerAllocTensor`` makes of an allocation the planner leaves alone; the planners only
+    plan ``R.builtin.alloc_tensor``, and ``KillAfterLastUse`` frees the storage after the
+    tensor's last use.
+    """
+    if not tensors:
+        return func
+    out: list[relax.Binding] = []
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            value = binding.value
+            if (
+                binding.var in tensors
+                and isinstance(value, relax.Call)
+                and isinstance(value.op, tvm.ir.Op)
+                and value.op.name == "relax.builtin.alloc_tensor"
+                and isinstance(value.args[0], relax.ShapeExpr)
+            ):
+                shape, dtype, device, scope = value.args
+                itemsize = (tvm.runtime.DataType(str(dtype.value)).bits + 7) // 8
+                nbytes = tvm.tirx.IntImm("int64", itemsize)
+                for dim in shape.values:
+                    nbytes = nbytes * dim
+                storage = relax.Var(f"{binding.var.name}_storage", relax.ObjectType())
+                out.append(
+                    relax.VarBinding(
+                        storage,
+                        relax.op.memory.alloc_storage(
+                            relax.ShapeExpr([nbytes]), device, scope, "uint8"
+                        ),
+                    )
+                )
+                out.append(
+                    relax.VarBinding(
+                        binding.var,
+                        relax.op.memory.alloc_tensor(storage, 0, shape, dtype, device),
+                    )
+                )
+                continue
+            out.append(binding)
+    body = relax.SeqExpr([relax.BindingBlock(out)], func.body.body)
+    return relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs, func.span)
 
 
 def _release_function(builder: relax.BlockBuilder) -> relax.GlobalVar:
@@ -469,8 +615,15 @@ def _rewrite(
     takes_dims: dict[int, bool],
     dims: list[tvm.tirx.Var],
     release: relax.GlobalVar,
+    mod: tvm.IRModule,
 ) -> tuple[relax.Function, dict[int, list]]:
-    """Insert the runtime calls and redirect later uses to the regenerated tensors."""
+    """Insert the runtime calls and redirect later uses to the regenerated tensors.
+
+    After every call of another Relax function it also calls ``release``: the VM keeps a
+    function's result in its return register until the next function returns, so without it
+    the callee's result would outlive its last reader until a decision-dependent point (a
+    ``regenerate`` that recomputes runs closures, one that hands back a kept tensor does not).
+    """
     frame = relax.Var("remat_frame", relax.ObjectType())
     dims_expr = relax.ShapeExpr(list(dims))
     evict_after: dict[int, list[Candidate]] = {}
@@ -484,11 +637,10 @@ def _rewrite(
     def lookup(v: relax.Var) -> relax.Var:
         return subst.get(v, v)
 
-    def plan_for(cand: Candidate) -> tuple[list[list], list[relax.Expr], list[relax.GlobalVar]]:
+    def plan_for(cand: Candidate) -> tuple[list[list], list[relax.Expr]]:
         site = cand.regen_before
         nodes: list[list] = []
         args: list[relax.Expr] = []
-        closures: list[relax.GlobalVar] = []
         visited: set[int] = set()
 
         def arg(expr: relax.Expr) -> int:
@@ -523,33 +675,45 @@ def _rewrite(
             if takes_dims[c.slot]:
                 refs.append(["a", arg(dims_expr)])
             nodes.append([c.slot, refs])
-            closures.append(gvs[c.slot])
 
         visit(cand)
-        return nodes, args, closures
+        return nodes, args
 
     plans: dict[int, list] = {}
+    # The regeneration functions, by slot, reach the runtime once per call (not once per
+    # regenerate call): the frame keeps them.
     out: list[relax.Binding] = [
         relax.VarBinding(
             frame,
             _builtin(
                 BEGIN,
-                [tvm.ir.StringImm("pending"), relax.const(0, "uint8"), dims_expr, release],
+                [
+                    tvm.ir.StringImm("pending"),
+                    relax.const(0, "uint8"),
+                    dims_expr,
+                    release,
+                    *[gvs[c.slot] for c in ordered],
+                ],
                 relax.ObjectType(),
             ),
-        )
+        ),
     ]
     bindings = [b for block in func.body.blocks for b in block.bindings]
     for op, binding in zip(model.ops, bindings):
         for cand in sorted(regen_before.get(op.index, []), key=lambda c: model.writer[c.root]):
-            nodes, args, closures = plan_for(cand)
+            nodes, args = plan_for(cand)
             plans[cand.slot] = nodes
             new = relax.Var(f"{cand.root.name}_remat", cand.root.ty)
-            # A plain packed call: the planner may keep the arguments in planned storage (the
+            # The inputs of the regeneration travel in one tuple (built by the VM in C++): the
+            # runtime converts its fields only when it recomputes, so keeping a tensor costs
+            # three arguments whatever the plan's size. The tuple is read only during the call.
+            inputs = relax.Var(f"{cand.root.name}_inputs", relax.TupleType([a.ty for a in args]))
+            out.append(relax.VarBinding(inputs, relax.Tuple(args)))
+            # A plain packed call: the planner may keep the inputs in planned storage (the
             # runtime reads them only during the call), and the result is never planned.
             call = relax.Call(
                 relax.ExternFunc(REGENERATE),
-                [frame, relax.prim_value(cand.slot), *closures, *args],
+                [frame, relax.prim_value(cand.slot), inputs],
                 ty_args=[cand.root.ty],
             )
             out.append(relax.VarBinding(new, call))
@@ -593,6 +757,15 @@ def _rewrite(
             out.append(relax.MatchCast(binding.var, value, binding.ty))
         else:
             out.append(relax.VarBinding(binding.var, value))
+        if _calls_relax_function(binding.value, mod):
+            # Through the builtin: a VM function call whose result nobody reads is not
+            # supported by the VM's code generator (it writes to the void register).
+            out.append(
+                relax.VarBinding(
+                    relax.Var("_", relax.ObjectType()),
+                    _builtin(INVOKE_CLOSURE, [release], relax.ObjectType()),
+                )
+            )
         for cand in evict_after.get(op.index, []):
             out.append(
                 relax.VarBinding(
