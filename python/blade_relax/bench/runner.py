@@ -205,10 +205,13 @@ class _TvmRunner:
         # call returns, and the remat runtime releases that result early under a budget, which
         # would otherwise credit a budgeted config with bytes the previous step left behind.
         fresh_main = relax.VirtualMachine(self._exe, self.device)["main"]
-        with _budget(budget_bytes):
-            gc.collect()
-            reset_memory_stats()
-            base = memory_stats()["live_bytes"]
+        gc.collect()
+        reset_memory_stats()
+        base = memory_stats()["live_bytes"]
+        # The runtime budget counts every live byte of the thread (the inputs, the cached VM's
+        # last result); the config's budget is what the step itself may add on top of them.
+        runtime_budget = None if budget_bytes is None else base + budget_bytes
+        with _budget(runtime_budget):
             out = fresh_main(*args)
             stats = memory_stats()
             outputs = [np.asarray(t.numpy()) for t in flatten_outputs(out)]
