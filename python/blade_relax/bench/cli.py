@@ -62,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--out", default=None, help="write the JSON results here")
     parser.add_argument("--plot", default=None, help="write a PNG of peak bytes vs length here")
+    parser.add_argument(
+        "--budget-plot",
+        default=None,
+        help="write a PNG of step time vs peak for the budgeted configurations here "
+        "(blade-relax@B and torch-compile@F, as ratios to their unbudgeted runs)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return parser
 
@@ -112,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; 0 when every requested measurement matched torch, 1 otherwise."""
     from ..frontend import DimOutOfRangeError
     from .configs import get_config
-    from .report import markdown_table, write_json, write_plot
+    from .report import budget_table, markdown_table, write_budget_plot, write_json, write_plot
     from .runner import run_benchmark
     from .workloads import build_workload
 
@@ -150,8 +156,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(f"## {args.workload} on {args.target}: trace {trace.get('lengths')}\n")
     print(markdown_table(result))
+    sweep = budget_table(result)
+    if sweep:
+        print("\n### Peak and step time against the budget (medians over the trace)\n")
+        print(sweep)
     if args.out:
         say(f"wrote {write_json(result, args.out)}")
     if args.plot:
         say(f"wrote {write_plot(result, args.plot)}")
+    if args.budget_plot:
+        if sweep:
+            say(f"wrote {write_budget_plot(result, args.budget_plot)}")
+        else:
+            say("no budgeted configuration was run: --budget-plot skipped")
     return 0 if result.all_correct else 1

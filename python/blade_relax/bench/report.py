@@ -11,13 +11,26 @@ import dataclasses
 import json
 import os
 import platform
+import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .runner import BenchResult, Measurement
 
-__all__ = ["SCHEMA", "format_bytes", "markdown_table", "result_to_json", "write_json", "write_plot"]
+__all__ = [
+    "SCHEMA",
+    "BudgetPoint",
+    "budget_points",
+    "budget_table",
+    "format_bytes",
+    "markdown_table",
+    "result_to_json",
+    "write_budget_plot",
+    "write_json",
+    "write_plot",
+]
 
 SCHEMA = "blade_relax.bench/1"
 
@@ -160,6 +173,192 @@ def write_plot(result: BenchResult, path: str | os.PathLike) -> Path:
     ax.set_xlabel("sequence length s")
     ax.set_ylabel("peak memory (MiB)")
     ax.set_title(f"{result.workload.name}: peak bytes per step ({result.target})")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Peak and step time against a memory budget
+
+
+@dataclass(frozen=True)
+class BudgetPoint:
+    """One configuration of a budget sweep, summarized over the lengths of the trace.
+
+    Attributes
+    ----------
+    config
+        The configuration's name (``blade-relax@0.7``, ``torch-compile@0.4``).
+    family
+        ``"runtime budget"`` (a TVM config under ``set_memory_budget``) or
+        ``"activation_memory_budget"`` (``torch.compile``).
+    setting
+        The budget fraction, or ``None`` for the family's unbudgeted configuration.
+    peak_ratio
+        Median over the lengths of ``peak_bytes`` over the reference's ``peak_bytes`` at the
+        same length (the reference: the budgets' ``budget_of`` configuration).
+    time_ratio
+        Median over the lengths of the median step time over the unbudgeted configuration of
+        the same family at the same length.
+    budget_met
+        Lengths whose step peak stayed within the budget, and the lengths measured (runtime
+        budgets only).
+    """
+
+    config: str
+    family: str
+    setting: float | None
+    peak_ratio: float
+    time_ratio: float | None
+    budget_met: tuple[int, int] | None
+
+
+def budget_points(result: BenchResult) -> list[BudgetPoint]:
+    """The budget sweep in ``result``: every runtime-budget configuration and its reference,
+    and every ``torch.compile`` configuration, as ratios (see :class:`BudgetPoint`).
+
+    Returns an empty list when ``result`` holds no budgeted configuration.
+    """
+    references = {
+        c.settings.get("budget_of")
+        for c in result.configs
+        if c.kind == "tvm" and c.settings.get("budget") is not None
+    }
+    references.discard(None)
+    if not references:
+        return []
+    reference = sorted(references)[0]
+    rows: dict[tuple[str, int], Measurement] = {
+        (m.config, m.seq_len): m for m in result.measurements if m.error is None
+    }
+    lengths = sorted({m.seq_len for m in result.measurements})
+
+    def ratios(name: str, base: str | None, attr: str) -> list[float]:
+        out = []
+        for n in lengths:
+            row, ref = rows.get((name, n)), rows.get((base, n)) if base else None
+            value = getattr(row, attr) if row else None
+            ref_value = getattr(ref, attr) if ref else None
+            if value is not None and ref_value:
+                out.append(value / ref_value)
+        return out
+
+    torch_base = next(
+        (
+            c.name
+            for c in result.configs
+            if c.kind == "torch"
+            and c.settings.get("compile")
+            and c.settings.get("activation_memory_budget") is None
+        ),
+        None,
+    )
+    points: list[BudgetPoint] = []
+    for config in result.configs:
+        settings = config.settings
+        if config.kind == "tvm" and (
+            config.name == reference or settings.get("budget_of") == reference
+        ):
+            family, setting, time_base = "runtime budget", settings.get("budget"), reference
+        elif config.kind == "torch" and settings.get("compile"):
+            family = "activation_memory_budget"
+            setting, time_base = settings.get("activation_memory_budget"), torch_base
+        else:
+            continue
+        peaks = ratios(config.name, reference, "peak_bytes")
+        if not peaks:
+            continue
+        times = ratios(config.name, time_base, "step_time_s")
+        met = None
+        if family == "runtime budget" and setting is not None:
+            measured = [rows[(config.name, n)] for n in lengths if (config.name, n) in rows]
+            held = sum(
+                1
+                for m in measured
+                if m.budget_bytes is not None
+                and m.step_peak_bytes is not None
+                and m.step_peak_bytes <= m.budget_bytes
+            )
+            met = (held, len(measured))
+        points.append(
+            BudgetPoint(
+                config=config.name,
+                family=family,
+                setting=setting,
+                peak_ratio=statistics.median(peaks),
+                time_ratio=statistics.median(times) if times else None,
+                budget_met=met,
+            )
+        )
+    return points
+
+
+def budget_table(result: BenchResult) -> str:
+    """Markdown: peak and step time against the budget, medians over the trace."""
+    points = budget_points(result)
+    if not points:
+        return ""
+    lines = [
+        "| config | budget | peak / unbudgeted reference | step time / same system unbudgeted "
+        "| budget held |",
+        "|---|---|---|---|---|",
+    ]
+    for p in points:
+        setting = "-" if p.setting is None else f"{p.setting:g}"
+        time_ratio = "-" if p.time_ratio is None else f"{p.time_ratio:.2f}"
+        met = "-" if p.budget_met is None else f"{p.budget_met[0]}/{p.budget_met[1]}"
+        lines.append(f"| {p.config} | {setting} | {p.peak_ratio:.2f} | {time_ratio} | {met} |")
+    return "\n".join(lines)
+
+
+def write_budget_plot(result: BenchResult, path: str | os.PathLike) -> Path:
+    """Step-time ratio against peak ratio, one curve per budget family (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = budget_points(result)
+    if not points:
+        raise ValueError("the run holds no budgeted configuration to plot")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for family, marker in (("runtime budget", "o"), ("activation_memory_budget", "s")):
+        members = sorted(
+            (p for p in points if p.family == family and p.time_ratio is not None),
+            key=lambda p: -p.peak_ratio,
+        )
+        if not members:
+            continue
+        label = (
+            "blade_relax runtime budget"
+            if family == "runtime budget"
+            else ("torch.compile activation_memory_budget")
+        )
+        ax.plot(
+            [p.peak_ratio for p in members],
+            [p.time_ratio for p in members],
+            marker=marker,
+            label=label,
+        )
+        for p in members:
+            text = "none" if p.setting is None else f"{p.setting:g}"
+            ax.annotate(
+                text,
+                (p.peak_ratio, p.time_ratio),
+                fontsize=8,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
+    reference = next(p.config for p in points if p.family == "runtime budget")
+    ax.set_xlabel(f"peak bytes / {reference} without a budget (median over the trace)")
+    ax.set_ylabel("step time / same system without a budget")
+    ax.set_title(f"{result.workload.name}: peak and step time against the budget")
     ax.grid(True, alpha=0.3)
     ax.legend()
     out = Path(path)
