@@ -69,8 +69,12 @@ def _pass_list(
     passes += phases.library_dispatch_passes(target)
     passes += phases.legalize_passes(target)
     if schedule:
-        from .transform import MemoryAwareSchedule
+        from .transform import MemoryAwareSchedule, ScheduleOptions
 
+        if schedule_options is None and plan:
+            # Score orders for the planner that follows: PlanMemory frees each tensor after its
+            # last use; StaticPlanBlockMemory (the pass's default model) pools equal sizes.
+            schedule_options = ScheduleOptions(planner="plan")
         passes.append(MemoryAwareSchedule(schedule_options))
     passes += phases.dataflow_lower_passes(target)
     if remat:

@@ -22,10 +22,11 @@ Sample points
 ``decision_points``: ``ShapeGraph.representative_points()`` (every dim at the low end of its
 range, at the geometric midpoint, at the high end, and with several dims each one at its high
 end with the others at their low end; an unbounded dim's high end is
-``UNBOUNDED_STAND_IN`` = 4096). ``acceptance_points``: those, plus one point per power of two
-``2**k`` between the smallest low end and the largest high end, with every free dim at
-``2**k`` clamped into its own range. A schedule that cannot be proven no worse than another
-must be no worse at every acceptance point.
+``UNBOUNDED_STAND_IN`` = 4096). ``acceptance_points``: those, plus one point per value ``v``
+between the smallest low end and the largest high end that is a power of two ``2**k`` or half
+way between two (``3 * 2**(k-1)``), with every free dim at ``v`` clamped into its own range.
+A schedule that cannot be proven no worse than another must be no worse at every acceptance
+point.
 """
 
 from __future__ import annotations
@@ -275,6 +276,17 @@ class ByteSpace:
         """Values of one vector (``M``) or of rows (``n x M``) at the acceptance points."""
         return vecs @ self._acceptance_values
 
+    def at_points(self, vecs: np.ndarray, points: Sequence[Mapping[str, int]]) -> np.ndarray:
+        """Values of one vector (``M``) or of rows (``n x M``) at other points (free dims).
+
+        Heuristic use only (choosing where ranges meet): an atom that cannot be evaluated
+        takes a stand-in value, and unlike at construction ``exact`` is left as it is.
+        """
+        exact = self.exact
+        values = self._monomial_values(points)
+        self.exact = exact
+        return vecs.astype(object) @ values
+
 
 @dataclass
 class OrderProfile:
@@ -400,14 +412,16 @@ def _dense_points(roots: Mapping[str, tuple[int, int]]) -> list[dict[str, int]]:
         return []
     lo = min(r[0] for r in roots.values())
     hi = max(r[1] for r in roots.values())
-    points = []
+    values = []
     k = 0
-    while 2**k < max(lo, 1):
-        k += 1
     while 2**k <= hi:
-        v = 2**k
-        points.append({name: min(max(v, rlo), rhi) for name, (rlo, rhi) in roots.items()})
+        # Powers of two and the values half way between them (3 * 2**(k-1)).
+        values.extend([2**k, 3 * 2**k // 2] if k else [1])
         k += 1
+    points = []
+    for v in values:
+        if max(lo, 1) <= v <= hi:
+            points.append({name: min(max(v, rlo), rhi) for name, (rlo, rhi) in roots.items()})
     return points
 
 

@@ -1,0 +1,753 @@
+"""The block model of :mod:`.memory_aware_schedule`: dependencies, buffers and live bytes.
+
+A dataflow block is read once into a :class:`Block`: the def-use edges (plus the edges that
+``match_cast`` and in-place calls need), the buffers each binding allocates and reads, which
+buffers escape the block, and their byte counts as vectors of a
+:class:`~._schedule_cost.ByteSpace`. :func:`timeline` then scores any order of the bindings:
+the live bytes at every step, symbolic and at the acceptance points, under one of the memory
+models of :data:`PLANNERS` (see the docstring of :mod:`.memory_aware_schedule`).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import tvm
+import tvm_ffi
+from tvm import relax
+
+from ..symbolic import Ordering, ShapeGraph, SymbolicExpr
+from ._schedule_cost import ByteSpace, OrderProfile, pareto_front
+
+_VIEW_OPS = frozenset({"relax.reshape", "relax.memory.view", "relax.memory.ensure_zero_offset"})
+_VIEW_PACKED = frozenset({"vm.builtin.reshape", "vm.builtin.tensor_view"})
+_PACKED_CALLS = frozenset(
+    {"relax.call_pure_packed", "relax.call_builtin_with_ctx", "relax.call_inplace_packed"}
+)
+_INPLACE = frozenset({"relax.call_tir_inplace", "relax.call_inplace_packed"})
+# Values that read no variable and allocate nothing the VM counts (constants live in the
+# executable; prim values, strings and dtypes are constants in TVM 0.27's IR).
+_LEAVES = (
+    tvm.ir.expr.Constant,
+    tvm.ir.expr.StringImm,
+    relax.ShapeExpr,
+    relax.ExternFunc,
+    tvm.ir.GlobalVar,
+)
+
+
+# ====================================================================== the block graph
+
+
+class UnsupportedBlock(Exception):
+    """The block holds a construct the scheduler does not reorder."""
+
+
+@dataclass
+class Block:
+    """Dependencies and buffers of one dataflow block (indices are input positions)."""
+
+    bindings: list[relax.Binding]
+    preds: list[list[int]]
+    succs: list[list[int]]
+    touch: list[list[int]]  # buffers each binding reads through its vars, or creates
+    alloc: np.ndarray  # n x M: bytes allocated by each binding
+    sizes: np.ndarray  # B x M: bytes of each buffer
+    escaping: np.ndarray  # B: used after the block, never freed in it
+    initial: np.ndarray  # M: bytes live on entry (buffers from earlier blocks)
+    consumers: list[list[int]]
+    space: ByteSpace
+    planner: str  # one of PLANNERS
+    plannable: np.ndarray  # B: buffers StaticPlanBlockMemory will place in pooled storage
+    dtypes: list[str]  # B: element type of each buffer ("" when unknown)
+    size_keys: list[tuple]  # B: the size vector as a hashable key
+    const_sizes: list[int | None]  # B: the size when it is a constant
+    call_cons_buffer: np.ndarray  # like cons_*, counting only calls (what releases a token)
+    call_cons_start: np.ndarray
+    call_cons_node: np.ndarray
+    touch_rank: list[dict[int, int]]  # position of each buffer among a binding's arguments
+    created_by: np.ndarray  # B: binding that allocates each buffer (-1: live on entry)
+    cons_buffer: np.ndarray  # buffers with consumers, ascending
+    cons_start: np.ndarray  # start of each of those buffers' runs in cons_node
+    cons_node: np.ndarray  # consumers, grouped by buffer
+    cache: dict = field(default_factory=dict)  # order-independent tables (see _plan_tables)
+
+    @property
+    def n(self) -> int:
+        return len(self.bindings)
+
+
+#: Memory models an order can be scored with: ``"static"`` (StaticPlanBlockMemory's storage
+#: reuse), ``"none"`` (plain liveness, as the stock lowering kills values), ``"plan"`` (plain
+#: liveness with the fields of multi-output kernels released after their last use, as
+#: PlanMemory's lowering does).
+PLANNERS = ("static", "none", "plan")
+
+
+def _callee(call: relax.Call) -> tuple[str | None, list[relax.Expr]]:
+    op = call.op
+    args = list(call.args)
+    if isinstance(op, tvm.ir.Op):
+        if op.name in _PACKED_CALLS and args and isinstance(args[0], relax.ExternFunc):
+            return args[0].global_symbol, args[1:]
+        return op.name, args
+    if isinstance(op, relax.ExternFunc):
+        return op.global_symbol, args
+    return None, args
+
+
+def tir_var_names(exprs: Sequence) -> set[str]:
+    names: set[str] = set()
+    for e in exprs:
+        names.update(v.name for v in e)
+    return names
+
+
+class BlockBuilder:
+    """Reads one dataflow block into a :class:`Block`."""
+
+    def __init__(
+        self,
+        block: relax.DataflowBlock,
+        graph: ShapeGraph,
+        mod: tvm.IRModule | None,
+        params: set[relax.Var],
+        used_after: set[relax.Var],
+        tir_defined_before: set[str],
+        planner: str = "static",
+    ) -> None:
+        self.planner = planner
+        self.block = block
+        self.graph = graph
+        self.mod = mod
+        self.params = params
+        self.used_after = used_after
+        self.tir_defined_before = tir_defined_before
+        self.size_exprs: list[SymbolicExpr] = []
+        self.external: list[int] = []
+        self.refs: dict[relax.Var, tuple[int, ...]] = {}
+        self.field_refs: dict[relax.Var, list[tuple[int, ...]]] = {}
+        self.bytes_cache: dict[int, list[tuple[tvm.ir.Type, SymbolicExpr]]] = {}
+        self.dtypes: list[str] = []
+        self.plannable: set[int] = set()  # allocated through builtin.alloc_tensor once lowered
+        self.discarded: set[int] = set()  # reach something StaticPlanBlockMemory does not plan
+        self.is_view = False  # whether the last value read by _value_refs was a view
+        # Buffers the lowered function holds until it returns: the fields of a multi-output
+        # kernel (after CallTIRRewrite the result is a tuple var that no one reads, since
+        # TupleGetItem folds to the field, so KillAfterLastUse never kills it), and the source
+        # of a view or tuple that is never read (KillAfterLastUse only kills used variables).
+        self.leaked: set[int] = set()
+        # Fields of multi-output kernels: leaked under the stock lowering, released by
+        # PlanMemory (it kills such tuples after their last item access).
+        self.tuple_fields: set[int] = set()
+
+    # -------------------------------------------------------------- buffers
+    def _bytes(self, ty: tvm.ir.Type, var: relax.Var | None = None) -> SymbolicExpr:
+        # Most bindings of a block share a handful of types: read each type's size once. Free
+        # dims are compared by identity, so equal types have equal sizes, except when the size
+        # is unknown: each such value keeps its own opaque size (named after ``var``).
+        key = tvm_ffi.structural_hash(ty)
+        for known, nbytes in self.bytes_cache.get(key, ()):
+            if tvm_ffi.structural_equal(known, ty):
+                return nbytes
+        nbytes = self.graph.bytes_of(ty)
+        if nbytes.is_unknown:
+            return self.graph.bytes_of(var) if var is not None else nbytes
+        self.bytes_cache.setdefault(key, []).append((ty, nbytes))
+        return nbytes
+
+    def _new_buffer(self, nbytes: SymbolicExpr, ty: tvm.ir.Type | None = None) -> int | None:
+        if nbytes.is_constant and nbytes.expr == 0:
+            return None
+        self.size_exprs.append(nbytes)
+        dtype = getattr(ty, "dtype", None) if isinstance(ty, relax.TensorType) else None
+        self.dtypes.append("" if dtype is None else str(dtype))
+        return len(self.size_exprs) - 1
+
+    def _refs_of(self, var: relax.Var) -> tuple[int, ...]:
+        cached = self.refs.get(var)
+        if cached is not None:
+            return cached
+        out: tuple[int, ...] = ()
+        if var not in self.params:
+            # A value of an earlier block: live on entry.
+            buffer = self._new_buffer(self._bytes(var.ty, var), var.ty)
+            if buffer is not None:
+                self.external.append(buffer)
+                out = (buffer,)
+        self.refs[var] = out
+        return out
+
+    def _refs_of_expr(self, expr: relax.Expr) -> tuple[int, ...]:
+        if isinstance(expr, relax.Var):
+            return self._refs_of(expr)
+        if isinstance(expr, relax.Tuple):
+            out: list[int] = []
+            for f in expr.fields:
+                out.extend(self._refs_of_expr(f))
+            return tuple(dict.fromkeys(out))
+        return ()
+
+    def _allocate_result(self, var: relax.Var) -> tuple[int, ...]:
+        ty = var.ty
+        if isinstance(ty, relax.TupleType):
+            fields: list[tuple[int, ...]] = []
+            for f in ty.fields:
+                buffer = self._new_buffer(self._bytes(f), f)
+                fields.append(() if buffer is None else (buffer,))
+            self.field_refs[var] = fields
+            return tuple(b for f in fields for b in f)
+        buffer = self._new_buffer(self._bytes(ty, var), ty)
+        return () if buffer is None else (buffer,)
+
+    def _is_reshape_kernel(self, call: relax.Call, var: relax.Var) -> relax.Expr | None:
+        """The argument a ``call_tir`` of a reshape kernel views (RewriteDataflowReshape)."""
+        if self.mod is None or not isinstance(var, relax.DataflowVar):
+            return None
+        gv = call.args[0]
+        if not isinstance(gv, tvm.ir.GlobalVar) or gv not in self.mod.functions:
+            return None
+        func = self.mod[gv]
+        if not isinstance(func, tvm.tirx.PrimFunc):
+            return None
+        args = call.args[1]
+        fields = list(args.fields) if isinstance(args, relax.Tuple) else [args]
+        if len(fields) != 1 or not isinstance(fields[0], relax.Var):
+            return None
+        src = fields[0]
+        src_ty, dst_ty = src.ty, var.ty
+        if not (isinstance(src_ty, relax.TensorType) and isinstance(dst_ty, relax.TensorType)):
+            return None
+        if str(src_ty.dtype) != str(dst_ty.dtype):
+            return None
+        if self.graph.compare(self._bytes(src_ty, src), self._bytes(dst_ty, var)) != Ordering.EQ:
+            return None
+        try:
+            if not relax.analysis.has_reshape_pattern(func):
+                return None
+        except Exception:  # an unusual PrimFunc: treat the call as computing a new tensor
+            return None
+        return src
+
+    def _value_refs(
+        self, var: relax.Var, value: relax.Expr, inplace: list[tuple[int, tuple[int, ...]]], i: int
+    ) -> tuple[int, ...]:
+        self.is_view = False
+        if isinstance(value, relax.Var):
+            if value in self.field_refs:
+                self.field_refs[var] = self.field_refs[value]
+            return self._refs_of(value)
+        if isinstance(value, relax.Tuple):
+            fields = [self._refs_of_expr(f) for f in value.fields]
+            self.field_refs[var] = fields
+            return tuple(dict.fromkeys(b for f in fields for b in f))
+        if isinstance(value, relax.TupleGetItem):
+            src = value.tuple_value
+            if isinstance(src, relax.Var) and src in self.field_refs:
+                fields = self.field_refs[src]
+                if 0 <= value.index < len(fields):
+                    return fields[value.index]
+            return self._refs_of_expr(src)
+        if isinstance(value, _LEAVES):
+            return ()
+        if isinstance(value, relax.Call):
+            if relax.analysis.contains_impure_call(value):
+                raise UnsupportedBlock(f"impure call in binding {var.name}")
+            name, args = _callee(value)
+            if name in _VIEW_OPS or name in _VIEW_PACKED:
+                self.is_view = True
+                return self._refs_of_expr(args[0]) if args else ()
+            if name == "relax.call_tir":
+                src = self._is_reshape_kernel(value, var)
+                if src is not None:
+                    self.is_view = True
+                    return self._refs_of(src)
+            if self._discards(value):
+                for arg in args:
+                    self.discarded.update(self._refs_of_expr(arg))
+            if name in _INPLACE:
+                return self._inplace_refs(value, name, args, var, inplace, i)
+            before = len(self.size_exprs)
+            refs = self._allocate_result(var)
+            if isinstance(value.op, tvm.ir.Op) and value.op.name not in _PACKED_CALLS:
+                # Operators, call_tir and call_dps_packed write into a builtin.alloc_tensor.
+                self.plannable.update(range(before, len(self.size_exprs)))
+                if isinstance(var.ty, relax.TupleType):
+                    self.tuple_fields.update(range(before, len(self.size_exprs)))
+            return refs
+        raise UnsupportedBlock(f"{type(value).__name__} in binding {var.name}")
+
+    def _discards(self, call: relax.Call) -> bool:
+        """Whether StaticPlanBlockMemory gives up planning the arguments of ``call``: it plans
+        only values passed to PrimFuncs and packed functions (and views of them)."""
+        op = call.op
+        if isinstance(op, tvm.ir.GlobalVar):
+            callee = self.mod[op] if self.mod is not None and op in self.mod.functions else None
+            return not isinstance(callee, tvm.tirx.PrimFunc)
+        if isinstance(op, tvm.ir.Op):
+            return op.name == "relax.call_builtin_with_ctx"
+        return not isinstance(op, relax.ExternFunc)
+
+    def _inplace_refs(
+        self,
+        call: relax.Call,
+        name: str,
+        args: list[relax.Expr],
+        var: relax.Var,
+        inplace: list[tuple[int, tuple[int, ...]]],
+        i: int,
+    ) -> tuple[int, ...]:
+        indices = [int(k) for k in call.attrs.inplace_indices]
+        if name == "relax.call_tir_inplace":
+            tensor_args = list(args[1].fields) if isinstance(args[1], relax.Tuple) else [args[1]]
+        else:
+            tensor_args = args
+        written: list[tuple[int, ...]] = []
+        for k in indices:
+            if k >= 0:
+                if k >= len(tensor_args):
+                    raise UnsupportedBlock(f"in-place index {k} out of range in {var.name}")
+                written.append(self._refs_of_expr(tensor_args[k]))
+            else:
+                written.append(())
+        fresh = any(k < 0 for k in indices)
+        before = len(self.size_exprs)
+        allocated = self._allocate_result(var) if fresh else ()
+        if name == "relax.call_tir_inplace":
+            self.plannable.update(range(before, len(self.size_exprs)))
+        aliased = tuple(dict.fromkeys(b for w in written for b in w))
+        inplace.append((i, aliased))
+        if isinstance(var.ty, relax.TupleType):
+            fresh_fields = list(self.field_refs.get(var, [()] * len(indices)))
+            self.field_refs[var] = [
+                w if k >= 0 else (fresh_fields[j] if j < len(fresh_fields) else ())
+                for j, (k, w) in enumerate(zip(indices, written))
+            ]
+        return tuple(dict.fromkeys(aliased + allocated))
+
+    # -------------------------------------------------------------- the graph
+    def build(self) -> Block:
+        bindings = list(self.block.bindings)
+        n = len(bindings)
+        index_of: dict[relax.Var, int] = {}
+        uses: list[list[relax.Var]] = []
+        creates: list[tuple[int, ...]] = []
+        touch: list[list[int]] = []
+        inplace: list[tuple[int, tuple[int, ...]]] = []
+        preds: list[set[int]] = [set() for _ in range(n)]
+        match_defs: list[tuple[int, set[str]]] = []
+        external_set: set[int] = set()
+        is_call: list[bool] = []
+        view_like: list[bool] = []
+        for i, binding in enumerate(bindings):
+            var = binding.var
+            value = binding.value
+            used = list(dict.fromkeys(relax.analysis.free_vars(value)))
+            uses.append(used)
+            for u in used:
+                j = index_of.get(u)
+                if j is not None:
+                    preds[i].add(j)
+            before = len(self.size_exprs)
+            if isinstance(binding, relax.MatchCast):
+                if not isinstance(value, (relax.Var, relax.Tuple, *_LEAVES)):
+                    raise UnsupportedBlock(f"match_cast of a {type(value).__name__} in {var.name}")
+                refs = self._value_refs(var, value, inplace, i)
+                defined = (
+                    tir_var_names([relax.analysis.definable_tir_vars_in_type(binding.ty)])
+                    - self.tir_defined_before
+                )
+                if defined:
+                    match_defs.append((i, defined))
+            else:
+                refs = self._value_refs(var, value, inplace, i)
+            is_call.append(
+                isinstance(value, relax.Call)
+                and not self.is_view
+                and not isinstance(binding, relax.MatchCast)
+            )
+            view_like.append(self.is_view)
+            # Buffers created by this binding (external ones met now are live on entry).
+            external_set.update(self.external[len(external_set) :])
+            own = tuple(b for b in range(before, len(self.size_exprs)) if b not in external_set)
+            creates.append(own)
+            self.refs[var] = refs
+            index_of[var] = i
+            t: list[int] = []
+            for u in used:
+                t.extend(self._refs_of(u))
+            t.extend(own)
+            touch.append(list(dict.fromkeys(t)))
+
+        read: set[relax.Var] = {u for used in uses for u in used}
+        for i, binding in enumerate(bindings):
+            var = binding.var
+            if var in read or var in self.used_after:
+                continue
+            if view_like[i] or isinstance(binding.value, relax.Tuple):
+                self.leaked.update(self.refs.get(var, ()))
+        if match_defs:
+            self._match_cast_edges(bindings, match_defs, preds)
+        num_buffers = len(self.size_exprs)
+        consumers: list[list[int]] = [[] for _ in range(num_buffers)]
+        for i, t in enumerate(touch):
+            for b in t:
+                consumers[b].append(i)
+        for i, written in inplace:
+            for b in written:
+                for j in consumers[b]:
+                    if j < i:
+                        preds[i].add(j)
+                    elif j > i:
+                        preds[j].add(i)
+        escaping = np.zeros(num_buffers, dtype=bool)
+        for var, refs in self.refs.items():
+            if var in self.used_after:
+                escaping[list(refs)] = True
+
+        space = ByteSpace(self.graph, self.size_exprs)
+        sizes = space.vectors
+        alloc = np.zeros((n, space.size), dtype=space.dtype)
+        for i, own in enumerate(creates):
+            for b in own:
+                alloc[i] += sizes[b]
+        initial = space.zero()
+        for b in self.external:
+            initial = initial + sizes[b]
+        plannable = np.zeros(num_buffers, dtype=bool)
+        plannable[sorted(self.plannable - self.discarded - set(self.external))] = True
+        plannable &= ~escaping
+        # Values the lowered function never kills live until it returns (see BlockBuilder).
+        leaked = self.leaked if self.planner == "plan" else self.leaked | self.tuple_fields
+        escaping[sorted(leaked)] = True
+        size_keys = [tuple(row.tolist()) for row in sizes]
+        const_sizes = [space.constant_value(row) for row in sizes]
+        call_consumers = [[j for j in cons if is_call[j]] for cons in consumers]
+        call_cons_buffer = np.array(
+            [b for b in range(num_buffers) if call_consumers[b]], dtype=np.int64
+        )
+        call_runs = [len(call_consumers[b]) for b in call_cons_buffer]
+        call_cons_start = np.concatenate([[0], np.cumsum(call_runs)[:-1]]).astype(np.int64)
+        call_cons_node = np.array(
+            [j for b in call_cons_buffer for j in call_consumers[b]], dtype=np.int64
+        )
+        pred_lists = [sorted(p) for p in preds]
+        succs: list[list[int]] = [[] for _ in range(n)]
+        for i, p in enumerate(pred_lists):
+            for j in p:
+                succs[j].append(i)
+        # Argument order for the depth-first strategy: first use first.
+        ordered_preds = []
+        for i in range(n):
+            seen = dict.fromkeys(index_of[u] for u in uses[i] if u in index_of)
+            ordered_preds.append(list(seen) + [j for j in pred_lists[i] if j not in seen])
+        created_by = np.full(num_buffers, -1, dtype=np.int64)
+        for i, own in enumerate(creates):
+            created_by[list(own)] = i
+        cons_buffer = np.array([b for b in range(num_buffers) if consumers[b]], dtype=np.int64)
+        runs = [len(consumers[b]) for b in cons_buffer]
+        cons_start = np.concatenate([[0], np.cumsum(runs)[:-1]]).astype(np.int64)
+        cons_node = np.array([j for b in cons_buffer for j in consumers[b]], dtype=np.int64)
+        return Block(
+            planner=self.planner,
+            plannable=plannable,
+            dtypes=self.dtypes,
+            size_keys=size_keys,
+            const_sizes=const_sizes,
+            call_cons_buffer=call_cons_buffer,
+            call_cons_start=call_cons_start if call_cons_buffer.size else np.zeros(0, np.int64),
+            call_cons_node=call_cons_node,
+            touch_rank=[{b: r for r, b in enumerate(t)} for t in touch],
+            created_by=created_by,
+            cons_buffer=cons_buffer,
+            cons_start=cons_start if cons_buffer.size else np.zeros(0, dtype=np.int64),
+            cons_node=cons_node,
+            bindings=bindings,
+            preds=ordered_preds,
+            succs=succs,
+            touch=touch,
+            alloc=alloc,
+            sizes=sizes,
+            escaping=escaping,
+            initial=initial,
+            consumers=consumers,
+            space=space,
+        )
+
+    @staticmethod
+    def _match_cast_edges(
+        bindings: list[relax.Binding], match_defs: list[tuple[int, set[str]]], preds: list[set[int]]
+    ) -> None:
+        for j, binding in enumerate(bindings):
+            mentioned = tir_var_names(
+                [
+                    relax.analysis.tir_vars_in_type(binding.var.ty),
+                    relax.analysis.free_symbolic_vars(binding.value),
+                ]
+            )
+            if isinstance(binding, relax.MatchCast):
+                mentioned |= tir_var_names([relax.analysis.tir_vars_in_type(binding.ty)])
+            for i, defined in match_defs:
+                if j > i and mentioned & defined:
+                    preds[j].add(i)
+
+
+@dataclass
+class Timeline:
+    """Live bytes of one order: symbolic rows and their values at the acceptance points."""
+
+    order: list[int]
+    pos: np.ndarray  # position of each binding
+    free_step: np.ndarray  # position after which each buffer is freed (-1: never)
+    during: np.ndarray  # n x M: live bytes while each step runs
+    values: np.ndarray  # n x P: ``during`` at the acceptance points
+    peaks: np.ndarray  # P
+    groups: dict = field(default_factory=dict)  # move groups computed for this order
+
+
+def _rows(
+    block: Block,
+    starts: np.ndarray,
+    start_sizes: np.ndarray,
+    ends: np.ndarray,
+    end_sizes: np.ndarray,
+) -> np.ndarray:
+    """``live_during`` rows from allocations (step, size) and frees (after step, size)."""
+    n = block.n
+    space = block.space
+
+    def per_step(steps: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        if not space.float_exact:
+            out = np.zeros((n, space.size), dtype=space.dtype)
+            np.add.at(out, steps, sizes)
+            return out
+        out = np.zeros((n, space.size), dtype=np.int64)
+        for m in range(space.size):
+            column = sizes[:, m]
+            if column.any():
+                # Integer sums through float weights are exact below 2**53 (``float_exact``).
+                out[:, m] = np.rint(np.bincount(steps, weights=column, minlength=n))
+        return out
+
+    allocated = per_step(starts, start_sizes)
+    freed = per_step(ends, end_sizes)
+    return block.initial + np.cumsum(allocated, axis=0) - (np.cumsum(freed, axis=0) - freed)
+
+
+def _last_position(
+    pos: np.ndarray, nodes: np.ndarray, starts: np.ndarray, count: int, buffers: np.ndarray
+) -> np.ndarray:
+    out = np.full(count, -1, dtype=np.int64)
+    if nodes.size:
+        out[buffers] = np.maximum.reduceat(pos[nodes], starts)
+    return out
+
+
+def timeline(block: Block, order: Sequence[int], planner: str | None = None) -> Timeline:
+    """Live bytes of ``order``; with ``planner="static"`` (the default of the block), storage
+    reuse as ``StaticPlanBlockMemory`` will plan it (see :func:`plan_storage`)."""
+    planner = block.planner if planner is None else planner
+    order_arr = np.asarray(order, dtype=np.int64)
+    pos = np.empty(block.n, dtype=np.int64)
+    pos[order_arr] = np.arange(block.n, dtype=np.int64)
+    num_buffers = block.sizes.shape[0]
+    free_step = _last_position(
+        pos, block.cons_node, block.cons_start, num_buffers, block.cons_buffer
+    )
+    own = block.created_by >= 0
+    freeable = (~block.escaping) & (free_step >= 0)
+    if planner == "static" and block.plannable.any():
+        plain = own & ~block.plannable
+        token_start, token_end, token_sizes = plan_storage(block, pos, free_step)
+        starts = np.concatenate([pos[block.created_by[plain]], token_start])
+        start_sizes = np.concatenate([block.sizes[plain], token_sizes])
+        gone = freeable & ~block.plannable
+        freed_tokens = token_end >= 0
+        ends = np.concatenate([free_step[gone], token_end[freed_tokens]])
+        end_sizes = np.concatenate([block.sizes[gone], token_sizes[freed_tokens]])
+    else:
+        starts, start_sizes = pos[block.created_by[own]], block.sizes[own]
+        ends, end_sizes = free_step[freeable], block.sizes[freeable]
+    during = _rows(block, starts, start_sizes, ends, end_sizes)
+    values = block.space.at_acceptance_points(during)
+    return Timeline(
+        order=list(order),
+        pos=pos,
+        free_step=free_step,
+        during=during,
+        values=values,
+        peaks=values.max(axis=0),
+    )
+
+
+_NEVER = -2  # token end of a storage that lives until the function returns
+
+
+@dataclass
+class _PlanTables:
+    """Order-independent facts :func:`plan_storage` needs, as plain Python values."""
+
+    buffers: np.ndarray  # plannable buffers
+    creator: np.ndarray  # binding that allocates each of them
+    kind: list[int]  # per buffer: pool class (dtype and size) of a symbolic size, -1 if constant
+    dtype_id: list[int]  # per buffer: dtype class
+    const: list[int]  # per buffer: the constant size, -1 if symbolic
+    escaping: list[bool]
+    call_rank: np.ndarray  # per entry of call_cons_node: the buffer's rank among its arguments
+    const_column: int  # monomial index of the constant term (-1 if none)
+
+
+def _plan_tables(block: Block) -> _PlanTables:
+    tables = block.cache.get("plan")
+    if tables is not None:
+        return tables
+    num_buffers = block.sizes.shape[0]
+    kinds: dict[tuple, int] = {}
+    dtypes: dict[str, int] = {}
+    kind, dtype_id, const = [-1] * num_buffers, [0] * num_buffers, [-1] * num_buffers
+    for b in range(num_buffers):
+        dtype_id[b] = dtypes.setdefault(block.dtypes[b], len(dtypes))
+        value = block.const_sizes[b]
+        if value is None:
+            kind[b] = kinds.setdefault((block.dtypes[b], block.size_keys[b]), len(kinds))
+        else:
+            const[b] = int(value)
+    rank = np.zeros(block.call_cons_node.size, dtype=np.int64)
+    for i, b in enumerate(block.call_cons_buffer):
+        begin = int(block.call_cons_start[i])
+        stop = (
+            int(block.call_cons_start[i + 1])
+            if i + 1 < block.call_cons_buffer.size
+            else block.call_cons_node.size
+        )
+        for j in range(begin, stop):
+            rank[j] = block.touch_rank[int(block.call_cons_node[j])].get(int(b), 0)
+    has_constant = any(v is not None and v != 0 for v in block.const_sizes)
+    unit = block.space.constant(1) if has_constant else block.space.zero()
+    nonzero = np.flatnonzero(unit)
+    buffers = np.nonzero(block.plannable)[0]
+    tables = _PlanTables(
+        buffers=buffers,
+        creator=block.created_by[buffers],
+        kind=kind,
+        dtype_id=dtype_id,
+        const=const,
+        escaping=[bool(x) for x in block.escaping],
+        call_rank=rank,
+        const_column=int(nonzero[0]) if nonzero.size else -1,
+    )
+    block.cache["plan"] = tables
+    return tables
+
+
+def plan_storage(
+    block: Block, pos: np.ndarray, free_step: np.ndarray, assignment: dict | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Storage tokens that ``StaticPlanBlockMemory`` gives the plannable buffers of an order.
+
+    Mirrors its token allocator: a buffer's token returns to the pool after the last *call*
+    that reads it (views, tuples and ``match_cast`` do not count); a new buffer takes the
+    first-released pooled token of the same dtype and provably equal symbolic size, or, for a
+    constant size, the smallest pooled constant token of at least its size within a factor
+    16 (else the largest smaller one, enlarged). A token's storage is live from its first
+    buffer's allocation to its last buffer's last use.
+
+    Returns
+    -------
+    tuple
+        Start steps, end steps and size rows of the tokens.
+    """
+    tables = _plan_tables(block)
+    num_buffers = block.sizes.shape[0]
+    # The releasing call of each buffer is its last call consumer; encode (position, argument
+    # rank) in one integer so that one reduction finds both.
+    release = np.full(num_buffers, -1, dtype=np.int64)
+    rank_of = np.zeros(num_buffers, dtype=np.int64)
+    if block.call_cons_node.size:
+        scale = int(tables.call_rank.max()) + 1
+        combined = pos[block.call_cons_node] * scale + tables.call_rank
+        last = np.maximum.reduceat(combined, block.call_cons_start)
+        release[block.call_cons_buffer] = last // scale
+        rank_of[block.call_cons_buffer] = last % scale
+    buffers = tables.buffers
+    created = pos[tables.creator]
+    alloc_order = buffers[np.lexsort((buffers, created))].tolist()
+    # Tokens released by one call go back to the pool in the order of its arguments.
+    released = buffers[release[buffers] >= 0]
+    release_order = released[np.lexsort((released, rank_of[released], release[released]))].tolist()
+    release_at = release.tolist()
+    step_of = pos[block.created_by].tolist() if num_buffers else []
+    free_at = free_step.tolist()
+    kind, dtype_id, const_of, escaping = tables.kind, tables.dtype_id, tables.const, tables.escaping
+    token_of = {} if assignment is None else assignment
+    starts: list[int] = []
+    ends: list[int] = []
+    first: list[int] = []  # first buffer of each token
+    const: list[int] = []  # constant size of each token (-1: symbolic)
+    dynamic_pool: dict[int, list[int]] = {}
+    const_pool: dict[int, list[tuple[int, int, int]]] = {}
+    seq = 0
+    r = 0
+    count = len(release_order)
+    for b in alloc_order:
+        step = step_of[b]
+        # Tokens released by calls before this step are back in the pool.
+        while r < count and release_at[release_order[r]] < step:
+            rb = release_order[r]
+            r += 1
+            t = token_of[rb]
+            if const[t] < 0:
+                dynamic_pool.setdefault(kind[rb], []).append(t)
+            else:
+                bisect.insort(const_pool.setdefault(dtype_id[rb], []), (const[t], seq, t))
+                seq += 1
+        value = const_of[b]
+        token = -1
+        if value < 0:
+            waiting = dynamic_pool.get(kind[b])
+            if waiting:
+                token = waiting.pop(0)
+        else:
+            pool = const_pool.get(dtype_id[b])
+            if pool:
+                lo = bisect.bisect_left(pool, (value // 16, -1, -1))
+                hi = bisect.bisect_right(pool, (value * 16, seq + 1, -1))
+                mid = bisect.bisect_left(pool, (value, -1, -1))
+                if mid < hi:
+                    token = pool.pop(mid)[2]
+                elif mid > lo:
+                    token = pool.pop(mid - 1)[2]
+                    if const[token] < value:
+                        const[token] = value
+        if token < 0:
+            token = len(starts)
+            starts.append(step)
+            ends.append(-1)
+            first.append(b)
+            const.append(value)
+        token_of[b] = token
+        if escaping[b] or ends[token] == _NEVER:
+            ends[token] = _NEVER
+        elif free_at[b] > ends[token]:
+            ends[token] = free_at[b]
+    rows = block.sizes[np.asarray(first, dtype=np.int64)].copy()
+    const_arr = np.asarray(const, dtype=np.int64)
+    fixed = const_arr >= 0
+    if fixed.any():
+        rows[fixed] = 0
+        if tables.const_column >= 0:
+            rows[fixed, tables.const_column] = const_arr[fixed]
+    rows = rows.astype(block.space.dtype).reshape(len(starts), block.space.size)
+    return np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64), rows
+
+
+def profile(block: Block, order: Sequence[int]) -> OrderProfile:
+    tl = timeline(block, order)
+    allocating = block.alloc[np.asarray(order, dtype=np.int64)].any(axis=1)
+    allocating[0] = True
+    return OrderProfile(
+        order=list(order), peaks=tl.peaks, front=pareto_front(block.space, tl.during[allocating])
+    )
