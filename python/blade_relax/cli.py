@@ -585,6 +585,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from .analysis import memory_timeline
     from .pipeline import get_pipeline, lower_to_memory_stage, stock_pipeline
     from .symbolic import ShapeGraph
+    from .transform.memory_aware_schedule import version_for
 
     func = model.mod["main"]
     dims = sorted(ShapeGraph.from_function(func).dims)
@@ -606,13 +607,18 @@ def run_demo(args: argparse.Namespace) -> int:
     stock_low = lower_to_memory_stage(model.mod)
     blade_low = lower_to_memory_stage(model.mod, schedule=True, remat=True, plan=True)
     stock_tl = memory_timeline(stock_low["main"], mod=stock_low)
-    blade_tl = memory_timeline(blade_low["main"], mod=blade_low)
+    # MemoryAwareSchedule may have turned `main` into a dispatcher over range copies, each
+    # scheduled for its range of lengths: the timeline to read is that of the copy that runs.
+    blade_fns = {version_for(blade_low, "main", b) for b in all_bindings}
+    blade_tls = {fn: memory_timeline(blade_low[fn], mod=blade_low) for fn in sorted(blade_fns)}
 
     dim_label = ",".join(dims)
     print(f"model: {model.name}  ({model.description})")
     print(f"dynamic dims: {dim_label}  (every dim set to each size)")
     print(f"symbolic peak, stock TVM:   {stock_tl.peak}")
-    print(f"symbolic peak, blade_relax: {blade_tl.peak}")
+    for fn, timeline in blade_tls.items():
+        where = "" if fn == "main" else f" (range copy {fn})"
+        print(f"symbolic peak, blade_relax{where}: {timeline.peak}")
     print(
         f"budget: {fraction:g} x blade_relax's measured peak at each size; predictions under "
         "the budget come from the remat runtime's decision"
@@ -626,6 +632,7 @@ def run_demo(args: argparse.Namespace) -> int:
         stock = _run_once(stock_exe, arrays, bindings)
         stock.predicted_bytes = stock_tl.evaluate(bindings).peak
         blade = _run_once(blade_exe, arrays, bindings)
+        blade_tl = blade_tls[version_for(blade_low, "main", bindings)]
         blade.predicted_bytes = blade_tl.evaluate(bindings).peak
         budget = max(1, int(fraction * blade.peak_bytes))
         budgeted = _run_once(blade_exe, arrays, bindings, budget=budget)
@@ -781,9 +788,16 @@ def run_report(args: argparse.Namespace) -> int:
                 ) from None
             stages.append((label, lowered))
 
+    from .transform.memory_aware_schedule import version_for
+
     timelines = []
     for label, mod in stages:
-        lowered_func = _function(mod, args.function, f"{model.name} after the {label} pipeline")
+        # A function that MemoryAwareSchedule versioned by range dispatches to the copy
+        # scheduled for these dims: that copy's timeline is what runs.
+        name = version_for(mod, args.function, bindings)
+        if name != args.function:
+            label = f"{label} ({name})"
+        lowered_func = _function(mod, name, f"{model.name} after the {label} pipeline")
         try:
             timelines.append((label, memory_timeline(lowered_func, mod=mod)))
         except Exception as err:
