@@ -146,6 +146,20 @@ def markdown_table(result: BenchResult) -> str:
     return "\n".join(lines)
 
 
+def _finish(fig: Any, ax: Any, path: str | os.PathLike) -> Path:
+    """Grid, legend, layout; write the figure to ``path`` as PNG and close it."""
+    import matplotlib.pyplot as plt
+
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
 def write_plot(result: BenchResult, path: str | os.PathLike) -> Path:
     """Peak bytes vs sequence length, one line per requested configuration (PNG)."""
     import matplotlib
@@ -173,14 +187,7 @@ def write_plot(result: BenchResult, path: str | os.PathLike) -> Path:
     ax.set_xlabel("sequence length s")
     ax.set_ylabel("peak memory (MiB)")
     ax.set_title(f"{result.workload.name}: peak bytes per step ({result.target})")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return _finish(fig, ax, path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -359,11 +366,4 @@ def write_budget_plot(result: BenchResult, path: str | os.PathLike) -> Path:
     ax.set_xlabel(f"peak bytes / {reference} without a budget (median over the trace)")
     ax.set_ylabel("step time / same system without a budget")
     ax.set_title(f"{result.workload.name}: peak and step time against the budget")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return _finish(fig, ax, path)
