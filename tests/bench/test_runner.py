@@ -22,7 +22,7 @@ TINY_SIZES = ModelSizes(layers=1, hidden=16, intermediate=32, vocab=8, max_seq_l
 RESULT_KEYS = {
     "config", "seq_len", "peak_bytes", "step_peak_bytes", "caller_bytes", "lower_bound_bytes",
     "step_time_s", "step_times_s", "compile_time_s", "compilations", "loss", "max_rel_error",
-    "correct", "budget_bytes", "evictions", "regenerations", "driver_peak_bytes",
+    "correct", "budget_bytes", "evictions", "regenerations", "allocations", "driver_peak_bytes",
     "driver_agrees", "error",
 }  # fmt: skip
 

@@ -81,6 +81,7 @@ class Measurement:
     budget_bytes: int | None = None
     evictions: int | None = None
     regenerations: int | None = None
+    allocations: int | None = None
     driver_peak_bytes: int | None = None
     driver_agrees: bool | None = None
     error: str | None = None
@@ -219,6 +220,7 @@ class _TvmRunner:
             row.step_peak_bytes = int(stats["peak_bytes"] - base)
             row.evictions = stats.get("evictions")
             row.regenerations = stats.get("regenerations")
+            row.allocations = stats.get("allocations")
             row.step_times_s = _timed(lambda: main(*args), repeat, self.device)
             if self.device.dlpack_device_type() == tvm.cuda().dlpack_device_type():
                 row.driver_peak_bytes, row.driver_agrees = _driver_view(
