@@ -114,3 +114,17 @@ def test_reachable_budget_holds_around_a_call():
             checked += 1
             assert got.peak_absolute <= budget, (budget, got.decision)
     assert checked
+
+
+def test_peak_of_a_range_versioned_main_is_read_from_the_copy_that_runs():
+    # Fuzz seed 4925 (long run): MemoryAwareSchedule turned `main` into a dispatcher over range
+    # copies (n <= 3, n >= 4); the harness read the dispatcher's timeline, whose `If` counts as
+    # a fresh result, and predicted 88 B where 32 B were measured at n=2. `predicted_peak` now
+    # reads the copy that runs at the given dims.
+    from blade_relax.testing import program_from_seed
+    from blade_relax.testing.differential import available_variants, check_program
+
+    report = check_program(program_from_seed(4925), shapes=3, variants=available_variants())
+    assert report.ok, report.describe()
+    assert report.checks["peak"] >= 12
+    assert report.checks.get("peak_skipped_control_flow", 0) == 0

@@ -56,6 +56,7 @@ from tvm import relax
 from .. import runtime
 from ..analysis import memory_timeline
 from ..pipeline import get_pipeline
+from ..transform.memory_aware_schedule import version_for
 from .program_gen import GeneratedProgram
 
 __all__ = [
@@ -436,8 +437,12 @@ def _has_control_flow(mod: tvm.IRModule) -> bool:
 
 
 def predicted_peak(memory_stage: tvm.IRModule, dims: dict[str, int]) -> int:
-    """The timeline's peak for ``main`` of a module at the memory stage, at ``dims``."""
-    func = memory_stage["main"]
+    """The timeline's peak for ``main`` of a module at the memory stage, at ``dims``.
+
+    When ``MemoryAwareSchedule`` turned ``main`` into a dispatcher over range copies, the
+    copy that runs at ``dims`` is the one read (the dispatch itself allocates nothing).
+    """
+    func = memory_stage[version_for(memory_stage, "main", dims)]
     timeline = memory_timeline(func, mod=memory_stage)
     known = set(timeline.graph.dims)
     return timeline.evaluate({k: v for k, v in dims.items() if k in known}).peak
