@@ -506,15 +506,15 @@ def memory_timeline(
             ]
         allocates = effect.allocates
         if effect.takes is not None:
-            pair = next((p for p in kept if _same_key(p, effect.takes)), None)
-            if pair is None:
+            # Relax variables hash and compare by node, so the pair finds its entry.
+            taken = kept.pop(effect.takes, None)
+            if taken is None:
                 allocates = graph.bytes_of(binding.var)
             else:
-                taken = kept.pop(pair)
                 own |= taken
                 # The result holds them now; the runtime object no longer does.
                 for alloc_id in taken:
-                    holders[alloc_id].discard(pair)
+                    holders[alloc_id].discard(effect.takes)
         if effect.keeps is not None:
             owner, key, source = effect.keeps
             pair = (owner, key)
@@ -583,10 +583,6 @@ def memory_timeline(
         output_bytes=_sum(sizes[a] for a in sorted(output_ids)),
         working_sets=working_sets,
     )
-
-
-def _same_key(pair: tuple[relax.Var, object], wanted: tuple[relax.Var, object]) -> bool:
-    return pair[0].same_as(wanted[0]) and pair[1] == wanted[1]
 
 
 def _sum(exprs) -> SymbolicExpr:
