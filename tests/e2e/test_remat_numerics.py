@@ -15,6 +15,8 @@ import tvm
 from tvm import relax
 
 import blade_relax
+from blade_relax.analysis import memory_timeline
+from blade_relax.pipeline import lower_to_memory_stage
 from blade_relax.runtime import (
     RematBudgetWarning,
     last_remat_decision,
@@ -24,6 +26,8 @@ from blade_relax.runtime import (
     set_memory_budget,
 )
 from blade_relax.transform import RematOptions
+from blade_relax.transform._remat_timeline import META_ATTR
+from blade_relax.transform.memory_aware_schedule import version_for
 
 LAYERS, WIDTH = 4, 32
 LENGTHS = (7, 64, 300)
@@ -93,17 +97,50 @@ def _same(a, b) -> bool:
     return all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
+@pytest.fixture(scope="module")
+def remat_memory_stage():
+    return lower_to_memory_stage(_mlp_training_step(), "llvm", remat=True, plan=True)
+
+
+def test_dispatch_names_the_copy_that_runs(remat_memory_stage):
+    low = remat_memory_stage
+    assert version_for(low, "main_adjoint", {"n": 7}) == "main_adjoint__plain"
+    assert version_for(low, "main_adjoint", {"n": 7}, budget=True) == "main_adjoint__remat"
+    assert META_ATTR in low["main_adjoint__remat"].attrs
+    assert META_ATTR not in low["main_adjoint__plain"].attrs
+
+
 @pytest.mark.parametrize("n", LENGTHS)
-def test_no_budget_evicts_nothing(executables, n):
+def test_no_budget_runs_the_plain_copy(executables, remat_memory_stage, n):
     args = _args(n)
     reference, _ = _run(executables["reference"], args)
-    planned, _ = _run(executables["plan"], args)
+    planned, planned_stats = _run(executables["plan"], args)
+    before = last_remat_decision()
     values, stats = _run(executables["remat"], args)
     assert _same(values, reference) and _same(planned, reference)
     assert stats["evictions"] == stats["regenerations"] == 0
-    # The timeline read from the planned IR predicts the bytes the VM allocates.
+    # Without a budget the dispatcher calls the unrewritten copy: the runtime makes no
+    # decision, and the call peaks where the same pipeline without Rematerialize does.
+    assert last_remat_decision() == before
+    assert stats["peak_bytes"] == planned_stats["peak_bytes"]
+    # The timeline of the copy that runs predicts the bytes the VM allocates.
+    low = remat_memory_stage
+    plain = low[version_for(low, "main_adjoint", {"n": n})]
+    assert memory_timeline(plain, mod=low).evaluate({"n": n}).peak == stats["peak_bytes"]
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+def test_generous_budget_evicts_nothing(executables, n):
+    """Under a budget the rewritten copy runs; one it meets without evicting evicts nothing,
+    and the timeline read from its planned IR predicts the bytes the VM allocates."""
+    args = _args(n)
+    reference, _ = _run(executables["reference"], args)
+    values, stats = _run(executables["remat"], args, 2**40)
+    assert _same(values, reference)
+    assert stats["evictions"] == stats["regenerations"] == 0
     program = next(p for p in remat_programs().values() if p.function == "main_adjoint")
     assert program.timeline([n]).base_peak == stats["peak_bytes"]
+    assert last_remat_decision()["predicted_peak"] == stats["peak_bytes"]
 
 
 @pytest.mark.parametrize("variant", ["remat", "remat-stock-plan", "remat-own-storage"])
@@ -140,6 +177,7 @@ def test_tightest_reachable_budget_holds(executables):
     args = _args(n)
     reference, _ = _run(executables["reference"], args)
     _, free = _run(executables["remat"], args)
+    _run(executables["remat"], args, 2**40)  # under a budget: the rewritten copy's program
     program = next(p for p in remat_programs().values() if p.function == "main_adjoint")
     assert program.exact
     lowest = program.minimum_peak([n]).peak

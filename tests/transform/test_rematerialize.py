@@ -16,6 +16,7 @@ import blade_relax  # noqa: F401  (registers the runtime builtins)
 from blade_relax.transform import Rematerialize, RematOptions
 from blade_relax.transform._remat_timeline import (
     BEGIN,
+    COPY_ATTR,
     EVICT,
     META_ATTR,
     REGENERATE,
@@ -24,7 +25,8 @@ from blade_relax.transform._remat_timeline import (
     simulate,
 )
 
-OPTIONS = RematOptions(min_bytes=0, min_fraction=0.0)
+# The structure tests read the rewritten function in place (the budget dispatch has its own).
+OPTIONS = RematOptions(min_bytes=0, min_fraction=0.0, plain_without_budget=False)
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -547,7 +549,9 @@ def test_unchanged_when_the_tensor_comes_from_a_packed_call():
 
 def test_unchanged_with_no_candidate_allowed():
     before = _chain_module()
-    options = RematOptions(min_bytes=0, min_fraction=0.0, max_candidates=0)
+    options = RematOptions(
+        min_bytes=0, min_fraction=0.0, max_candidates=0, plain_without_budget=False
+    )
     tvm.ir.assert_structural_equal(Rematerialize(options)(before), before)
 
 
@@ -757,10 +761,86 @@ def test_functions_called_from_a_dispatcher_with_control_flow_are_rematerialized
     assert after["dispatch"].attrs is None or META_ATTR not in after["dispatch"].attrs
 
 
+# --------------------------------------------------------------------------- budget dispatch
+DISPATCH = RematOptions(min_bytes=0, min_fraction=0.0)  # plain_without_budget by default
+
+
+def _with_attrs(func: relax.Function, attrs) -> relax.Function:
+    return relax.Function(func.params, func.body, func.ret_ty, func.is_pure, attrs, func.span)
+
+
+def test_budget_dispatch_calls_the_rewritten_copy_only_under_a_budget():
+    before = _chain_module()
+    after = Rematerialize(DISPATCH)(before)
+    in_place = Rematerialize(OPTIONS)(before)
+
+    @I.ir_module
+    class Expected:
+        @R.function(private=True)
+        def main__remat(x: R.Tensor(("n", 4), "float32")) -> R.Tensor(("n", 4), "float32"):
+            return x
+
+        @R.function(private=True)
+        def main__plain(x: R.Tensor(("n", 4), "float32")) -> R.Tensor(("n", 4), "float32"):
+            return x
+
+        @R.function
+        def main(x: R.Tensor(("n", 4), "float32")) -> R.Tensor(("n", 4), "float32"):
+            R.func_attr({"relax.force_pure": True})
+            cls = Expected
+            active = R.call_packed("blade_relax.remat_active", ty_args=R.Prim("bool"))
+            if active:
+                r = cls.main__remat(x)
+            else:
+                r = cls.main__plain(x)
+            return r
+
+    tvm.ir.assert_structural_equal(after["main"], Expected["main"], map_free_vars=True)
+    # The copies: the rewritten function and the original, private, each marked.
+    remat, plain = after["main__remat"], after["main__plain"]
+    assert "global_symbol" not in remat.attrs and "global_symbol" not in plain.attrs
+    assert str(remat.attrs[COPY_ATTR]["of"]) == "main" and int(remat.attrs[COPY_ATTR]["budget"])
+    assert not int(plain.attrs[COPY_ATTR]["budget"])
+    tvm.ir.assert_structural_equal(
+        _with_attrs(remat, in_place["main"].attrs), in_place["main"], map_free_vars=True
+    )
+    tvm.ir.assert_structural_equal(_with_attrs(plain, before["main"].attrs), before["main"])
+    # Regeneration functions and the release function are those of the in-place rewrite.
+    others = {g.name_hint for g in after.get_global_vars()} - {"main__remat", "main__plain"}
+    assert others == {g.name_hint for g in in_place.get_global_vars()}
+
+
+def test_budget_dispatch_is_idempotent():
+    once = Rematerialize(DISPATCH)(_chain_module())
+    tvm.ir.assert_structural_equal(Rematerialize(DISPATCH)(once), once)
+
+
+def test_version_for_follows_range_and_budget_dispatchers():
+    """A range dispatcher over copies that Rematerialize then turns into budget dispatchers:
+    ``version_for`` names the copy that runs at given dims, with and without a budget."""
+    from blade_relax.transform._schedule_versions import DimRange, build_dispatch, version_for
+
+    chain = _chain_module()
+    gv = chain.get_global_var("main")
+    n = chain["main"].params[0].ty.shape.values[0]
+    versions = [(DimRange("n", 1, 64), chain["main"]), (DimRange("n", 65, None), chain["main"])]
+    dispatcher, copies = build_dispatch(chain, gv, chain["main"], n, versions)
+    functions = {g: f for g, f in chain.functions.items() if g != gv}
+    versioned = tvm.IRModule({**functions, gv: dispatcher, **dict(copies)})
+    after = Rematerialize(DISPATCH)(versioned)
+    relax.analysis.well_formed(after)
+    assert version_for(after, "main", {"n": 8}) == "main__n1_64__plain"
+    assert version_for(after, "main", {"n": 8}, budget=True) == "main__n1_64__remat"
+    assert version_for(after, "main", {"n": 100}, budget=True) == "main__n65_inf__remat"
+    assert version_for(after, "other", {"n": 8}) == "other"
+
+
 def test_own_storage_for_large_tensors():
     """With ``own_storage_fraction``, large tensors that are not evictable get an explicit
     storage of their own, which the planners leave alone; small ones stay planned."""
-    options = RematOptions(min_bytes=0, min_fraction=0.0, own_storage_fraction=0.0)
+    options = RematOptions(
+        min_bytes=0, min_fraction=0.0, own_storage_fraction=0.0, plain_without_budget=False
+    )
     after = Rematerialize(options)(_chain_module())
     bindings = {b.var.name: b.value for b in after["main"].body.blocks[0].bindings}
     n = after["main"].params[0].ty.shape.values[0]

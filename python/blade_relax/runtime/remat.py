@@ -50,6 +50,13 @@ takes tensors from packed functions) is decided on what the timeline knows, best
 decision never calls the budget reachable (``reason="inexact"``), and one
 :class:`RematInexactWarning` per program says so.
 
+Without a budget the compiled function does not come here at all: ``Rematerialize`` keeps
+the function as it was (``f__plain``) next to the rewritten one (``f__remat``) and turns ``f``
+into a dispatcher that asks ``blade_relax.remat_active()`` (one Python call: is a budget set in
+this thread?) and calls the rewritten copy only when it says yes. Without a budget a call thus
+costs one packed call more than without the pass, and peaks where the unrewritten function
+peaks (the rewritten one gives evictable tensors storage of their own).
+
 With a budget set, ``remat_begin`` first invokes ``release``: the value the VM returned from its
 previous call would otherwise stay alive (and counted) until this call returns.
 """
@@ -486,6 +493,12 @@ def _remat_regenerate(frame: _Frame, slot: int, inputs: Any = ()) -> Any:
     return result
 
 
+def _remat_active() -> bool:
+    """Whether this thread has a memory budget: the dispatcher's choice of copy (see above)."""
+    return _budget.get_memory_budget() is not None
+
+
+tvm.register_global_func("blade_relax.remat_active", _remat_active, override=True)
 tvm.register_global_func("blade_relax.remat_begin", _remat_begin, override=True)
 tvm.register_global_func("blade_relax.evict", _remat_evict, override=True)
 tvm.register_global_func("blade_relax.regenerate", _remat_regenerate, override=True)

@@ -439,8 +439,9 @@ def _has_control_flow(mod: tvm.IRModule) -> bool:
 def predicted_peak(memory_stage: tvm.IRModule, dims: dict[str, int]) -> int:
     """The timeline's peak for ``main`` of a module at the memory stage, at ``dims``.
 
-    When ``MemoryAwareSchedule`` turned ``main`` into a dispatcher over range copies, the
-    copy that runs at ``dims`` is the one read (the dispatch itself allocates nothing).
+    When ``main`` is a dispatcher (range copies of ``MemoryAwareSchedule``, the plain and
+    rewritten copies of ``Rematerialize``), the copy that runs at ``dims`` without a memory
+    budget is the one read (a dispatcher allocates nothing).
     """
     func = memory_stage[version_for(memory_stage, "main", dims)]
     timeline = memory_timeline(func, mod=memory_stage)
@@ -620,7 +621,7 @@ def _check_runs(
     remat_runtime = (
         cv.variant.remat
         and hasattr(runtime, "set_memory_budget")
-        and _remat_metadata(cv.memory_stage) is not None
+        and _remat_metadata(cv.memory_stage, dims) is not None
     )
     index = 0
     while index < len(budgets):
@@ -656,12 +657,13 @@ def _check_runs(
             else:
                 report.checks["peak_skipped_control_flow"] += 1
             continue
-        _check_budget(report, name, m, dims, budget, _remat_is_exact(cv.memory_stage))
+        _check_budget(report, name, m, dims, budget, _remat_is_exact(cv.memory_stage, dims))
 
 
-def _remat_metadata(memory_stage: tvm.IRModule) -> dict[str, Any] | None:
-    """The remat metadata of ``main`` (None when the pass left it alone)."""
-    attrs = memory_stage["main"].attrs
+def _remat_metadata(memory_stage: tvm.IRModule, dims: dict[str, int]) -> dict[str, Any] | None:
+    """The remat metadata of the function that runs ``main`` at ``dims`` under a budget (None
+    when the pass left it alone)."""
+    attrs = memory_stage[version_for(memory_stage, "main", dims, budget=True)].attrs
     if attrs is None or "blade_relax.remat" not in attrs:
         return None
     try:
@@ -670,9 +672,9 @@ def _remat_metadata(memory_stage: tvm.IRModule) -> dict[str, Any] | None:
         return None
 
 
-def _remat_is_exact(memory_stage: tvm.IRModule) -> bool:
-    """Whether the remat metadata of ``main`` claims an exact timeline (no If, no calls)."""
-    meta = _remat_metadata(memory_stage)
+def _remat_is_exact(memory_stage: tvm.IRModule, dims: dict[str, int]) -> bool:
+    """Whether that metadata claims an exact timeline (every allocation on it)."""
+    meta = _remat_metadata(memory_stage, dims)
     return bool(meta and meta.get("exact", False))
 
 

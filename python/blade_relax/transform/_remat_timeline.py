@@ -44,7 +44,9 @@ from tvm import relax
 from ..runtime.remat import REMAT_FORMAT, metadata_key
 
 __all__ = [
+    "ACTIVE",
     "BEGIN",
+    "COPY_ATTR",
     "EVICT",
     "META_ATTR",
     "REGEN_ATTR",
@@ -69,6 +71,11 @@ META_ATTR = "blade_relax.remat"
 REGEN_ATTR = "blade_relax.remat_regen"
 # Function attribute marking the module's no-op release function.
 RELEASE_ATTR = "blade_relax.remat_release"
+# Function attribute of the two copies a dispatcher chooses from: {"of": <dispatcher>,
+# "budget": 1 on the rewritten copy (runs under a memory budget), 0 on the unrewritten one}.
+COPY_ATTR = "blade_relax.remat_copy"
+# The packed function the dispatcher asks whether this thread has a memory budget.
+ACTIVE = "blade_relax.remat_active"
 
 _STORAGE_ALLOCS = frozenset({"relax.memory.alloc_storage", "relax.vm.alloc_storage"})
 _TENSOR_IN_STORAGE = frozenset({"relax.memory.alloc_tensor", "relax.vm.alloc_tensor"})
@@ -556,7 +563,7 @@ class _Walker:
                 )
             elif isinstance(pty, relax.ShapeType) and pty.values is not None:
                 match(pty.values, arg.values if isinstance(arg, relax.ShapeExpr) else None)
-            elif isinstance(pty, relax.PrimType) and getattr(pty, "value", None) is not None:
+            elif isinstance(pty, tvm.ir.PrimType) and getattr(pty, "value", None) is not None:
                 actual = getattr(aty, "value", None)
                 match([pty.value], [actual] if actual is not None else None)
         return inner

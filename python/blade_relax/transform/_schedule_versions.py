@@ -231,25 +231,45 @@ def _version_function(func: relax.Function, rng: DimRange, source: str) -> relax
     return copy.with_attr(VERSION_ATTR, info)
 
 
-def version_for(mod: tvm.IRModule, name: str, dims: Mapping[str, int]) -> str:
-    """The name of the function that runs when ``name`` is called at ``dims``: the range copy
-    whose range holds them when ``name`` was versioned, else ``name`` itself.
+def version_for(
+    mod: tvm.IRModule, name: str, dims: Mapping[str, int], *, budget: bool = False
+) -> str:
+    """The name of the function that runs when ``name`` is called at ``dims``.
 
-    Useful to read the memory timeline of a versioned function (its dispatcher allocates
+    Follows the dispatchers the memory passes make: the range copy whose range holds ``dims``
+    when ``MemoryAwareSchedule`` versioned ``name``, then, when ``Rematerialize`` kept a plain
+    copy next to its rewritten one, the rewritten copy if ``budget`` (the calling thread has
+    a memory budget) else the plain one. ``name`` itself when neither applies.
+
+    Useful to read the memory timeline of a dispatched function (a dispatcher allocates
     nothing).
     """
-    for gv, func in mod.functions.items():
-        attrs = getattr(func, "attrs", None)
-        if not isinstance(func, relax.Function) or attrs is None or VERSION_ATTR not in attrs:
-            continue
-        info = attrs[VERSION_ATTR]
-        if str(info["of"]) != name or str(info["dim"]) not in dims:
-            continue
-        value = int(dims[str(info["dim"])])
-        upper = int(info["upper"]) if "upper" in info else None
-        if int(info["lower"]) <= value and (upper is None or value <= upper):
-            return gv.name_hint
-    return name
+    from ._remat_timeline import COPY_ATTR
+
+    current = name
+    for attr in (VERSION_ATTR, COPY_ATTR):
+        for gv, func in mod.functions.items():
+            attrs = getattr(func, "attrs", None)
+            if not isinstance(func, relax.Function) or attrs is None or attr not in attrs:
+                continue
+            if attr == VERSION_ATTR and COPY_ATTR in attrs:
+                continue  # a budget copy of a range copy inherits its attributes
+            info = attrs[attr]
+            if str(info["of"]) != current:
+                continue
+            if attr == COPY_ATTR:
+                if bool(int(info["budget"])) == budget:
+                    current = gv.name_hint
+                    break
+                continue
+            if str(info["dim"]) not in dims:
+                continue
+            value = int(dims[str(info["dim"])])
+            upper = int(info["upper"]) if "upper" in info else None
+            if int(info["lower"]) <= value and (upper is None or value <= upper):
+                current = gv.name_hint
+                break
+    return current
 
 
 def build_dispatch(

@@ -84,7 +84,9 @@ from ..runtime.remat import compile_expressions
 from ._remat_ir import FunctionModel, Op, RecipeError, UnsupportedFunction, build_model
 from ._remat_select import Candidate, Recipe, build_recipe, classify_at, find_gaps
 from ._remat_timeline import (
+    ACTIVE,
     BEGIN,
+    COPY_ATTR,
     EVICT,
     INVOKE_CLOSURE,
     META_ATTR,
@@ -136,6 +138,12 @@ class RematOptions:
         lives from its first tensor to its last, and one shared by a forward and a backward
         tensor stays allocated, idle, through the peak that evictions are meant to lower.
         ``None`` leaves them to the planner.
+    plain_without_budget
+        Keep the function as it was next to the rewritten one, and make the function a
+        dispatcher that runs the rewritten copy only when the calling thread has a memory
+        budget: without a budget a call then costs one packed call more than without the pass
+        (not two runtime calls per candidate), and peaks where the unrewritten function does
+        (the rewritten one gives evictable tensors storage of their own).
     """
 
     max_candidates: int = 256
@@ -146,6 +154,7 @@ class RematOptions:
     hot_fraction: float = 0.25
     functions: tuple[str, ...] | None = None
     own_storage_fraction: float | None = None
+    plain_without_budget: bool = True
 
     def __post_init__(self) -> None:
         if self.max_candidates < 0 or self.max_recipe_ops < 1 or self.min_gap < 0:
@@ -186,7 +195,7 @@ class Rematerialize:
                 # function the pass can transform decides.
                 continue
             if func.attrs is not None and any(
-                a in func.attrs for a in (META_ATTR, REGEN_ATTR, RELEASE_ATTR)
+                a in func.attrs for a in (META_ATTR, REGEN_ATTR, RELEASE_ATTR, COPY_ATTR)
             ):
                 continue
             if self.options.functions is not None and gv.name_hint not in self.options.functions:
@@ -197,7 +206,10 @@ class Rematerialize:
                 continue
             if new_func is None:
                 continue
-            builder.update_func(gv, new_func)
+            if self.options.plain_without_budget:
+                builder.update_func(gv, _budget_dispatch(builder, gv, func, new_func))
+            else:
+                builder.update_func(gv, new_func)
             changed = True
         return builder.get() if changed else mod
 
@@ -565,6 +577,65 @@ def _own_storage(func: relax.Function, tensors: set[relax.Var]) -> relax.Functio
             out.append(binding)
     body = relax.SeqExpr([relax.BindingBlock(out)], func.body.body)
     return relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs, func.span)
+
+
+def _budget_dispatch(
+    builder: relax.BlockBuilder,
+    gv: relax.GlobalVar,
+    original: relax.Function,
+    rewritten: relax.Function,
+) -> relax.Function:
+    """The dispatcher that replaces ``original``: the rewritten copy under a budget, else the
+    original one.
+
+    Both copies are private functions (fresh variables, no ``global_symbol``) carrying
+    :data:`COPY_ATTR`; the dispatcher keeps the name, parameters and attributes of
+    ``original``::
+
+        def f(x):
+            active = R.call_packed("blade_relax.remat_active", ty_args=R.Prim("bool"))
+            if active:
+                r = f__remat(x)
+            else:
+                r = f__plain(x)
+            return r
+
+    Separate functions, not two branches of one body: the planners plan each function on its
+    own, and the rewritten copy's evictable tensors must own their storage while the plain
+    copy's share it as the planner sees fit.
+    """
+    taken = {g.name_hint for g in builder.get().get_global_vars()}
+
+    def private_copy(func: relax.Function, suffix: str, budget: bool) -> relax.GlobalVar:
+        copy = relax.utils.copy_with_new_vars(func)
+        if copy.attrs is not None and "global_symbol" in copy.attrs:
+            copy = copy.without_attr("global_symbol")
+        info = {"of": gv.name_hint, "budget": tvm.tirx.IntImm("int64", int(budget))}
+        name = f"{gv.name_hint}__{suffix}"
+        while name in taken:
+            name += "_"
+        taken.add(name)
+        return builder.add_func(copy.with_attr(COPY_ATTR, info), name)
+
+    remat_gv = private_copy(rewritten, "remat", True)
+    plain_gv = private_copy(original, "plain", False)
+    params = list(original.params)
+    active = relax.Var("remat_active", tvm.ir.PrimType("bool"))
+    ask = relax.Call(relax.ExternFunc(ACTIVE), [], ty_args=[tvm.ir.PrimType("bool")])
+    body = relax.If(
+        active,
+        relax.SeqExpr([], relax.Call(remat_gv, params)),
+        relax.SeqExpr([], relax.Call(plain_gv, params)),
+    )
+    dispatcher = relax.Function(
+        params,
+        relax.SeqExpr([relax.BindingBlock([relax.VarBinding(active, ask)])], body),
+        original.ret_ty,
+        original.is_pure,
+        original.attrs,
+        original.span,
+    )
+    return builder.normalize(dispatcher)
 
 
 def _release_function(builder: relax.BlockBuilder) -> relax.GlobalVar:
