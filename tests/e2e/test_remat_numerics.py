@@ -265,3 +265,41 @@ def test_budget_around_a_call_is_exact(n):
             reachable += 1
             assert stats["peak_bytes"] <= budget
     assert reachable
+
+
+def test_without_a_budget_the_runtime_is_asked_once_per_call(executables):
+    """The no-budget path costs one ``remat_active`` query per call: no ``remat_begin``, no
+    ``evict`` or ``regenerate`` (the VM binds its builtins when it is constructed, so counting
+    wrappers registered before it see every call)."""
+    names = [
+        "blade_relax.remat_active",
+        "blade_relax.remat_begin",
+        "blade_relax.evict",
+        "blade_relax.regenerate",
+    ]
+    originals = {name: tvm.get_global_func(name) for name in names}
+    counts = dict.fromkeys(names, 0)
+
+    def counting(name):
+        original = originals[name]
+
+        def wrapper(*args):
+            counts[name] += 1
+            return original(*args)
+
+        return wrapper
+
+    args = _args(64)
+    try:
+        for name in names:
+            tvm.register_global_func(name, counting(name), override=True)
+        _run(executables["remat"], args)
+        no_budget = dict(counts)
+        _run(executables["remat"], args, 2**40)
+    finally:
+        for name, original in originals.items():
+            tvm.register_global_func(name, original, override=True)
+    assert no_budget == {names[0]: 1, names[1]: 0, names[2]: 0, names[3]: 0}
+    # Under a budget the rewritten copy runs: one decision, an evict and a regenerate per slot.
+    assert counts[names[0]] == 2 and counts[names[1]] == 1
+    assert counts[names[2]] == counts[names[3]] > 0
