@@ -67,6 +67,13 @@ What it does
    ``If`` in the callee, a tensor made by a packed function) the metadata says ``"exact":
    false`` with notes, and the runtime never calls a budget reachable for it.
 
+5. Dispatch (``plain_without_budget``, the default). The rewritten function becomes the
+   private ``f__remat`` and the function as it was the private ``f__plain`` (both marked
+   ``blade_relax.remat_copy``); ``f`` keeps its name, parameters and attributes and asks
+   ``blade_relax.remat_active()`` (is a budget set in this thread?) to call one of them. A
+   call without a budget then costs one packed call and peaks where ``f`` did before the
+   pass; ``version_for`` (``memory_aware_schedule``) names the copy that runs.
+
 Assumptions: kernels are destination-passing PrimFuncs that write only their trailing fresh
 outputs; the function's symbolic dims are all defined by its parameters' shapes.
 """
