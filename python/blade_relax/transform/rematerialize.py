@@ -154,7 +154,7 @@ class RematOptions:
     """
 
     max_candidates: int = 256
-    max_recipe_ops: int = 8
+    max_recipe_ops: int = 32
     min_gap: int = 1
     min_bytes: int = 1024
     min_fraction: float = 0.01
