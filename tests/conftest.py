@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import tvm
+from hypothesis import settings
 from tvm.relax.ir.instrument import WellFormedInstrument
+
+# Property tests draw the same examples on every run (CI must not turn red by chance);
+# HYPOTHESIS_PROFILE=explore draws new ones, to hunt for bugs.
+settings.register_profile("deterministic", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -87,6 +87,26 @@ def test_round_trip_matches_tvm_arithmetic(recipe, n, m):
 
 
 @pytest.mark.parametrize(
+    "recipe",
+    [
+        ("floormod", ("mul", "n", ("floormod", "n", -2)), 3),  # the example hypothesis found
+        ("floormod", ("mul", "m", ("floormod", "n", 4)), 3),
+        ("floormod", ("add", ("floormod", "m", 3), ("mul", "m", ("floormod", "n", 4))), 3),
+        ("floormod", ("mul", "m", ("floormod", "n", 3)), 3),  # same modulus: sympy folds it
+    ],
+)
+def test_remainder_of_a_product_with_a_remainder_by_another_modulus(recipe):
+    """sympy's ``Mod.eval`` counted an inner remainder by another modulus twice
+    (``Mod(a*Mod(b, r), q)`` became ``Mod(a*Mod(b, r)**2, q)``)."""
+    expr = build(recipe)
+    sym = SymbolicExpr.from_prim_expr(expr)
+    for n in range(1, 13):
+        for m in (1, 2, 5, 7):
+            env = {"n": n, "m": m}
+            assert sym.evaluate(env) == tvm_value(expr, env), (recipe, env)
+
+
+@pytest.mark.parametrize(
     ("build", "env"),
     [
         (lambda: N * 4096 * 4, {"n": 7}),

@@ -148,7 +148,7 @@ class SymbolicExpr:
         return SymbolicExpr(sympy.floor(self._expr / _to_sympy(other)))
 
     def __mod__(self, other: ExprLike) -> SymbolicExpr:
-        return SymbolicExpr(sympy.Mod(self._expr, _to_sympy(other)))
+        return SymbolicExpr(floor_mod(self._expr, _to_sympy(other)))
 
     # ------------------------------------------------------------------ identity
     def __eq__(self, other: object) -> bool:
@@ -233,6 +233,23 @@ def _short(value: Any) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
+def floor_mod(p: sympy.Expr, q: sympy.Expr) -> sympy.Expr:
+    """``Mod(p, q)`` (floormod: the sign of ``q``), safe from a sympy bug.
+
+    sympy (1.14) evaluates ``Mod(a*Mod(b, r), q)`` with an integer ``q != r`` to
+    ``Mod(a*Mod(b, r)**2, q)``: ``Mod.eval`` counts the inner remainder twice (for
+    ``n*(n % -2) % 3`` at ``n = 1`` it gives 1 instead of 2). Remainders by another modulus
+    inside ``p`` are first written ``b - r*floor(b/r)``, the same value, which ``Mod`` leaves
+    alone; remainders by ``q`` itself are left to sympy, which folds them correctly.
+    """
+    if q.is_Integer and p.has(sympy.Mod):
+        p = p.replace(
+            lambda e: isinstance(e, sympy.Mod) and e.args[1] != q,
+            lambda e: e.args[0] - e.args[1] * sympy.floor(e.args[0] / e.args[1]),
+        )
+    return sympy.Mod(p, q)
+
+
 def _convert(node: Any, unsupported: dict[str, None]) -> sympy.Expr:
     from tvm import tirx  # local import: keeps `import blade_relax.symbolic` light
 
@@ -261,7 +278,7 @@ def _convert(node: Any, unsupported: dict[str, None]) -> sympy.Expr:
         b = _convert(node.b, unsupported)
         if b == 0:
             return _opaque(node, unsupported, "FloorMod by zero")
-        return sympy.Mod(_convert(node.a, unsupported), b)
+        return floor_mod(_convert(node.a, unsupported), b)
     if isinstance(node, tirx.Min):
         return sympy.Min(_convert(node.a, unsupported), _convert(node.b, unsupported))
     if isinstance(node, tirx.Max):
