@@ -482,6 +482,18 @@ def _minimum_from_all(tl: ConcreteTimeline, cache: bool) -> tuple[set[int], int]
     return chosen, ev.peak
 
 
+# The local searches of the minimum search (each refined), and how many of its greedy
+# results are refined as well (the best).
+_LOCAL_SEARCHES = 3
+_REFINED_GREEDY = 2
+# Targets (fractions of the unevicted peak) of the greedy starts of the minimum search.
+_GREEDY_TARGETS = (0.9, 0.8, 0.7, 0.6, 0.5)
+
+
+def _peak_of(tl: ConcreteTimeline, chosen: set[int], cache: bool) -> tuple[set[int], int]:
+    return chosen, _evaluate(tl, chosen, cache).peak
+
+
 # Rounds of the mixed-regime refinement of the minimum search.
 _REFINE_ROUNDS = 48
 
@@ -559,8 +571,10 @@ def minimum_peak(tl: ConcreteTimeline, budget: int | None = None) -> Decision:
     peak (the most promising few, tried exactly), or, when a regeneration makes the peak,
     keeping one of the slots it recomputes; stop when none lowers the peak. (2) In the cache
     regime, starting from every eviction, keep one slot at a time (checkpoints) while the peak
-    does not rise. (3) From the best of those, a mixed regime: per chained input, kept or a
-    temporary (:func:`_refine`). Then put back every slot that the reached peak (or
+    does not rise. (2b) In each regime, the greedy of budget decisions aimed at 0.9 .. 0.5 of
+    the unevicted peak, so that the minimum is never above a peak a budget decision reaches.
+    (3) From the results of (1), (2) and the best two of (2b), a mixed regime: per chained
+    input, kept or a temporary (:func:`_refine`). Then put back every slot that the reached peak (or
     ``budget``, if larger) does not need.
 
     Parameters
@@ -576,6 +590,16 @@ def minimum_peak(tl: ConcreteTimeline, budget: int | None = None) -> Decision:
     """
     results = []
     searches = [(_minimum, True), (_minimum, False), (_minimum_from_all, True)]
+    assert len(searches) == _LOCAL_SEARCHES
+    # The greedy that budget decisions use, aimed at fractions of the unevicted peak: it may
+    # reach a lower peak than the local searches, and the minimum must not be above a peak
+    # that a budget decision reaches.
+    for fraction in _GREEDY_TARGETS:
+        for regime in (True, False):
+            target = int(fraction * tl.base_peak)
+            searches.append(
+                (lambda t, c, target=target: _peak_of(t, _greedy_toward(t, target, c), c), regime)
+            )
     for search, cache in searches:
         chosen, peak = search(tl, cache)
         limit = peak if budget is None else max(peak, budget)
@@ -584,9 +608,12 @@ def minimum_peak(tl: ConcreteTimeline, budget: int | None = None) -> Decision:
         results.append((ev.peak, ev.cost, not cache, chosen, cache))
     peak, cost, _, chosen, cache = min(results, key=lambda r: r[:3])
     if budget is None or peak > budget:
-        # The local searches end in different places: refine each, keep the best.
+        # The searches end in different places: refine each local search's result and the
+        # best few greedy ones, keep the best.
         refined = []
-        for _, _, _, start, regime in results:
+        local, greedy = results[:_LOCAL_SEARCHES], results[_LOCAL_SEARCHES:]
+        greedy.sort(key=lambda r: (r[0], r[1], r[2], sorted(r[3])))
+        for _, _, _, start, regime in local + greedy[:_REFINED_GREEDY]:
             evicted, keep = _refine(tl, start, regime)
             ev = _evaluate(tl, evicted, keep)
             refined.append((ev.peak, ev.cost, evicted, keep))
@@ -598,6 +625,24 @@ def minimum_peak(tl: ConcreteTimeline, budget: int | None = None) -> Decision:
             keep = keep & frozenset(_chain_inputs(tl, evicted))
             return _decision(tl, evicted, keep, budget)
     return _decision(tl, chosen, cache, budget)
+
+
+def _greedy_toward(tl: ConcreteTimeline, target: int, cache: bool) -> set[int]:
+    """The greedy of :func:`_greedy` aimed at ``target``, stopped where no eviction helps."""
+    allowed = np.zeros(len(tl.slots), dtype=bool)
+    allowed[_effective(tl)] = True
+    costs = np.array([max(x.cost, 1e-9) for x in tl.slots])
+    chosen: set[int] = set()
+    ev = _evaluate(tl, chosen, cache)
+    while ev.peak > target and allowed.any():
+        gains = np.where(allowed, _gains(tl, ev, target), 0)
+        if gains.max() <= 0:
+            break
+        best = int(np.argmax(gains / costs))
+        chosen.add(best)
+        allowed[best] = False
+        ev = _evaluate(tl, chosen, cache)
+    return chosen
 
 
 def decide(tl: ConcreteTimeline, budget: int | None, *, exact_limit: int = EXACT_LIMIT) -> Decision:
