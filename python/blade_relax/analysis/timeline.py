@@ -61,7 +61,8 @@ _TENSOR_ALLOCS = frozenset({"relax.builtin.alloc_tensor"})
 _KILLS = frozenset(
     {"relax.memory.kill_storage", "relax.memory.kill_tensor", "relax.vm.kill_object"}
 )
-_PACKED_CALL_OPS = frozenset(
+# Ops whose first argument names the packed function they call.
+PACKED_CALL_OPS = frozenset(
     {"relax.call_pure_packed", "relax.call_builtin_with_ctx", "relax.call_inplace_packed"}
 )
 _LOWERED_MARKERS = frozenset({"relax.call_tir", "relax.builtin.alloc_tensor"})
@@ -270,12 +271,12 @@ def _symbolic_max(graph: ShapeGraph, candidates: Sequence[SymbolicExpr]) -> Symb
     return maxima[0] if len(maxima) == 1 else SymbolicExpr.max(*maxima)
 
 
-def _callee_name(call: relax.Call) -> tuple[str | None, list[relax.Expr]]:
+def callee_name(call: relax.Call) -> tuple[str | None, list[relax.Expr]]:
     """The operator or packed-function name of a call and its data arguments."""
     op = call.op
     args = list(call.args)
     if isinstance(op, tvm.ir.Op):
-        if op.name in _PACKED_CALL_OPS and args and isinstance(args[0], relax.ExternFunc):
+        if op.name in PACKED_CALL_OPS and args and isinstance(args[0], relax.ExternFunc):
             return args[0].global_symbol, args[1:]
         return op.name, args
     if isinstance(op, relax.ExternFunc):
@@ -289,7 +290,7 @@ def _tensor_vars(exprs: Sequence[relax.Expr]) -> tuple[relax.Var, ...]:
 
 def _builtin_args(call: relax.Call) -> list[relax.Expr]:
     """The data arguments of a packed call, unpacking ``call_builtin_with_ctx``'s tuple."""
-    _, args = _callee_name(call)
+    _, args = callee_name(call)
     if len(args) == 1 and isinstance(args[0], relax.Tuple):
         return list(args[0].fields)
     return args
@@ -349,7 +350,7 @@ def _storage_size(call: relax.Call, graph: ShapeGraph) -> SymbolicExpr:
 def _call_effect(
     call: relax.Call, var: relax.Var, graph: ShapeGraph, mod: tvm.IRModule | None
 ) -> ValueEffect:
-    name, args = _callee_name(call)
+    name, args = callee_name(call)
     if name is not None and name in _RULES:
         return _RULES[name](call, var, graph)
     if name in _KILLS:
@@ -412,7 +413,7 @@ def _stage(info: Liveness, mod: tvm.IRModule | None) -> str:
         value = binding.value
         if not isinstance(value, relax.Call):
             continue
-        name, _ = _callee_name(value)
+        name, _ = callee_name(value)
         if name in _STORAGE_ALLOCS or name in _KILLS:
             return "memory"
         if name in _LOWERED_MARKERS:

@@ -386,23 +386,34 @@ def _prune(tl: ConcreteTimeline, chosen: set[int], cache: Regime, limit: int) ->
     return chosen
 
 
-def _greedy(
-    tl: ConcreteTimeline, candidates: Sequence[int], budget: int, cache: bool
-) -> Decision | None:
-    """The greedy eviction set that fits ``budget`` in one regime, or ``None``."""
+def _greedy_toward(
+    tl: ConcreteTimeline, candidates: Sequence[int], target: int, cache: bool
+) -> tuple[set[int], _Evaluation]:
+    """Evict, one at a time, the candidate with the most bytes above ``target`` removed per
+    unit of cost, until the peak is within ``target`` or no eviction removes any."""
     allowed = np.zeros(len(tl.slots), dtype=bool)
     allowed[list(candidates)] = True
     costs = np.array([max(x.cost, 1e-9) for x in tl.slots])
     chosen: set[int] = set()
     ev = _evaluate(tl, chosen, cache)
-    while ev.peak > budget:
-        gains = np.where(allowed, _gains(tl, ev, budget), 0)
+    while ev.peak > target:
+        gains = np.where(allowed, _gains(tl, ev, target), 0)
         if gains.max() <= 0:
-            return None
+            break
         best = int(np.argmax(gains / costs))
         chosen.add(best)
         allowed[best] = False
         ev = _evaluate(tl, chosen, cache)
+    return chosen, ev
+
+
+def _greedy(
+    tl: ConcreteTimeline, candidates: Sequence[int], budget: int, cache: bool
+) -> Decision | None:
+    """The greedy eviction set that fits ``budget`` in one regime, or ``None``."""
+    chosen, ev = _greedy_toward(tl, candidates, budget, cache)
+    if ev.peak > budget:
+        return None
     return _decision(tl, _prune(tl, chosen, cache, budget), cache, budget)
 
 
@@ -490,8 +501,10 @@ _REFINED_GREEDY = 2
 _GREEDY_TARGETS = (0.9, 0.8, 0.7, 0.6, 0.5)
 
 
-def _peak_of(tl: ConcreteTimeline, chosen: set[int], cache: bool) -> tuple[set[int], int]:
-    return chosen, _evaluate(tl, chosen, cache).peak
+def _greedy_minimum(tl: ConcreteTimeline, target: int, cache: bool) -> tuple[set[int], int]:
+    """:func:`_greedy_toward` over every effective slot, as a search of the minimum."""
+    chosen, ev = _greedy_toward(tl, _effective(tl), target, cache)
+    return chosen, ev.peak
 
 
 # Rounds of the mixed-regime refinement of the minimum search.
@@ -597,9 +610,7 @@ def minimum_peak(tl: ConcreteTimeline, budget: int | None = None) -> Decision:
     for fraction in _GREEDY_TARGETS:
         for regime in (True, False):
             target = int(fraction * tl.base_peak)
-            searches.append(
-                (lambda t, c, target=target: _peak_of(t, _greedy_toward(t, target, c), c), regime)
-            )
+            searches.append((lambda t, c, target=target: _greedy_minimum(t, target, c), regime))
     for search, cache in searches:
         chosen, peak = search(tl, cache)
         limit = peak if budget is None else max(peak, budget)
@@ -625,24 +636,6 @@ def minimum_peak(tl: ConcreteTimeline, budget: int | None = None) -> Decision:
             keep = keep & frozenset(_chain_inputs(tl, evicted))
             return _decision(tl, evicted, keep, budget)
     return _decision(tl, chosen, cache, budget)
-
-
-def _greedy_toward(tl: ConcreteTimeline, target: int, cache: bool) -> set[int]:
-    """The greedy of :func:`_greedy` aimed at ``target``, stopped where no eviction helps."""
-    allowed = np.zeros(len(tl.slots), dtype=bool)
-    allowed[_effective(tl)] = True
-    costs = np.array([max(x.cost, 1e-9) for x in tl.slots])
-    chosen: set[int] = set()
-    ev = _evaluate(tl, chosen, cache)
-    while ev.peak > target and allowed.any():
-        gains = np.where(allowed, _gains(tl, ev, target), 0)
-        if gains.max() <= 0:
-            break
-        best = int(np.argmax(gains / costs))
-        chosen.add(best)
-        allowed[best] = False
-        ev = _evaluate(tl, chosen, cache)
-    return chosen
 
 
 def decide(tl: ConcreteTimeline, budget: int | None, *, exact_limit: int = EXACT_LIMIT) -> Decision:

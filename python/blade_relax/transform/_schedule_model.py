@@ -19,14 +19,12 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
+from ..analysis.timeline import PACKED_CALL_OPS, callee_name
 from ..symbolic import Ordering, ShapeGraph, SymbolicExpr
 from ._schedule_cost import ByteSpace, OrderProfile, pareto_front
 
 _VIEW_OPS = frozenset({"relax.reshape", "relax.memory.view", "relax.memory.ensure_zero_offset"})
 _VIEW_PACKED = frozenset({"vm.builtin.reshape", "vm.builtin.tensor_view"})
-_PACKED_CALLS = frozenset(
-    {"relax.call_pure_packed", "relax.call_builtin_with_ctx", "relax.call_inplace_packed"}
-)
 _INPLACE = frozenset({"relax.call_tir_inplace", "relax.call_inplace_packed"})
 # Values that read no variable and allocate nothing the VM counts (constants live in the
 # executable; prim values, strings and dtypes are constants in TVM 0.27's IR).
@@ -85,18 +83,6 @@ class Block:
 #: liveness with the fields of multi-output kernels released after their last use, as
 #: PlanMemory's lowering does).
 PLANNERS = ("static", "none", "plan")
-
-
-def _callee(call: relax.Call) -> tuple[str | None, list[relax.Expr]]:
-    op = call.op
-    args = list(call.args)
-    if isinstance(op, tvm.ir.Op):
-        if op.name in _PACKED_CALLS and args and isinstance(args[0], relax.ExternFunc):
-            return args[0].global_symbol, args[1:]
-        return op.name, args
-    if isinstance(op, relax.ExternFunc):
-        return op.global_symbol, args
-    return None, args
 
 
 def tir_var_names(exprs: Sequence) -> set[str]:
@@ -256,7 +242,7 @@ class BlockBuilder:
         if isinstance(value, relax.Call):
             if relax.analysis.contains_impure_call(value):
                 raise UnsupportedBlock(f"impure call in binding {var.name}")
-            name, args = _callee(value)
+            name, args = callee_name(value)
             if name in _VIEW_OPS or name in _VIEW_PACKED:
                 self.is_view = True
                 return self._refs_of_expr(args[0]) if args else ()
@@ -272,7 +258,7 @@ class BlockBuilder:
                 return self._inplace_refs(value, name, args, var, inplace, i)
             before = len(self.size_exprs)
             refs = self._allocate_result(var)
-            if isinstance(value.op, tvm.ir.Op) and value.op.name not in _PACKED_CALLS:
+            if isinstance(value.op, tvm.ir.Op) and value.op.name not in PACKED_CALL_OPS:
                 # Operators, call_tir and call_dps_packed write into a builtin.alloc_tensor.
                 self.plannable.update(range(before, len(self.size_exprs)))
                 if isinstance(var.ty, relax.TupleType):

@@ -246,30 +246,34 @@ def version_for(
     """
     from ._remat_timeline import COPY_ATTR
 
-    current = name
-    for attr in (VERSION_ATTR, COPY_ATTR):
-        for gv, func in mod.functions.items():
-            attrs = getattr(func, "attrs", None)
-            if not isinstance(func, relax.Function) or attrs is None or attr not in attrs:
-                continue
-            if attr == VERSION_ATTR and COPY_ATTR in attrs:
-                continue  # a budget copy of a range copy inherits its attributes
-            info = attrs[attr]
-            if str(info["of"]) != current:
-                continue
-            if attr == COPY_ATTR:
-                if bool(int(info["budget"])) == budget:
-                    current = gv.name_hint
-                    break
-                continue
-            if str(info["dim"]) not in dims:
-                continue
-            value = int(dims[str(info["dim"])])
-            upper = int(info["upper"]) if "upper" in info else None
-            if int(info["lower"]) <= value and (upper is None or value <= upper):
-                current = gv.name_hint
-                break
-    return current
+    def in_range(attrs) -> bool:
+        if COPY_ATTR in attrs:
+            return False  # a budget copy of a range copy inherits its attributes
+        info = attrs[VERSION_ATTR]
+        if str(info["dim"]) not in dims:
+            return False
+        value = int(dims[str(info["dim"])])
+        upper = int(info["upper"]) if "upper" in info else None
+        return int(info["lower"]) <= value and (upper is None or value <= upper)
+
+    def budget_copy(attrs) -> bool:
+        return bool(int(attrs[COPY_ATTR]["budget"])) == budget
+
+    current = _copy_of(mod, VERSION_ATTR, name, in_range) or name
+    return _copy_of(mod, COPY_ATTR, current, budget_copy) or current
+
+
+def _copy_of(
+    mod: tvm.IRModule, attr: str, of: str, accept: Callable[[Mapping], bool]
+) -> str | None:
+    """The Relax function whose ``attr`` says it is a copy of ``of`` and that ``accept``s."""
+    for gv, func in mod.functions.items():
+        attrs = getattr(func, "attrs", None)
+        if not isinstance(func, relax.Function) or attrs is None or attr not in attrs:
+            continue
+        if str(attrs[attr]["of"]) == of and accept(attrs):
+            return gv.name_hint
+    return None
 
 
 def build_dispatch(
