@@ -103,6 +103,11 @@ def test_list_configs(capsys):
     listed = capsys.readouterr().out
     for name in ("tvm-dynamic", "tvm-bounded", "tvm-static", "torch-eager", "torch-compile@B"):
         assert name in listed
+    # One column of descriptions, however long the names.
+    lines = listed.splitlines()
+    columns = {len(line) - len(line.split(maxsplit=1)[1]) for line in lines}
+    assert len(columns) == 1, listed
+    assert "blade-relax-schedule-plan-static " in listed
 
 
 @pytest.fixture

@@ -108,10 +108,12 @@ def _lengths(args: argparse.Namespace, sizes) -> tuple[list[int], dict]:
 def _print_configs() -> None:
     from .configs import _CONFIGS, _FAMILIES
 
+    names = [*_CONFIGS, *(prefix + "@B" for prefix in _FAMILIES)]
+    width = max(map(len, names), default=0) + 1
     for name, config in sorted(_CONFIGS.items()):
-        print(f"{name:<28} {config.description}")
+        print(f"{name:<{width}} {config.description}")
     for prefix, family in sorted(_FAMILIES.items()):
-        print(f"{prefix + '@B':<28} {family.description}")
+        print(f"{prefix + '@B':<{width}} {family.description}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -398,3 +398,18 @@ register_config(
         description="blade-relax-schedule recompiled for every exact length",
     )
 )
+register_config(
+    TvmConfig(
+        "blade-relax-schedule-plan",
+        pipeline=_blade_factory(schedule=True, remat=False, plan=True),
+        description="MemoryAwareSchedule + PlanMemory, bounds dropped",
+    )
+)
+register_config(
+    TvmConfig(
+        "blade-relax-schedule-plan-static",
+        pipeline=_blade_factory(schedule=True, remat=False, plan=True),
+        static=True,
+        description="blade-relax-schedule-plan recompiled for every exact length",
+    )
+)
