@@ -110,7 +110,9 @@ def _check_against_exact(mod: tvm.IRModule, dims: list[str], arguments) -> None:
     for length in LENGTHS:
         arrays = arguments(length)
         got, peak = _run(dynamic, arrays)
-        exact, exact_peak = _run(_planned_vm(_specialized(mod, dict.fromkeys(dims, length))), arrays)
+        exact, exact_peak = _run(
+            _planned_vm(_specialized(mod, dict.fromkeys(dims, length))), arrays
+        )
         for a, b in zip(got, exact):
             # Kernels compiled for constant shapes may order their arithmetic differently.
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -126,7 +128,9 @@ def test_symbolic_schedule_loses_nothing_to_exact_shapes(name):
     mod = BUILTIN_MODELS[name]()
     func = mod["main"]
     dims = sorted({v.name for p in func.params for v in relax.analysis.tir_vars_in_type(p.ty)})
-    _check_against_exact(mod, dims, lambda n: random_arguments(func, dict.fromkeys(dims, n), seed=n))
+    _check_against_exact(
+        mod, dims, lambda n: random_arguments(func, dict.fromkeys(dims, n), seed=n)
+    )
 
 
 def test_llama_symbolic_schedule_loses_nothing_to_exact_shapes():
