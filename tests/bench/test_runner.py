@@ -22,8 +22,8 @@ TINY_SIZES = ModelSizes(layers=1, hidden=16, intermediate=32, vocab=8, max_seq_l
 RESULT_KEYS = {
     "config", "seq_len", "peak_bytes", "step_peak_bytes", "caller_bytes", "lower_bound_bytes",
     "step_time_s", "step_times_s", "compile_time_s", "compilations", "loss", "max_rel_error",
-    "correct", "budget_bytes", "evictions", "regenerations", "allocations", "driver_peak_bytes",
-    "driver_agrees", "error",
+    "correct", "budget_bytes", "evictions", "regenerations", "unevictable_bytes", "allocations",
+    "driver_peak_bytes", "driver_agrees", "error",
 }  # fmt: skip
 
 
@@ -136,3 +136,17 @@ def test_budget_is_a_fraction_of_the_reference_peak(budget_family):
     assert "| stock-again |" not in markdown_table(result)  # not requested, not shown
     with pytest.raises(DimOutOfRangeError, match="s <= 48"):
         run_benchmark(workload, ["tvm-dynamic"], [49])
+
+
+def test_unevictable_bytes_bound_the_budgeted_peak(budget_family):
+    workload = build_workload("mlp-train", TINY_SIZES)
+    # The rematerialized config first: the stock one after it must not inherit its decision.
+    result = run_benchmark(workload, ["blade-relax@0.01", "stock-again@0.5"], [12, 40], repeat=1)
+    rows = {(m.config, m.seq_len): m for m in result.measurements}
+    for n in (12, 40):
+        budgeted = rows[("blade-relax@0.01", n)]
+        assert budgeted.error is None and budgeted.correct
+        # Unreachable budget: the runtime ran at its smallest peak, never below the floor.
+        assert rows[("blade-relax", n)].unevictable_bytes is None
+        assert budgeted.caller_bytes < budgeted.unevictable_bytes <= budgeted.peak_bytes
+        assert rows[("stock-again@0.5", n)].unevictable_bytes is None

@@ -185,6 +185,32 @@ def test_decisions_keep_their_promise(tl, fraction):
     assert exact.reachable == feasible
 
 
+def test_unevictable_bytes_of_a_small_timeline():
+    # Point 2 holds 30 B: slot 0 (10 B, window 1..3) can go, slot 1 (5 B, window 3..2) frees
+    # nothing, so 20 B stay; point 4 holds 25 B and no window covers it.
+    tl = ConcreteTimeline(
+        base=np.array([10, 20, 30, 20, 25]),
+        slots=(slot(0, 10, 1, 3), slot(1, 5, 3, 2)),
+    )
+    assert tl.unevictable() == (25, 4)
+    assert minimum_peak(tl).peak == 25
+    tl = ConcreteTimeline(base=np.array([10, 20, 30, 20, 10]), slots=(slot(0, 10, 1, 3),))
+    assert tl.unevictable() == (20, 2)
+    assert ConcreteTimeline(base=np.array([], dtype=np.int64), slots=()).unevictable() == (0, 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(timelines(), st.floats(0.2, 1.1))
+def test_no_decision_goes_below_the_unevictable_bytes(tl, fraction):
+    floor, _ = tl.unevictable()
+    assert minimum_peak(tl).peak >= floor
+    assert decide(tl, int(fraction * tl.base_peak)).peak >= floor
+    for size in range(len(tl.slots) + 1):
+        for subset in itertools.combinations(range(len(tl.slots)), size):
+            for cache in (True, False):
+                assert predict_peak(tl, subset, cache) >= floor
+
+
 # --------------------------------------------------------------------------- metadata
 def _meta() -> dict:
     """Three storages of 4*s, 8*s and 4*s bytes; slot 0 is the second one."""
@@ -289,6 +315,8 @@ def test_unreachable_budget_warns_once_naming_budget_and_peak():
     decision = last_remat_decision()
     assert not decision["reachable"]
     assert decision["predicted_peak"] - decision["live_at_entry"] == 120
+    # Nothing evictable is live where the minimum is reached: it is the floor.
+    assert decision["unevictable_peak"] == decision["predicted_peak"]
     assert decision["reason"] == "budget" and decision["exact"]
 
 

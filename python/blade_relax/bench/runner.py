@@ -17,6 +17,10 @@ What is measured, per configuration and sequence length:
     ``blade_relax.analysis.memory_timeline(main).lower_bound`` of the imported graph at the
     length: parameters and inputs plus the largest single-operator working set. No schedule
     or rematerialization goes below it.
+``unevictable_bytes`` (TVM under a budget)
+    The most bytes that no eviction set removes at one point of the step, parameters and
+    inputs included (``unevictable_peak`` of ``blade_relax.runtime.last_remat_decision()``):
+    a floor under every peak the runtime can reach for this function at this length.
 ``step_time_s``
     Median wall time of ``repeat`` steps after a warm-up step (not counted).
 ``compile_time_s`` / ``compilations``
@@ -81,6 +85,7 @@ class Measurement:
     budget_bytes: int | None = None
     evictions: int | None = None
     regenerations: int | None = None
+    unevictable_bytes: int | None = None
     allocations: int | None = None
     driver_peak_bytes: int | None = None
     driver_agrees: bool | None = None
@@ -137,9 +142,19 @@ def relative_error(out: np.ndarray, ref: np.ndarray) -> float:
 
 
 def _memory_api() -> tuple[Callable[[], dict], Callable[[], None]]:
-    from ..runtime import memory_stats, reset_memory_stats
+    from ..runtime import clear_last_remat_decision, memory_stats, reset_memory_stats
 
-    return memory_stats, reset_memory_stats
+    def reset() -> None:
+        reset_memory_stats()
+        clear_last_remat_decision()
+
+    return memory_stats, reset
+
+
+def _last_decision() -> dict[str, Any] | None:
+    from ..runtime import last_remat_decision
+
+    return last_remat_decision()
 
 
 def _specialize(graph: ImportedGraph, dims: dict[str, int]) -> tvm.IRModule:
@@ -218,6 +233,9 @@ class _TvmRunner:
             outputs = [np.asarray(t.numpy()) for t in flatten_outputs(out)]
             del out
             row.step_peak_bytes = int(stats["peak_bytes"] - base)
+            decision = _last_decision() if budget_bytes is not None else None
+            if decision is not None:
+                row.unevictable_bytes = int(decision["unevictable_peak"] - base + row.caller_bytes)
             row.evictions = stats.get("evictions")
             row.regenerations = stats.get("regenerations")
             row.allocations = stats.get("allocations")

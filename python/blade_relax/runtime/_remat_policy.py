@@ -150,6 +150,10 @@ class ConcreteTimeline:
         object.__setattr__(self, "_refs", [dict(s.plan) for s in slots])
         object.__setattr__(self, "_sequences", {})
         object.__setattr__(self, "_window_mask", None)
+        object.__setattr__(self, "_unevictable", None)
+        object.__setattr__(
+            self, "_effective_mask", np.array([x.effective for x in slots], dtype=bool)
+        )
 
     def window_mask(self) -> np.ndarray:
         """``mask[k, i]``: point ``i`` lies in slot ``k``'s window ``[start, site]``."""
@@ -166,6 +170,29 @@ class ConcreteTimeline:
     def base_peak(self) -> int:
         """The peak with nothing evicted."""
         return int(self.base.max()) if len(self.base) else 0
+
+    def unevictable(self) -> tuple[int, int]:
+        """The most bytes no eviction set removes at one point, and that point.
+
+        At every point, what stays live when every slot whose window covers it is evicted:
+        ``base[i]`` minus their bytes. No decision peaks below the largest of these values
+        (a regeneration only adds bytes), so it bounds :func:`minimum_peak` from below and
+        says what holds the minimum up: tensors that are not evictable there (a kernel's
+        inputs and outputs, a function's results, tensors with no recipe).
+        """
+        found = self._unevictable
+        if found is None:
+            if not len(self.base):
+                found = (0, 0)
+            else:
+                freed = (
+                    self.window_mask() * np.where(self._effective_mask, self._nbytes, 0)[:, None]
+                ).sum(axis=0)
+                rest = self.base - freed
+                point = int(np.argmax(rest))
+                found = (int(rest[point]), point)
+            object.__setattr__(self, "_unevictable", found)
+        return found
 
 
 @dataclass(frozen=True)

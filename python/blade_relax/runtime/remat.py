@@ -86,6 +86,7 @@ __all__ = [
     "RematBudgetWarning",
     "RematInexactWarning",
     "RematProgram",
+    "clear_last_remat_decision",
     "last_remat_decision",
     "remat_programs",
 ]
@@ -419,7 +420,9 @@ def _remat_begin(ctx: Any, key: Any, metadata: Any, dims: Any, release: Any, *fn
                 f"blade_relax remat: `{program.function}` at {program.dims_of(values)} cannot "
                 f"stay within the memory budget of {int(budget)} bytes ({live} bytes were "
                 f"already live at the call): the smallest reachable peak is "
-                f"{decision.peak + live} bytes; running with that peak"
+                f"{decision.peak + live} bytes (at one point of the call, tensors that no "
+                f"eviction removes hold {program.timeline(values).unevictable()[0] + live} "
+                "bytes); running with that peak"
             ),
             stacklevel=2,
         )
@@ -514,7 +517,10 @@ def last_remat_decision() -> dict[str, Any] | None:
         ``function``, ``dims``, ``budget``, ``live_at_entry``, ``predicted_peak`` and
         ``no_remat_peak`` (bytes, the bytes live at entry included), ``reachable``,
         ``reason`` (why not reachable: ``"budget"``, below the smallest reachable peak, or
-        ``"inexact"``, the timeline misses allocations; ``None`` when reachable), ``exact``
+        ``"inexact"``, the timeline misses allocations; ``None`` when reachable),
+        ``unevictable_peak`` (bytes, the bytes live at entry included: the most bytes that no
+        eviction set removes at one point of the call, a floor under every reachable peak),
+        ``exact``
         (whether the function's timeline is exact), ``evicted`` (names), ``evictable`` (how
         many slots the function has), ``cache`` (the regime of chained inputs: ``True`` kept,
         ``False`` temporaries, ``"mixed"``), ``recompute_cost``, ``decision_seconds`` (time to
@@ -533,6 +539,7 @@ def last_remat_decision() -> dict[str, Any] | None:
         "no_remat_peak": decision.base_peak + live,
         "reachable": decision.reachable,
         "reason": decision.reason,
+        "unevictable_peak": program.timeline(values).unevictable()[0] + live,
         "exact": program.exact,
         "evicted": sorted(program.slots[k].name for k in decision.evicted),
         "evictable": len(program.slots),
@@ -541,6 +548,12 @@ def last_remat_decision() -> dict[str, Any] | None:
         "decision_seconds": elapsed,
         "cached": cached,
     }
+
+
+def clear_last_remat_decision() -> None:
+    """Forget this thread's last decision: :func:`last_remat_decision` is ``None`` until the
+    next call of a rematerialized function with a budget set."""
+    _local.last = None
 
 
 def remat_programs() -> dict[str, RematProgram]:
