@@ -86,3 +86,17 @@ def test_custom_family():
     assert get_config("static-at@x").static
     with pytest.raises(ValueError, match="already registered"):
         register_config_family("static-at", lambda arg: None)
+
+
+@pytest.mark.parametrize(
+    ("twin", "base"),
+    [
+        ("blade-relax-static", "blade-relax-full"),
+        ("blade-relax-schedule-static", "blade-relax-schedule"),
+        ("blade-relax-schedule-plan-static", "blade-relax-schedule-plan"),
+    ],
+)
+def test_static_twins_compile_their_base_pipeline_per_length(twin, base):
+    twin_config, base_config = get_config(twin), get_config(base)
+    assert twin_config.static and not base_config.static
+    assert twin_config.pipeline is base_config.pipeline

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import tvm
 from tvm import relax
 
 import blade_relax
-from blade_relax.frontend import flatten_outputs
+from blade_relax.frontend import flatten_outputs, specialize
 from blade_relax.frontend.builtin import BUILTIN_MODELS, random_arguments
 from blade_relax.runtime import memory_stats, reset_memory_stats
 
@@ -45,12 +47,18 @@ def _check(mod: tvm.IRModule, arguments) -> list[tuple[int, int]]:
     return peaks
 
 
-@pytest.mark.parametrize("name", sorted(BUILTIN_MODELS))
-def test_builtin_models(name):
+def _builtin(name: str) -> tuple[tvm.IRModule, list[str], Callable[[int], list[np.ndarray]]]:
+    """A built-in model, its dims, and its arguments with every dim set to one length."""
     mod = BUILTIN_MODELS[name]()
     func = mod["main"]
     dims = sorted({v.name for p in func.params for v in relax.analysis.tir_vars_in_type(p.ty)})
-    _check(mod, lambda n: random_arguments(func, dict.fromkeys(dims, n), seed=n))
+    return mod, dims, lambda n: random_arguments(func, dict.fromkeys(dims, n), seed=n)
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_MODELS))
+def test_builtin_models(name):
+    mod, _, arguments = _builtin(name)
+    _check(mod, arguments)
 
 
 def _tiny_llama_training_step():
@@ -74,15 +82,18 @@ def _tiny_llama_training_step():
     )
 
 
-def test_llama_training_step_is_scheduled_identically():
-    graph = _tiny_llama_training_step()
-
+def _llama_arguments(graph) -> Callable[[int], list[np.ndarray]]:
     def arguments(n: int) -> list[np.ndarray]:
         rng = np.random.default_rng(n)
         ids = rng.integers(0, graph.int_input_high, size=(1, n)).astype("int64")
         return [ids, ids.copy(), *graph.params]
 
-    _check(graph.mod, arguments)
+    return arguments
+
+
+def test_llama_training_step_is_scheduled_identically():
+    graph = _tiny_llama_training_step()
+    _check(graph.mod, _llama_arguments(graph))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,22 +108,12 @@ def _planned_vm(mod: tvm.IRModule) -> relax.VirtualMachine:
     return relax.VirtualMachine(tvm.compile(mod, "llvm", relax_pipeline=pipe), tvm.cpu())
 
 
-def _specialized(mod: tvm.IRModule, dims: dict[str, int]) -> tvm.IRModule:
-    func = mod["main"].bind_symbolic_vars({k: tvm.tirx.IntImm("int64", v) for k, v in dims.items()})
-    for key in ("tir_var_upper_bound", "tir_var_lower_bound"):
-        if func.attrs is not None and key in func.attrs:
-            func = func.without_attr(key)
-    return tvm.IRModule({"main": func})
-
-
 def _check_against_exact(mod: tvm.IRModule, dims: list[str], arguments) -> None:
     dynamic = _planned_vm(mod)
     for length in LENGTHS:
         arrays = arguments(length)
         got, peak = _run(dynamic, arrays)
-        exact, exact_peak = _run(
-            _planned_vm(_specialized(mod, dict.fromkeys(dims, length))), arrays
-        )
+        exact, exact_peak = _run(_planned_vm(specialize(mod, dict.fromkeys(dims, length))), arrays)
         for a, b in zip(got, exact):
             # Kernels compiled for constant shapes may order their arithmetic differently.
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -125,23 +126,12 @@ def _check_against_exact(mod: tvm.IRModule, dims: list[str], arguments) -> None:
 # into one kernel (the symbolic split's output shape blocks that fusion), a different program.
 @pytest.mark.parametrize("name", sorted(set(BUILTIN_MODELS) - {"concat-split"}))
 def test_symbolic_schedule_loses_nothing_to_exact_shapes(name):
-    mod = BUILTIN_MODELS[name]()
-    func = mod["main"]
-    dims = sorted({v.name for p in func.params for v in relax.analysis.tir_vars_in_type(p.ty)})
-    _check_against_exact(
-        mod, dims, lambda n: random_arguments(func, dict.fromkeys(dims, n), seed=n)
-    )
+    _check_against_exact(*_builtin(name))
 
 
 def test_llama_symbolic_schedule_loses_nothing_to_exact_shapes():
     graph = _tiny_llama_training_step()
-
-    def arguments(n: int) -> list[np.ndarray]:
-        rng = np.random.default_rng(n)
-        ids = rng.integers(0, graph.int_input_high, size=(1, n)).astype("int64")
-        return [ids, ids.copy(), *graph.params]
-
-    _check_against_exact(graph.mod, ["s"], arguments)
+    _check_against_exact(graph.mod, ["s"], _llama_arguments(graph))
 
 
 # ---------------------------------------------------------------------------------------------

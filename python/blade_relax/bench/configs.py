@@ -382,22 +382,22 @@ register_config(
     )
 )
 register_budget_family("blade-relax-full")
-register_config(
-    TvmConfig(
-        "blade-relax-static",
-        pipeline=_blade_factory(schedule=True, remat=True, plan=True),
-        static=True,
-        description="blade-relax-full recompiled for every exact length",
+
+
+def _register_static_twin(name: str, base: str) -> None:
+    """``base``'s pipeline recompiled for every exact length, registered as ``name``."""
+    config = _CONFIGS[base]
+    assert isinstance(config, TvmConfig)
+    register_config(
+        TvmConfig(
+            name,
+            pipeline=config.pipeline,
+            static=True,
+            description=f"{base} recompiled for every exact length",
+        )
     )
-)
-register_config(
-    TvmConfig(
-        "blade-relax-schedule-static",
-        pipeline=_blade_factory(schedule=True, remat=False, plan=False),
-        static=True,
-        description="blade-relax-schedule recompiled for every exact length",
-    )
-)
+
+
 register_config(
     TvmConfig(
         "blade-relax-schedule-plan",
@@ -405,11 +405,6 @@ register_config(
         description="MemoryAwareSchedule + PlanMemory, bounds dropped",
     )
 )
-register_config(
-    TvmConfig(
-        "blade-relax-schedule-plan-static",
-        pipeline=_blade_factory(schedule=True, remat=False, plan=True),
-        static=True,
-        description="blade-relax-schedule-plan recompiled for every exact length",
-    )
-)
+_register_static_twin("blade-relax-static", "blade-relax-full")
+_register_static_twin("blade-relax-schedule-static", "blade-relax-schedule")
+_register_static_twin("blade-relax-schedule-plan-static", "blade-relax-schedule-plan")

@@ -57,8 +57,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..frontend import ImportedGraph, flatten_outputs
-from ..frontend.graph import LOWER_BOUND_ATTR, UPPER_BOUND_ATTR
+from ..frontend import ImportedGraph, flatten_outputs, specialize
 from .configs import BenchConfig, TorchConfig, TvmConfig, resolve_configs
 from .workloads import Workload
 
@@ -157,17 +156,6 @@ def _last_decision() -> dict[str, Any] | None:
     return last_remat_decision()
 
 
-def _specialize(graph: ImportedGraph, dims: dict[str, int]) -> tvm.IRModule:
-    """``main`` with every symbolic dim bound to its value (static shapes, no bound attrs)."""
-    func = graph.main
-    values = {name: tvm.tirx.IntImm("int64", value) for name, value in dims.items()}
-    func = func.bind_symbolic_vars(values)
-    for key in (UPPER_BOUND_ATTR, LOWER_BOUND_ATTR):
-        if func.attrs is not None and key in func.attrs:
-            func = func.without_attr(key)
-    return tvm.IRModule({"main": func})
-
-
 class _TvmRunner:
     def __init__(
         self,
@@ -197,7 +185,7 @@ class _TvmRunner:
 
     def _vm_for(self, dims: dict[str, int]) -> tuple[Any, float]:
         if self.config.static:
-            return self._compile(_specialize(self.graph, dims))
+            return self._compile(specialize(tvm.IRModule({"main": self.graph.main}), dims))
         if self._vm is None:
             variant = self.graph.with_upper_bounds(self.config.keep_bounds)
             self._vm, elapsed = self._compile(variant.mod)

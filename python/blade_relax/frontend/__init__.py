@@ -17,6 +17,7 @@ from .graph import (
     drop_upper_bounds,
     flatten_outputs,
     set_dim_bounds,
+    specialize,
 )
 from .hf import TiedParameterError, import_inference, import_training_step
 from .relax_native import relax_training_step
@@ -32,4 +33,5 @@ __all__ = [
     "import_training_step",
     "relax_training_step",
     "set_dim_bounds",
+    "specialize",
 ]

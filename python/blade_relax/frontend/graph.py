@@ -29,6 +29,7 @@ __all__ = [
     "drop_upper_bounds",
     "flatten_outputs",
     "set_dim_bounds",
+    "specialize",
 ]
 
 UPPER_BOUND_ATTR = "tir_var_upper_bound"
@@ -257,6 +258,15 @@ def set_dim_bounds(
     out = tvm.IRModule(dict(mod.functions), attrs=mod.attrs)
     out[func_name] = func
     return out
+
+
+def specialize(mod: tvm.IRModule, dims: Mapping[str, int], func_name: str = "main") -> tvm.IRModule:
+    """A copy of ``mod`` whose ``func_name`` has every dim in ``dims`` bound to its value and
+    no ``tir_var_upper_bound`` / ``tir_var_lower_bound``: the static graph of one exact shape."""
+    values = {name: tvm.tirx.IntImm("int64", int(v)) for name, v in dims.items()}
+    out = tvm.IRModule(dict(mod.functions), attrs=mod.attrs)
+    out[func_name] = mod[func_name].bind_symbolic_vars(values)
+    return set_dim_bounds(out, upper={}, lower={}, func_name=func_name)
 
 
 def flatten_outputs(value: Any) -> list[Any]:
