@@ -2,6 +2,13 @@
 
 Where each pass runs, and why there:
 
+* ``SimplifyTransposes`` runs first, on the high-level ops (``relax.permute_dims``,
+  ``relax.matmul``) that library dispatch and ``LegalizeOps`` would otherwise lower: it cancels
+  the transposes an imported graph is full of and lets matmuls read transposed operands in
+  place, before any of them becomes a kernel with a buffer of its own.
+* ``FoldZeroScatter`` runs next, also on high-level ops: a scatter into zeros (one-hots,
+  embedding gradients) becomes a predicate ``FuseOps`` can fuse, or one reduction kernel, before
+  ``LegalizeOps`` turns it into an opaque kernel with a zero buffer and a copy.
 * ``MemoryAwareSchedule`` runs after ``FuseOps``/``FuseTIR`` and before ``ToNonDataflow``: it
   reorders bindings of dataflow blocks, which exist only until ``ToNonDataflow``, and it should
   see the fused kernels whose buffers the VM will really allocate.
@@ -63,9 +70,21 @@ def _pass_list(
     *,
     check_dims: bool = False,
     check_options: Any = None,
+    simplify: bool = False,
+    simplify_options: Any = None,
+    fold_scatter: bool = False,
+    fold_scatter_options: Any = None,
 ) -> list[tvm.transform.Pass]:
     phases = _backend_phases(target)
     passes: list[tvm.transform.Pass] = []
+    if simplify:
+        from .transform import SimplifyTransposes
+
+        passes.append(SimplifyTransposes(simplify_options))
+    if fold_scatter:
+        from .transform import FoldZeroScatter
+
+        passes.append(FoldZeroScatter(fold_scatter_options))
     passes += phases.library_dispatch_passes(target)
     passes += phases.legalize_passes(target)
     if schedule:
@@ -106,9 +125,13 @@ def get_pipeline(
     schedule: bool = True,
     remat: bool = True,
     plan: bool = True,
+    simplify: bool = True,
+    fold_scatter: bool = True,
     schedule_options: Any = None,
     remat_options: Any = None,
     plan_options: Any = None,
+    simplify_options: Any = None,
+    fold_scatter_options: Any = None,
     check_dims: bool = True,
     check_options: Any = None,
 ) -> tvm.transform.Pass:
@@ -119,13 +142,16 @@ def get_pipeline(
     target
         ``"llvm"``, ``{"kind": "cuda", "arch": "sm_90"}`` or a ``tvm.target.Target``.
     schedule, remat, plan
-        Enable ``MemoryAwareSchedule``, ``Rematerialize`` and ``PlanMemory``. With all three
-        off and ``check_dims=False``, the result is TVM's default pipeline for the target.
+        Enable ``MemoryAwareSchedule``, ``Rematerialize`` and ``PlanMemory``.
+    simplify, fold_scatter
+        Enable ``SimplifyTransposes`` and ``FoldZeroScatter``. With these, the three above and
+        ``check_dims`` off, the result is TVM's default pipeline for the target.
     check_dims
         Enable ``CheckDimRanges``: a call whose dims lie outside the ranges the function
         declares (``tir_var_lower_bound`` / ``tir_var_upper_bound``) fails before any kernel
         runs, with an error naming the dim, its value and the range.
-    schedule_options, remat_options, plan_options, check_options
+    schedule_options, remat_options, plan_options, simplify_options, fold_scatter_options,
+    check_options
         Option dataclasses handed to the passes (``None`` for their defaults).
 
     Returns
@@ -144,6 +170,10 @@ def get_pipeline(
         plan_options,
         check_dims=check_dims,
         check_options=check_options,
+        simplify=simplify,
+        simplify_options=simplify_options,
+        fold_scatter=fold_scatter,
+        fold_scatter_options=fold_scatter_options,
     )
 
     @tvm.transform.module_pass(opt_level=0, name="blade_relax_pipeline")
@@ -195,11 +225,17 @@ def lower_to_memory_stage(
     target
         As for :func:`get_pipeline`.
     **flags
-        ``schedule``, ``remat``, ``plan``, ``check_dims`` and option keywords of
-        :func:`get_pipeline`; all passes default to off, which gives the stock pipeline.
+        ``schedule``, ``remat``, ``plan``, ``simplify``, ``fold_scatter``, ``check_dims`` and option keywords
+        of :func:`get_pipeline`; all passes default to off, which gives the stock pipeline.
     """
     tgt = as_target(target)
-    options = {"schedule": False, "remat": False, "plan": False}
+    options = {
+        "schedule": False,
+        "remat": False,
+        "plan": False,
+        "simplify": False,
+        "fold_scatter": False,
+    }
     options.update(flags)
     passes = _pass_list(
         tgt,
@@ -211,6 +247,10 @@ def lower_to_memory_stage(
         options.pop("plan_options", None),
         check_dims=options.pop("check_dims", False),
         check_options=options.pop("check_options", None),
+        simplify=options.pop("simplify"),
+        simplify_options=options.pop("simplify_options", None),
+        fold_scatter=options.pop("fold_scatter"),
+        fold_scatter_options=options.pop("fold_scatter_options", None),
     )
     if options:
         raise TypeError(f"unknown pipeline options: {sorted(options)}")

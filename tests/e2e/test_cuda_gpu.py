@@ -55,7 +55,14 @@ TOLERANCE = 5e-4
 
 
 BLADE = {"schedule": True, "remat": True, "plan": True}
-STOCK = {"schedule": False, "remat": False, "plan": False, "check_dims": False}
+STOCK = {
+    "schedule": False,
+    "remat": False,
+    "plan": False,
+    "simplify": False,
+    "fold_scatter": False,
+    "check_dims": False,
+}
 # (pipeline variant, budget as a fraction of the unbudgeted peak); a budget acts only through
 # blade_relax's rematerialization.
 CASES = [("stock", None), ("blade", None), ("blade", 0.6)]

@@ -327,11 +327,16 @@ register_config_family(
 # docstring), once the pass exists and passes its tests.
 
 
+# The passes that clean up imported graphs; each configuration names the ones it runs, so that
+# the memory passes' configurations below keep measuring those passes alone.
+_NO_GRAPH_PASSES = {"simplify": False, "fold_scatter": False}
+
+
 def _blade_factory(**flags: bool) -> PipelineFactory:
     def factory(target: Any) -> Any:
         from ..pipeline import get_pipeline
 
-        return get_pipeline(target, **flags)
+        return get_pipeline(target, **{**_NO_GRAPH_PASSES, **flags})
 
     return factory
 
@@ -377,11 +382,36 @@ register_budget_family("blade-relax")
 register_config(
     TvmConfig(
         "blade-relax-full",
-        pipeline=_blade_factory(schedule=True, remat=True, plan=True),
-        description="MemoryAwareSchedule + Rematerialize + PlanMemory, bounds dropped",
+        pipeline=_blade_factory(
+            schedule=True, remat=True, plan=True, simplify=True, fold_scatter=True
+        ),
+        description="the default pipeline: SimplifyTransposes + FoldZeroScatter + "
+        "MemoryAwareSchedule + Rematerialize + PlanMemory, bounds dropped",
     )
 )
 register_budget_family("blade-relax-full")
+register_config(
+    TvmConfig(
+        "blade-relax-memory",
+        pipeline=_blade_factory(schedule=True, remat=True, plan=True),
+        description="MemoryAwareSchedule + Rematerialize + PlanMemory (no graph cleanup), "
+        "bounds dropped",
+    )
+)
+register_config(
+    TvmConfig(
+        "blade-relax-simplify",
+        pipeline=_blade_factory(schedule=False, remat=False, plan=False, simplify=True),
+        description="stock + SimplifyTransposes, bounds dropped",
+    )
+)
+register_config(
+    TvmConfig(
+        "blade-relax-fold-scatter",
+        pipeline=_blade_factory(schedule=False, remat=False, plan=False, fold_scatter=True),
+        description="stock + FoldZeroScatter, bounds dropped",
+    )
+)
 
 
 def _register_static_twin(name: str, base: str) -> None:

@@ -90,11 +90,19 @@ class Variant:
     schedule: bool = False
     remat: bool = False
     plan: bool = False
+    simplify: bool = False
+    fold_scatter: bool = False
     pipeline: Callable[[str], tvm.transform.Pass] | None = field(default=None, compare=False)
 
     @property
     def flags(self) -> dict[str, bool]:
-        return {"schedule": self.schedule, "remat": self.remat, "plan": self.plan}
+        return {
+            "schedule": self.schedule,
+            "remat": self.remat,
+            "plan": self.plan,
+            "simplify": self.simplify,
+            "fold_scatter": self.fold_scatter,
+        }
 
     @property
     def replaces_stock_planner(self) -> bool:
@@ -105,14 +113,22 @@ class Variant:
 STOCK = Variant(
     "stock",
     pipeline=lambda target: get_pipeline(
-        target, schedule=False, remat=False, plan=False, check_dims=False
+        target,
+        schedule=False,
+        remat=False,
+        plan=False,
+        simplify=False,
+        fold_scatter=False,
+        check_dims=False,
     ),
 )
 ALL_VARIANTS: tuple[Variant, ...] = (
     Variant("schedule", schedule=True),
     Variant("remat", remat=True),
     Variant("plan", plan=True),
-    Variant("all", schedule=True, remat=True, plan=True),
+    Variant("simplify", simplify=True),
+    Variant("fold-scatter", fold_scatter=True),
+    Variant("all", schedule=True, remat=True, plan=True, simplify=True, fold_scatter=True),
 )
 
 

@@ -1,17 +1,23 @@
 """Passes: each a ``tvm.transform.Pass`` whose ``name`` equals its class name."""
 
 from .check_dim_ranges import CheckDimRanges, DimRangeOptions
+from .fold_zero_scatter import FoldZeroScatter, ZeroScatterOptions
 from .memory_aware_schedule import MemoryAwareSchedule, ScheduleOptions
 from .plan_memory import PlanMemory, PlanOptions
 from .rematerialize import Rematerialize, RematOptions
+from .simplify_transposes import SimplifyTransposes, TransposeOptions
 
 __all__ = [
     "CheckDimRanges",
     "DimRangeOptions",
+    "FoldZeroScatter",
     "MemoryAwareSchedule",
     "PlanMemory",
     "PlanOptions",
     "RematOptions",
     "Rematerialize",
     "ScheduleOptions",
+    "SimplifyTransposes",
+    "TransposeOptions",
+    "ZeroScatterOptions",
 ]

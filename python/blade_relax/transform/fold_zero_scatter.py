@@ -1,0 +1,311 @@
+"""FoldZeroScatter: scatters into a fresh zero tensor become predicates and reductions.
+
+Imported training graphs build two kinds of tensors by scattering into zeros:
+
+* the one-hot of a cross-entropy backward, ``scatter_elements(zeros(s, V), labels (s, 1),
+  -1, axis=1)`` (torch's ``nll_loss_backward``);
+* the gradient of an embedding, ``scatter_elements(zeros(V, H), ids (s, H), dy (s, H), axis=0,
+  reduction="add")`` (the importer's form of ``index_put_(..., accumulate=True)``).
+
+Legalized, each allocates the zeros, copies them into the scatter's own output, then writes the
+few non-zero entries: two buffers of the full size where one (or none) is needed, and the one-hot
+is a real ``(s, V)`` tensor that ``FuseOps`` cannot fuse into its consumers (a scatter is
+opaque). This pass rewrites both without the zero buffer:
+
+* ``reduction="update"`` with one index per line along the axis (the index tensor's extent
+  there is 1): ``where(iota == index, updates, 0)``, an elementwise predicate that ``FuseOps``
+  fuses into the consumers, so the one-hot is never materialized;
+* ``reduction="add"``: one kernel ``out[.., v, ..] = sum_i (index[.., i, ..] == v ?
+  updates[.., i, ..] : 0)`` that writes each output element once (no zero fill, no copy, no
+  atomics, so it is deterministic and schedulable on a GPU like any reduction). Its work is
+  ``out.size * index.shape[axis]`` compares; the sums run over ``i`` in ascending order, the
+  order in which the legalized scatter adds, so results are equal.
+
+Negative indices count from the end of the axis, as ``scatter_elements`` reads them.
+
+Where it runs
+-------------
+On high-level Relax, before ``LegalizeOps`` (it matches ``relax.scatter_elements`` whose data is
+``zeros`` / ``zeros_like`` / ``full`` / ``full_like`` of a zero constant). In
+:func:`blade_relax.get_pipeline` it runs right after ``SimplifyTransposes``. The zero tensor, when
+nothing else reads it, is removed by ``DeadCodeElimination`` at the end of the pass.
+
+What it assumes
+---------------
+A normalized module. A scatter is rewritten only when the shapes of data, indices and updates
+are known, indices and updates have the same shape, and that shape equals the data's on every
+axis but the scatter axis (which ``scatter_elements`` allows to be smaller, writing nothing
+past it: such calls are left unchanged), and for ``"update"`` when the extent on the axis is
+the constant 1 (several indices per line could name one element twice, and which write wins is
+the order of the loop) and the axis has a constant extent. Other reductions (``"mul"``, ``"mean"``, ...) and non-zero data pass
+through unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import tvm
+from tvm import relax, te, tirx
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+__all__ = ["FoldZeroScatter", "ScatterReport", "ZeroScatterOptions"]
+
+_SCATTER = tvm.ir.Op.get("relax.scatter_elements")
+_ZERO_SHAPED = {tvm.ir.Op.get("relax.zeros"), tvm.ir.Op.get("relax.zeros_like")}
+_FILLED = {tvm.ir.Op.get("relax.full"), tvm.ir.Op.get("relax.full_like")}
+
+
+@dataclass(frozen=True)
+class ZeroScatterOptions:
+    """Options of :class:`FoldZeroScatter`.
+
+    Attributes
+    ----------
+    one_hot
+        Rewrite single-index ``"update"`` scatters into zeros as ``where(iota == index, ...)``.
+    accumulate
+        Rewrite ``"add"`` scatters into zeros as one reduction kernel.
+    """
+
+    one_hot: bool = True
+    accumulate: bool = True
+
+
+@dataclass
+class ScatterReport:
+    """What one run changed: ``one_hot`` predicates and ``accumulate`` kernels emitted."""
+
+    one_hot: int = 0
+    accumulate: int = 0
+
+
+def _is_zero_constant(expr: relax.Expr) -> bool:
+    if not isinstance(expr, tvm.ir.expr.Constant):
+        return False
+    value = expr.value
+    return bool(np.all((value.numpy() if hasattr(value, "numpy") else np.asarray(value)) == 0))
+
+
+def _static_shape(expr: relax.Expr) -> list[tirx.PrimExpr] | None:
+    ty = expr.ty
+    if not isinstance(ty, relax.TensorType) or ty.shape is None or ty.ndim < 0:
+        return None
+    shape = ty.shape
+    if not isinstance(shape, relax.ShapeExpr):
+        return None
+    return list(shape.values)
+
+
+def _same_extent(a: tirx.PrimExpr, b: tirx.PrimExpr) -> bool:
+    return bool(tvm.sym.Analyzer().can_prove_equal(a, b))
+
+
+def _is_one(extent: tirx.PrimExpr) -> bool:
+    return isinstance(extent, tirx.IntImm) and int(extent) == 1
+
+
+def _keeps_prefix(call: relax.Call, inner: list, outer: list) -> bool:
+    """Whether ``out = call(x)`` satisfies ``out[p] == x[p[:x.ndim]]`` for every ``p``."""
+    name = call.op.name
+    common = min(len(inner), len(outer))
+    same_prefix = all(_same_extent(a, b) for a, b in zip(inner[:common], outer[:common]))
+    if name in ("relax.expand_dims", "relax.reshape"):
+        # Only trailing unit axes appear or disappear.
+        rest = inner[common:] + outer[common:]
+        return same_prefix and all(_is_one(e) for e in rest)
+    if name == "relax.broadcast_to":
+        # Equal rank: unit axes widen, every other extent stays.
+        return (
+            len(inner) == len(outer)
+            and all(_same_extent(a, b) or _is_one(a) for a, b in zip(inner, outer))
+            and all(_same_extent(a, b) for a, b in zip(inner, outer) if not _is_one(a))
+            and _trailing_units_only(inner, outer)
+        )
+    return False
+
+
+def _trailing_units_only(inner: list, outer: list) -> bool:
+    """Broadcast widens only a suffix of unit axes (so a prefix of the source is kept)."""
+    widened = [not _same_extent(a, b) for a, b in zip(inner, outer)]
+    first = widened.index(True) if True in widened else len(widened)
+    return all(widened[first:]) or not any(widened)
+
+
+def _accumulate_kernel(axis: int):
+    """TE: ``out[p] = sum_i (norm(index[q]) == p[axis] ? updates[q] : 0)``, ``q`` = ``p`` with
+    ``q[axis] = i``. ``index`` may be a prefix source (see ``_prefix_source``): it is read at the
+    first ``index.ndim`` coordinates of ``q``."""
+
+    def compute(index: te.Tensor, updates: te.Tensor, out_shape) -> te.Tensor:
+        extent = out_shape[axis]
+        index_rank = len(index.shape)
+
+        def element(*p: tirx.Var) -> tirx.PrimExpr:
+            i = te.reduce_axis((0, updates.shape[axis]), name="i")
+            at = [*p[:axis], i, *p[axis + 1 :]]
+            raw = index(*at[:index_rank])
+            target = tirx.Select(raw < 0, raw + extent.astype(index.dtype), raw)
+            hit = target == p[axis].astype(index.dtype)
+            return te.sum(tirx.Select(hit, updates(*at), tirx.const(0, updates.dtype)), axis=i)
+
+        return te.compute(out_shape, element, name="scatter_add_zero")
+
+    return compute
+
+
+@mutator
+class _Folder(PyExprMutator):
+    def __init__(self, mod: tvm.IRModule, options: ZeroScatterOptions, report: ScatterReport):
+        super().__init__(mod)
+        self.options = options
+        self.report = report
+
+    def _is_zero_fill(self, expr: relax.Expr) -> bool:
+        value = expr
+        while isinstance(value, relax.Var):
+            value = self.lookup_binding(value)
+        if not isinstance(value, relax.Call):
+            return False
+        if any(value.op.same_as(op) for op in _ZERO_SHAPED):
+            return True
+        if any(value.op.same_as(op) for op in _FILLED):
+            return _is_zero_constant(value.args[1])
+        return False
+
+    def _binding(self, expr: relax.Expr) -> relax.Expr:
+        value = expr
+        while isinstance(value, relax.Var):
+            bound = self.lookup_binding(value)
+            if bound is None:
+                return value
+            value = bound
+        return value
+
+    def _prefix_source(self, index: relax.Expr, axis: int) -> relax.Expr:
+        """The tensor ``x`` with ``index[p] == x[p[:x.ndim]]``, reached through trailing unit
+        axes (``expand_dims`` at the end, ``reshape`` adding or dropping trailing 1s,
+        ``broadcast_to`` of unit axes at equal rank); ``index`` itself when there is none.
+
+        The embedding backward's index is ``broadcast_to(expand_dims(ids, -1), (s, H))``:
+        reading ``ids`` directly spares the kernel an ``(s, H)`` integer intermediate.
+        """
+        found = index
+        current = index
+        index_shape = _static_shape(index)
+        while True:
+            call = self._binding(current)
+            if not isinstance(call, relax.Call) or not isinstance(call.op, tvm.ir.Op):
+                return found
+            source = call.args[0] if call.args else None
+            if source is None:
+                return found
+            outer, inner = _static_shape(current), _static_shape(source)
+            if outer is None or inner is None or not _keeps_prefix(call, inner, outer):
+                return found
+            current = source
+            # Readable as x[p[:x.ndim]] when its extents are the index's on that prefix, and
+            # the scatter axis is one of them.
+            if len(inner) > axis and all(_same_extent(a, b) for a, b in zip(inner, index_shape)):
+                found = source
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: D102
+        new_call = super().visit_call_(call)
+        if (
+            not isinstance(new_call, relax.Call)
+            or not new_call.op.same_as(_SCATTER)
+            or not self._is_zero_fill(new_call.args[0])
+        ):
+            return new_call
+        new_call = self.builder_.normalize(new_call)
+        return self._fold(new_call)
+
+    def _fold(self, call: relax.Call) -> relax.Expr:
+        data, index, updates = call.args
+        shapes = [_static_shape(x) for x in (data, index, updates)]
+        if any(s is None for s in shapes):
+            return call
+        data_shape, index_shape, update_shape = shapes
+        rank = len(data_shape)
+        if rank == 0 or len(index_shape) != rank or len(update_shape) != rank:
+            return call
+        axis = int(call.attrs.axis) % rank
+        if not all(_same_extent(a, b) for a, b in zip(index_shape, update_shape)):
+            return call
+        if not all(_same_extent(index_shape[d], data_shape[d]) for d in range(rank) if d != axis):
+            return call
+        reduction = str(call.attrs.reduction)
+        if reduction == "update" and self.options.one_hot:
+            lines, extent = index_shape[axis], data_shape[axis]
+            if (
+                isinstance(lines, tirx.IntImm)
+                and int(lines) == 1
+                and isinstance(extent, tirx.IntImm)
+            ):
+                return self._one_hot(data, index, updates, axis, int(extent), rank)
+        if reduction == "add" and self.options.accumulate:
+            self.report.accumulate += 1
+            return self.builder_.call_te(
+                _accumulate_kernel(axis),
+                self._prefix_source(index, axis),
+                updates,
+                data_shape,
+                primfunc_name_hint="scatter_add_zero",
+            )
+        return call
+
+    def _one_hot(self, data, index, updates, axis: int, extent: int, rank: int) -> relax.Expr:
+        emit = self.builder_.emit
+        index_dtype = index.ty.dtype
+        iota = emit(relax.op.arange(0, extent, dtype=index_dtype))
+        along_axis = [1] * rank
+        along_axis[axis] = extent
+        iota = emit(relax.op.reshape(iota, relax.ShapeExpr(along_axis)))
+        # scatter_elements reads a negative index from the end of the axis.
+        negative = emit(relax.op.less(index, relax.const(0, index_dtype)))
+        shifted = emit(relax.op.add(index, relax.const(extent, index_dtype)))
+        wrapped = emit(relax.op.where(negative, shifted, index))
+        hit = emit(relax.op.equal(iota, wrapped))
+        self.report.one_hot += 1
+        return relax.op.where(hit, updates, relax.const(0, data.ty.dtype))
+
+
+@tvm.transform.module_pass(opt_level=0, name="FoldZeroScatter")
+class FoldZeroScatter:
+    """Scatters into zeros as predicates (one-hots) and reduction kernels (accumulations).
+
+    Parameters
+    ----------
+    options
+        A :class:`ZeroScatterOptions` (``None``: defaults).
+
+    After the pass ran, ``pass_obj.report`` is a :class:`ScatterReport` of the last run.
+    """
+
+    def __init__(self, options: ZeroScatterOptions | None = None) -> None:
+        if options is not None and not isinstance(options, ZeroScatterOptions):
+            raise TypeError(
+                f"FoldZeroScatter expects ZeroScatterOptions, got {type(options).__name__}"
+            )
+        self.options = options or ZeroScatterOptions()
+        self.report = ScatterReport()
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        self.report = ScatterReport()
+        if not (self.options.one_hot or self.options.accumulate):
+            return mod
+        folder = _Folder(mod, self.options, self.report)
+        changed = False
+        for gv, func in list(mod.functions.items()):
+            if not isinstance(func, relax.Function):
+                continue
+            before = (self.report.one_hot, self.report.accumulate)
+            new_func = folder.visit_expr(func)
+            if (self.report.one_hot, self.report.accumulate) != before:
+                folder.builder_.update_func(gv, new_func)
+                changed = True
+        if not changed:
+            return mod
+        # The zero tensors nothing reads any more.
+        return relax.transform.DeadCodeElimination()(folder.builder_.get())
