@@ -7,9 +7,14 @@ passes on):
   without one is what makes a CUDA build fail, and the message names it here;
 * ``tvm.compile`` produces an executable whose CUDA module holds one ``__global__`` kernel per
   device PrimFunc;
-* for the blade_relax variant, ``nvcc`` compiles that CUDA C to an ``sm_90`` cubin (``ptxas``
-  included, so register and shared-memory limits are checked). The stock variant has the same
-  kernels (the memory passes change no kernel, which is checked), so it is not compiled twice.
+* for the blade_relax variant, ``nvcc`` or NVRTC compiles that CUDA C to an ``sm_90`` cubin
+  (``ptxas`` included, so register and shared-memory limits are checked). The stock variant has
+  the same kernels (the memory passes change no kernel, which is checked), so it is not compiled
+  twice.
+
+The compiler is a CUDA toolkit's ``nvcc`` or NVRTC from PyPI (``pip install -e ".[cuda]"``).
+On a machine with neither, everything up to the CUDA C is still built and checked, and the
+blade_relax variants then skip with one line saying so: a missing tool is never a failure.
 
 Sizes are tiny (one decoder layer) because CUDA compilation on a 2-core CI machine is slow.
 """
@@ -17,6 +22,7 @@ Sizes are tiny (one decoder layer) because CUDA compilation on a 2-core CI machi
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
 import pytest
@@ -27,11 +33,13 @@ from tvm import relax, tirx
 import blade_relax
 from blade_relax.bench.workloads import ModelSizes, gpt2_model, llama_model
 from blade_relax.frontend.builtin import BUILTIN_MODELS
-from blade_relax.runtime.devices import compile_cuda_source, cuda_source
+from blade_relax.runtime import devices
+from blade_relax.runtime.devices import compile_cuda_source, cuda_source, find_cuda_compiler
 
 ARCH = "sm_90"
 CUDA = {"kind": "cuda", "arch": ARCH}
 MAX_LEN = 64
+COMPILER, COMPILER_NOTE = find_cuda_compiler()
 
 
 STOCK = {
@@ -119,9 +127,48 @@ def check_build(mod: tvm.IRModule, variant: str) -> set[str]:
             f"kernel {name} is missing from the CUDA module"
         )
     if variant == "blade":
-        binary = compile_cuda_source(source, ARCH)
+        if COMPILER is None:
+            pytest.skip(f"CUDA C built and checked, cubin not compiled: {COMPILER_NOTE}")
+        binary = compile_cuda_source(source, ARCH, compiler=COMPILER)
         assert len(binary) > 0
     return kernels
+
+
+# ---------------------------------------------------------------------- the compiler
+def test_without_a_compiler_the_reason_is_one_line(monkeypatch):
+    """No nvcc and no NVRTC: a one-line reason that says what to install, never a crash."""
+    monkeypatch.setattr(devices, "_nvcc_path", lambda: None)
+    monkeypatch.setattr(devices, "_has_nvrtc_bindings", lambda: False)
+    compiler, reason = find_cuda_compiler()
+    assert compiler is None
+    assert "\n" not in reason and "nvcc" in reason and '".[cuda]"' in reason
+    with pytest.raises(RuntimeError) as err:
+        compile_cuda_source('extern "C" __global__ void k() {}', ARCH)
+    assert str(err.value) == reason
+
+
+def test_nvrtc_from_wheels_is_found(monkeypatch, tmp_path):
+    """NVRTC with the headers of the PyPI wheels (nvidia/cu13), no toolkit anywhere."""
+    root = tmp_path / "nvidia" / "cu13"
+    (root / "lib").mkdir(parents=True)
+    (root / "lib" / "libnvrtc.so.13").write_bytes(b"")
+    (root / "include" / "cccl").mkdir(parents=True)
+    (root / "include" / "cuda_runtime.h").write_text("")
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setattr(devices, "_nvcc_path", lambda: None)
+    monkeypatch.setattr(devices, "_has_nvrtc_bindings", lambda: True)
+    monkeypatch.setattr(devices, "_nvidia_dirs", lambda: [str(tmp_path / "nvidia")])
+    compiler, where = find_cuda_compiler()
+    assert compiler == "nvrtc" and str(root) in where
+    with devices._nvrtc_headers() as options:
+        assert os.environ["CUDA_PATH"] == str(root)
+        assert options == [f"-I{root / 'include' / 'cccl'}"]
+    assert "CUDA_PATH" not in os.environ
+
+    # The bindings without the library or headers: not usable, and the reason says so.
+    monkeypatch.setattr(devices, "_nvidia_dirs", lambda: [])
+    compiler, reason = find_cuda_compiler()
+    assert compiler is None and "cuda-bindings is installed" in reason
 
 
 # ---------------------------------------------------------------------- built-in models

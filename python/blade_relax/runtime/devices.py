@@ -8,9 +8,14 @@ What is here and why
   package unless ``TVM_CUDA_COMPILE_MODE=nvcc``. :func:`configure_cuda_compiler` picks a
   compiler that exists before anything is compiled, so a missing ``cuda-bindings`` does not fail
   the first GPU build.
+* **Two ways to a compiler.** A CUDA toolkit (``nvcc`` on ``PATH``, or ``CUDA_PATH``), or
+  nothing but PyPI wheels: ``pip install -e ".[cuda]"`` installs ``cuda-bindings`` with NVRTC,
+  the CUDA runtime headers and CCCL (``nvidia/cu13`` in site-packages, about 200 MB), and
+  NVRTC then compiles with those headers (:func:`find_cuda_compiler` says which is used, or in
+  one line why none is).
 * **The kernels.** :func:`cuda_source` returns the CUDA C of an executable and
-  :func:`compile_cuda_source` compiles it to a cubin with ``nvcc`` (no GPU needed), so CI proves
-  that every generated kernel compiles for a given architecture.
+  :func:`compile_cuda_source` compiles it to a cubin with ``nvcc`` or NVRTC (no GPU needed), so
+  CI proves that every generated kernel compiles for a given architecture.
 * **The driver's view of memory.** :func:`measure_driver_memory` runs one VM call and samples
   the free device memory reported by the driver (``cudaMemGetInfo``) after every instruction of
   the call. Its :class:`DriverMemory` is the independent check of the byte counts of
@@ -23,10 +28,14 @@ Nothing here imports a pass; the module only talks to the TVM runtime and the CU
 
 from __future__ import annotations
 
+import contextlib
+import ctypes.util
+import glob
 import importlib.util
 import os
 import shutil
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +50,7 @@ __all__ = [
     "cuda_available",
     "cuda_source",
     "device_for_target",
+    "find_cuda_compiler",
     "driver_free_bytes",
     "measure_driver_memory",
 ]
@@ -82,11 +92,116 @@ def device_for_target(target: Any, index: int = 0) -> tvm.runtime.Device:
     raise ValueError(f"no runtime device known for target kind {kind!r} (llvm or cuda)")
 
 
-def _has_nvrtc() -> bool:
+def _has_nvrtc_bindings() -> bool:
     try:
         return importlib.util.find_spec("cuda.bindings.nvrtc") is not None
     except (ImportError, ValueError):
         return False
+
+
+def _nvidia_dirs() -> list[str]:
+    """The folders of the ``nvidia`` namespace package the CUDA wheels install into."""
+    try:
+        spec = importlib.util.find_spec("nvidia")
+    except (ImportError, ValueError):
+        return []
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    return list(spec.submodule_search_locations)
+
+
+def _wheel_cuda_root() -> str | None:
+    """The folder of CUDA installed from PyPI wheels with NVRTC and the runtime headers.
+
+    ``nvidia-cuda-nvrtc``, ``nvidia-cuda-runtime`` and ``nvidia-cuda-cccl`` (CUDA 13) install
+    into ``site-packages/nvidia/cu13``: ``lib/libnvrtc.so*``, ``include/cuda_runtime.h``,
+    ``include/cccl``. ``None`` when no such folder has all three.
+    """
+    for base in _nvidia_dirs():
+        for root in sorted(glob.glob(os.path.join(base, "cu[0-9]*")), reverse=True):
+            if (
+                glob.glob(os.path.join(root, "lib", "libnvrtc.so*"))
+                and os.path.isfile(os.path.join(root, "include", "cuda_runtime.h"))
+                and os.path.isdir(os.path.join(root, "include", "cccl"))
+            ):
+                return root
+    return None
+
+
+def _toolkit_root() -> str | None:
+    """A CUDA toolkit's root (``CUDA_PATH``, or where ``nvcc`` lives), with its headers."""
+    candidates = [os.environ.get("CUDA_PATH")]
+    nvcc = _nvcc_path()
+    if nvcc is not None:
+        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    for root in candidates:
+        if root and os.path.isfile(os.path.join(root, "include", "cuda_runtime.h")):
+            return root
+        if root and glob.glob(os.path.join(root, "targets", "*", "include", "cuda_runtime.h")):
+            return root
+    return None
+
+
+def _has_nvrtc() -> bool:
+    """Whether NVRTC can compile here: the bindings, the library and the CUDA headers."""
+    if not _has_nvrtc_bindings():
+        return False
+    if _wheel_cuda_root() is not None:
+        return True
+    return _toolkit_root() is not None and ctypes.util.find_library("nvrtc") is not None
+
+
+def find_cuda_compiler() -> tuple[str | None, str]:
+    """The compiler :func:`compile_cuda_source` uses by default, and where it comes from.
+
+    Returns
+    -------
+    tuple
+        ``("nvcc", path)``, ``("nvrtc", where its headers are)``, or ``(None, reason)`` with a
+        one-line reason that says what to install.
+    """
+    nvcc = _nvcc_path()
+    if nvcc is not None:
+        return "nvcc", nvcc
+    if _has_nvrtc():
+        root = _wheel_cuda_root() or _toolkit_root()
+        return "nvrtc", f"NVRTC (cuda-bindings) with the CUDA headers in {root}"
+    if _has_nvrtc_bindings():
+        return None, (
+            "cuda-bindings is installed but NVRTC or the CUDA headers are not: "
+            'pip install -e ".[cuda]" or put a CUDA toolkit\'s nvcc on PATH'
+        )
+    return None, (
+        "no CUDA compiler: nvcc is not on PATH and NVRTC is not installed "
+        '(pip install -e ".[cuda]" installs it from PyPI, about 200 MB)'
+    )
+
+
+def _wheel_include_options(root: str) -> list[str]:
+    return [f"-I{os.path.join(root, 'include', 'cccl')}"]
+
+
+@contextlib.contextmanager
+def _nvrtc_headers() -> Iterator[list[str]]:
+    """Point TVM's NVRTC wrapper at the wheels' headers when no toolkit is found.
+
+    TVM finds the headers through ``CUDA_PATH`` (or ``nvcc``) and looks for CCCL under a
+    toolkit's ``targets/<arch>/include``; the wheels keep it in ``include/cccl``. Yields extra
+    compiler options.
+    """
+    root = _wheel_cuda_root()
+    if _toolkit_root() is not None or root is None:
+        yield []
+        return
+    saved = os.environ.get("CUDA_PATH")
+    os.environ["CUDA_PATH"] = root
+    try:
+        yield _wheel_include_options(root)
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_PATH", None)
+        else:
+            os.environ["CUDA_PATH"] = saved
 
 
 def _nvcc_path() -> str | None:
@@ -107,7 +222,9 @@ def configure_cuda_compiler() -> str:
 
     An explicit ``TVM_CUDA_COMPILE_MODE`` is respected. Otherwise NVRTC is used when the
     ``cuda-bindings`` package is installed (TVM's default), and ``nvcc`` (the variable is set
-    to ``"nvcc"`` for this process) when only the toolkit is.
+    to ``"nvcc"`` for this process) when only the toolkit is. NVRTC from PyPI wheels without a
+    toolkit gets ``CUDA_PATH`` and ``TVM_CUDA_NVRTC_EXTRA_OPTS`` (the CCCL headers) set for
+    this process, so TVM's own NVRTC wrapper finds the headers.
 
     Returns
     -------
@@ -123,6 +240,13 @@ def configure_cuda_compiler() -> str:
     if mode:
         return mode.lower()
     if _has_nvrtc():
+        root = _wheel_cuda_root()
+        if _toolkit_root() is None and root is not None:
+            os.environ.setdefault("CUDA_PATH", root)
+            extra = os.environ.get("TVM_CUDA_NVRTC_EXTRA_OPTS", "")
+            options = " ".join(_wheel_include_options(root))
+            if options not in extra:
+                os.environ["TVM_CUDA_NVRTC_EXTRA_OPTS"] = f"{extra} {options}".strip()
         return "nvrtc"
     if _nvcc_path() is not None:
         os.environ[_COMPILE_MODE] = "nvcc"
@@ -188,7 +312,8 @@ def compile_cuda_source(
         ``"cubin"`` (runs ``ptxas`` too, so register and shared-memory limits are checked) or
         ``"ptx"``.
     compiler
-        ``"nvcc"`` or ``"nvrtc"``; by default ``nvcc`` when found, NVRTC otherwise.
+        ``"nvcc"`` or ``"nvrtc"``; by default ``nvcc`` when found, NVRTC otherwise (see
+        :func:`find_cuda_compiler`).
 
     Returns
     -------
@@ -204,15 +329,20 @@ def compile_cuda_source(
     from tvm.support import nvcc
 
     if compiler is None:
-        if _nvcc_path() is not None:
-            compiler = "nvcc"
-        elif _has_nvrtc():
-            compiler = "nvrtc"
-        else:
-            raise RuntimeError("neither nvcc nor the NVRTC bindings (cuda-bindings) are available")
+        compiler, reason = find_cuda_compiler()
+        if compiler is None:
+            raise RuntimeError(reason)
     # TVM's compiler wrappers read the architecture from the current target.
     with tvm.target.Target({"kind": "cuda", "arch": arch}):
-        binary = nvcc.compile_cuda(source, target_format=target_format, compiler=compiler)
+        if compiler == "nvrtc":
+            with _nvrtc_headers() as options, warnings.catch_warnings():
+                # cuda-pathfinder cannot read the version of a wheel's libnvrtc: harmless.
+                warnings.filterwarnings("ignore", "Cannot determine the NVRTC version")
+                binary = nvcc.compile_cuda(
+                    source, target_format=target_format, compiler=compiler, options=options or None
+                )
+        else:
+            binary = nvcc.compile_cuda(source, target_format=target_format, compiler=compiler)
     return bytes(binary)
 
 
