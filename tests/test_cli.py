@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tvm
 from tvm import relax
+from tvm.script import relax as R
 
-from blade_relax import cli
-from blade_relax.frontend.builtin import attention_block, random_arguments
+from blade_relax import _quiet, cli
+from blade_relax.bench import WORKLOADS
+from blade_relax.bench.cli import WORKLOAD_NAMES
+from blade_relax.frontend.builtin import BUILTIN_MODELS, attention_block, random_arguments
 from blade_relax.pipeline import stock_pipeline
 from blade_relax.runtime import memory_stats, reset_memory_stats
 
@@ -37,6 +42,30 @@ def _run(argv, capsys):
     return code, out, err
 
 
+def _console_script() -> str:
+    return shutil.which("blade-relax") or str(Path(sys.executable).parent / "blade-relax")
+
+
+def _imported_modules(command: list[str]) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """Run a Python command line with ``-X importtime``; the modules it imported."""
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", *command],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONWARNINGS="ignore"),
+    )
+    modules = set()
+    for line in proc.stderr.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            modules.add(line.rsplit("|", 1)[1].strip())
+    return proc, modules
+
+
+# A TVM log line on stderr: "[hh:mm:ss] /path/file.cc:123: Warning: ..."
+TVM_LOG_LINE = re.compile(r"^\[\d\d:\d\d:\d\d\] \S+:\d+: ", re.M)
+
+
 # ------------------------------------------------------------------------------------ help
 def test_console_script_help():
     script = shutil.which("blade-relax") or str(Path(sys.executable).parent / "blade-relax")
@@ -45,6 +74,39 @@ def test_console_script_help():
     for command in ("demo", "report", "bench"):
         assert command in proc.stdout
     assert proc.stderr == ""
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["demo", "--help"],
+        ["report", "--help"],
+        ["bench", "--help"],
+        ["demo", "--sizes", "8,x"],
+        ["demo", "--model", "no-such-model"],
+        ["bench", "--lengths", "8,x"],
+    ],
+    ids=" ".join,
+)
+def test_help_and_bad_input_import_no_tvm(argv):
+    """--help and argument errors answer without importing TVM, torch or sympy (seconds)."""
+    proc, modules = _imported_modules([_console_script(), *argv])
+    assert proc.returncode in (0, 2), proc.stderr[-2000:]
+    assert "blade_relax.cli" in modules
+    assert not modules & {"tvm", "torch", "sympy", "transformers"}
+
+
+def test_bench_module_help_imports_no_tvm():
+    proc, modules = _imported_modules(["-m", "blade_relax.bench", "--help"])
+    assert proc.returncode == 0
+    assert "blade_relax.bench.cli" in modules and "tvm" not in modules
+
+
+def test_known_names_match_the_registries():
+    """The names the command lines know without importing TVM are the registries' names."""
+    assert set(cli.BUILTIN_MODEL_NAMES) == set(BUILTIN_MODELS)
+    assert set(WORKLOAD_NAMES) == set(WORKLOADS)
 
 
 @pytest.mark.parametrize("command", ["demo", "report"])
@@ -70,10 +132,8 @@ BAD_INPUT = [
     (["demo", "--budget", "0"], "--budget is a fraction"),
     (["demo", "--budget", "2"], "--budget is a fraction"),
     (["demo", "--budget", "half"], "invalid float value"),
-    (
-        ["demo", "--plot", "/no/such/dir/demo.png"],
-        "--plot: the directory /no/such/dir does not exist",
-    ),
+    (["demo", "--plot", "AFILE/demo.png"], "is not a directory"),
+    (["demo", "--plot", "TMPDIR"], "is not a file path"),
     (["demo", "--model", "bench:mlp-train", "--sizes", "4096"], "outside bench:mlp-train's range"),
     (["demo", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["report", "no-such-model"], "is neither a file nor a model name"),
@@ -88,8 +148,8 @@ BAD_INPUT = [
     (["report", "SCRIPT", "--function", "forward"], "no function 'forward'"),
     (["report", "SCRIPT", "--pipeline", "fast"], "invalid choice: 'fast'"),
     (["report", "SCRIPT", "--rows", "0"], "--rows must be at least 1"),
-    (["report", "SCRIPT", "--plot", "/no/such/dir/r.png"], "--plot: the directory"),
-    (["report", "SCRIPT", "--json", "/no/such/dir/r.json"], "--json: the directory"),
+    (["report", "SCRIPT", "--plot", "AFILE/r.png"], "--plot: "),
+    (["report", "SCRIPT", "--json", "AFILE/sub/r.json"], "--json: "),
     (["report", "SCRIPT", "--chrome-trace", "TMPDIR"], "--chrome-trace: "),
     (["report", "bench:gpt2-infer", "--dims", "s=100000"], "outside bench:gpt2-infer's range"),
     (["report", "BROKEN"], "cannot parse"),
@@ -136,14 +196,23 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, attention_script, tmp_p
         "EMPTY": tmp_path / "empty.py",
         "PRIMFUNC": tmp_path / "prim.py",
         "TMPDIR": tmp_path,
+        "AFILE": tmp_path / "a-file",
     }
+    files["AFILE"].write_text("not a directory\n")
     files["BROKEN"].write_text(BROKEN_SCRIPT)
     files["GARBAGE"].write_text("this is ( not python\n")
     files["EMPTY"].write_text("x = 1\n")
     files["PRIMFUNC"].write_text(PRIMFUNC_SCRIPT)
     if message == "'add' in":
         argv = [*argv, "--function", "add"]
-    code, out, err = _run([files.get(a, a) for a in argv], capsys)
+    # A placeholder stands for its file, also as the first part of a path ("AFILE/demo.png").
+    argv = [
+        str(files[a.partition("/")[0]]) + a[len(a.partition("/")[0]) :]
+        if a.partition("/")[0] in files
+        else a
+        for a in argv
+    ]
+    code, out, err = _run(argv, capsys)
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
@@ -207,7 +276,7 @@ def test_report_of_a_script_writes_json_trace_and_plot(attention_script, tmp_pat
     stock, blade = data["reports"]
     # A dispatcher's label names the copy that runs at these dims without a budget.
     assert stock["summary"]["label"] == "stock TVM"
-    assert re.fullmatch(r"blade_relax( \(main__\w+\))?", blade["summary"]["label"])
+    assert re.fullmatch(r"blade_relax( \(main for [^)]+\))?", blade["summary"]["label"])
     for report in (stock, blade):
         summary, rows = report["summary"], report["rows"]
         assert summary["stage"] == "memory"
@@ -264,10 +333,12 @@ def _table_rows(out: str) -> list[list[str]]:
 
 
 def test_demo_tells_the_story_and_writes_its_plot(tmp_path, capsys):
-    plot = tmp_path / "demo.png"
+    plot = tmp_path / "out" / "demo.png"  # a missing output folder is created
     code, out, err = _run(["demo", "--sizes", "8,1024", "--plot", plot], capsys)
     assert code == 0, out + err
     assert plot.read_bytes()[:8] == PNG_MAGIC
+    # Copies the passes made of `main` are named for the user, not by internal names.
+    assert "__" not in out and "symbolic peak, blade_relax" in out
     assert "predicted == measured for all 6 predicted runs" in out
     rows = _table_rows(out)
     assert [(r[0], r[1]) for r in rows] == [
@@ -286,8 +357,53 @@ def test_demo_tells_the_story_and_writes_its_plot(tmp_path, capsys):
     budget_bytes = int(budget[2].split()[0].replace(",", ""))
     assert budget_bytes == int(0.9 * peak["b"]) and peak["g"] <= budget_bytes
     assert budget[2].endswith("met") and budget[9] == "identical"
-    # Progress lines went to stderr, not into the table.
+    # Progress lines went to stderr, not into the table: one per run.
     assert "... compiling" in err and "... compiling" not in out
+    for step in ("[1/3]: stock TVM", "[2/3]: blade_relax", "[3/3]: blade_relax under a budget"):
+        assert f"s=1024 {step}" in err
+    assert "warning:" not in err  # 1024 is a size the model was tried at
+
+
+def test_demo_warns_before_a_size_far_beyond_what_was_tried(capsys):
+    size = cli.FAR_BEYOND * cli.TRIED_SIZE + 1
+    code, out, err = _run(["demo", "--model", "mlp", "--sizes", size, "--no-plot"], capsys)
+    assert code == 0, out + err
+    lines = err.splitlines()
+    (warning,) = [i for i, line in enumerate(lines) if line.startswith("warning: ")]
+    first_run = next(i for i, line in enumerate(lines) if "[1/3]" in line)
+    assert warning < first_run  # up front, before anything runs
+    text = lines[warning]
+    assert f"s={size} is " in text and "mlp was tried at" in text
+    # With the bytes the symbolic timelines predict, the same the table then shows.
+    stock_row = _table_rows(out)[0]
+    predicted = int(stock_row[3].replace(",", ""))
+    assert f"a peak of {cli._human(predicted)} (stock TVM)" in text
+
+
+def test_function_label_names_copies_for_the_user():
+    @R.function
+    def f(x: R.Tensor((2,), "float32")):
+        return x
+
+    version = {"of": "main", "dim": "s", "lower": 110}
+    bounded = {"of": "main", "dim": "s", "lower": 1, "upper": 109}
+    mod = tvm.IRModule(
+        {
+            "main": f,
+            "main__s110_inf": f.with_attr("blade_relax.schedule_version", version),
+            "main__s1_109": f.with_attr("blade_relax.schedule_version", bounded),
+            "main__s110_inf__plain": f.with_attr(
+                "blade_relax.remat_copy", {"of": "main__s110_inf", "budget": 0}
+            ),
+            "main__remat": f.with_attr("blade_relax.remat_copy", {"of": "main", "budget": 1}),
+            "main__plain": f.with_attr("blade_relax.remat_copy", {"of": "main", "budget": 0}),
+        }
+    )
+    assert cli.function_label(mod, "main") == "main"
+    assert cli.function_label(mod, "main__plain") == "main"
+    assert cli.function_label(mod, "main__remat") == "main under a budget"
+    assert cli.function_label(mod, "main__s110_inf__plain") == "main for s >= 110"
+    assert cli.function_label(mod, "main__s1_109") == "main for 1 <= s <= 109"
 
 
 def test_demo_exits_1_when_a_prediction_misses(capsys, monkeypatch):
@@ -318,3 +434,116 @@ def test_bench_is_delegated(capsys):
     code, out, _ = _run(["bench", "--list-configs"], capsys)
     assert code == 0
     assert "tvm-dynamic" in out
+
+
+BENCH_BAD_INPUT = [
+    (["--lengths", "8,x"], "--lengths takes comma-separated integers"),
+    (["--workload", "nope"], "invalid choice: 'nope'"),
+    (["--configs", "no-such-config", "--lengths", "8"], "--configs: unknown config"),
+    (["--repeat", "0"], "--repeat must be at least 1"),
+    (["--repeat", "x"], "invalid int value: 'x'"),
+    (["--layers", "0"], "--layers must be at least 1"),
+    (["--hidden", "30", "--heads", "4"], "must be a multiple of --heads"),
+    (["--lengths", "100000"], "outside the exported range"),
+    (["--out", "AFILE/r.json"], "--out: "),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"), BENCH_BAD_INPUT, ids=[" ".join(a) for a, _ in BENCH_BAD_INPUT]
+)
+def test_bench_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys):
+    (tmp_path / "a-file").write_text("")
+    argv = [a.replace("AFILE", str(tmp_path / "a-file")) for a in argv]
+    code, out, err = _run(["bench", "--workload", "mlp-train", *argv], capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("blade-relax bench: error: ")
+    assert message in lines[0] and out == ""
+
+
+def test_bench_module_bad_input_is_one_line():
+    proc = subprocess.run(
+        [sys.executable, "-m", "blade_relax.bench", "--lengths", "8,x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "python -m blade_relax.bench: error: --lengths takes comma-separated integers, not '8,x'"
+    ]
+
+
+# ---------------------------------------------------------------------------- quiet stderr
+NATIVE_NOISE = [
+    "[20:30:50] /project/src/tirx/op/op.cc:275: Warning: Detected pow(x, y) where y >= 3, it "
+    "is recommended to avoid this as it may lead to uninteded behaviors when x < 0.",
+    "[20:30:51] /project/include/tvm/topi/transform.h:1261: Warning: Fast mode segfaults when "
+    "there are out-of-bounds indices. Make sure input indices are in bound",
+    "[20:31:44] /project/src/target/llvm/codegen_cpu.cc:1183: Warning: Unknown pragma pragma_scope",
+]
+
+
+def test_noise_patterns():
+    assert all(_quiet.is_noise(line) for line in NATIVE_NOISE)
+    assert not _quiet.is_noise("[20:31:44] /project/src/x.cc:1: Warning: something else")
+    assert not _quiet.is_noise("Traceback (most recent call last):")
+
+
+_FILTER_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    from blade_relax._quiet import quiet_stderr
+    noise = {noise!r}
+    with quiet_stderr():
+        print("python line 1", file=sys.stderr, flush=True)
+        for line in noise:
+            os.write(2, (line + "\\n").encode())  # as native code writes
+        os.write(2, b"native line that matters\\n")
+        print("python line 2", file=sys.stderr, flush=True)
+    os.write(2, b"after the context\\n")
+    """
+)
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_native_stderr_is_filtered_unless_verbose(verbose):
+    env = dict(os.environ)
+    env.pop(_quiet.VERBOSE_ENV, None)
+    if verbose:
+        env[_quiet.VERBOSE_ENV] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-c", _FILTER_SCRIPT.format(noise=NATIVE_NOISE)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    # Python's lines pass straight through; native lines that are not noise are forwarded,
+    # all of them before the context ends.
+    wanted = ["python line 1", "native line that matters", "python line 2", "after the context"]
+    assert set(wanted) <= set(lines)
+    assert lines.index("python line 1") < lines.index("python line 2")
+    assert lines.index("native line that matters") < lines.index("after the context")
+    assert any(_quiet.is_noise(line) for line in lines) == verbose
+
+
+def test_report_of_a_hugging_face_model_prints_no_tvm_warning(tmp_path):
+    """A Hugging Face import makes TVM log hundreds of warnings; the command line hides them."""
+    pytest.importorskip("transformers")
+    proc = subprocess.run(
+        [_console_script(), "report", "bench:gpt2-infer", "--dims", "s=16", "--rows", "3"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not TVM_LOG_LINE.search(proc.stderr), proc.stderr[-3000:]
+    assert "[transformers]" not in proc.stderr
+    assert all(line.startswith("... ") for line in proc.stderr.splitlines()), proc.stderr

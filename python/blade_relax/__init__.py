@@ -3,13 +3,51 @@
 Importing the package installs the runtime memory accounting (every storage that a Relax VM
 created afterwards allocates is counted), registers the runtime builtins, and registers the
 Relax pipeline ``"blade_relax"``. The passes live in :mod:`blade_relax.transform`.
+
+The command lines (``blade-relax``, ``python -m blade_relax.bench``) are the one exception:
+they answer ``--help`` and reject bad input without importing TVM (seconds on a small
+machine), and import it, with everything above, when a command starts its work.
 """
 
 from __future__ import annotations
 
-from . import runtime  # noqa: F401  (installs accounting and builtins)
-from .pipeline import get_pipeline
+import os as _os
+import sys as _sys
+from typing import Any as _Any
+
+from ._quiet import quiet
 
 __version__ = "0.1.0"
 
-__all__ = ["get_pipeline", "runtime", "__version__"]
+__all__ = ["get_pipeline", "quiet", "runtime", "__version__"]
+
+# The modules `python -m` runs as blade_relax's command lines.
+_COMMAND_MODULES = ("blade_relax.bench", "blade_relax.bench.cli", "blade_relax.cli")
+
+
+def _is_command_line() -> bool:
+    """Whether this process was started as one of blade_relax's command lines."""
+    if _sys.argv and _os.path.basename(_sys.argv[0]) in ("blade-relax", "blade-relax.exe"):
+        return True
+    argv = list(getattr(_sys, "orig_argv", []))
+    return any(a == "-m" and b in _COMMAND_MODULES for a, b in zip(argv, argv[1:]))
+
+
+def _load() -> None:
+    """Import the runtime (accounting, builtins) and the pipeline (registers ``blade_relax``)."""
+    from . import runtime  # noqa: F401  (installs accounting and builtins)
+    from .pipeline import get_pipeline
+
+    globals()["get_pipeline"] = get_pipeline
+
+
+if not _is_command_line():
+    _load()
+
+
+def __getattr__(name: str) -> _Any:
+    # Reached only in a command line before _load() (PEP 562).
+    if name in ("get_pipeline", "runtime", "pipeline"):
+        _load()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,7 +17,12 @@
 
 Bad input (an unknown model, a missing or unparsable file, malformed ``--dims``/``--sizes``,
 an unwritable output path, ...) ends the command with status 2 and one line on stderr. Progress
-lines of long steps (building a model, compiling, lowering) go to stderr, results to stdout.
+lines of long steps (building a model, compiling, lowering, every run) go to stderr, results to
+stdout. TVM's native warnings and transformers' notes are filtered from stderr unless
+``--verbose`` (or ``BLADE_RELAX_VERBOSE=1``).
+
+``--help`` and the checks of the arguments import no TVM (it takes seconds to import on a small
+machine); a command imports it when it starts its work.
 """
 
 from __future__ import annotations
@@ -28,10 +33,14 @@ import json
 import math
 import os
 import sys
+import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
+
+from ._cliutil import CliError, OneLineParser, check_output_path, first_line
+from .bench.cli import WORKLOAD_NAMES
 
 if TYPE_CHECKING:
     from .bench.workloads import ModelSizes
@@ -45,32 +54,23 @@ DEFAULT_DEMO_PLOT = "blade_relax_demo.png"
 # Report dims that the user leaves out are evaluated at this value (clipped to the dim's range).
 DEFAULT_REPORT_DIM = 128
 BENCH_PREFIX = "bench:"
+#: The names of :data:`blade_relax.frontend.builtin.BUILTIN_MODELS`, known without importing TVM.
+BUILTIN_MODEL_NAMES = ("mlp", "attention", "layer-norm", "concat-split", "mlp-train")
+#: The largest size the models without a declared upper bound were tried at (the demo's
+#: default sizes); sizes far beyond it get a warning with the predicted bytes first.
+TRIED_SIZE = 1024
+FAR_BEYOND = 8
 # Outputs of blade_relax's executables are compared with stock TVM's: the kernels are the same,
 # so anything beyond float rounding is a bug.
 OUTPUT_RTOL = 1e-5
-
-
-class CliError(Exception):
-    """Bad input: reported as one line on stderr with exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line (no usage block) through :class:`CliError`."""
-
-    def error(self, message: str) -> NoReturn:
-        raise CliError(f"{message} (see {self.prog} --help)")
 
 
 def _progress(message: str) -> None:
     print(f"... {message}", file=sys.stderr, flush=True)
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    for line in text.splitlines():
-        if line.strip():
-            return line.strip()
-    return type(err).__name__
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------------------------------------ models
@@ -183,7 +183,7 @@ def _bench_model(name: str) -> Model:
     try:
         workload = build_workload(workload_name)
     except ImportError as err:
-        raise CliError(f"{name} needs PyTorch and transformers: {_first_line(err)}") from None
+        raise CliError(f"{name} needs PyTorch and transformers: {first_line(err)}") from None
     graph = workload.graph.with_upper_bounds(False)
     ranges = ", ".join(
         f"{d.lower} <= {n} <= {d.upper if d.upper is not None else 'inf'}"
@@ -194,13 +194,10 @@ def _bench_model(name: str) -> Model:
 
 def model_names() -> list[str]:
     """Every model name ``demo --model`` and ``report`` accept."""
-    from .bench.workloads import WORKLOADS
-    from .frontend.builtin import BUILTIN_MODELS
-
     return [
         DEFAULT_DEMO_MODEL,
-        *BUILTIN_MODELS,
-        *(f"{BENCH_PREFIX}{name}" for name in WORKLOADS),
+        *BUILTIN_MODEL_NAMES,
+        *(f"{BENCH_PREFIX}{name}" for name in WORKLOAD_NAMES),
     ]
 
 
@@ -212,11 +209,9 @@ def load_model(name: str) -> Model:
     CliError
         When no model has that name.
     """
-    from .frontend.builtin import BUILTIN_MODELS
-
     if name == DEFAULT_DEMO_MODEL:
         return _deep_mlp_train()
-    if name in BUILTIN_MODELS:
+    if name in BUILTIN_MODEL_NAMES:
         return _builtin_model(name)
     if name in model_names():
         return _bench_model(name)
@@ -239,7 +234,7 @@ def _load_script(path: str) -> Model:
     try:
         parsed = tvm.script.from_source(source)
     except Exception as err:  # the parser raises SyntaxError, DiagnosticError, TVMError, ...
-        problem = _first_line(err).removeprefix("error: ")
+        problem = first_line(err).removeprefix("error: ")
         if "No result exists in IRBuilder" in problem:
             problem = "it defines no IRModule or function (save one with mod.script())"
     if problem is not None:
@@ -309,22 +304,6 @@ def _parse_fraction(value: float) -> float:
     if not (0.0 < value <= 1.0) or math.isnan(value):
         raise CliError(f"--budget is a fraction of blade_relax's peak in (0, 1], not {value}")
     return value
-
-
-def _check_writable(path: str | None, flag: str) -> str | None:
-    """Fail before any long step when an output path cannot be written."""
-    if path is None:
-        return None
-    if not path or os.path.isdir(path):
-        raise CliError(f"{flag}: {path!r} is not a file path")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise CliError(f"{flag}: the directory {parent} does not exist")
-    if os.path.exists(path) and not os.access(path, os.W_OK):
-        raise CliError(f"{flag}: {path} is not writable")
-    if not os.access(parent, os.W_OK):
-        raise CliError(f"{flag}: the directory {parent} is not writable")
-    return path
 
 
 def _write_text(path: str, text: str, flag: str) -> None:
@@ -574,7 +553,7 @@ def run_demo(args: argparse.Namespace) -> int:
     """Stock TVM vs blade_relax vs blade_relax under a budget; predicted vs measured peaks."""
     sizes = _parse_sizes(args.sizes)
     fraction = _parse_fraction(args.budget)
-    plot_path = None if args.no_plot else _check_writable(args.plot, "--plot")
+    plot_path = None if args.no_plot else check_output_path(args.plot, "--plot")
     if args.model.startswith(BENCH_PREFIX):
         for size in sizes:
             _precheck_bench_dims(args.model, {"s": size}, "--sizes")
@@ -597,7 +576,7 @@ def run_demo(args: argparse.Namespace) -> int:
             try:
                 model.check_dims(bindings)
             except ValueError as err:
-                raise CliError(f"--sizes: {_first_line(err)}") from None
+                raise CliError(f"--sizes: {first_line(err)}") from None
 
     _progress(f"compiling {model.name} with the stock TVM pipeline (llvm)")
     stock_exe = tvm.compile(model.mod, "llvm", relax_pipeline=stock_pipeline("llvm"))
@@ -614,11 +593,12 @@ def run_demo(args: argparse.Namespace) -> int:
     blade_tls = {fn: memory_timeline(blade_low[fn], mod=blade_low) for fn in sorted(blade_fns)}
 
     dim_label = ",".join(dims)
+    _warn_far_beyond(model, func, sizes, all_bindings, stock_tl, blade_tls, blade_low)
     print(f"model: {model.name}  ({model.description})")
     print(f"dynamic dims: {dim_label}  (every dim set to each size)")
     print(f"symbolic peak, stock TVM:   {stock_tl.peak}")
     for fn, timeline in blade_tls.items():
-        where = "" if fn == "main" else f" (copy {fn})"
+        where = "" if fn == "main" else f" ({function_label(blade_low, fn)})"
         print(f"symbolic peak, blade_relax{where}: {timeline.peak}")
     print(
         f"budget: {fraction:g} x blade_relax's measured peak at each size; predictions under "
@@ -628,15 +608,22 @@ def run_demo(args: argparse.Namespace) -> int:
 
     rows: list[DemoRow] = []
     for size, bindings in zip(sizes, all_bindings):
-        _progress(f"running at {dim_label}={size}")
+        started = time.perf_counter()
+        at = f"{dim_label}={size}"
         arrays = model.make_args(bindings) if model.make_args else []
+        stock_predicted = stock_tl.evaluate(bindings).peak
+        _progress(f"{at} [1/3]: stock TVM (predicted peak {_human(stock_predicted)})")
         stock = _run_once(stock_exe, arrays, bindings)
-        stock.predicted_bytes = stock_tl.evaluate(bindings).peak
-        blade = _run_once(blade_exe, arrays, bindings)
+        stock.predicted_bytes = stock_predicted
         blade_tl = blade_tls[version_for(blade_low, "main", bindings)]
-        blade.predicted_bytes = blade_tl.evaluate(bindings).peak
+        blade_predicted = blade_tl.evaluate(bindings).peak
+        _progress(f"{at} [2/3]: blade_relax (predicted peak {_human(blade_predicted)})")
+        blade = _run_once(blade_exe, arrays, bindings)
+        blade.predicted_bytes = blade_predicted
         budget = max(1, int(fraction * blade.peak_bytes))
+        _progress(f"{at} [3/3]: blade_relax under a budget of {_human(budget)}")
         budgeted = _run_once(blade_exe, arrays, bindings, budget=budget)
+        _progress(f"{at}: done in {time.perf_counter() - started:.1f} s")
         for label, result in (
             ("stock TVM", stock),
             ("blade_relax", blade),
@@ -655,6 +642,56 @@ def run_demo(args: argparse.Namespace) -> int:
         _demo_plot(plot_path, model.name, dim_label, rows, fraction)
         print(f"plot: {plot_path}")
     return status
+
+
+def _free_memory() -> int | None:
+    """Memory available to this process now (bytes), where the platform says."""
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _warn_far_beyond(
+    model: Model,
+    func: Any,
+    sizes: Sequence[int],
+    all_bindings: Sequence[Mapping[str, int]],
+    stock_tl: Any,
+    blade_tls: Mapping[str, Any],
+    blade_low: Any,
+) -> None:
+    """Warn before running sizes far beyond those the model was tried at, with their bytes.
+
+    A model that declares an upper bound has its sizes checked against it already; one that
+    declares none (the built-ins) was tried up to :data:`TRIED_SIZE`. The symbolic timelines
+    say, without running anything, how many bytes a call at the asked size allocates.
+    """
+    from .symbolic import ShapeGraph
+    from .transform.memory_aware_schedule import version_for
+
+    graph = ShapeGraph.from_function(func)
+    if any(d.upper is not None for d in graph.dims.values()):
+        return
+    free = _free_memory()
+    for size, bindings in zip(sizes, all_bindings):
+        if size <= FAR_BEYOND * TRIED_SIZE:
+            continue
+        stock = stock_tl.evaluate(bindings)
+        blade = blade_tls[version_for(blade_low, "main", bindings)].evaluate(bindings)
+        inputs = stock.persistent
+        need = max(stock.peak, blade.peak) + inputs
+        message = (
+            f"{','.join(bindings)}={size} is {size / TRIED_SIZE:.0f}x the largest size "
+            f"{model.name} was tried at ({TRIED_SIZE}; it declares no upper bound). The symbolic "
+            f"timelines predict a peak of {_human(stock.peak)} (stock TVM) and "
+            f"{_human(blade.peak)} (blade_relax) per call, plus {_human(inputs)} of inputs "
+            "and parameters; each of the three runs takes time that grows with the size "
+            "(progress lines follow)"
+        )
+        if free is not None and need > free:
+            message += f"; that is more than the {_human(free)} of memory free now"
+        _warn(message)
 
 
 def _demo_summary(rows: Sequence[DemoRow], dim_label: str, fraction: float) -> int:
@@ -698,6 +735,46 @@ def _demo_summary(rows: Sequence[DemoRow], dim_label: str, fraction: float) -> i
 
 
 # -------------------------------------------------------------------------------- the report
+def function_label(mod: Any, name: str) -> str:
+    """A user-facing name for a function, for copies the memory passes made of an entry.
+
+    ``MemoryAwareSchedule`` may split ``main`` into range copies (``main__s110_inf``), and
+    ``Rematerialize`` keeps the function as it was (``main__plain``) next to its rewritten
+    copy for calls under a budget (``main__remat``). Those names are internal; this says which
+    entry function a copy stands for and when it runs: ``"main for s >= 110"``, ``"main"``
+    (what runs without a budget), ``"main under a budget"``.
+    """
+    from .transform._remat_timeline import COPY_ATTR
+    from .transform.memory_aware_schedule import VERSION_ATTR
+
+    ranges: list[str] = []
+    budget = False
+    current = name
+    for _ in range(8):  # copies of copies: a budget copy of a range copy, at most
+        if current not in {gv.name_hint for gv in mod.get_global_vars()}:
+            break
+        attrs = getattr(mod[current], "attrs", None)
+        if attrs is not None and COPY_ATTR in attrs:
+            budget = budget or bool(int(attrs[COPY_ATTR]["budget"]))
+            current = str(attrs[COPY_ATTR]["of"])
+        elif attrs is not None and VERSION_ATTR in attrs:
+            info = attrs[VERSION_ATTR]
+            dim, lower = str(info["dim"]), int(info["lower"])
+            if "upper" in info:
+                ranges.append(f"{lower} <= {dim} <= {int(info['upper'])}")
+            else:
+                ranges.append(f"{dim} >= {lower}")
+            current = str(info["of"])
+        else:
+            break
+    label = current
+    if ranges:
+        label += " for " + " and ".join(ranges)
+    if budget:
+        label += " under a budget"
+    return label
+
+
 def _function(mod: Any, name: str, where: str) -> Any:
     from tvm import relax
 
@@ -737,7 +814,7 @@ def _bind_dims(
         try:
             model.check_dims(bindings)
         except ValueError as err:
-            raise CliError(f"--dims: {_first_line(err)}") from None
+            raise CliError(f"--dims: {first_line(err)}") from None
     return bindings
 
 
@@ -756,9 +833,9 @@ def _merged_chrome_trace(reports: Sequence[Any]) -> dict[str, Any]:
 def run_report(args: argparse.Namespace) -> int:
     """Print (and write) the memory report of one function, before and after our passes."""
     given = _parse_dims(args.dims)
-    json_path = _check_writable(args.json, "--json")
-    trace_path = _check_writable(args.chrome_trace, "--chrome-trace")
-    plot_path = _check_writable(args.plot, "--plot")
+    json_path = check_output_path(args.json, "--json")
+    trace_path = check_output_path(args.chrome_trace, "--chrome-trace")
+    plot_path = check_output_path(args.plot, "--plot")
     if args.rows < 1:
         raise CliError(f"--rows must be at least 1, not {args.rows}")
     _precheck_bench_dims(args.input, given, "--dims")
@@ -785,7 +862,7 @@ def run_report(args: argparse.Namespace) -> int:
                 lowered = lower_to_memory_stage(model.mod, target, **flags_of[label])
             except Exception as err:  # TVM's passes raise their own error types
                 raise CliError(
-                    f"the {label} pipeline cannot lower {model.name}: {_first_line(err)}"
+                    f"the {label} pipeline cannot lower {model.name}: {first_line(err)}"
                 ) from None
             stages.append((label, lowered))
 
@@ -797,14 +874,15 @@ def run_report(args: argparse.Namespace) -> int:
         # Rematerialize) calls the copy for these dims, without a budget: its timeline is what
         # runs.
         name = version_for(mod, args.function, bindings)
-        if name != args.function:
-            label = f"{label} ({name})"
+        shown = function_label(mod, name)
+        if shown != args.function:
+            label = f"{label} ({shown})"
         lowered_func = _function(mod, name, f"{model.name} after the {label} pipeline")
         try:
             timelines.append((label, memory_timeline(lowered_func, mod=mod)))
         except Exception as err:
             raise CliError(
-                f"cannot build the memory timeline of {args.function}: {_first_line(err)}"
+                f"cannot build the memory timeline of {args.function}: {first_line(err)}"
             ) from None
 
     for _, timeline in timelines:
@@ -816,7 +894,7 @@ def run_report(args: argparse.Namespace) -> int:
         try:
             evaluated = timeline.evaluate(bindings)
         except ValueError as err:
-            raise CliError(f"--dims: {_first_line(err)}") from None
+            raise CliError(f"--dims: {first_line(err)}") from None
         reports.append(MemoryReport(label=label, timeline=timeline, evaluated=evaluated))
 
     print(f"input: {model.name}  ({model.description})")
@@ -865,39 +943,46 @@ def run_report(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------- bench
 def run_bench(argv: Sequence[str]) -> int:
     """Hand the arguments to the benchmark's own command line."""
-    from .bench import main as bench_main
+    from .bench.cli import main as bench_main
 
-    return int(bench_main(list(argv)) or 0)
+    return int(bench_main(list(argv), prog="blade-relax bench") or 0)
 
 
 # ------------------------------------------------------------------------------------ parser
 def _models_help() -> str:
-    from .bench.workloads import WORKLOADS
-    from .frontend.builtin import BUILTIN_MODELS
-
     return (
         f"{DEFAULT_DEMO_MODEL} (a 4-layer MLP training step), the built-ins "
-        f"{', '.join(BUILTIN_MODELS)}, and the benchmark workloads "
-        f"{', '.join(BENCH_PREFIX + w for w in WORKLOADS)} (need PyTorch; dims within the "
-        "exported range)"
+        f"{', '.join(BUILTIN_MODEL_NAMES)}, and the benchmark workloads "
+        f"{', '.join(BENCH_PREFIX + w for w in WORKLOAD_NAMES)} (need PyTorch; dims within "
+        "the exported range)"
+    )
+
+
+def _add_verbose(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show TVM's native warnings and transformers' notes on stderr (hidden by "
+        "default; also BLADE_RELAX_VERBOSE=1)",
     )
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``blade-relax`` (``bench`` is handed to :func:`blade_relax.bench.main`)."""
-    parser = _Parser(
+    parser = OneLineParser(
         prog="blade-relax",
         description="Peak-memory optimizations on symbolic shapes for Apache TVM Relax.\n"
         "See the story on a small model (demo), read the memory report of a module (report),\n"
         "or measure configurations side by side (bench).",
         epilog="examples:\n"
-        "  blade-relax demo\n"
-        "  blade-relax demo --model mlp-train --sizes 64,512 --budget 0.95 --plot demo.png\n"
-        "  blade-relax report attention --dims s=256 --json report.json --plot report.png\n"
+        "  blade-relax demo --plot out/demo.png\n"
+        "  blade-relax demo --model mlp-train --sizes 64,512 --budget 0.95 --no-plot\n"
+        "  blade-relax report attention --dims s=256 --json out/report.json --plot out/r.png\n"
         "  blade-relax report my_module.py --function main --dims n=64 --pipeline stock\n"
         "  blade-relax bench --workload mlp-train --configs tvm-dynamic,blade-relax\n"
         "exit status: 0 on success, 1 when the demo's check fails, 2 on bad input (one line\n"
-        "on stderr). Progress lines go to stderr, results to stdout.",
+        "on stderr). Progress lines go to stderr, results to stdout; missing directories of\n"
+        "output paths are created. TVM's native warnings are hidden unless --verbose.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,report,bench}")
@@ -944,6 +1029,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"{DEFAULT_DEMO_PLOT})",
     )
     demo.add_argument("--no-plot", action="store_true", help="do not write the plot")
+    _add_verbose(demo)
 
     report = sub.add_parser(
         "report",
@@ -1002,6 +1088,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument(
         "--plot", metavar="PATH", help="write a PNG of live bytes over the program here"
     )
+    _add_verbose(report)
 
     sub.add_parser(
         "bench",
@@ -1049,6 +1136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     int
         The exit status: 0 on success, 1 when the demo's check fails, 2 on bad input.
     """
+    from ._quiet import quiet_stderr
+
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0] == "bench":
         return run_bench(args_list[1:])
@@ -1058,11 +1147,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             args = parser.parse_args(args_list)
         except SystemExit as done:  # --help
             return int(done.code or 0)
-        if args.command == "demo":
-            return run_demo(args)
-        if args.command == "report":
-            return run_report(args)
-        raise CliError(f"unknown command {args.command!r}")
+        handler = {"demo": run_demo, "report": run_report}.get(args.command)
+        if handler is None:
+            raise CliError(f"unknown command {args.command!r}")
+        with quiet_stderr(verbose=True if args.verbose else None):
+            return handler(args)
     except CliError as err:
         print(f"blade-relax: error: {err}", file=sys.stderr, flush=True)
         return 2

@@ -1,4 +1,10 @@
-"""Command line of the benchmark: ``python -m blade_relax.bench`` and ``blade-relax bench``."""
+"""Command line of the benchmark: ``python -m blade_relax.bench`` and ``blade-relax bench``.
+
+Bad input (an unknown workload or config, a malformed ``--lengths``, lengths outside the
+exported range, sizes that do not fit together, an unwritable output path) ends the command
+with status 2 and one line on stderr, before anything is built. ``--help`` and those checks
+import no TVM; TVM's native warnings are filtered unless ``--verbose``.
+"""
 
 from __future__ import annotations
 
@@ -7,25 +13,33 @@ import dataclasses
 import sys
 from collections.abc import Sequence
 
-__all__ = ["build_parser", "main"]
+from .._cliutil import CliError, OneLineParser, check_output_path, first_line
+
+__all__ = ["WORKLOAD_NAMES", "build_parser", "main"]
 
 DEFAULT_CONFIGS = "tvm-dynamic,tvm-bounded,tvm-static,torch-eager"
+DEFAULT_PROG = "python -m blade_relax.bench"
+#: The names of :data:`blade_relax.bench.workloads.WORKLOADS`, known without importing TVM.
+WORKLOAD_NAMES = ("gpt2-infer", "gpt2-train", "llama-train", "mlp-train")
 
 
 def _progress(message: str) -> None:
     print(f"... {message}", file=sys.stderr, flush=True)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser (sizes default to the ``small`` preset)."""
-    from .workloads import WORKLOADS
-
-    parser = argparse.ArgumentParser(
-        prog="python -m blade_relax.bench",
+def build_parser(prog: str = DEFAULT_PROG) -> argparse.ArgumentParser:
+    """The argument parser (sizes default to the ``small`` preset); errors raise CliError."""
+    parser = OneLineParser(
+        prog=prog,
         description="Measure peak memory, step time, compile time and correctness of several "
         "configurations side by side on one workload and one sequence-length trace.",
     )
-    parser.add_argument("--workload", default="llama-train", choices=sorted(WORKLOADS))
+    parser.add_argument(
+        "--workload",
+        default="llama-train",
+        choices=WORKLOAD_NAMES,
+        help="the model and step to measure (default: llama-train)",
+    )
     parser.add_argument(
         "--configs",
         default=DEFAULT_CONFIGS,
@@ -69,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(blade-relax@B and torch-compile@F, as ratios to their unbudgeted runs)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show TVM's native warnings and transformers' notes (hidden by default; also "
+        "BLADE_RELAX_VERBOSE=1)",
+    )
     return parser
 
 
@@ -84,16 +104,21 @@ def _sizes(args: argparse.Namespace):
     return dataclasses.replace(sizes, **overrides)
 
 
+def _explicit_lengths(text: str) -> list[int]:
+    try:
+        lengths = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise CliError(f"--lengths takes comma-separated integers, not {text!r}") from None
+    if not lengths:
+        raise CliError(f"--lengths needs at least one length, got {text!r}")
+    return lengths
+
+
 def _lengths(args: argparse.Namespace, sizes) -> tuple[list[int], dict]:
     from .trace import length_trace
 
     if args.lengths:
-        try:
-            lengths = [int(v) for v in args.lengths.split(",") if v.strip()]
-        except ValueError:
-            raise ValueError(
-                f"--lengths takes comma-separated integers, not {args.lengths!r}"
-            ) from None
+        lengths = _explicit_lengths(args.lengths)
         return lengths, {"kind": "explicit", "lengths": lengths}
     trace = length_trace(args.trace_len, sizes.min_seq_len, sizes.max_seq_len, seed=args.seed)
     info = {
@@ -103,6 +128,59 @@ def _lengths(args: argparse.Namespace, sizes) -> tuple[list[int], dict]:
         "distribution": trace.distribution,
     }
     return trace.unique, info
+
+
+def _check_light(args: argparse.Namespace) -> None:
+    """Checks that need no TVM: numbers in range, lengths parse, output paths writable."""
+    for flag in ("layers", "hidden", "heads", "intermediate", "vocab", "max_seq_len", "batch"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise CliError(f"--{flag.replace('_', '-')} must be at least 1, not {value}")
+    if args.kv_heads is not None and args.kv_heads < 1:
+        raise CliError(f"--kv-heads must be at least 1, not {args.kv_heads}")
+    if args.min_seq_len is not None and args.min_seq_len < 2:
+        raise CliError(f"--min-seq-len must be at least 2, not {args.min_seq_len}")
+    if args.trace_len < 1:
+        raise CliError(f"--trace-len must be at least 1, not {args.trace_len}")
+    if args.repeat < 1:
+        raise CliError(f"--repeat must be at least 1, not {args.repeat}")
+    if not args.tolerance > 0:
+        raise CliError(f"--tolerance must be positive, not {args.tolerance}")
+    if args.lengths:
+        _explicit_lengths(args.lengths)
+    if not [n for n in args.configs.split(",") if n.strip()]:
+        raise CliError("--configs needs at least one config name (see --list-configs)")
+    for flag in ("out", "plot", "budget_plot"):
+        check_output_path(getattr(args, flag), f"--{flag.replace('_', '-')}")
+
+
+def _check_heavy(args: argparse.Namespace, names: Sequence[str]):
+    """Checks against the registries (imports TVM): configs, sizes, lengths in range."""
+    from .configs import get_config
+
+    for name in names:
+        try:
+            get_config(name)
+        except ValueError as err:
+            raise CliError(f"--configs: {first_line(err)}") from None
+    sizes = _sizes(args)
+    if sizes.min_seq_len > sizes.max_seq_len:
+        raise CliError(
+            f"--min-seq-len ({sizes.min_seq_len}) is above --max-seq-len ({sizes.max_seq_len})"
+        )
+    if sizes.hidden % sizes.heads or sizes.heads % max(sizes.kv_heads, 1):
+        raise CliError(
+            f"--hidden ({sizes.hidden}) must be a multiple of --heads ({sizes.heads}), and "
+            f"--heads a multiple of --kv-heads ({sizes.kv_heads})"
+        )
+    lengths, trace = _lengths(args, sizes)
+    for n in lengths:
+        if not sizes.min_seq_len <= n <= sizes.max_seq_len:
+            raise CliError(
+                f"sequence length {n} is outside the exported range "
+                f"{sizes.min_seq_len} <= s <= {sizes.max_seq_len} (--min-seq-len, --max-seq-len)"
+            )
+    return sizes, lengths, trace
 
 
 def _print_configs() -> None:
@@ -116,36 +194,48 @@ def _print_configs() -> None:
         print(f"{prefix + '@B':<{width}} {family.description}")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the benchmark; 0 when every requested measurement matched torch, 1 otherwise."""
-    from ..frontend import DimOutOfRangeError
-    from .configs import get_config
-    from .report import budget_table, markdown_table, write_budget_plot, write_json, write_plot
-    from .runner import run_benchmark
-    from .workloads import build_workload
+def main(argv: Sequence[str] | None = None, *, prog: str = DEFAULT_PROG) -> int:
+    """Run the benchmark; 0 when every requested measurement matched torch, 1 otherwise.
 
-    parser = build_parser()
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    Bad input prints one line on stderr and returns 2.
+    """
+    from .._quiet import quiet_stderr
+
+    try:
+        args = build_parser(prog).parse_args(list(sys.argv[1:] if argv is None else argv))
+        _check_light(args)
+    except CliError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
+        return 2
+    except SystemExit as done:  # --help
+        return int(done.code or 0)
+    with quiet_stderr(verbose=True if args.verbose else None):
+        try:
+            return _run(args, prog)
+        except CliError as err:
+            print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
+            return 2
+
+
+def _run(args: argparse.Namespace, prog: str) -> int:
     if args.list_configs:
         _print_configs()
         return 0
     say = (lambda _m: None) if args.quiet else _progress
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    try:
-        for name in names:
-            get_config(name)
-        sizes = _sizes(args)
-        lengths, trace = _lengths(args, sizes)
-        for n in lengths:
-            if not sizes.min_seq_len <= n <= sizes.max_seq_len:
-                raise DimOutOfRangeError(
-                    f"sequence length {n} is outside the exported range "
-                    f"{sizes.min_seq_len} <= s <= {sizes.max_seq_len} (--max-seq-len)"
-                )
-    except ValueError as err:
-        parser.error(str(err))
+    sizes, lengths, trace = _check_heavy(args, names)
+
+    from .report import budget_table, markdown_table, write_budget_plot, write_json, write_plot
+    from .runner import run_benchmark
+    from .workloads import build_workload
+
     say(f"building {args.workload} ({sizes})")
-    workload = build_workload(args.workload, sizes, seed=args.seed)
+    try:
+        workload = build_workload(args.workload, sizes, seed=args.seed)
+    except ImportError as err:
+        raise CliError(
+            f"{args.workload} needs PyTorch and transformers: {first_line(err)}"
+        ) from None
     result = run_benchmark(
         workload,
         names,
