@@ -93,8 +93,8 @@ class EmbeddingGradExpected:
 @I.ir_module
 class Untouched:
     """Not a scatter into zeros, a reduction other than add, two indices per line with
-    ``update`` (the winner is the loop order), an index narrower than the data, and a
-    broadcast index whose row is read from the wrong axis."""
+    ``update`` (the winner is the loop order), data not zero; and one accumulation whose
+    index is a row broadcast down the scatter axis (rewritten, reading the row)."""
 
     @R.function
     def main(d: R.Tensor(("s", 10), "float32"), i1: R.Tensor(("s", 1), "int64"), u1: R.Tensor(("s", 1), "float32"), i2: R.Tensor(("s", 2), "int64"), u2: R.Tensor(("s", 2), "float32"), row: R.Tensor((4,), "int64"), u4: R.Tensor((4, 4), "float32")):
@@ -126,9 +126,37 @@ def test_other_scatters_pass_through_unchanged():
     pass_ = FoldZeroScatter()
     result = pass_(Untouched)
     assert (pass_.report.one_hot, pass_.report.accumulate) == (0, 1)
-    # The one rewrite is the row-broadcast accumulation, which must read the index as is.
     kernel = next(f for f in result.functions.values() if isinstance(f, tvm.tirx.PrimFunc))
-    assert [p.name for p in kernel.params][:1] != ["row"]
+    assert [p.name for p in kernel.params][:2] == ["row", "u4"]
+
+
+# fmt: off
+@I.ir_module
+class EmbeddingGradClipped:
+    """The joint export's form: the ids are clipped and reshaped before the broadcast."""
+
+    @R.function
+    def main(input_ids: R.Tensor((1, "s"), "int64"), dy: R.Tensor(("s", 4), "float32")):
+        s = T.int64()
+        with R.dataflow():
+            z = R.full(R.shape([10, 4]), R.const(0.0, "float32"), dtype="float32")
+            c = R.clip(input_ids, -10, 9)
+            ids = R.reshape(c, R.shape([s]))
+            e = R.expand_dims(ids, axis=[-1])
+            eb = R.broadcast_to(e, R.shape([s, 4]))
+            dw = R.scatter_elements(z, eb, dy, axis=0, reduction="add")
+            R.output(dw)
+        return dw
+# fmt: on
+
+
+def test_index_is_read_through_clip_and_unit_axes():
+    result = FoldZeroScatter()(EmbeddingGradClipped)
+    main = result["main"]
+    bindings = main.body.blocks[0].bindings
+    assert len(bindings) == 1, [b.var.name for b in bindings]
+    kernel = next(f for f in result.functions.values() if isinstance(f, tvm.tirx.PrimFunc))
+    assert [p.name for p in kernel.params][:2] == ["input_ids", "dy"]
 
 
 def test_options_switch_rewrites_off():

@@ -102,52 +102,87 @@ def _same_extent(a: tirx.PrimExpr, b: tirx.PrimExpr) -> bool:
     return bool(tvm.sym.Analyzer().can_prove_equal(a, b))
 
 
+def _is_prim(expr: object) -> bool:
+    """Whether ``expr`` is a scalar TIR expression (not a Relax value)."""
+    return isinstance(getattr(expr, "ty", None), tvm.ir.PrimType)
+
+
 def _is_one(extent: tirx.PrimExpr) -> bool:
     return isinstance(extent, tirx.IntImm) and int(extent) == 1
 
 
-def _keeps_prefix(call: relax.Call, inner: list, outer: list) -> bool:
-    """Whether ``out = call(x)`` satisfies ``out[p] == x[p[:x.ndim]]`` for every ``p``."""
+def _unit_alignment(call: relax.Call, inner: list, outer: list) -> list[int | None] | None:
+    """For ``out = call(x)`` that only inserts, drops or widens unit axes: for each axis of
+    ``x``, the axis of ``out`` whose coordinate it takes (``None``: a unit axis, read at 0), so
+    that ``out[c] == x[[c[m] if m is not None else 0 for m in mapping]]``. ``None`` when the
+    call does anything else."""
     name = call.op.name
-    common = min(len(inner), len(outer))
-    same_prefix = all(_same_extent(a, b) for a, b in zip(inner[:common], outer[:common]))
-    if name in ("relax.expand_dims", "relax.reshape"):
-        # Only trailing unit axes appear or disappear.
-        rest = inner[common:] + outer[common:]
-        return same_prefix and all(_is_one(e) for e in rest)
+    if name in ("relax.reshape", "relax.expand_dims"):
+        inner_axes = [d for d, e in enumerate(inner) if not _is_one(e)]
+        outer_axes = [d for d, e in enumerate(outer) if not _is_one(e)]
+        if len(inner_axes) != len(outer_axes) or not all(
+            _same_extent(inner[a], outer[b]) for a, b in zip(inner_axes, outer_axes)
+        ):
+            return None
+        mapping: list[int | None] = [None] * len(inner)
+        for a, b in zip(inner_axes, outer_axes):
+            mapping[a] = b
+        return mapping
     if name == "relax.broadcast_to":
-        # Equal rank: unit axes widen, every other extent stays.
-        return (
-            len(inner) == len(outer)
-            and all(_same_extent(a, b) or _is_one(a) for a, b in zip(inner, outer))
-            and all(_same_extent(a, b) for a, b in zip(inner, outer) if not _is_one(a))
-            and _trailing_units_only(inner, outer)
-        )
-    return False
+        lead = len(outer) - len(inner)
+        if lead < 0:
+            return None
+        mapping = []
+        for d, extent in enumerate(inner):
+            if _same_extent(extent, outer[lead + d]):
+                mapping.append(lead + d)
+            elif _is_one(extent):
+                mapping.append(None)
+            else:
+                return None
+        return mapping
+    return None
 
 
-def _trailing_units_only(inner: list, outer: list) -> bool:
-    """Broadcast widens only a suffix of unit axes (so a prefix of the source is kept)."""
-    widened = [not _same_extent(a, b) for a, b in zip(inner, outer)]
-    first = widened.index(True) if True in widened else len(widened)
-    return all(widened[first:]) or not any(widened)
+@dataclass(frozen=True)
+class _IndexReader:
+    """How the scatter's index is read from a tensor further up its chain of producers.
+
+    ``steps`` go from the index back to ``root``: ``("axes", mapping)`` for a producer that only
+    moves unit axes (see :func:`_unit_alignment`), ``("clip", lo, hi)`` for ``clip``.
+    """
+
+    root: relax.Expr
+    steps: tuple[tuple, ...]
+
+    def read(self, root: te.Tensor, coords: list) -> tirx.PrimExpr:
+        """The index at ``coords``, read from ``root`` (its TE tensor)."""
+        clips = []
+        for step in self.steps:
+            if step[0] == "axes":
+                zero = tirx.const(0, "int64")
+                coords = [coords[m] if m is not None else zero for m in step[1]]
+            else:
+                clips.append(step[1:])
+        value = root(*coords)
+        for lo, hi in reversed(clips):  # the clip nearest the root applies first
+            value = tirx.max(tirx.min(value, hi.astype(root.dtype)), lo.astype(root.dtype))
+        return value
 
 
-def _accumulate_kernel(axis: int):
+def _accumulate_kernel(axis: int, reader: _IndexReader):
     """TE: ``out[p] = sum_i (norm(index[q]) == p[axis] ? updates[q] : 0)``, ``q`` = ``p`` with
-    ``q[axis] = i``. ``index`` may be a prefix source (see ``_prefix_source``): it is read at the
-    first ``index.ndim`` coordinates of ``q``."""
+    ``q[axis] = i``; the index is read through ``reader``."""
 
-    def compute(index: te.Tensor, updates: te.Tensor, out_shape) -> te.Tensor:
+    def compute(root: te.Tensor, updates: te.Tensor, out_shape) -> te.Tensor:
         extent = out_shape[axis]
-        index_rank = len(index.shape)
 
         def element(*p: tirx.Var) -> tirx.PrimExpr:
             i = te.reduce_axis((0, updates.shape[axis]), name="i")
             at = [*p[:axis], i, *p[axis + 1 :]]
-            raw = index(*at[:index_rank])
-            target = tirx.Select(raw < 0, raw + extent.astype(index.dtype), raw)
-            hit = target == p[axis].astype(index.dtype)
+            raw = reader.read(root, at)
+            target = tirx.Select(raw < 0, raw + extent.astype(root.dtype), raw)
+            hit = target == p[axis].astype(root.dtype)
             return te.sum(tirx.Select(hit, updates(*at), tirx.const(0, updates.dtype)), axis=i)
 
         return te.compute(out_shape, element, name="scatter_add_zero")
@@ -183,32 +218,36 @@ class _Folder(PyExprMutator):
             value = bound
         return value
 
-    def _prefix_source(self, index: relax.Expr, axis: int) -> relax.Expr:
-        """The tensor ``x`` with ``index[p] == x[p[:x.ndim]]``, reached through trailing unit
-        axes (``expand_dims`` at the end, ``reshape`` adding or dropping trailing 1s,
-        ``broadcast_to`` of unit axes at equal rank); ``index`` itself when there is none.
+    def _index_reader(self, index: relax.Expr) -> _IndexReader:
+        """Read the index through the producers that only move unit axes or clip it.
 
-        The embedding backward's index is ``broadcast_to(expand_dims(ids, -1), (s, H))``:
-        reading ``ids`` directly spares the kernel an ``(s, H)`` integer intermediate.
+        The embedding backward's index is ``broadcast_to(expand_dims(reshape(clip(ids))))``:
+        reading ``ids`` directly spares the ``(s, H)`` integer intermediate and the clipped copy.
         """
-        found = index
+        steps: list[tuple] = []
         current = index
-        index_shape = _static_shape(index)
         while True:
             call = self._binding(current)
             if not isinstance(call, relax.Call) or not isinstance(call.op, tvm.ir.Op):
-                return found
+                break
             source = call.args[0] if call.args else None
-            if source is None:
-                return found
-            outer, inner = _static_shape(current), _static_shape(source)
-            if outer is None or inner is None or not _keeps_prefix(call, inner, outer):
-                return found
+            outer = _static_shape(current)
+            inner = _static_shape(source) if source is not None else None
+            if outer is None or inner is None:
+                break
+            if call.op.name == "relax.clip":
+                # Bounds arrive as PrimExprs, or wrapped in a PrimValue's ``value``.
+                bounds = [a if _is_prim(a) else getattr(a, "value", None) for a in call.args[1:]]
+                if len(bounds) != 2 or not all(_is_prim(b) for b in bounds):
+                    break
+                steps.append(("clip", *bounds))
+            else:
+                mapping = _unit_alignment(call, inner, outer)
+                if mapping is None:
+                    break
+                steps.append(("axes", mapping))
             current = source
-            # Readable as x[p[:x.ndim]] when its extents are the index's on that prefix, and
-            # the scatter axis is one of them.
-            if len(inner) > axis and all(_same_extent(a, b) for a, b in zip(inner, index_shape)):
-                found = source
+        return _IndexReader(current, tuple(steps))
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: D102
         new_call = super().visit_call_(call)
@@ -246,9 +285,10 @@ class _Folder(PyExprMutator):
                 return self._one_hot(data, index, updates, axis, int(extent), rank)
         if reduction == "add" and self.options.accumulate:
             self.report.accumulate += 1
+            reader = self._index_reader(index)
             return self.builder_.call_te(
-                _accumulate_kernel(axis),
-                self._prefix_source(index, axis),
+                _accumulate_kernel(axis, reader),
+                reader.root,
                 updates,
                 data_shape,
                 primfunc_name_hint="scatter_add_zero",
