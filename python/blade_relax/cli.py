@@ -584,7 +584,7 @@ def run_demo(args: argparse.Namespace) -> int:
     blade_exe = tvm.compile(model.mod, "llvm", relax_pipeline=get_pipeline("llvm"))
     _progress("lowering both to the memory stage for the symbolic timelines")
     stock_low = lower_to_memory_stage(model.mod)
-    blade_low = lower_to_memory_stage(model.mod, schedule=True, remat=True, plan=True)
+    blade_low = lower_to_memory_stage(model.mod, **_blade_flags())
     stock_tl = memory_timeline(stock_low["main"], mod=stock_low)
     # `main` is a dispatcher: MemoryAwareSchedule may have made range copies, each scheduled
     # for its range of lengths, and Rematerialize a plain copy that runs without a budget next
@@ -642,6 +642,24 @@ def run_demo(args: argparse.Namespace) -> int:
         _demo_plot(plot_path, model.name, dim_label, rows, fraction)
         print(f"plot: {plot_path}")
     return status
+
+
+def _blade_flags() -> dict[str, bool]:
+    """The passes :func:`blade_relax.get_pipeline` runs by default, as flags.
+
+    :func:`blade_relax.pipeline.lower_to_memory_stage` turns every pass off unless asked; the
+    IR it returns is the one the compiled executable runs only when it is asked for the same
+    passes as ``get_pipeline("llvm")`` runs.
+    """
+    import inspect
+
+    from .pipeline import get_pipeline
+
+    return {
+        name: param.default
+        for name, param in inspect.signature(get_pipeline).parameters.items()
+        if isinstance(param.default, bool)
+    }
 
 
 def _free_memory() -> int | None:
@@ -854,7 +872,7 @@ def run_report(args: argparse.Namespace) -> int:
     if args.pipeline == "none":
         stages.append(("input", model.mod))
     else:
-        flags_of = {"stock TVM": {}, "blade_relax": {"schedule": True, "remat": True, "plan": True}}
+        flags_of = {"stock TVM": {}, "blade_relax": _blade_flags()}
         wanted = ["stock TVM"] + (["blade_relax"] if args.pipeline == "blade" else [])
         for label in wanted:
             _progress(f"lowering {model.name} with the {label} pipeline ({args.target})")
