@@ -649,7 +649,8 @@ def _blade_flags() -> dict[str, bool]:
 
     :func:`blade_relax.pipeline.lower_to_memory_stage` turns every pass off unless asked; the
     IR it returns is the one the compiled executable runs only when it is asked for the same
-    passes as ``get_pipeline("llvm")`` runs.
+    passes as ``get_pipeline("llvm")`` runs. ``check_dims`` is left off: its range check
+    allocates nothing, and its lowered condition would show up as a dim of its own.
     """
     import inspect
 
@@ -658,7 +659,7 @@ def _blade_flags() -> dict[str, bool]:
     return {
         name: param.default
         for name, param in inspect.signature(get_pipeline).parameters.items()
-        if isinstance(param.default, bool)
+        if isinstance(param.default, bool) and name != "check_dims"
     }
 
 
