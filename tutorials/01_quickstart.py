@@ -6,7 +6,8 @@ This tutorial takes a small training step whose batch size ``b`` is unknown at c
 builds its **symbolic shape graph** and **memory timeline**, compiles it with TVM's stock
 pipeline and with blade_relax's, and measures the peak bytes of both at several batch sizes.
 
-Run it with ``python tutorials/01_quickstart.py``.
+Run it with ``python tutorials/01_quickstart.py`` (``BLADE_RELAX_VERBOSE=1`` shows TVM's native
+warnings, hidden by default).
 """
 
 ######################################################################
@@ -15,6 +16,7 @@ Run it with ``python tutorials/01_quickstart.py``.
 # ``mlp_training_step`` builds ``loss = sum(mlp(x) ** 2)`` and its gradients with
 # ``relax.transform.Gradient``; the batch dim ``b`` is symbolic.
 import os
+import sys
 
 import tvm
 from tvm import relax
@@ -25,10 +27,15 @@ from blade_relax.frontend.builtin import mlp_training_step, random_arguments
 from blade_relax.runtime import memory_stats, reset_memory_stats
 from blade_relax.symbolic import ShapeGraph, SymbolicExpr
 
+blade_relax.quiet()  # TVM's C++ warnings on stderr; BLADE_RELAX_VERBOSE=1 shows them
 small = os.environ.get("BLADE_RELAX_TUTORIAL_SMALL") == "1"
 hidden, intermediate = (32, 64) if small else (256, 1024)
 mod = mlp_training_step(hidden=hidden, intermediate=intermediate)
-mod["main"].show()
+# ``show()`` colours the script for a terminal; redirected output gets plain text.
+if sys.stdout.isatty():
+    mod["main"].show()
+else:
+    print(mod["main"].script())
 
 ######################################################################
 # The symbolic shape graph
@@ -48,12 +55,24 @@ print("b*intermediate*4 vs b*hidden*4:", graph.compare(b * intermediate * 4, b *
 # -------------------
 # Live bytes after every binding, as sympy expressions over ``b``, and the symbolic peak: a
 # ``Max`` of only those candidates that can be the largest for some ``b``.
+#
+# Two quantities, two bases. The **peak** counts what the function allocates (activations,
+# gradients, the loss): the bytes the runtime accounting measures for a call. The parameters
+# and inputs belong to the caller and are not in it; they are the timeline's **persistent**
+# bytes. The **lower bound** is persistent bytes plus the largest single-op working set
+# (inputs + outputs of one op): no schedule or rematerialization goes below it. Compared with
+# the lower bound, the peak must therefore include the persistent bytes.
 timeline = memory_timeline(mod["main"])
-print("symbolic peak:", timeline.peak)
-print("lower bound:  ", timeline.lower_bound)
+print("symbolic peak (allocated by the function):", timeline.peak)
+print("persistent bytes (parameters and inputs): ", timeline.persistent)
+print("lower bound (persistent + one op's set):  ", timeline.lower_bound)
 for batch in (8, 512):
     at = timeline.evaluate({"b": batch})
-    print(f"b={batch}: peak {at.peak:,} B, lower bound {at.lower_bound:,} B")
+    print(
+        f"b={batch}: peak {at.peak:,} B allocated + {at.persistent:,} B parameters and inputs "
+        f"= {at.peak_with_persistent:,} B, lower bound {at.lower_bound:,} B"
+    )
+    assert at.lower_bound <= at.peak_with_persistent
 
 ######################################################################
 # Compile: stock TVM vs blade_relax

@@ -7,7 +7,8 @@ with TVM's own phases in a ``tvm.transform.Sequential``, can be switched off by 
 ``PassContext(disabled_pass=[...])``, and the whole pipeline is registered as the Relax
 pipeline ``"blade_relax"``.
 
-Run it with ``python tutorials/02_custom_pipeline.py``.
+Run it with ``python tutorials/02_custom_pipeline.py`` (``BLADE_RELAX_VERBOSE=1`` shows TVM's
+native warnings, hidden by default).
 """
 
 ######################################################################
@@ -19,10 +20,11 @@ import tvm
 from tvm import relax
 from tvm.relax.backend.cpu_generic import pipeline as cpu
 
-import blade_relax  # noqa: F401  (registers the "blade_relax" pipeline)
+import blade_relax  # registers the "blade_relax" pipeline
 from blade_relax.frontend.builtin import attention_block, random_arguments
 from blade_relax.transform import MemoryAwareSchedule, PlanMemory, Rematerialize
 
+blade_relax.quiet()  # TVM's C++ warnings on stderr; BLADE_RELAX_VERBOSE=1 shows them
 mod = attention_block(hidden=64, heads=4)
 exe = tvm.compile(mod, "llvm", relax_pipeline=relax.get_pipeline("blade_relax", target="llvm"))
 print("compiled with relax.get_pipeline('blade_relax')")

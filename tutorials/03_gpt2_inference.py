@@ -7,7 +7,8 @@ We build a GPT-2 from a config (random weights: nothing is downloaded), export i
 the peak bytes of stock TVM (with and without the exported upper bound) and blade_relax at
 several lengths. The logits are checked against PyTorch.
 
-Run it with ``python tutorials/03_gpt2_inference.py``.
+Run it with ``python tutorials/03_gpt2_inference.py`` (``BLADE_RELAX_VERBOSE=1`` shows TVM's
+native warnings, hidden by default).
 """
 
 ######################################################################
@@ -27,6 +28,7 @@ from blade_relax.frontend import import_inference
 from blade_relax.pipeline import stock_pipeline
 from blade_relax.runtime import memory_stats, reset_memory_stats
 
+blade_relax.quiet()  # TVM's C++ warnings and transformers' notes; BLADE_RELAX_VERBOSE=1 shows them
 small = os.environ.get("BLADE_RELAX_TUTORIAL_SMALL") == "1"
 config = transformers.GPT2Config(
     n_layer=1 if small else 4,

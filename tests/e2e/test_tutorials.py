@@ -1,9 +1,16 @@
-"""Tutorials 1-4 run end to end at small sizes (tutorial 5 needs CUDA)."""
+"""Tutorials 1-4 run end to end at small sizes (tutorial 5 needs CUDA), quietly, and tell the truth.
+
+Each CPU tutorial runs once per session (with its output redirected, as in CI); the tests
+read what it printed: no TVM native warning and no colour codes, the quickstart's peak and
+lower bound on one basis, the Llama budget table's rows on one base and in agreement with the
+runtime's warnings.
+"""
 
 from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,18 +26,94 @@ def test_four_cpu_tutorials_exist():
     assert len(CPU_TUTORIALS) == 4, CPU_TUTORIALS
 
 
+# A TVM log line on stderr: "[hh:mm:ss] /path/file.cc:123: Warning: ..."
+TVM_LOG_LINE = re.compile(r"^\[\d\d:\d\d:\d\d\] \S+:\d+: ", re.M)
+
+
+@pytest.fixture(scope="session")
+def tutorial_output(tmp_path_factory):
+    """Runs a CPU tutorial once (small sizes, default verbosity) and keeps what it printed."""
+    done: dict[str, subprocess.CompletedProcess] = {}
+
+    def run(name: str) -> subprocess.CompletedProcess:
+        if name not in done:
+            env = dict(os.environ, BLADE_RELAX_TUTORIAL_SMALL="1", MPLBACKEND="Agg")
+            env.pop("BLADE_RELAX_VERBOSE", None)
+            done[name] = subprocess.run(
+                [sys.executable, str(TUTORIALS / name)],
+                cwd=tmp_path_factory.mktemp("tutorial"),
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+        proc = done[name]
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc
+
+    return run
+
+
 @pytest.mark.parametrize("name", CPU_TUTORIALS)
-def test_tutorial_runs(name, tmp_path):
-    env = dict(os.environ, BLADE_RELAX_TUTORIAL_SMALL="1", MPLBACKEND="Agg")
-    proc = subprocess.run(
-        [sys.executable, str(TUTORIALS / name)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+def test_tutorial_runs_quietly(name, tutorial_output):
+    proc = tutorial_output(name)
+    assert not TVM_LOG_LINE.search(proc.stderr), proc.stderr[-3000:]
+    assert "[transformers]" not in proc.stderr
+    assert "\x1b[" not in proc.stdout  # no colour codes in redirected output
+
+
+def test_quickstart_puts_peak_and_lower_bound_on_one_basis(tutorial_output):
+    """The lower bound includes parameters and inputs; the peak it is compared with too."""
+    out = tutorial_output("01_quickstart.py").stdout
+    pattern = re.compile(
+        r"b=(\d+): peak ([\d,]+) B allocated \+ ([\d,]+) B parameters and inputs = ([\d,]+) B, "
+        r"lower bound ([\d,]+) B"
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    found = pattern.findall(out)
+    assert len(found) == 2, out
+    for _, peak, persistent, total, lower in found:
+        peak, persistent, total, lower = (
+            int(v.replace(",", "")) for v in (peak, persistent, total, lower)
+        )
+        assert peak + persistent == total
+        assert lower <= total
+
+
+def test_budget_rows_share_one_base_and_agree_with_the_warnings(tutorial_output):
+    """Tutorial 4: every row measured from the same (empty) base, as the runtime sees it.
+
+    A budget row's peak is below its budget, or it is the smallest reachable peak that the
+    runtime's warning for that length and budget names, with no bytes live at the call.
+    """
+    out = tutorial_output("04_llama_training_budget.py").stdout
+    rows = re.findall(
+        r"^\s*(\d+)\s+(none|0\.\d)\s+([\d,]+|-)\s+([\d,]+)\s+(\d+)\s+(\d+)\s+(yes|no \(min\)|-)\s",
+        out,
+        re.M,
+    )
+    assert len(rows) == 8, out
+    warned = {
+        (int(s), f): (int(budget), int(peak))
+        for s, f, live, budget, peak in re.findall(
+            r"s=(\d+) @(0\.\d): .*? the memory budget of (\d+) bytes \((\d+) bytes were already "
+            r"live at the call\): the smallest reachable peak is (\d+) bytes",
+            out,
+        )
+        if int(live) == 0
+    }
+    unbudgeted = {}
+    for length, fraction, budget, peak, _evictions, _regens, met in rows:
+        length, peak = int(length), int(peak.replace(",", ""))
+        if fraction == "none":
+            unbudgeted[length] = peak
+            continue
+        budget = int(budget.replace(",", ""))
+        assert budget == int(unbudgeted[length] * float(fraction))
+        if met == "yes":
+            assert peak <= budget and (length, fraction) not in warned
+        else:
+            assert warned[(length, fraction)] == (budget, peak), (length, fraction, out)
+    assert len(warned) == sum(1 for row in rows if row[6] == "no (min)")
 
 
 GPU_TUTORIAL = TUTORIALS / "05_gpu.py"
