@@ -94,7 +94,7 @@ def test_budget_rows_share_one_base_and_agree_with_the_warnings(tutorial_output)
     assert len(rows) == 8, out
     warned = {
         (int(s), f): (int(budget), int(peak))
-        for s, f, live, budget, peak in re.findall(
+        for s, f, budget, live, peak in re.findall(
             r"s=(\d+) @(0\.\d): .*? the memory budget of (\d+) bytes \((\d+) bytes were already "
             r"live at the call\): the smallest reachable peak is (\d+) bytes",
             out,
