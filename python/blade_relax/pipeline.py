@@ -9,6 +9,9 @@ Where each pass runs, and why there:
 * ``FoldZeroScatter`` runs next, also on high-level ops: a scatter into zeros (one-hots,
   embedding gradients) becomes a predicate ``FuseOps`` can fuse, or one reduction kernel, before
   ``LegalizeOps`` turns it into an opaque kernel with a zero buffer and a copy.
+* ``InlineKernelIntermediates`` runs right after ``FuseTIR`` on CPU targets: it computes the
+  elementwise chains inside fused kernels without scratch buffers (kernel workspaces), which
+  dlight's schedules do on GPU targets.
 * ``MemoryAwareSchedule`` runs after ``FuseOps``/``FuseTIR`` and before ``ToNonDataflow``: it
   reorders bindings of dataflow blocks, which exist only until ``ToNonDataflow``, and it should
   see the fused kernels whose buffers the VM will really allocate.
@@ -74,6 +77,8 @@ def _pass_list(
     simplify_options: Any = None,
     fold_scatter: bool = False,
     fold_scatter_options: Any = None,
+    inline_kernels: bool = False,
+    inline_options: Any = None,
 ) -> list[tvm.transform.Pass]:
     phases = _backend_phases(target)
     passes: list[tvm.transform.Pass] = []
@@ -87,6 +92,10 @@ def _pass_list(
         passes.append(FoldZeroScatter(fold_scatter_options))
     passes += phases.library_dispatch_passes(target)
     passes += phases.legalize_passes(target)
+    if inline_kernels and not is_gpu_target(target):
+        from .transform import InlineKernelIntermediates
+
+        passes.append(InlineKernelIntermediates(inline_options))
     if schedule:
         from .transform import MemoryAwareSchedule, ScheduleOptions
 
@@ -127,11 +136,13 @@ def get_pipeline(
     plan: bool = True,
     simplify: bool = True,
     fold_scatter: bool = True,
+    inline_kernels: bool = True,
     schedule_options: Any = None,
     remat_options: Any = None,
     plan_options: Any = None,
     simplify_options: Any = None,
     fold_scatter_options: Any = None,
+    inline_options: Any = None,
     check_dims: bool = True,
     check_options: Any = None,
 ) -> tvm.transform.Pass:
@@ -143,15 +154,16 @@ def get_pipeline(
         ``"llvm"``, ``{"kind": "cuda", "arch": "sm_90"}`` or a ``tvm.target.Target``.
     schedule, remat, plan
         Enable ``MemoryAwareSchedule``, ``Rematerialize`` and ``PlanMemory``.
-    simplify, fold_scatter
-        Enable ``SimplifyTransposes`` and ``FoldZeroScatter``. With these, the three above and
-        ``check_dims`` off, the result is TVM's default pipeline for the target.
+    simplify, fold_scatter, inline_kernels
+        Enable ``SimplifyTransposes``, ``FoldZeroScatter`` and ``InlineKernelIntermediates``
+        (the last on CPU targets only). With these, the three above and ``check_dims`` off, the
+        result is TVM's default pipeline for the target.
     check_dims
         Enable ``CheckDimRanges``: a call whose dims lie outside the ranges the function
         declares (``tir_var_lower_bound`` / ``tir_var_upper_bound``) fails before any kernel
         runs, with an error naming the dim, its value and the range.
     schedule_options, remat_options, plan_options, simplify_options, fold_scatter_options,
-    check_options
+    inline_options, check_options
         Option dataclasses handed to the passes (``None`` for their defaults).
 
     Returns
@@ -174,6 +186,8 @@ def get_pipeline(
         simplify_options=simplify_options,
         fold_scatter=fold_scatter,
         fold_scatter_options=fold_scatter_options,
+        inline_kernels=inline_kernels,
+        inline_options=inline_options,
     )
 
     @tvm.transform.module_pass(opt_level=0, name="blade_relax_pipeline")
@@ -225,7 +239,8 @@ def lower_to_memory_stage(
     target
         As for :func:`get_pipeline`.
     **flags
-        ``schedule``, ``remat``, ``plan``, ``simplify``, ``fold_scatter``, ``check_dims`` and option keywords
+        ``schedule``, ``remat``, ``plan``, ``simplify``, ``fold_scatter``, ``inline_kernels``,
+        ``check_dims`` and option keywords
         of :func:`get_pipeline`; all passes default to off, which gives the stock pipeline.
     """
     tgt = as_target(target)
@@ -235,6 +250,7 @@ def lower_to_memory_stage(
         "plan": False,
         "simplify": False,
         "fold_scatter": False,
+        "inline_kernels": False,
     }
     options.update(flags)
     passes = _pass_list(
@@ -251,6 +267,8 @@ def lower_to_memory_stage(
         simplify_options=options.pop("simplify_options", None),
         fold_scatter=options.pop("fold_scatter"),
         fold_scatter_options=options.pop("fold_scatter_options", None),
+        inline_kernels=options.pop("inline_kernels"),
+        inline_options=options.pop("inline_options", None),
     )
     if options:
         raise TypeError(f"unknown pipeline options: {sorted(options)}")

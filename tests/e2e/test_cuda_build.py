@@ -48,11 +48,12 @@ STOCK = {
     "plan": False,
     "simplify": False,
     "fold_scatter": False,
+    "inline_kernels": False,
     "check_dims": False,
 }
 BLADE = {"schedule": True, "remat": True, "plan": True}
 # The memory passes alone: the graph passes (SimplifyTransposes, FoldZeroScatter) do emit kernels.
-MEMORY_ONLY = {**BLADE, "simplify": False, "fold_scatter": False}
+MEMORY_ONLY = {**BLADE, "simplify": False, "fold_scatter": False, "inline_kernels": False}
 VARIANTS = {"stock": STOCK, "blade": BLADE}
 
 

@@ -61,6 +61,7 @@ STOCK = {
     "plan": False,
     "simplify": False,
     "fold_scatter": False,
+    "inline_kernels": False,
     "check_dims": False,
 }
 # (pipeline variant, budget as a fraction of the unbudgeted peak); a budget acts only through

@@ -327,9 +327,10 @@ register_config_family(
 # docstring), once the pass exists and passes its tests.
 
 
-# The passes that clean up imported graphs; each configuration names the ones it runs, so that
+# The passes that clean up imported graphs and fused kernels; each configuration names the ones
+# it runs, so that
 # the memory passes' configurations below keep measuring those passes alone.
-_NO_GRAPH_PASSES = {"simplify": False, "fold_scatter": False}
+_NO_GRAPH_PASSES = {"simplify": False, "fold_scatter": False, "inline_kernels": False}
 
 
 def _blade_factory(**flags: bool) -> PipelineFactory:
@@ -383,10 +384,16 @@ register_config(
     TvmConfig(
         "blade-relax-full",
         pipeline=_blade_factory(
-            schedule=True, remat=True, plan=True, simplify=True, fold_scatter=True
+            schedule=True,
+            remat=True,
+            plan=True,
+            simplify=True,
+            fold_scatter=True,
+            inline_kernels=True,
         ),
         description="the default pipeline: SimplifyTransposes + FoldZeroScatter + "
-        "MemoryAwareSchedule + Rematerialize + PlanMemory, bounds dropped",
+        "InlineKernelIntermediates + MemoryAwareSchedule + Rematerialize + PlanMemory, "
+        "bounds dropped",
     )
 )
 register_budget_family("blade-relax-full")
@@ -403,6 +410,13 @@ register_config(
         "blade-relax-simplify",
         pipeline=_blade_factory(schedule=False, remat=False, plan=False, simplify=True),
         description="stock + SimplifyTransposes, bounds dropped",
+    )
+)
+register_config(
+    TvmConfig(
+        "blade-relax-inline",
+        pipeline=_blade_factory(schedule=False, remat=False, plan=False, inline_kernels=True),
+        description="stock + InlineKernelIntermediates, bounds dropped",
     )
 )
 register_config(

@@ -92,6 +92,7 @@ class Variant:
     plan: bool = False
     simplify: bool = False
     fold_scatter: bool = False
+    inline_kernels: bool = False
     pipeline: Callable[[str], tvm.transform.Pass] | None = field(default=None, compare=False)
 
     @property
@@ -102,6 +103,7 @@ class Variant:
             "plan": self.plan,
             "simplify": self.simplify,
             "fold_scatter": self.fold_scatter,
+            "inline_kernels": self.inline_kernels,
         }
 
     @property
@@ -119,6 +121,7 @@ STOCK = Variant(
         plan=False,
         simplify=False,
         fold_scatter=False,
+        inline_kernels=False,
         check_dims=False,
     ),
 )
@@ -128,7 +131,16 @@ ALL_VARIANTS: tuple[Variant, ...] = (
     Variant("plan", plan=True),
     Variant("simplify", simplify=True),
     Variant("fold-scatter", fold_scatter=True),
-    Variant("all", schedule=True, remat=True, plan=True, simplify=True, fold_scatter=True),
+    Variant("inline-kernels", inline_kernels=True),
+    Variant(
+        "all",
+        schedule=True,
+        remat=True,
+        plan=True,
+        simplify=True,
+        fold_scatter=True,
+        inline_kernels=True,
+    ),
 )
 
 

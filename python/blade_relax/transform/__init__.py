@@ -2,6 +2,7 @@
 
 from .check_dim_ranges import CheckDimRanges, DimRangeOptions
 from .fold_zero_scatter import FoldZeroScatter, ZeroScatterOptions
+from .inline_kernel_intermediates import InlineKernelIntermediates, InlineOptions
 from .memory_aware_schedule import MemoryAwareSchedule, ScheduleOptions
 from .plan_memory import PlanMemory, PlanOptions
 from .rematerialize import Rematerialize, RematOptions
@@ -11,6 +12,8 @@ __all__ = [
     "CheckDimRanges",
     "DimRangeOptions",
     "FoldZeroScatter",
+    "InlineKernelIntermediates",
+    "InlineOptions",
     "MemoryAwareSchedule",
     "PlanMemory",
     "PlanOptions",

@@ -1,0 +1,200 @@
+"""InlineKernelIntermediates: fused CPU kernels compute their chains without scratch buffers.
+
+``FuseTIR`` builds a fused kernel by concatenating the blocks of the operators it fuses; each
+operator's output becomes an intermediate buffer of the full size (``T.sblock_alloc_buffer``),
+which the CPU build allocates as a kernel workspace (``TVMBackendAllocWorkspace``) every time
+the kernel runs. On a GPU, dlight's schedules inline such chains; on the CPU nothing does (the
+stock CPU pipeline has no TIR schedule), so a fused ``add -> multiply -> add -> transpose`` holds
+three extra copies of its input while it runs, and a softmax holds its full ``exp``. This pass
+computes an intermediate written by a spatial block (no reduction) inside its consumers
+(``s_tir.Schedule.compute_inline``), in every PrimFunc of the module, when each consumer reads
+one element of it per iteration and every element once (its read region is one point whose
+coordinates are distinct iteration vars covering every iteration var of extent above 1).
+Inlining then adds no work, except that ``k`` consumers compute the element ``k`` times (at
+most ``max_consumers``, 2 by default: a softmax's ``exp`` is computed for the sum and again for
+the quotient). Reductions' results stay intermediates (a ``matmul -> add`` still has the
+matmul's result as scratch): ``compute_inline`` cannot move a reduction into its consumer.
+
+The values computed are the same expressions (no reassociation), so results are
+bit-identical.
+
+Where it runs
+-------------
+After ``FuseOps``/``FuseTIR`` (the fused kernels exist) on CPU targets; in
+:func:`blade_relax.get_pipeline` right after the legalize phase, ahead of
+``MemoryAwareSchedule``. Not on GPU targets, where dlight schedules the same kernels (and an
+inlined chain would change the patterns its rules match). The Relax functions are untouched.
+
+What it assumes
+---------------
+PrimFuncs in block form (what ``LegalizeOps`` and ``FuseTIR`` produce) with a root block named
+``root``. A PrimFunc that cannot be scheduled (no root block, opaque code) is left unchanged;
+so is every intermediate the checks above do not clear.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tvm
+from tvm import s_tir, tirx
+
+__all__ = [
+    "InlineKernelIntermediates",
+    "InlineOptions",
+    "InlineReport",
+    "inline_intermediates",
+]
+
+
+@dataclass(frozen=True)
+class InlineOptions:
+    """Options of :class:`InlineKernelIntermediates`.
+
+    Attributes
+    ----------
+    enabled
+        Run the pass; when ``False`` it returns its input unchanged.
+    max_consumers
+        Inline an intermediate read by at most this many blocks (each recomputes it).
+    """
+
+    enabled: bool = True
+    max_consumers: int = 2
+
+    def __post_init__(self) -> None:
+        if self.max_consumers < 1:
+            raise ValueError(f"max_consumers must be at least 1, got {self.max_consumers}")
+
+
+@dataclass
+class InlineReport:
+    """What one run changed: intermediates ``inlined``, in how many ``kernels``."""
+
+    inlined: int = 0
+    kernels: int = 0
+
+
+def _is_one(extent: object) -> bool:
+    return isinstance(extent, tirx.IntImm) and int(extent) == 1
+
+
+def _reads_each_element_once(block: object, buffer: object) -> bool:
+    """Whether ``block`` reads one point of ``buffer`` per iteration, a different one each.
+
+    Block read regions are exact in block form: one load of an element is a region of extents
+    1 whose minima are the indices. Those must be distinct iteration vars (or constant 0 on a
+    unit axis) that cover every iteration var of extent above 1.
+    """
+    regions = [r for r in block.reads if r.source.same_as(buffer)]
+    if len(regions) != 1:
+        return False
+    index_vars = []
+    for rng in regions[0].region:
+        if not _is_one(rng.extent):
+            return False
+        if isinstance(rng.min, tirx.Var):
+            index_vars.append(rng.min)
+        elif not (isinstance(rng.min, tirx.IntImm) and int(rng.min) == 0):
+            return False
+    if any(a.same_as(b) for i, a in enumerate(index_vars) for b in index_vars[i + 1 :]):
+        return False
+    wanted = [iv.var for iv in block.iter_vars if not _is_one(iv.dom.extent)]
+    return all(any(v.same_as(w) for v in index_vars) for w in wanted)
+
+
+def _inline_one(sch: s_tir.Schedule, max_consumers: int) -> bool:
+    """Inline the first intermediate that qualifies; whether one was."""
+    root = sch.get_sblock("root")
+    intermediates = list(sch.get(root).alloc_buffers)
+    for block_rv in sch.get_child_blocks(root):
+        block = sch.get(block_rv)
+        if len(block.writes) != 1 or block.init is not None:
+            continue
+        buffer = block.writes[0].source
+        if not any(buffer.same_as(b) for b in intermediates):
+            continue
+        if any(int(iv.iter_type) != int(tirx.IterVar.DataPar) for iv in block.iter_vars):
+            continue
+        consumers = sch.get_consumers(block_rv)
+        if not consumers or len(consumers) > max_consumers:
+            continue
+        if not all(_reads_each_element_once(sch.get(c), buffer) for c in consumers):
+            continue
+        try:
+            sch.compute_inline(block_rv)
+        except (tvm.TVMError, s_tir.ScheduleError):
+            continue
+        return True
+    return False
+
+
+def inline_intermediates(
+    func: tirx.PrimFunc, options: InlineOptions | None = None
+) -> tuple[tirx.PrimFunc, int]:
+    """``func`` with its spatial intermediates inlined (see the module docstring).
+
+    Parameters
+    ----------
+    func
+        A PrimFunc in block form.
+    options
+        :class:`InlineOptions` (``None``: defaults).
+
+    Returns
+    -------
+    tuple[tirx.PrimFunc, int]
+        The new PrimFunc (``func`` itself when nothing changed) and how many intermediates were
+        inlined.
+    """
+    options = options or InlineOptions()
+    try:
+        sch = s_tir.Schedule(func)
+        sch.get_sblock("root")
+    except (tvm.TVMError, s_tir.ScheduleError, ValueError):
+        return func, 0
+    count = 0
+    while _inline_one(sch, options.max_consumers):
+        count += 1
+    return (sch.mod["main"] if count else func), count
+
+
+@tvm.transform.module_pass(opt_level=0, name="InlineKernelIntermediates")
+class InlineKernelIntermediates:
+    """Inline the spatial intermediates of fused kernels into their consumers.
+
+    Parameters
+    ----------
+    options
+        An :class:`InlineOptions` (``None``: defaults).
+
+    After the pass ran, ``pass_obj.report`` is an :class:`InlineReport` summed over the module.
+    """
+
+    def __init__(self, options: InlineOptions | None = None) -> None:
+        if options is not None and not isinstance(options, InlineOptions):
+            raise TypeError(
+                f"InlineKernelIntermediates expects InlineOptions, got {type(options).__name__}"
+            )
+        self.options = options or InlineOptions()
+        self.report = InlineReport()
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        self.report = InlineReport()
+        if not self.options.enabled:
+            return mod
+        updates = {}
+        for gv, func in mod.functions.items():
+            if not isinstance(func, tirx.PrimFunc):
+                continue
+            new_func, count = inline_intermediates(func, self.options)
+            if count:
+                updates[gv] = new_func
+                self.report.inlined += count
+                self.report.kernels += 1
+        if not updates:
+            return mod
+        out = tvm.IRModule(dict(mod.functions), attrs=mod.attrs)
+        for gv, func in updates.items():
+            out[gv] = func
+        return out

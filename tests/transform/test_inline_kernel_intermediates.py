@@ -1,0 +1,213 @@
+# ruff: noqa: E501, F841
+"""InlineKernelIntermediates: fused CPU kernels compute elementwise chains without scratch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+from tvm.script import ir as I
+from tvm.script import relax as R
+from tvm.script import tirx as T
+
+from blade_relax.frontend.builtin import attention_block
+from blade_relax.pipeline import _pass_list, as_target, lower_to_memory_stage
+from blade_relax.transform import InlineKernelIntermediates, InlineOptions
+from blade_relax.transform.inline_kernel_intermediates import inline_intermediates
+
+
+# fmt: off
+@I.ir_module
+class Softmax:
+    """What FuseTIR makes of ``softmax(x) + 1``: the ``exp`` and the quotient are scratch."""
+
+    @T.prim_func(private=True, s_tir=True)
+    def fused_softmax_add(var_x: T.handle, var_out: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        s = T.int64()
+        x = T.match_buffer(var_x, (s, T.int64(8)))
+        out = T.match_buffer(var_out, (s, T.int64(8)))
+        maxelem = T.sblock_alloc_buffer((s,))
+        e = T.sblock_alloc_buffer((s, T.int64(8)))
+        expsum = T.sblock_alloc_buffer((s,))
+        norm = T.sblock_alloc_buffer((s, T.int64(8)))
+        for i0, k in T.grid(s, T.int64(8)):
+            with T.sblock("maxelem"):
+                v_i0, v_k = T.axis.remap("SR", [i0, k])
+                T.reads(x[v_i0, v_k])
+                T.writes(maxelem[v_i0])
+                with T.init():
+                    maxelem[v_i0] = T.float32(-3.0e38)
+                maxelem[v_i0] = T.max(maxelem[v_i0], x[v_i0, v_k])
+        for i0, i1 in T.grid(s, T.int64(8)):
+            with T.sblock("exp"):
+                v_i0, v_i1 = T.axis.remap("SS", [i0, i1])
+                T.reads(x[v_i0, v_i1], maxelem[v_i0])
+                T.writes(e[v_i0, v_i1])
+                e[v_i0, v_i1] = T.exp(x[v_i0, v_i1] - maxelem[v_i0])
+        for i0, k in T.grid(s, T.int64(8)):
+            with T.sblock("expsum"):
+                v_i0, v_k = T.axis.remap("SR", [i0, k])
+                T.reads(e[v_i0, v_k])
+                T.writes(expsum[v_i0])
+                with T.init():
+                    expsum[v_i0] = T.float32(0.0)
+                expsum[v_i0] = expsum[v_i0] + e[v_i0, v_k]
+        for i0, i1 in T.grid(s, T.int64(8)):
+            with T.sblock("norm"):
+                v_i0, v_i1 = T.axis.remap("SS", [i0, i1])
+                T.reads(e[v_i0, v_i1], expsum[v_i0])
+                T.writes(norm[v_i0, v_i1])
+                norm[v_i0, v_i1] = e[v_i0, v_i1] / expsum[v_i0]
+        for i0, i1 in T.grid(s, T.int64(8)):
+            with T.sblock("add"):
+                v_i0, v_i1 = T.axis.remap("SS", [i0, i1])
+                T.reads(norm[v_i0, v_i1])
+                T.writes(out[v_i0, v_i1])
+                out[v_i0, v_i1] = norm[v_i0, v_i1] + T.float32(1.0)
+
+    @R.function
+    def main(x: R.Tensor(("s", 8), "float32")) -> R.Tensor(("s", 8), "float32"):
+        s = T.int64()
+        cls = Softmax
+        with R.dataflow():
+            y = R.call_tir(cls.fused_softmax_add, (x,), out_ty=R.Tensor((s, 8), "float32"))
+            R.output(y)
+        return y
+
+
+@I.ir_module
+class SoftmaxExpected:
+    @T.prim_func(private=True, s_tir=True)
+    def fused_softmax_add(var_x: T.handle, var_out: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        s = T.int64()
+        x = T.match_buffer(var_x, (s, T.int64(8)))
+        out = T.match_buffer(var_out, (s, T.int64(8)))
+        maxelem = T.sblock_alloc_buffer((s,))
+        expsum = T.sblock_alloc_buffer((s,))
+        for i0, k in T.grid(s, T.int64(8)):
+            with T.sblock("maxelem"):
+                v_i0, v_k = T.axis.remap("SR", [i0, k])
+                T.reads(x[v_i0, v_k])
+                T.writes(maxelem[v_i0])
+                with T.init():
+                    maxelem[v_i0] = T.float32(-3.0e38)
+                maxelem[v_i0] = T.max(maxelem[v_i0], x[v_i0, v_k])
+        for i0, k in T.grid(s, T.int64(8)):
+            with T.sblock("expsum"):
+                v_i0, v_k = T.axis.remap("SR", [i0, k])
+                T.reads(x[v_i0, v_k], maxelem[v_i0])
+                T.writes(expsum[v_i0])
+                with T.init():
+                    expsum[v_i0] = T.float32(0.0)
+                expsum[v_i0] = expsum[v_i0] + T.exp(x[v_i0, v_k] - maxelem[v_i0])
+        for i0, i1 in T.grid(s, T.int64(8)):
+            with T.sblock("add"):
+                v_i0, v_i1 = T.axis.remap("SS", [i0, i1])
+                T.reads(x[v_i0, v_i1], maxelem[v_i0], expsum[v_i0])
+                T.writes(out[v_i0, v_i1])
+                out[v_i0, v_i1] = T.exp(x[v_i0, v_i1] - maxelem[v_i0]) / expsum[v_i0] + T.float32(1.0)
+
+    @R.function
+    def main(x: R.Tensor(("s", 8), "float32")) -> R.Tensor(("s", 8), "float32"):
+        s = T.int64()
+        cls = SoftmaxExpected
+        with R.dataflow():
+            y = R.call_tir(cls.fused_softmax_add, (x,), out_ty=R.Tensor((s, 8), "float32"))
+            R.output(y)
+        return y
+
+
+@T.prim_func(private=True, s_tir=True)
+def reused_elements(var_x: T.handle, var_w: T.handle, var_out: T.handle):
+    """A scaled operand read by a matmul (each element read once per output column) and a
+    row vector broadcast to a matrix: inlining either would repeat its work."""
+    T.func_attr({"tirx.noalias": True})
+    s = T.int64()
+    x = T.match_buffer(var_x, (s, T.int64(8)))
+    w = T.match_buffer(var_w, (T.int64(8), T.int64(4)))
+    out = T.match_buffer(var_out, (s, T.int64(4)))
+    scaled = T.sblock_alloc_buffer((s, T.int64(8)))
+    for i0, i1 in T.grid(s, T.int64(8)):
+        with T.sblock("scale"):
+            v_i0, v_i1 = T.axis.remap("SS", [i0, i1])
+            T.reads(x[v_i0, v_i1])
+            T.writes(scaled[v_i0, v_i1])
+            scaled[v_i0, v_i1] = x[v_i0, v_i1] * T.float32(2.0)
+    for i0, i1, k in T.grid(s, T.int64(4), T.int64(8)):
+        with T.sblock("matmul"):
+            v_i0, v_i1, v_k = T.axis.remap("SSR", [i0, i1, k])
+            T.reads(scaled[v_i0, v_k], w[v_k, v_i1])
+            T.writes(out[v_i0, v_i1])
+            with T.init():
+                out[v_i0, v_i1] = T.float32(0.0)
+            out[v_i0, v_i1] = out[v_i0, v_i1] + scaled[v_i0, v_k] * w[v_k, v_i1]
+# fmt: on
+
+
+def test_softmax_chain_is_inlined():
+    pass_ = InlineKernelIntermediates()
+    tvm.ir.assert_structural_equal(pass_(Softmax), SoftmaxExpected)
+    assert (pass_.report.inlined, pass_.report.kernels) == (2, 1)
+
+
+def test_reused_elements_are_not_recomputed():
+    func, count = inline_intermediates(reused_elements)
+    assert count == 0 and func.same_as(reused_elements)
+
+
+def test_consumer_limit_and_disabled():
+    one = InlineKernelIntermediates(InlineOptions(max_consumers=1))
+    result = one(Softmax)
+    # The quotient has one consumer; exp has two and stays.
+    assert one.report.inlined == 1
+    assert InlineKernelIntermediates(InlineOptions(enabled=False))(Softmax).same_as(Softmax)
+    with pytest.raises(ValueError, match="max_consumers"):
+        InlineOptions(max_consumers=0)
+    with pytest.raises(TypeError, match="InlineOptions"):
+        InlineKernelIntermediates(2)
+
+
+@pytest.mark.parametrize("s", [1, 9, 64])
+def test_results_equal_the_untransformed_kernels(s):
+    x = np.random.default_rng(s).standard_normal((s, 8)).astype("float32")
+    outs = []
+    for mod in (Softmax, InlineKernelIntermediates()(Softmax)):
+        vm = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())
+        outs.append(vm["main"](tvm.runtime.tensor(x)).numpy())
+    np.testing.assert_array_equal(outs[1], outs[0])
+
+
+def test_cpu_pipeline_inlines_and_gpu_pipeline_does_not():
+    """On llvm the fused kernels keep fewer scratch buffers; the CUDA pipeline leaves kernels
+    to dlight."""
+    attention = attention_block()
+
+    def scratch_buffers(target, **flags):
+        lowered = lower_to_memory_stage(attention, target, **flags)
+        sizes = []
+        for func in lowered.functions.values():
+            if isinstance(func, tvm.tirx.PrimFunc):
+                sch = tvm.s_tir.Schedule(func)
+                try:
+                    root = sch.get(sch.get_sblock("root"))
+                except Exception:  # noqa: BLE001 - GPU-scheduled kernels have no plain root
+                    continue
+                sizes += [len(b.shape) for b in root.alloc_buffers]
+        return sizes
+
+    stock = scratch_buffers("llvm")
+    inlined = scratch_buffers("llvm", inline_kernels=True)
+    assert sum(stock) > sum(inlined)
+
+    def names(target):
+        flags = dict(schedule=False, remat=False, plan=False, schedule_options=None)
+        passes = _pass_list(
+            as_target(target), **flags, remat_options=None, plan_options=None, inline_kernels=True
+        )
+        return [p.info.name for p in passes]
+
+    assert "InlineKernelIntermediates" in names("llvm")
+    assert "InlineKernelIntermediates" not in names({"kind": "cuda", "arch": "sm_90"})
