@@ -1,19 +1,49 @@
 #!/usr/bin/env bash
-# Creates (or reuses) a virtual environment, installs blade-relax with the extras the tests need,
-# and runs the test suite. Extra arguments go to pytest.
+# Creates (or reuses) a virtual environment, installs blade-relax with the extras the tests
+# need, and runs ruff and the test suite. Extra arguments go to pytest.
+#
+# torch is installed as its CPU build, torch==2.13.0+cpu: from the configured package sources
+# when they have it, otherwise from PyTorch's CPU index. (On PyPI alone, "torch==2.13.0" is the
+# CUDA build: cuda-toolkit, triton and about 15 nvidia-* packages, gigabytes.) The hf extra's
+# pin torch==2.13.0 is satisfied by 2.13.0+cpu, so nothing else pulls the CUDA build.
+#
+# Environment: BLADE_RELAX_VENV (default .venv), BLADE_RELAX_EXTRAS (more extras, e.g. "cuda"
+# for NVRTC from PyPI, so that the CUDA build tests compile cubins without a CUDA toolkit).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV="${BLADE_RELAX_VENV:-.venv}"
+TORCH_VERSION="2.13.0+cpu"
+TORCH_CPU_INDEX="https://download.pytorch.org/whl/cpu"
+EXTRAS="hf,test,plot,dev${BLADE_RELAX_EXTRAS:+,$BLADE_RELAX_EXTRAS}"
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
 if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
+    "$VENV/bin/python" -m pip install -q --upgrade pip
 fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
-python -m pip install -q --upgrade pip
-# The CPU build of torch first: an unpinned torch would pull the CUDA packages.
-python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[hf,test,plot,dev]"
+
+installed_torch() {
+    python -c 'import importlib.metadata as m; print(m.version("torch"))' 2>/dev/null || true
+}
+if [ "$(installed_torch)" != "$TORCH_VERSION" ]; then
+    echo "ci/test.sh: installing torch==$TORCH_VERSION (CPU build)" >&2
+    if ! python -m pip install -q "torch==$TORCH_VERSION" 2>/dev/null; then
+        python -m pip install -q "torch==$TORCH_VERSION" --index-url "$TORCH_CPU_INDEX"
+    fi
+fi
+
+# The editable install is redone only when pyproject.toml, the extras or the checkout change.
+STAMP="$VENV/.blade-relax-ci"
+WANT="$(sha256sum pyproject.toml | cut -c1-16) $EXTRAS $(pwd)"
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ] || ! python -c 'import importlib.util as u, sys; sys.exit(u.find_spec("blade_relax") is None)'; then
+    echo "ci/test.sh: installing blade-relax with [$EXTRAS]" >&2
+    python -m pip install -q -e ".[$EXTRAS]"
+    echo "$WANT" >"$STAMP"
+fi
 
 python -m ruff check python tests tutorials
-python -m pytest -q -p no:cacheprovider "$@"
+# -rs: one line per reason a test was skipped (no GPU; no CUDA compiler for the cubin step).
+python -m pytest -q -rs -p no:cacheprovider "$@"
