@@ -276,8 +276,6 @@ def _mlp_torch(sizes: ModelSizes, params: Sequence[np.ndarray]) -> Any:
 
 
 def _mlp_train(sizes: ModelSizes, seed: int) -> ImportedGraph:
-    import torch
-
     forward = mlp_forward_module(sizes)
     rng = np.random.default_rng(seed)
     params = []
@@ -285,8 +283,18 @@ def _mlp_train(sizes: ModelSizes, seed: int) -> ImportedGraph:
         shape = [int(v) for v in param.ty.shape.values]
         scale = 1.0 / np.sqrt(shape[0]) if len(shape) == 2 else 0.1
         params.append((rng.standard_normal(shape) * scale).astype("float32"))
-    module = _mlp_torch(sizes, params)
     names = [p.name for p in forward["main"].params[2:]]
+    try:
+        import torch
+    except ImportError:  # the Relax graph needs no torch: only its reference does
+        return relax_training_step(
+            forward,
+            params=params,
+            num_input=2,
+            dims={"s": (sizes.min_seq_len, sizes.max_seq_len)},
+            param_names=names,
+        )
+    module = _mlp_torch(sizes, params)
 
     def reference(inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
         module.zero_grad(set_to_none=True)
