@@ -15,6 +15,9 @@ Where each pass runs, and why there:
 * ``MemoryAwareSchedule`` runs after ``FuseOps``/``FuseTIR`` and before ``ToNonDataflow``: it
   reorders bindings of dataflow blocks, which exist only until ``ToNonDataflow``, and it should
   see the fused kernels whose buffers the VM will really allocate.
+* ``RecomputeCheapValues`` runs right after ``MemoryAwareSchedule`` (or where it would run): it
+  recomputes elementwise results before their late readers in the order that will run, and
+  must insert its copies into dataflow blocks.
 * ``Rematerialize`` runs after ``CallTIRRewrite`` and before memory planning: it inserts impure
   ``evict``/``regenerate`` calls, which may not stand in a dataflow block, and the planner must
   see them so that evictable tensors never land in shared storage.
@@ -79,6 +82,8 @@ def _pass_list(
     fold_scatter_options: Any = None,
     inline_kernels: bool = False,
     inline_options: Any = None,
+    recompute: bool = False,
+    recompute_options: Any = None,
 ) -> list[tvm.transform.Pass]:
     phases = _backend_phases(target)
     passes: list[tvm.transform.Pass] = []
@@ -104,6 +109,10 @@ def _pass_list(
             # last use; StaticPlanBlockMemory (the pass's default model) pools equal sizes.
             schedule_options = ScheduleOptions(planner="plan")
         passes.append(MemoryAwareSchedule(schedule_options))
+    if recompute:
+        from .transform import RecomputeCheapValues
+
+        passes.append(RecomputeCheapValues(recompute_options))
     passes += phases.dataflow_lower_passes(target)
     if remat:
         from .transform import Rematerialize
@@ -137,12 +146,14 @@ def get_pipeline(
     simplify: bool = True,
     fold_scatter: bool = True,
     inline_kernels: bool = True,
+    recompute: bool = True,
     schedule_options: Any = None,
     remat_options: Any = None,
     plan_options: Any = None,
     simplify_options: Any = None,
     fold_scatter_options: Any = None,
     inline_options: Any = None,
+    recompute_options: Any = None,
     check_dims: bool = True,
     check_options: Any = None,
 ) -> tvm.transform.Pass:
@@ -154,16 +165,16 @@ def get_pipeline(
         ``"llvm"``, ``{"kind": "cuda", "arch": "sm_90"}`` or a ``tvm.target.Target``.
     schedule, remat, plan
         Enable ``MemoryAwareSchedule``, ``Rematerialize`` and ``PlanMemory``.
-    simplify, fold_scatter, inline_kernels
-        Enable ``SimplifyTransposes``, ``FoldZeroScatter`` and ``InlineKernelIntermediates``
-        (the last on CPU targets only). With these, the three above and ``check_dims`` off, the
-        result is TVM's default pipeline for the target.
+    simplify, fold_scatter, inline_kernels, recompute
+        Enable ``SimplifyTransposes``, ``FoldZeroScatter``, ``InlineKernelIntermediates`` (on
+        CPU targets only) and ``RecomputeCheapValues``. With these, the three above and
+        ``check_dims`` off, the result is TVM's default pipeline for the target.
     check_dims
         Enable ``CheckDimRanges``: a call whose dims lie outside the ranges the function
         declares (``tir_var_lower_bound`` / ``tir_var_upper_bound``) fails before any kernel
         runs, with an error naming the dim, its value and the range.
     schedule_options, remat_options, plan_options, simplify_options, fold_scatter_options,
-    inline_options, check_options
+    inline_options, recompute_options, check_options
         Option dataclasses handed to the passes (``None`` for their defaults).
 
     Returns
@@ -188,6 +199,8 @@ def get_pipeline(
         fold_scatter_options=fold_scatter_options,
         inline_kernels=inline_kernels,
         inline_options=inline_options,
+        recompute=recompute,
+        recompute_options=recompute_options,
     )
 
     @tvm.transform.module_pass(opt_level=0, name="blade_relax_pipeline")
@@ -240,7 +253,7 @@ def lower_to_memory_stage(
         As for :func:`get_pipeline`.
     **flags
         ``schedule``, ``remat``, ``plan``, ``simplify``, ``fold_scatter``, ``inline_kernels``,
-        ``check_dims`` and option keywords
+        ``recompute``, ``check_dims`` and option keywords
         of :func:`get_pipeline`; all passes default to off, which gives the stock pipeline.
     """
     tgt = as_target(target)
@@ -251,6 +264,7 @@ def lower_to_memory_stage(
         "simplify": False,
         "fold_scatter": False,
         "inline_kernels": False,
+        "recompute": False,
     }
     options.update(flags)
     passes = _pass_list(
@@ -269,6 +283,8 @@ def lower_to_memory_stage(
         fold_scatter_options=options.pop("fold_scatter_options", None),
         inline_kernels=options.pop("inline_kernels"),
         inline_options=options.pop("inline_options", None),
+        recompute=options.pop("recompute"),
+        recompute_options=options.pop("recompute_options", None),
     )
     if options:
         raise TypeError(f"unknown pipeline options: {sorted(options)}")

@@ -49,11 +49,18 @@ STOCK = {
     "simplify": False,
     "fold_scatter": False,
     "inline_kernels": False,
+    "recompute": False,
     "check_dims": False,
 }
 BLADE = {"schedule": True, "remat": True, "plan": True}
 # The memory passes alone: the graph passes (SimplifyTransposes, FoldZeroScatter) do emit kernels.
-MEMORY_ONLY = {**BLADE, "simplify": False, "fold_scatter": False, "inline_kernels": False}
+MEMORY_ONLY = {
+    **BLADE,
+    "simplify": False,
+    "fold_scatter": False,
+    "inline_kernels": False,
+    "recompute": False,
+}
 VARIANTS = {"stock": STOCK, "blade": BLADE}
 
 

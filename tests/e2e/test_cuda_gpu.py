@@ -62,6 +62,7 @@ STOCK = {
     "simplify": False,
     "fold_scatter": False,
     "inline_kernels": False,
+    "recompute": False,
     "check_dims": False,
 }
 # (pipeline variant, budget as a fraction of the unbudgeted peak); a budget acts only through

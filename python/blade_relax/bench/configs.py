@@ -330,7 +330,12 @@ register_config_family(
 # The passes that clean up imported graphs and fused kernels; each configuration names the ones
 # it runs, so that
 # the memory passes' configurations below keep measuring those passes alone.
-_NO_GRAPH_PASSES = {"simplify": False, "fold_scatter": False, "inline_kernels": False}
+_NO_GRAPH_PASSES = {
+    "simplify": False,
+    "fold_scatter": False,
+    "inline_kernels": False,
+    "recompute": False,
+}
 
 
 def _blade_factory(**flags: bool) -> PipelineFactory:
@@ -390,10 +395,11 @@ register_config(
             simplify=True,
             fold_scatter=True,
             inline_kernels=True,
+            recompute=True,
         ),
         description="the default pipeline: SimplifyTransposes + FoldZeroScatter + "
-        "InlineKernelIntermediates + MemoryAwareSchedule + Rematerialize + PlanMemory, "
-        "bounds dropped",
+        "InlineKernelIntermediates + MemoryAwareSchedule + RecomputeCheapValues + "
+        "Rematerialize + PlanMemory, bounds dropped",
     )
 )
 register_budget_family("blade-relax-full")

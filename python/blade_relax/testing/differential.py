@@ -93,6 +93,7 @@ class Variant:
     simplify: bool = False
     fold_scatter: bool = False
     inline_kernels: bool = False
+    recompute: bool = False
     pipeline: Callable[[str], tvm.transform.Pass] | None = field(default=None, compare=False)
 
     @property
@@ -104,6 +105,7 @@ class Variant:
             "simplify": self.simplify,
             "fold_scatter": self.fold_scatter,
             "inline_kernels": self.inline_kernels,
+            "recompute": self.recompute,
         }
 
     @property
@@ -122,6 +124,7 @@ STOCK = Variant(
         simplify=False,
         fold_scatter=False,
         inline_kernels=False,
+        recompute=False,
         check_dims=False,
     ),
 )
@@ -132,6 +135,7 @@ ALL_VARIANTS: tuple[Variant, ...] = (
     Variant("simplify", simplify=True),
     Variant("fold-scatter", fold_scatter=True),
     Variant("inline-kernels", inline_kernels=True),
+    Variant("recompute", schedule=True, recompute=True),
     Variant(
         "all",
         schedule=True,
@@ -140,6 +144,7 @@ ALL_VARIANTS: tuple[Variant, ...] = (
         simplify=True,
         fold_scatter=True,
         inline_kernels=True,
+        recompute=True,
     ),
 )
 

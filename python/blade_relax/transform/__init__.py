@@ -5,6 +5,7 @@ from .fold_zero_scatter import FoldZeroScatter, ZeroScatterOptions
 from .inline_kernel_intermediates import InlineKernelIntermediates, InlineOptions
 from .memory_aware_schedule import MemoryAwareSchedule, ScheduleOptions
 from .plan_memory import PlanMemory, PlanOptions
+from .recompute_cheap_values import RecomputeCheapValues, RecomputeOptions
 from .rematerialize import Rematerialize, RematOptions
 from .simplify_transposes import SimplifyTransposes, TransposeOptions
 
@@ -17,6 +18,8 @@ __all__ = [
     "MemoryAwareSchedule",
     "PlanMemory",
     "PlanOptions",
+    "RecomputeCheapValues",
+    "RecomputeOptions",
     "RematOptions",
     "Rematerialize",
     "ScheduleOptions",
