@@ -209,16 +209,18 @@ def load_model(name: str) -> Model:
     CliError
         When no model has that name.
     """
+    if name not in model_names():
+        raise CliError(f"unknown model {name!r}; choose one of {', '.join(model_names())}")
+    _load_package()
     if name == DEFAULT_DEMO_MODEL:
         return _deep_mlp_train()
     if name in BUILTIN_MODEL_NAMES:
         return _builtin_model(name)
-    if name in model_names():
-        return _bench_model(name)
-    raise CliError(f"unknown model {name!r}; choose one of {', '.join(model_names())}")
+    return _bench_model(name)
 
 
 def _load_script(path: str) -> Model:
+    _load_package()
     import tvm
     import tvm.script
     from tvm import relax
@@ -1140,6 +1142,17 @@ def _collect_quietly() -> None:
         os.dup2(saved, 2)
         os.close(saved)
         os.close(devnull)
+
+
+def _load_package() -> None:
+    """Import what ``import blade_relax`` imports outside the command lines (TVM included).
+
+    The accounting, the runtime builtins and the registered pipeline are then in place before
+    the command creates any VM, as in a program that imports the package.
+    """
+    from . import _load
+
+    _load()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

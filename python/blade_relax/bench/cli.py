@@ -223,6 +223,9 @@ def _run(args: argparse.Namespace, prog: str) -> int:
         return 0
     say = (lambda _m: None) if args.quiet else _progress
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    from .. import _load
+
+    _load()  # what `import blade_relax` does elsewhere: accounting, builtins, pipeline
     sizes, lengths, trace = _check_heavy(args, names)
 
     from .report import budget_table, markdown_table, write_budget_plot, write_json, write_plot
