@@ -97,6 +97,19 @@ def test_help_and_bad_input_import_no_tvm(argv):
     assert not modules & {"tvm", "torch", "sympy", "transformers"}
 
 
+def test_console_script_runs_a_command_after_its_lazy_start():
+    """In a real process the package starts lazily, then loads in full for the command."""
+    proc = subprocess.run(
+        [_console_script(), "demo", "--model", "mlp", "--sizes", "4", "--no-plot"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "predicted == measured for all 3 predicted runs" in proc.stdout
+    assert "Traceback" not in proc.stderr
+
+
 def test_bench_module_help_imports_no_tvm():
     proc, modules = _imported_modules(["-m", "blade_relax.bench", "--help"])
     assert proc.returncode == 0

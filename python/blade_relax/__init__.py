@@ -11,6 +11,7 @@ machine), and import it, with everything above, when a command starts its work.
 
 from __future__ import annotations
 
+import importlib as _importlib
 import os as _os
 import sys as _sys
 from typing import Any as _Any
@@ -35,10 +36,10 @@ def _is_command_line() -> bool:
 
 def _load() -> None:
     """Import the runtime (accounting, builtins) and the pipeline (registers ``blade_relax``)."""
-    from . import runtime  # noqa: F401  (installs accounting and builtins)
-    from .pipeline import get_pipeline
-
-    globals()["get_pipeline"] = get_pipeline
+    # importlib rather than `from . import runtime`, which would ask __getattr__ first.
+    _importlib.import_module(f"{__name__}.runtime")  # installs accounting and builtins
+    pipeline = _importlib.import_module(f"{__name__}.pipeline")
+    globals()["get_pipeline"] = pipeline.get_pipeline
 
 
 if not _is_command_line():
@@ -49,5 +50,7 @@ def __getattr__(name: str) -> _Any:
     # Reached only in a command line before _load() (PEP 562).
     if name in ("get_pipeline", "runtime", "pipeline"):
         _load()
-        return globals()[name]
+        if name == "get_pipeline":
+            return globals()[name]
+        return _sys.modules[f"{__name__}.{name}"]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
