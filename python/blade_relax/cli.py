@@ -360,7 +360,11 @@ class RunResult:
 
 
 def _run_once(
-    exe: Any, arrays: Sequence[Any], bindings: Mapping[str, int], budget: int | None = None
+    exe: Any,
+    arrays: Sequence[Any],
+    bindings: Mapping[str, int],
+    budget: int | None = None,
+    workspaces: Mapping[str, Any] | None = None,
 ) -> RunResult:
     import tvm
     from tvm import relax
@@ -369,8 +373,7 @@ def _run_once(
     from .runtime import (
         current_live_bytes,
         last_remat_decision,
-        memory_stats,
-        reset_memory_stats,
+        measure_memory,
         set_memory_budget,
     )
     from .runtime.remat import RematBudgetWarning
@@ -380,9 +383,8 @@ def _run_once(
     gc.collect()
     vm = relax.VirtualMachine(exe, tvm.cpu())
     tensors = [tvm.runtime.tensor(a) for a in arrays]
-    reset_memory_stats()
-    base = memory_stats()["live_bytes"]
     trace: list[int] = []
+    base = 0
 
     def instrument(_func: Any, _name: str, before_run: bool, _ret: Any, *_args: Any) -> int:
         # Memory over the program as the runtime sees it: the live bytes after every instruction.
@@ -390,16 +392,18 @@ def _run_once(
             trace.append(current_live_bytes() - base)
         return 0  # run the instruction as usual
 
-    vm.set_instrument(instrument)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RematBudgetWarning)
-        if budget is None:
-            out = vm["main"](*tensors)
-        else:
-            with set_memory_budget(base + budget):
+    # The kernels' workspaces (``workspaces``: the compiled module's table) count while each
+    # kernel runs, as the symbolic timeline counts them.
+    with measure_memory(vm, workspaces=workspaces, instrument=instrument) as measured:
+        base = measured.live_before
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RematBudgetWarning)
+            if budget is None:
                 out = vm["main"](*tensors)
-    stats = memory_stats()
-    vm.set_instrument(None)
+            else:
+                with set_memory_budget(base + budget):
+                    out = vm["main"](*tensors)
+    stats = measured.stats
     outputs = [t.numpy() for t in flatten_outputs(out)]
     del out, vm
     result = RunResult(
@@ -561,9 +565,7 @@ def run_demo(args: argparse.Namespace) -> int:
             _precheck_bench_dims(args.model, {"s": size}, "--sizes")
     model = load_model(args.model)
 
-    import tvm
-
-    from .analysis import memory_timeline
+    from .analysis import compile_keeping_module, memory_timeline
     from .pipeline import get_pipeline, lower_to_memory_stage, stock_pipeline
     from .symbolic import ShapeGraph
     from .transform.memory_aware_schedule import version_for
@@ -581,9 +583,11 @@ def run_demo(args: argparse.Namespace) -> int:
                 raise CliError(f"--sizes: {first_line(err)}") from None
 
     _progress(f"compiling {model.name} with the stock TVM pipeline (llvm)")
-    stock_exe = tvm.compile(model.mod, "llvm", relax_pipeline=stock_pipeline("llvm"))
+    stock_build = compile_keeping_module(model.mod, "llvm", stock_pipeline("llvm"))
+    stock_exe, stock_ws = stock_build.executable, stock_build.workspaces
     _progress(f"compiling {model.name} with the blade_relax pipeline (llvm)")
-    blade_exe = tvm.compile(model.mod, "llvm", relax_pipeline=get_pipeline("llvm"))
+    blade_build = compile_keeping_module(model.mod, "llvm", get_pipeline("llvm"))
+    blade_exe, blade_ws = blade_build.executable, blade_build.workspaces
     _progress("lowering both to the memory stage for the symbolic timelines")
     stock_low = lower_to_memory_stage(model.mod)
     blade_low = lower_to_memory_stage(model.mod, **_blade_flags())
@@ -615,16 +619,16 @@ def run_demo(args: argparse.Namespace) -> int:
         arrays = model.make_args(bindings) if model.make_args else []
         stock_predicted = stock_tl.evaluate(bindings).peak
         _progress(f"{at} [1/3]: stock TVM (predicted peak {_human(stock_predicted)})")
-        stock = _run_once(stock_exe, arrays, bindings)
+        stock = _run_once(stock_exe, arrays, bindings, workspaces=stock_ws)
         stock.predicted_bytes = stock_predicted
         blade_tl = blade_tls[version_for(blade_low, "main", bindings)]
         blade_predicted = blade_tl.evaluate(bindings).peak
         _progress(f"{at} [2/3]: blade_relax (predicted peak {_human(blade_predicted)})")
-        blade = _run_once(blade_exe, arrays, bindings)
+        blade = _run_once(blade_exe, arrays, bindings, workspaces=blade_ws)
         blade.predicted_bytes = blade_predicted
         budget = max(1, int(fraction * blade.peak_bytes))
         _progress(f"{at} [3/3]: blade_relax under a budget of {_human(budget)}")
-        budgeted = _run_once(blade_exe, arrays, bindings, budget=budget)
+        budgeted = _run_once(blade_exe, arrays, bindings, budget=budget, workspaces=blade_ws)
         _progress(f"{at}: done in {time.perf_counter() - started:.1f} s")
         for label, result in (
             ("stock TVM", stock),

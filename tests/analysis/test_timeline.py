@@ -11,10 +11,10 @@ from tvm.script import relax as R
 from tvm.script import tirx as T
 
 import blade_relax
-from blade_relax.analysis import liveness, memory_timeline
+from blade_relax.analysis import liveness, memory_timeline, workspace_table
 from blade_relax.frontend.builtin import BUILTIN_MODELS, random_arguments
 from blade_relax.pipeline import lower_to_memory_stage, stock_pipeline
-from blade_relax.runtime import memory_stats, reset_memory_stats
+from blade_relax.runtime import measure_memory
 from blade_relax.symbolic import Ordering
 
 
@@ -74,24 +74,24 @@ def test_memory_stage_detected_and_matches_relax_stage_here():
     assert timeline.evaluate({"s": 5}).peak == 2 * 5 * 256
 
 
-def _measured_peak(mod: tvm.IRModule, args: list[np.ndarray]) -> int:
+def _measured_peak(mod: tvm.IRModule, args: list[np.ndarray], workspaces=None) -> int:
     exe = tvm.compile(mod, "llvm", relax_pipeline=stock_pipeline("llvm"))
     vm = relax.VirtualMachine(exe, tvm.cpu())
     tensors = [tvm.runtime.tensor(a) for a in args]
-    reset_memory_stats()
-    base = memory_stats()["live_bytes"]
-    out = vm["main"](*tensors)
-    peak = memory_stats()["peak_bytes"] - base
+    with measure_memory(vm, workspaces=workspaces) as measured:
+        out = vm["main"](*tensors)
     del out
-    return peak
+    return measured.peak_bytes
 
 
 @pytest.mark.parametrize("name", sorted(BUILTIN_MODELS))
 def test_prediction_equals_measured_peak(name):
-    """At the final IR stage the timeline predicts the VM's allocations to the byte."""
+    """At the final IR stage the timeline predicts the VM's allocations to the byte, kernel
+    workspaces included (the measurement counts them from the same kernels)."""
     mod = BUILTIN_MODELS[name]()
     lowered = lower_to_memory_stage(mod)
     timeline = memory_timeline(lowered["main"], mod=lowered)
+    workspaces = workspace_table(lowered)
     assert timeline.stage == "memory"
     rng = np.random.default_rng(len(name))
     dim_names = sorted(timeline.graph.dims)
@@ -100,7 +100,7 @@ def test_prediction_equals_measured_peak(name):
         dims = {d: int(rng.integers(1, 200)) for d in dim_names}
         args = random_arguments(mod["main"], dims, seed=trial)
         predicted = timeline.evaluate(dims).peak
-        assert _measured_peak(mod, args) == predicted, (name, dims)
+        assert _measured_peak(mod, args, workspaces) == predicted, (name, dims)
 
 
 def test_no_symbolic_dims_is_constant():

@@ -22,8 +22,8 @@ TINY_SIZES = ModelSizes(layers=1, hidden=16, intermediate=32, vocab=8, max_seq_l
 RESULT_KEYS = {
     "config", "seq_len", "peak_bytes", "step_peak_bytes", "caller_bytes", "lower_bound_bytes",
     "step_time_s", "step_times_s", "compile_time_s", "compilations", "loss", "max_rel_error",
-    "correct", "budget_bytes", "evictions", "regenerations", "unevictable_bytes", "allocations",
-    "driver_peak_bytes", "driver_agrees", "error",
+    "correct", "budget_bytes", "evictions", "regenerations", "unevictable_bytes",
+    "workspace_bytes", "allocations", "driver_peak_bytes", "driver_agrees", "error",
 }  # fmt: skip
 
 
@@ -73,6 +73,11 @@ def test_json_schema(run_json):
         assert row["step_peak_bytes"] > 0, row
         assert row["lower_bound_bytes"] is not None, row
         assert row["lower_bound_bytes"] > row["caller_bytes"], row
+        if row["config"].startswith("tvm"):
+            # The kernel workspace included in the step's peak (TVM rows only).
+            assert 0 <= row["workspace_bytes"] <= row["step_peak_bytes"], row
+        else:
+            assert row["workspace_bytes"] is None, row
         assert len(row["step_times_s"]) == 1, row
 
 

@@ -15,16 +15,15 @@ import tvm
 from tvm import relax
 
 import blade_relax
-from blade_relax.analysis import memory_timeline
-from blade_relax.pipeline import lower_to_memory_stage
+from blade_relax.analysis import compile_keeping_module, memory_timeline
 from blade_relax.runtime import (
     RematBudgetWarning,
     last_remat_decision,
-    memory_stats,
+    measure_memory,
     remat_programs,
-    reset_memory_stats,
     set_memory_budget,
 )
+from blade_relax.testing.differential import Variant, compile_checked
 from blade_relax.transform import RematOptions
 from blade_relax.transform._remat_timeline import META_ATTR
 from blade_relax.transform.memory_aware_schedule import version_for
@@ -65,20 +64,22 @@ def executables():
             remat_options=RematOptions(own_storage_fraction=0.0),
         ),
     }
+    # Each executable with its kernels' workspace table: the measured peaks count the kernels'
+    # workspaces, as the timeline and the remat runtime's decision do.
     return {
-        name: tvm.compile(mod, "llvm", relax_pipeline=blade_relax.get_pipeline("llvm", **flags))
+        name: compile_keeping_module(mod, "llvm", blade_relax.get_pipeline("llvm", **flags))
         for name, flags in variants.items()
     }
 
 
-def _run(exe, args, budget=None):
+def _run(compiled, args, budget=None):
     """One call on a fresh VM (nothing of an earlier call is still held)."""
-    vm = relax.VirtualMachine(exe, tvm.cpu())
+    vm = relax.VirtualMachine(compiled.executable, tvm.cpu())
     set_memory_budget(budget)
     try:
-        reset_memory_stats()
-        out = vm["main_adjoint"](*args)
-        stats = memory_stats()
+        with measure_memory(vm, workspaces=compiled.workspaces) as measured:
+            out = vm["main_adjoint"](*args)
+        stats = measured.stats
     finally:
         set_memory_budget(None)
     values = [out[0].numpy()] + [g.numpy() for g in out[1]]
@@ -99,7 +100,12 @@ def _same(a, b) -> bool:
 
 @pytest.fixture(scope="module")
 def remat_memory_stage():
-    return lower_to_memory_stage(_mlp_training_step(), "llvm", remat=True, plan=True)
+    # The IR the "remat" executable runs: the same pipeline, stopped before VMShapeLower.
+    pipeline = Variant(
+        "remat",
+        pipeline=lambda t: blade_relax.get_pipeline(t, schedule=False, remat=True, plan=True),
+    )
+    return compile_checked(_mlp_training_step(), pipeline, well_formed=False).memory_stage
 
 
 def test_dispatch_names_the_copy_that_runs(remat_memory_stage):
@@ -238,17 +244,16 @@ def test_budget_around_a_call_is_exact(n):
 
     options = RematOptions(min_bytes=0, min_fraction=0.0)
     pipeline = blade_relax.get_pipeline("llvm", remat_options=options)
-    exe = tvm.compile(_module_with_a_call(), "llvm", relax_pipeline=pipeline)
+    exe = compile_keeping_module(_module_with_a_call(), "llvm", pipeline)
     x = tvm.runtime.tensor(np.linspace(-1, 1, n, dtype="float32"))
-    reference = tvm.compile(_module_with_a_call(), "llvm")
+    reference = compile_keeping_module(_module_with_a_call(), "llvm")
 
-    def run(executable, budget=None):
-        vm = relax.VirtualMachine(executable, tvm.cpu())
+    def run(compiled, budget=None):
+        vm = relax.VirtualMachine(compiled.executable, tvm.cpu())
         with set_memory_budget(budget):
-            reset_memory_stats()
-            out = vm["main"](x).numpy()
-            stats = memory_stats()
-        return out, stats
+            with measure_memory(vm, workspaces=compiled.workspaces) as measured:
+                out = vm["main"](x).numpy()
+        return out, measured.stats
 
     expected, _ = run(reference)
     free_out, free = run(exe)

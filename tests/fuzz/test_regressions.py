@@ -7,7 +7,6 @@ program that showed it.
 from __future__ import annotations
 
 import numpy as np
-import tvm
 from tvm import relax
 from tvm.script import ir as I
 from tvm.script import relax as R
@@ -72,8 +71,8 @@ def test_timeline_predicts_remat_peak_without_budget():
             rng.uniform(-1, 1, (5, 5, m)).astype("float32"),
             rng.uniform(-1, 1, (m, 2)).astype("float32"),
         ]
-        expected = measure_call(relax.VirtualMachine(stock.executable, tvm.cpu()), args)
-        got = measure_call(relax.VirtualMachine(remat.executable, tvm.cpu()), args)
+        expected = measure_call(stock.vm(), args)
+        got = measure_call(remat.vm(), args)
         assert outputs_equal(expected.outputs, got.outputs) is None
         assert got.peak == predicted_peak(remat.memory_stage, {"m": m}), m
 
@@ -104,9 +103,9 @@ class EvictionAroundCall:
 
 def test_reachable_budget_holds_around_a_call():
     remat = compile_checked(EvictionAroundCall, REMAT)
-    vm = relax.VirtualMachine(remat.executable, tvm.cpu())
+    vm = remat.vm()
     args = [np.linspace(-1, 1, 17, dtype="float32"), np.linspace(-1, 1, 6, dtype="float32")[None]]
-    free = measure_call(relax.VirtualMachine(remat.executable, tvm.cpu()), args)
+    free = measure_call(remat.vm(), args)
     checked = 0
     for budget in range(free.peak // 2, free.peak + 1):
         got = measure_call(vm, args, budget)

@@ -20,21 +20,31 @@ tuple, a view (``reshape``, ``vm.builtin.reshape``, ``match_cast``) or a tensor 
 Parameters belong to the caller: their bytes are ``persistent`` and never counted in ``peak``,
 so ``peak`` is what the runtime accounting (``blade_relax.runtime.memory_stats``) measures.
 
+Kernel workspaces: when ``mod`` is given, a binding that calls a PrimFunc of the module
+(``call_tir`` or, once lowered, a direct call) also holds that kernel's workspace while it runs
+(:mod:`blade_relax.analysis.workspace`: the scratch buffers the compiled kernel allocates, over
+the caller's dims). It counts in that step's ``live_during`` (and working set), never after it:
+the runtime accounting counts the same bytes, from the same description, when the call is
+measured with a workspace table (``blade_relax.runtime.measure_memory``).
+
 Rules for packed functions and operators this module doesn't know can be added with
 :func:`register_timeline_rule`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import tvm
 from tvm import relax
 
 from ..symbolic import Ordering, ShapeGraph, SymbolicExpr
 from .liveness import BindingInfo, Liveness, liveness
+from .workspace import call_workspace
 
 __all__ = [
     "Allocation",
@@ -87,6 +97,8 @@ class ValueEffect:
     takes
         ``(owner, key)``: the result is the memory kept under ``key`` in ``owner``, which lets
         go of it. When nothing is kept there, the result is a fresh allocation of its size.
+    workspace
+        Bytes the callee holds only while it runs (a kernel's workspace).
     """
 
     allocates: SymbolicExpr | None = None
@@ -94,6 +106,7 @@ class ValueEffect:
     kills: relax.Var | None = None
     keeps: tuple[relax.Var, object, relax.Var] | None = None
     takes: tuple[relax.Var, object] | None = None
+    workspace: SymbolicExpr | None = None
 
 
 TimelineRule = Callable[[relax.Call, relax.Var, ShapeGraph], ValueEffect]
@@ -131,7 +144,11 @@ class Allocation:
 
 @dataclass(frozen=True)
 class TimelineStep:
-    """Live bytes around one binding (see the module docstring for the rules)."""
+    """Live bytes around one binding (see the module docstring for the rules).
+
+    ``live_during`` includes ``workspace``, the bytes the binding's kernel holds only while it
+    runs; ``live_after`` does not.
+    """
 
     index: int
     var: relax.Var
@@ -139,6 +156,7 @@ class TimelineStep:
     freed: SymbolicExpr
     live_during: SymbolicExpr
     live_after: SymbolicExpr
+    workspace: SymbolicExpr = field(default_factory=lambda: SymbolicExpr.constant(0))
 
     @property
     def name(self) -> str:
@@ -147,7 +165,11 @@ class TimelineStep:
 
 @dataclass(frozen=True)
 class EvaluatedTimeline:
-    """A timeline evaluated at concrete dims (all sizes in bytes)."""
+    """A timeline evaluated at concrete dims (all sizes in bytes).
+
+    ``workspace[i]`` is the kernel workspace included in ``live_during[i]``;
+    ``peak_workspace`` the part of ``peak`` that is kernel workspace.
+    """
 
     bindings: dict[str, int]
     names: list[str]
@@ -158,6 +180,8 @@ class EvaluatedTimeline:
     persistent: int
     lower_bound: int
     output_bytes: int
+    workspace: list[int] = field(default_factory=list)
+    peak_workspace: int = 0
 
     @property
     def peak_with_persistent(self) -> int:
@@ -185,7 +209,11 @@ class MemoryTimeline:
         dropped, so the ``Max`` keeps only the steps that can be the peak for some shapes.
         """
         if self._peak is None:
-            candidates = [s.live_during for s in self.steps if not _is_zero(s.allocated)]
+            candidates = [
+                s.live_during
+                for s in self.steps
+                if not (_is_zero(s.allocated) and _is_zero(s.workspace))
+            ]
             self._peak = _symbolic_max(self.graph, candidates)
         return self._peak
 
@@ -214,15 +242,20 @@ class MemoryTimeline:
             delta_alloc[allocation.start] += size
             if allocation.end is not None:
                 delta_free[allocation.end] += size
+        workspace = [
+            0 if _is_zero(s.workspace) else self.graph.evaluate(s.workspace, bindings)
+            for s in self.steps
+        ]
         live_during: list[int] = []
         live_after: list[int] = []
         live = 0
         peak, peak_index = 0, None
         for i in range(n):
             live += delta_alloc[i]
-            live_during.append(live)
-            if live > peak:
-                peak, peak_index = live, i
+            during = live + workspace[i]
+            live_during.append(during)
+            if during > peak:
+                peak, peak_index = during, i
             live -= delta_free[i]
             live_after.append(live)
         persistent = self.graph.evaluate(self.persistent, bindings)
@@ -238,6 +271,8 @@ class MemoryTimeline:
             persistent=persistent,
             lower_bound=persistent + max([*working, outputs]),
             output_bytes=outputs,
+            workspace=workspace,
+            peak_workspace=0 if peak_index is None else workspace[peak_index],
         )
 
 
@@ -348,6 +383,23 @@ def _storage_size(call: relax.Call, graph: ShapeGraph) -> SymbolicExpr:
 
 
 def _call_effect(
+    call: relax.Call,
+    var: relax.Var,
+    graph: ShapeGraph,
+    mod: tvm.IRModule | None,
+    workspaces: bool = False,
+    target: Any = None,
+) -> ValueEffect:
+    effect = _value_effect(call, var, graph, mod)
+    if mod is None or not workspaces:
+        return effect
+    workspace = call_workspace(call, var, mod, graph, target)
+    if workspace is None or _is_zero(workspace):
+        return effect
+    return dataclasses.replace(effect, workspace=workspace)
+
+
+def _value_effect(
     call: relax.Call, var: relax.Var, graph: ShapeGraph, mod: tvm.IRModule | None
 ) -> ValueEffect:
     name, args = callee_name(call)
@@ -390,7 +442,13 @@ _RULES.update(
 )
 
 
-def _effect(binding: BindingInfo, graph: ShapeGraph, mod: tvm.IRModule | None) -> ValueEffect:
+def _effect(
+    binding: BindingInfo,
+    graph: ShapeGraph,
+    mod: tvm.IRModule | None,
+    workspaces: bool = False,
+    target: Any = None,
+) -> ValueEffect:
     value = binding.value
     if binding.is_match_cast or isinstance(value, relax.Var):
         return ValueEffect(aliases=_tensor_vars([value]))
@@ -399,7 +457,7 @@ def _effect(binding: BindingInfo, graph: ShapeGraph, mod: tvm.IRModule | None) -
     if isinstance(value, relax.TupleGetItem):
         return ValueEffect(aliases=_tensor_vars([value.tuple_value]))
     if isinstance(value, relax.Call):
-        return _call_effect(value, binding.var, graph, mod)
+        return _call_effect(value, binding.var, graph, mod, workspaces, target)
     if isinstance(value, relax.If):
         # Conservative for control flow: the result is a fresh value of its type's size.
         return ValueEffect(allocates=graph.bytes_of(binding.var))
@@ -426,6 +484,8 @@ def memory_timeline(
     graph: ShapeGraph | None = None,
     *,
     mod: tvm.IRModule | None = None,
+    workspaces: bool = True,
+    target: Any = None,
 ) -> MemoryTimeline:
     """The symbolic memory timeline of ``func``.
 
@@ -437,7 +497,14 @@ def memory_timeline(
         Its symbolic shape graph (built from ``func`` when omitted).
     mod
         The module ``func`` belongs to; lets calls of PrimFuncs be told from calls of Relax
-        functions. Without it, a ``GlobalVar`` call that returns a tensor counts as allocating.
+        functions, and gives the kernels whose workspaces count. Without it, a ``GlobalVar``
+        call that returns a tensor counts as allocating, and no workspace is counted.
+    workspaces
+        Count the workspace of each kernel call (needs ``mod``).
+    target
+        The target the kernels are built for, which decides their workspaces (see
+        :func:`blade_relax.analysis.workspace.kernel_workspace`: by default the current target
+        scope, else ``llvm``).
 
     Returns
     -------
@@ -489,9 +556,12 @@ def memory_timeline(
         for pair in [p for p in kept if p[0].same_as(var)]:
             let_go(pair, kept.pop(pair), position)
 
+    workspace_at: list[SymbolicExpr] = [SymbolicExpr.constant(0)] * n
     for binding in info.bindings:
         i = binding.index
-        effect = _effect(binding, graph, mod)
+        effect = _effect(binding, graph, mod, workspaces, target)
+        if effect.workspace is not None:
+            workspace_at[i] = effect.workspace
         own: set[int] = set()
         value = binding.value
         if isinstance(value, relax.TupleGetItem) and value.tuple_value in field_refs:
@@ -539,7 +609,7 @@ def memory_timeline(
         touched: set[int] = set(own)
         for used in binding.uses:
             touched |= refs.get(used, frozenset())
-        working_sets.append(_sum(sizes[a] for a in sorted(touched)))
+        working_sets.append(_sum(sizes[a] for a in sorted(touched)) + workspace_at[i])
 
         if explicit_kills:
             if effect.kills is not None:
@@ -555,8 +625,9 @@ def memory_timeline(
     for i, binding in enumerate(info.bindings):
         allocated = _sum(sizes[a] for a in allocated_at[i])
         freed = _sum(sizes[a] for a in freed_at[i])
-        during = live + allocated
-        live = during - freed
+        live = live + allocated
+        during = live + workspace_at[i]
+        live = live - freed
         steps.append(
             TimelineStep(
                 index=i,
@@ -565,6 +636,7 @@ def memory_timeline(
                 freed=freed,
                 live_during=during,
                 live_after=live,
+                workspace=workspace_at[i],
             )
         )
     allocations = [

@@ -7,10 +7,17 @@ What is measured, per configuration and sequence length:
 ``step_peak_bytes``
     Bytes the step allocates at its highest point, outputs (loss, gradients, logits) included.
     TVM: the peak of ``blade_relax.runtime.memory_stats()`` over one VM call (every storage the
-    VM allocates, at the size requested), minus the live bytes before the call. PyTorch: the
+    VM allocates, at the size requested, and the workspace of the kernel running at that point,
+    see ``workspace_bytes``), minus the live bytes before the call
+    (``blade_relax.runtime.measure_memory``). PyTorch: the
     peak of :class:`~.torch_memory.LiveBytesCounter` over one step (every storage an ATen op
     creates, gradients included; ``.grad`` is reset to ``None`` before the step, as TVM returns
     fresh gradients).
+``workspace_bytes`` (TVM)
+    Kernel workspace included in ``step_peak_bytes``: the scratch buffers the kernel running at
+    the peak allocates inside (``TVMBackendAllocWorkspace``), counted from the compiled module's
+    kernels (:func:`blade_relax.analysis.workspace.workspace_table`) while each kernel runs. 0
+    when the peak falls between kernels.
 ``caller_bytes``
     Bytes of the inputs and parameters, which the caller owns in both systems.
 ``lower_bound_bytes``
@@ -85,6 +92,7 @@ class Measurement:
     evictions: int | None = None
     regenerations: int | None = None
     unevictable_bytes: int | None = None
+    workspace_bytes: int | None = None
     allocations: int | None = None
     driver_peak_bytes: int | None = None
     driver_agrees: bool | None = None
@@ -140,14 +148,12 @@ def relative_error(out: np.ndarray, ref: np.ndarray) -> float:
 # TVM
 
 
-def _memory_api() -> tuple[Callable[[], dict], Callable[[], None]]:
-    from ..runtime import clear_last_remat_decision, memory_stats, reset_memory_stats
+def _measure(vm: Any, workspaces: Any) -> Any:
+    """``measure_memory`` around one call of ``vm``, with no stale remat decision around."""
+    from ..runtime import clear_last_remat_decision, measure_memory
 
-    def reset() -> None:
-        reset_memory_stats()
-        clear_last_remat_decision()
-
-    return memory_stats, reset
+    clear_last_remat_decision()
+    return measure_memory(vm, workspaces=workspaces)
 
 
 def _last_decision() -> dict[str, Any] | None:
@@ -172,14 +178,19 @@ class _TvmRunner:
         self.compile_time_s = 0.0
         self._vm: Any = None
         self._params = [tvm.runtime.tensor(p, device) for p in graph.params]
+        self._workspaces: dict[str, Any] = {}
 
     def _compile(self, mod: tvm.IRModule) -> tuple[Any, float]:
+        from ..analysis.workspace import compile_keeping_module
+
         start = time.perf_counter()
-        exe = tvm.compile(mod, self.target, relax_pipeline=self.config.pipeline(self.target))
+        compiled = compile_keeping_module(mod, self.target, self.config.pipeline(self.target))
         elapsed = time.perf_counter() - start
         self.compilations += 1
         self.compile_time_s += elapsed
-        self._exe = exe
+        exe = self._exe = compiled.executable
+        # Outside the compile time: the kernels' workspaces, read from the module just built.
+        self._workspaces = compiled.workspaces
         # A VM binds its builtins when constructed: the accounting wrapper is already installed.
         return relax.VirtualMachine(exe, self.device), elapsed
 
@@ -200,7 +211,6 @@ class _TvmRunner:
         repeat: int,
         budget_bytes: int | None,
     ) -> list[np.ndarray]:
-        memory_stats, reset_memory_stats = _memory_api()
         vm, row.compile_time_s = self._vm_for(dims)
         row.compilations = self.compilations
         main = vm["main"]
@@ -208,19 +218,22 @@ class _TvmRunner:
         # The measured step runs on a fresh VM: a VM keeps its last result alive until its next
         # call returns, and the remat runtime releases that result early under a budget, which
         # would otherwise credit a budgeted config with bytes the previous step left behind.
-        fresh_main = relax.VirtualMachine(self._exe, self.device)["main"]
+        fresh = relax.VirtualMachine(self._exe, self.device)
+        fresh_main = fresh["main"]
         gc.collect()
-        reset_memory_stats()
-        base = memory_stats()["live_bytes"]
-        # The runtime budget counts every live byte of the thread (the inputs, the cached VM's
-        # last result); the config's budget is what the step itself may add on top of them.
-        runtime_budget = None if budget_bytes is None else base + budget_bytes
+        with _measure(fresh, self._workspaces) as measured:
+            base = measured.live_before
+            # The runtime budget counts every live byte of the thread (the inputs, the cached
+            # VM's last result); the config's budget is what the step itself may add on top.
+            runtime_budget = None if budget_bytes is None else base + budget_bytes
+            with _budget(runtime_budget):
+                out = fresh_main(*args)
+        stats = measured.stats
         with _budget(runtime_budget):
-            out = fresh_main(*args)
-            stats = memory_stats()
             outputs = [np.asarray(t.numpy()) for t in flatten_outputs(out)]
             del out
-            row.step_peak_bytes = int(stats["peak_bytes"] - base)
+            row.step_peak_bytes = int(measured.peak_bytes)
+            row.workspace_bytes = int(measured.workspace_bytes)
             decision = _last_decision() if budget_bytes is not None else None
             if decision is not None:
                 row.unevictable_bytes = int(decision["unevictable_peak"] - base + row.caller_bytes)
@@ -230,26 +243,29 @@ class _TvmRunner:
             row.step_times_s = _timed(lambda: main(*args), repeat, self.device)
             if self.device.dlpack_device_type() == tvm.cuda().dlpack_device_type():
                 row.driver_peak_bytes, row.driver_agrees = _driver_view(
-                    self._exe, args, self.device
+                    self._exe, args, self.device, self._workspaces
                 )
         return outputs
 
 
-def _driver_view(exe: Any, args: Sequence[Any], device: Any) -> tuple[int, bool]:
+def _driver_view(exe: Any, args: Sequence[Any], device: Any, workspaces: Any) -> tuple[int, bool]:
     """The step's peak as the CUDA driver sees it, and whether the accounting agrees."""
+    from ..runtime import workspace_instrument
     from ..runtime.devices import agrees_with_driver, measure_driver_memory
 
-    memory_stats, reset_memory_stats = _memory_api()
     vm = relax.VirtualMachine(exe, device, memory_cfg="naive")
     vm["main"](*args)  # loads the kernels: first-use costs stay out of the reading
     gc.collect()
-    reset_memory_stats()
-    base = memory_stats()["live_bytes"]
-    out, driver = measure_driver_memory(vm, "main", args, device)
-    stats = memory_stats()
+    # The driver sees the kernels' workspaces too: the accounting counts them in the same run.
+    with _measure(None, None) as measured:
+        out, driver = measure_driver_memory(
+            vm, "main", args, device, instrument=workspace_instrument(workspaces)
+        )
     del out
-    counted = int(stats["peak_bytes"] - base)
-    return driver.peak_bytes, agrees_with_driver(counted, driver, stats["allocations"])
+    stats = measured.stats
+    return driver.peak_bytes, agrees_with_driver(
+        measured.peak_bytes, driver, stats["allocations"] + stats["workspaces"]
+    )
 
 
 @contextlib.contextmanager

@@ -28,11 +28,27 @@ Not counted, by design: the caller's arguments and the executable's constants (p
 outside the VM call); the per-call shape heap (``vm.builtin.alloc_shape_heap``, a few int64);
 the one-element host copies made by ``vm.builtin.read_if_cond`` / ``vm.builtin.tensor_to_shape``
 for device tensors; the copy ``vm.builtin.ensure_zero_offset`` makes for a misaligned offset
-(only reachable through an explicit ``R.memory.ensure_zero_offset``); kernel workspaces
-(``TVMBackendAllocWorkspace`` inside compiled PrimFuncs) and vendor-library workspaces; arguments
+(only reachable through an explicit ``R.memory.ensure_zero_offset``); vendor-library workspaces;
+kernel workspaces (``TVMBackendAllocWorkspace`` inside compiled PrimFuncs) unless the call is
+measured with a workspace table (below); arguments
 copied by ``set_input`` / ``save_function`` when they live on another device; tensors created by
 user packed functions (``R.call_packed`` to Python code that builds a tensor), unless they call
 :func:`track_allocation`.
+
+Kernel workspaces
+-----------------
+A compiled kernel takes its scratch memory (intermediate buffers of a fused kernel, e.g. the
+softmax's ``(b, h, s, s)`` exponentials) from the device's workspace pool while it runs, behind
+the VM's allocator: no builtin can see it. :func:`workspace_instrument` counts it from outside
+instead: it is a VM instrument (``vm.set_instrument``, called before and after every VM call
+with the callee's symbol and arguments) that looks the kernel up in a *workspace table*, a plain
+mapping ``kernel symbol -> f(args) -> bytes`` built from the compiled module
+(:func:`blade_relax.analysis.workspace.workspace_table`), and counts the bytes as one transient
+allocation: live from just before the kernel runs (after a sweep, so the peak is exact) to just
+after it returns. The runtime reads the table and nothing else of the compiler; the table, not
+this module, knows what a kernel allocates. :func:`blade_relax.runtime.measure_memory` installs
+the instrument around one measured call. Kernels the VM does not call itself (a PrimFunc handed
+to a packed function and called from Python) are not seen.
 
 How frees are detected
 ----------------------
@@ -87,6 +103,11 @@ Statistics (``memory_stats()``)
     Number and bytes of counted allocations since the last reset.
 ``frees`` / ``freed_bytes``
     Number and bytes of counted allocations found dead since the last reset.
+``peak_workspace_bytes``
+    Bytes of kernel workspace included in ``peak_bytes`` (the workspace of the kernel running
+    when the peak was reached; 0 when the peak fell between kernels or no table was given).
+``workspaces`` / ``workspace_bytes``
+    Number of kernel calls counted with a workspace, and their bytes, since the last reset.
 ``evictions`` / ``evicted_bytes``, ``regenerations`` / ``regenerated_bytes``
     Bumped by the rematerialization runtime through :func:`record_eviction` and
     :func:`record_regeneration`.
@@ -103,6 +124,7 @@ import ctypes
 import math
 import sys
 import threading
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -118,6 +140,7 @@ __all__ = [
     "record_regeneration",
     "reset_memory_stats",
     "track_allocation",
+    "workspace_instrument",
 ]
 
 _ALLOC_STORAGE = "vm.builtin.alloc_storage"
@@ -200,6 +223,10 @@ class _ThreadStats:
         "regenerations",
         "regenerated_bytes",
         "devices",
+        "transient",
+        "peak_transient",
+        "workspaces",
+        "workspace_bytes",
     )
 
     def __init__(self) -> None:
@@ -218,6 +245,11 @@ class _ThreadStats:
         self.regenerated_bytes = 0
         # Device word (see ``_device_word``) -> counters of that device.
         self.devices: dict[int, _DeviceStats] = {}
+        # Kernel workspace live now (part of ``live``), and the part of ``peak`` it made up.
+        self.transient = 0
+        self.peak_transient = 0
+        self.workspaces = 0
+        self.workspace_bytes = 0
 
 
 class _AddressSpace:
@@ -335,6 +367,7 @@ def _count(stats: _ThreadStats, obj: Any, nbytes: int, dev: _DeviceStats) -> Non
     live = stats.live = stats.live + nbytes
     if live > stats.peak:
         stats.peak = live
+        stats.peak_transient = stats.transient
     dev.allocations += 1
     dev.allocated_bytes += nbytes
     live = dev.live = dev.live + nbytes
@@ -399,6 +432,7 @@ def _make_alloc_storage(original: Any) -> Any:
         live = stats.live = stats.live + nbytes
         if live > stats.peak:
             stats.peak = live
+            stats.peak_transient = stats.transient
         dev.allocations += 1
         dev.allocated_bytes += nbytes
         live = dev.live = dev.live + nbytes
@@ -505,6 +539,86 @@ def _check_nbytes(nbytes: Any, where: str) -> int:
     return nbytes
 
 
+def _begin_workspace(nbytes: int, device: Any) -> _DeviceStats | None:
+    """Count ``nbytes`` of kernel workspace as live from now (see the module docstring)."""
+    if nbytes <= 0:
+        return None
+    stats = _stats()
+    _sweep(stats)
+    word = _device_word(device)
+    dev = stats.devices.get(word)
+    if dev is None:
+        dev = _device_stats(stats, word, device)
+    stats.transient += nbytes
+    stats.workspaces += 1
+    stats.workspace_bytes += nbytes
+    live = stats.live = stats.live + nbytes
+    if live > stats.peak:
+        stats.peak = live
+        stats.peak_transient = stats.transient
+    live = dev.live = dev.live + nbytes
+    if live > dev.peak:
+        dev.peak = live
+    return dev
+
+
+def _end_workspace(nbytes: int, dev: _DeviceStats | None) -> None:
+    if dev is None:
+        return
+    stats = _stats()
+    stats.transient -= nbytes
+    stats.live -= nbytes
+    dev.live -= nbytes
+
+
+# VMInstrumentReturnKind.NO_OP: run the instruction as usual.
+_NO_OP = 0
+
+
+def workspace_instrument(
+    table: Mapping[str, Callable[[Sequence[Any]], int]],
+    inner: Callable[..., Any] | None = None,
+) -> Callable[..., int]:
+    """A VM instrument that counts the workspace of every kernel call found in ``table``.
+
+    Parameters
+    ----------
+    table
+        Kernel symbol -> ``f(args) -> bytes``, where ``args`` are the arguments the VM passes
+        the kernel (tensors in parameter order); see the module docstring.
+    inner
+        Another instrument to run as well (a trace of live bytes, a driver reading): it is
+        called before the workspace is counted and after it is released, and its return value
+        is the instrument's (``VMInstrumentReturnKind``).
+
+    Returns
+    -------
+    Callable
+        ``instrument(func, symbol, before_run, ret, *args)`` for ``vm.set_instrument``.
+    """
+    # One entry per kernel call in flight (a kernel does not call back into the VM, but a
+    # closure invoked from a packed function nests calls): bytes and the device counted.
+    pending: list[tuple[int, _DeviceStats | None]] = []
+
+    def instrument(func: Any, symbol: str, before_run: bool, ret: Any, *args: Any) -> int:
+        nbytes_of = table.get(symbol)
+        if nbytes_of is None:
+            return inner(func, symbol, before_run, ret, *args) if inner is not None else _NO_OP
+        if before_run:
+            action = inner(func, symbol, before_run, ret, *args) if inner is not None else _NO_OP
+            nbytes = 0 if action else nbytes_of(args)
+            device = next((a.device for a in args if hasattr(a, "device")), None)
+            if device is None:
+                nbytes = 0
+            pending.append((nbytes, _begin_workspace(nbytes, device) if nbytes else None))
+            return action
+        nbytes, dev = pending.pop() if pending else (0, None)
+        _end_workspace(nbytes, dev)
+        return inner(func, symbol, before_run, ret, *args) if inner is not None else _NO_OP
+
+    return instrument
+
+
 def record_eviction(nbytes: int) -> None:
     """Count one eviction of ``nbytes`` bytes in this thread (called by the remat runtime)."""
     nbytes = _check_nbytes(nbytes, "record_eviction")
@@ -555,8 +669,9 @@ def memory_stats() -> dict[str, Any]:
     dict
         ``peak_bytes``, ``live_bytes``, ``allocations``, ``allocated_bytes``, ``frees``,
         ``freed_bytes``, ``evictions``, ``evicted_bytes``, ``regenerations``,
-        ``regenerated_bytes`` (ints) and ``devices`` (device name -> ``{"live_bytes",
-        "peak_bytes", "allocations", "allocated_bytes"}``); see the module docstring.
+        ``regenerated_bytes``, ``peak_workspace_bytes``, ``workspaces``, ``workspace_bytes``
+        (ints) and ``devices`` (device name -> ``{"live_bytes", "peak_bytes", "allocations",
+        "allocated_bytes"}``); see the module docstring.
     """
     stats = _stats()
     _sweep(stats)
@@ -571,6 +686,9 @@ def memory_stats() -> dict[str, Any]:
         "evicted_bytes": stats.evicted_bytes,
         "regenerations": stats.regenerations,
         "regenerated_bytes": stats.regenerated_bytes,
+        "peak_workspace_bytes": stats.peak_transient,
+        "workspaces": stats.workspaces,
+        "workspace_bytes": stats.workspace_bytes,
         "devices": {
             dev.name: {
                 "live_bytes": dev.live,
@@ -595,6 +713,8 @@ def reset_memory_stats() -> None:
     stats.frees = stats.freed_bytes = 0
     stats.evictions = stats.evicted_bytes = 0
     stats.regenerations = stats.regenerated_bytes = 0
+    stats.peak_transient = stats.transient
+    stats.workspaces = stats.workspace_bytes = 0
     for dev in stats.devices.values():
         dev.peak = dev.live
         dev.allocations = dev.allocated_bytes = 0

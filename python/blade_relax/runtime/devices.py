@@ -399,6 +399,7 @@ def measure_driver_memory(
     device: tvm.runtime.Device,
     *,
     free_bytes: Callable[[tvm.runtime.Device], int] = driver_free_bytes,
+    instrument: Callable[..., Any] | None = None,
 ) -> tuple[Any, DriverMemory]:
     """Call ``vm[function](*args)`` and read the driver's free memory after every instruction.
 
@@ -419,6 +420,10 @@ def measure_driver_memory(
         The device whose memory is read.
     free_bytes
         The reader of free memory (tests substitute their own).
+    instrument
+        Another VM instrument to run as well (e.g.
+        :func:`~blade_relax.runtime.accounting.workspace_instrument`, so that the accounting
+        counts the kernels' workspaces the driver sees); the free memory is read after it.
 
     Returns
     -------
@@ -433,15 +438,18 @@ def measure_driver_memory(
     lowest = [free_before]
     samples = [0]
 
-    def instrument(_func: Any, _name: str, before_run: bool, _ret: Any, *_args: Any) -> int:
+    inner = instrument
+
+    def read_free(func: Any, name: str, before_run: bool, ret: Any, *args: Any) -> int:
+        action = inner(func, name, before_run, ret, *args) if inner is not None else 0
         if not before_run:
             free = free_bytes(device)
             samples[0] += 1
             if free < lowest[0]:
                 lowest[0] = free
-        return 0  # VMInstrumentReturnKind.NO_OP: run the instruction as usual
+        return action  # VMInstrumentReturnKind.NO_OP (0): run the instruction as usual
 
-    vm.set_instrument(instrument)
+    vm.set_instrument(read_free)
     try:
         result = vm[function](*args)
     finally:

@@ -9,7 +9,9 @@ at several memory budgets, ``plan``, and all passes together) must
   every memory pass runs after fusion, so any difference is a bug, never rounding);
 * allocate exactly the bytes the symbolic timeline predicts for the IR it runs
   (``memory_timeline`` of the module just before ``VMShapeLower``, evaluated at the dims,
-  against ``memory_stats()["peak_bytes"]`` minus the live bytes before the call);
+  against ``memory_stats()["peak_bytes"]`` minus the live bytes before the call), kernel
+  workspaces included on both sides (the call is measured with the executable's workspace
+  table, :attr:`CompiledVariant.workspaces`);
 * under a memory budget, peak exactly where the rematerialization runtime's decision said
   (where its metadata claims an exact timeline) and within the budget wherever the decision
   called it reachable;
@@ -41,11 +43,13 @@ Usage::
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import warnings
+import weakref
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,7 +58,7 @@ import tvm
 from tvm import relax
 
 from .. import runtime
-from ..analysis import memory_timeline
+from ..analysis import memory_timeline, workspace_table
 from ..pipeline import get_pipeline
 from ..transform.memory_aware_schedule import version_for
 from .program_gen import GeneratedProgram
@@ -289,6 +293,22 @@ class CompiledVariant:
     variant: Variant
     executable: Any
     memory_stage: tvm.IRModule
+    target: str = "llvm"
+
+    @functools.cached_property
+    def workspaces(self) -> dict[str, Callable[[Sequence[Any]], int]]:
+        """The executable's kernel workspace table (what :func:`measure_call` counts)."""
+        return workspace_table(self.memory_stage, self.target)
+
+    def vm(self, device: tvm.runtime.Device | None = None) -> relax.VirtualMachine:
+        """A VM of the executable; :func:`measure_call` counts its kernels' workspaces."""
+        vm = relax.VirtualMachine(self.executable, device or tvm.cpu())
+        _VM_WORKSPACES[vm] = self.workspaces
+        return vm
+
+
+# VMs made by CompiledVariant.vm -> their executable's workspace table.
+_VM_WORKSPACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def compile_checked(
@@ -340,7 +360,7 @@ def compile_checked(
             raise
     if checker.memory_stage is None:
         raise RuntimeError("the pipeline never reached VMShapeLower")
-    return CompiledVariant(variant, exe, checker.memory_stage)
+    return CompiledVariant(variant, exe, checker.memory_stage, target)
 
 
 # ----------------------------------------------------------------------------- running
@@ -406,29 +426,36 @@ def measure_call(
     args: Sequence[np.ndarray],
     budget: int | None = None,
     device: tvm.runtime.Device | None = None,
+    workspaces: Mapping[str, Callable[[Sequence[Any]], int]] | None = None,
 ) -> Measured:
     """Call ``vm["main"]`` once under ``budget`` and measure its bytes.
 
-    The peak is ``memory_stats()["peak_bytes"]`` minus the live bytes before the call.
+    The peak is ``memory_stats()["peak_bytes"]`` minus the live bytes before the call
+    (:func:`blade_relax.runtime.measure_memory`); with ``workspaces`` (the executable's table,
+    :attr:`CompiledVariant.workspaces`; by default that of a VM made by
+    :meth:`CompiledVariant.vm`) it includes the workspace of the kernel running at the peak,
+    as the timeline does.
     ``decision`` is the rematerialization runtime's decision for this call when ``budget`` is
     set and the function is rematerialized (it may be a stale decision of an earlier call with
     the same budget when the function is not: check the IR first, as :func:`check_program`
     does).
     """
     device = device or tvm.cpu()
+    if workspaces is None:
+        workspaces = _VM_WORKSPACES.get(vm)
     tensors = [tvm.runtime.tensor(a, device) for a in args]
     warning_type = getattr(runtime, "RematBudgetWarning", None)
     last_decision = getattr(runtime, "last_remat_decision", lambda: None)
-    runtime.reset_memory_stats()
-    before = runtime.memory_stats()["live_bytes"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        if budget is not None:
-            with runtime.set_memory_budget(budget):
+        with runtime.measure_memory(vm, workspaces=workspaces) as measured:
+            if budget is not None:
+                with runtime.set_memory_budget(budget):
+                    out = vm["main"](*tensors)
+            else:
                 out = vm["main"](*tensors)
-        else:
-            out = vm["main"](*tensors)
-    stats = runtime.memory_stats()
+    stats = measured.stats
+    before = measured.live_before
     outputs = _to_numpy(out)
     del out
     # A rematerialized function asks for its decision first thing in every call, so with a
@@ -620,7 +647,7 @@ def _check_variant(
     name = cv.variant.name
     runtime.reset_memory_stats()
     live_before = runtime.memory_stats()["live_bytes"]
-    vm = relax.VirtualMachine(cv.executable, device)
+    vm = cv.vm(device)
     for case in cases:
         _check_runs(report, cv, vm, case, exact_peak, rng, budgets_per_shape)
     del vm

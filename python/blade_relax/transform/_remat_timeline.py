@@ -10,8 +10,10 @@ user's own pipeline without ``RematTimeline`` still works, on the estimate.
 
 :func:`simulate` walks a function once, tracking which storages each register keeps alive:
 
-* points: every storage allocation (the live bytes right after it) and every ``regenerate``
-  call (the live bytes right before it);
+* points: every storage allocation (the live bytes right after it), every ``regenerate``
+  call (the live bytes right before it) and every kernel call with a workspace (the live bytes
+  while it runs, its workspace a storage live at that point only:
+  :mod:`blade_relax.analysis.workspace`);
 * each storage's live interval over the points, its size as a Python integer expression over
   the function's dims;
 * each slot's window: ``start`` is the first point after the VM has let go of the evicted
@@ -41,6 +43,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ..analysis.workspace import call_reads
 from ..runtime.remat import REMAT_FORMAT, metadata_key
 
 __all__ = [
@@ -368,6 +371,26 @@ class _Walker:
         self.holds[var] = frozenset({sid})
         sim.points += 1
 
+    def workspace(self, call: relax.Call, var: relax.Var, rename: dict[Any, str] | None) -> None:
+        """A kernel's workspace: a storage live at one point of its own, while the kernel runs
+        (:mod:`blade_relax.analysis.workspace`; the runtime accounting counts the same bytes)."""
+        found = call_reads(call, var, self.mod)
+        if found is None or found[0].is_empty:
+            return
+        ws, values = found
+        if any(v is None for v in values):
+            self.inexact(f"workspace of {ws.kernel}: the call's types do not give its size")
+            return
+        sim = self.sim
+        size = ws.substitute([self.py(v, rename) for v in values])
+        sid = len(sim.storages)
+        sim.storages.append(
+            StorageInterval(size=size, first=sim.points, end=-1, name=f"workspace:{ws.kernel}")
+        )
+        self.ends[sid] = sim.points + 1
+        self.registers[sid] = set()
+        sim.points += 1
+
     def hold(self, var: Any, sids: frozenset[int]) -> None:
         self.holds[var] = sids
         for sid in sids:
@@ -467,8 +490,11 @@ class _Walker:
                     self.stashed[sid] -= 1
                 self.tainted.update(sids)
                 self.hold(var, sids)
-            elif name == BEGIN or _is_prim_func(value, self.mod):
-                pass  # no memory: the frame, or a kernel writing into its arguments
+            elif name == BEGIN:
+                pass  # no memory: the frame
+            elif _is_prim_func(value, self.mod):
+                # A kernel writes into its arguments; its workspace lives while it runs.
+                self.workspace(value, var, rename)
             elif isinstance(value.op, relax.GlobalVar):
                 self.call(var, value.op, list(value.args), rename, chain)
             elif name == INVOKE_CLOSURE and args and isinstance(args[0], relax.GlobalVar):
