@@ -246,3 +246,26 @@ def test_stock_softmax_counts_its_exponentials():
         assert measured.peak_bytes == predicted.peak == 16 * s * s + 16 * s * s + 16 * s
         assert measured.workspace_bytes == predicted.peak_workspace == 16 * s * s + 16 * s
     assert measured.workspace_bytes == 1_052_672  # 1 MiB of exponentials at s = 256
+
+
+def test_report_shows_the_workspace_in_the_peak():
+    from blade_relax.analysis import MemoryReport
+
+    report = MemoryReport.from_function(Scratch["main"], {"n": 10}, mod=Scratch)
+    assert report.summary()["peak_workspace_bytes"] == 320
+    assert [r["workspace_bytes"] for r in report.rows()] == [320]
+    assert "320 B of it kernel workspace" in report.to_text()
+
+
+def test_cuda_kernels_scheduled_by_dlight_keep_the_softmax_on_chip():
+    """Built for CUDA (no GPU needed), the stock pipeline's dlight schedule keeps the softmax's
+    intermediates in shared and local memory: no heap workspace is left to count."""
+    if tvm.get_global_func("target.build.cuda", allow_missing=True) is None:
+        pytest.skip("this TVM has no CUDA code generator")
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    compiled = compile_keeping_module(Attention, target, stock_pipeline(target))
+    kernels = [gv for gv, f in compiled.module.functions.items() if "softmax" in gv.name_hint]
+    assert kernels
+    assert compiled.workspaces == {}
+    ws = kernel_workspace(compiled.module[kernels[0]], kernels[0].name_hint, target)
+    assert ws.is_empty and ws.exact

@@ -80,14 +80,18 @@ class MemoryReport:
         return self.evaluated.lower_bound
 
     def rows(self) -> list[dict[str, Any]]:
-        """One row per binding: name, allocated/freed/live bytes, and the symbolic live bytes."""
+        """One row per binding: name, live bytes during and after it (``live_bytes`` includes
+        ``workspace_bytes``, the workspace its kernel holds while it runs), and the symbolic
+        live bytes."""
         steps = self.timeline.steps
+        workspace = self.evaluated.workspace or [0] * len(steps)
         return [
             {
                 "index": step.index,
                 "name": step.name,
                 "live_bytes": self.evaluated.live_during[step.index],
                 "live_after_bytes": self.evaluated.live_after[step.index],
+                "workspace_bytes": workspace[step.index],
                 "live_symbolic": str(step.live_during),
             }
             for step in steps
@@ -106,6 +110,7 @@ class MemoryReport:
                 else None
             ),
             "peak_symbolic": str(self.timeline.peak),
+            "peak_workspace_bytes": self.evaluated.peak_workspace,
             "persistent_bytes": self.evaluated.persistent,
             "lower_bound_bytes": self.evaluated.lower_bound,
             "lower_bound_symbolic": str(self.timeline.lower_bound),
@@ -174,7 +179,12 @@ class MemoryReport:
         lines = [
             f"memory report {self.label}".rstrip() + f"  (stage: {s['stage']}, dims: {s['dims']})",
             f"  peak:        {s['peak_bytes']:>14,} B  ({_human(s['peak_bytes'])}) "
-            f"at {s['peak_binding']}",
+            f"at {s['peak_binding']}"
+            + (
+                f", {s['peak_workspace_bytes']:,} B of it kernel workspace"
+                if s["peak_workspace_bytes"]
+                else ""
+            ),
             # On the peak's basis (parameters excluded), so that the two lines compare.
             f"  lower bound: {bound:>14,} B  ({_human(bound)}) excl. persistent",
             f"  persistent:  {s['persistent_bytes']:>14,} B",
