@@ -39,6 +39,8 @@ from blade_relax.runtime import (
     set_memory_budget,
 )
 
+blade_relax.quiet()  # TVM's C++ warnings and transformers' notes; BLADE_RELAX_VERBOSE=1 shows them
+
 if not devices.cuda_available():
     print("This tutorial needs a CUDA GPU, and none was found (tvm.cuda(0).exist is False).")
     print("Nothing to run here: tutorial 4 is the same story on the CPU.")
