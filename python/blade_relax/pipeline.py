@@ -9,6 +9,9 @@ Where each pass runs, and why there:
 * ``FoldZeroScatter`` runs next, also on high-level ops: a scatter into zeros (one-hots,
   embedding gradients) becomes a predicate ``FuseOps`` can fuse, or one reduction kernel, before
   ``LegalizeOps`` turns it into an opaque kernel with a zero buffer and a copy.
+* ``CloneGeneratedTensors`` runs after it, still on high-level ops: a tensor computed from
+  inputs alone (a causal mask, a one-hot) is built again before each later reader, so that
+  ``FuseOps`` fuses it into every reader instead of keeping one copy live across the layers.
 * ``InlineKernelIntermediates`` runs right after ``FuseTIR`` on CPU targets: it computes the
   elementwise chains inside fused kernels without scratch buffers (kernel workspaces), which
   dlight's schedules do on GPU targets.
@@ -84,6 +87,8 @@ def _pass_list(
     inline_options: Any = None,
     recompute: bool = False,
     recompute_options: Any = None,
+    clone_generated: bool = False,
+    clone_options: Any = None,
 ) -> list[tvm.transform.Pass]:
     phases = _backend_phases(target)
     passes: list[tvm.transform.Pass] = []
@@ -95,6 +100,10 @@ def _pass_list(
         from .transform import FoldZeroScatter
 
         passes.append(FoldZeroScatter(fold_scatter_options))
+    if clone_generated:
+        from .transform import CloneGeneratedTensors
+
+        passes.append(CloneGeneratedTensors(clone_options))
     passes += phases.library_dispatch_passes(target)
     passes += phases.legalize_passes(target)
     if inline_kernels and not is_gpu_target(target):
@@ -147,6 +156,7 @@ def get_pipeline(
     fold_scatter: bool = True,
     inline_kernels: bool = True,
     recompute: bool = True,
+    clone_generated: bool = True,
     schedule_options: Any = None,
     remat_options: Any = None,
     plan_options: Any = None,
@@ -154,6 +164,7 @@ def get_pipeline(
     fold_scatter_options: Any = None,
     inline_options: Any = None,
     recompute_options: Any = None,
+    clone_options: Any = None,
     check_dims: bool = True,
     check_options: Any = None,
 ) -> tvm.transform.Pass:
@@ -165,16 +176,16 @@ def get_pipeline(
         ``"llvm"``, ``{"kind": "cuda", "arch": "sm_90"}`` or a ``tvm.target.Target``.
     schedule, remat, plan
         Enable ``MemoryAwareSchedule``, ``Rematerialize`` and ``PlanMemory``.
-    simplify, fold_scatter, inline_kernels, recompute
-        Enable ``SimplifyTransposes``, ``FoldZeroScatter``, ``InlineKernelIntermediates`` (on
-        CPU targets only) and ``RecomputeCheapValues``. With these, the three above and
+    simplify, fold_scatter, clone_generated, inline_kernels, recompute
+        Enable ``SimplifyTransposes``, ``FoldZeroScatter``, ``CloneGeneratedTensors``,
+        ``InlineKernelIntermediates`` (on CPU targets only) and ``RecomputeCheapValues``. With these, the three above and
         ``check_dims`` off, the result is TVM's default pipeline for the target.
     check_dims
         Enable ``CheckDimRanges``: a call whose dims lie outside the ranges the function
         declares (``tir_var_lower_bound`` / ``tir_var_upper_bound``) fails before any kernel
         runs, with an error naming the dim, its value and the range.
     schedule_options, remat_options, plan_options, simplify_options, fold_scatter_options,
-    inline_options, recompute_options, check_options
+    inline_options, recompute_options, clone_options, check_options
         Option dataclasses handed to the passes (``None`` for their defaults).
 
     Returns
@@ -201,6 +212,8 @@ def get_pipeline(
         inline_options=inline_options,
         recompute=recompute,
         recompute_options=recompute_options,
+        clone_generated=clone_generated,
+        clone_options=clone_options,
     )
 
     @tvm.transform.module_pass(opt_level=0, name="blade_relax_pipeline")
@@ -253,7 +266,7 @@ def lower_to_memory_stage(
         As for :func:`get_pipeline`.
     **flags
         ``schedule``, ``remat``, ``plan``, ``simplify``, ``fold_scatter``, ``inline_kernels``,
-        ``recompute``, ``check_dims`` and option keywords
+        ``recompute``, ``clone_generated``, ``check_dims`` and option keywords
         of :func:`get_pipeline`; all passes default to off, which gives the stock pipeline.
     """
     tgt = as_target(target)
@@ -265,6 +278,7 @@ def lower_to_memory_stage(
         "fold_scatter": False,
         "inline_kernels": False,
         "recompute": False,
+        "clone_generated": False,
     }
     options.update(flags)
     passes = _pass_list(
@@ -285,6 +299,8 @@ def lower_to_memory_stage(
         inline_options=options.pop("inline_options", None),
         recompute=options.pop("recompute"),
         recompute_options=options.pop("recompute_options", None),
+        clone_generated=options.pop("clone_generated"),
+        clone_options=options.pop("clone_options", None),
     )
     if options:
         raise TypeError(f"unknown pipeline options: {sorted(options)}")

@@ -50,6 +50,7 @@ STOCK = {
     "fold_scatter": False,
     "inline_kernels": False,
     "recompute": False,
+    "clone_generated": False,
     "check_dims": False,
 }
 BLADE = {"schedule": True, "remat": True, "plan": True}
@@ -60,6 +61,7 @@ MEMORY_ONLY = {
     "fold_scatter": False,
     "inline_kernels": False,
     "recompute": False,
+    "clone_generated": False,
 }
 VARIANTS = {"stock": STOCK, "blade": BLADE}
 

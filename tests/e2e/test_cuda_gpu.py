@@ -63,6 +63,7 @@ STOCK = {
     "fold_scatter": False,
     "inline_kernels": False,
     "recompute": False,
+    "clone_generated": False,
     "check_dims": False,
 }
 # (pipeline variant, budget as a fraction of the unbudgeted peak); a budget acts only through

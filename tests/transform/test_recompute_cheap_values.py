@@ -100,8 +100,8 @@ class LateReadExpected:
 
 @I.ir_module
 class InputDiesEarly:
-    """``h = 2t`` of a local ``t`` that nothing reads late: recomputing would keep ``t`` alive,
-    and ``g`` is returned (read after the block): both stay as they are."""
+    """``h = 2t`` of a local ``t`` that nothing reads late (recomputing ``h`` alone would keep
+    ``t`` alive), and ``g``, returned (read after the block)."""
 
     @T.prim_func(private=True, s_tir=True)
     def scale(var_x: T.handle, var_y: T.handle):
@@ -150,10 +150,22 @@ def test_late_read_is_recomputed():
     assert pass_.report.recomputed == 1
 
 
-def test_value_whose_input_dies_early_or_that_escapes_stays():
-    pass_ = RecomputeCheapValues()
-    assert pass_(InputDiesEarly).same_as(InputDiesEarly)
-    assert pass_.report.recomputed == 0
+def test_value_whose_input_dies_early_needs_a_chain():
+    """Without chains or longer-lived inputs nothing qualifies (``g`` escapes; ``h``'s input
+    ``t`` dies early); with them ``t`` and ``h`` are recomputed from ``x``, as the timeline
+    proves the peak no higher."""
+    single = RecomputeCheapValues(RecomputeOptions(max_chain=1, extend_inputs=False))
+    assert single(InputDiesEarly).same_as(InputDiesEarly)
+    assert single.report.recomputed == 0
+    chained = RecomputeCheapValues()
+    result = chained(InputDiesEarly)
+    assert chained.report.recomputed == 1
+    names = [b.var.name for b in result["main"].body.blocks[0].bindings]
+    assert names.index("t_recompute") + 1 == names.index("h_recompute") == names.index("d") - 1
+    for s in (1, 16, 300):
+        before = memory_timeline(InputDiesEarly["main"], mod=InputDiesEarly).evaluate({"s": s})
+        after = memory_timeline(result["main"], mod=result).evaluate({"s": s})
+        assert after.peak <= before.peak
 
 
 def test_options():
@@ -164,6 +176,8 @@ def test_options():
         RecomputeOptions(max_pattern=3)
     with pytest.raises(ValueError, match="min_gap"):
         RecomputeOptions(min_gap=0)
+    with pytest.raises(ValueError, match="max_chain"):
+        RecomputeOptions(max_chain=0)
     with pytest.raises(TypeError, match="RecomputeOptions"):
         RecomputeCheapValues(1)
 

@@ -335,6 +335,7 @@ _NO_GRAPH_PASSES = {
     "fold_scatter": False,
     "inline_kernels": False,
     "recompute": False,
+    "clone_generated": False,
 }
 
 
@@ -396,10 +397,11 @@ register_config(
             fold_scatter=True,
             inline_kernels=True,
             recompute=True,
+            clone_generated=True,
         ),
         description="the default pipeline: SimplifyTransposes + FoldZeroScatter + "
-        "InlineKernelIntermediates + MemoryAwareSchedule + RecomputeCheapValues + "
-        "Rematerialize + PlanMemory, bounds dropped",
+        "CloneGeneratedTensors + InlineKernelIntermediates + MemoryAwareSchedule + "
+        "RecomputeCheapValues + Rematerialize + PlanMemory, bounds dropped",
     )
 )
 register_budget_family("blade-relax-full")

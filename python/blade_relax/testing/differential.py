@@ -98,6 +98,7 @@ class Variant:
     fold_scatter: bool = False
     inline_kernels: bool = False
     recompute: bool = False
+    clone_generated: bool = False
     pipeline: Callable[[str], tvm.transform.Pass] | None = field(default=None, compare=False)
 
     @property
@@ -110,6 +111,7 @@ class Variant:
             "fold_scatter": self.fold_scatter,
             "inline_kernels": self.inline_kernels,
             "recompute": self.recompute,
+            "clone_generated": self.clone_generated,
         }
 
     @property
@@ -129,6 +131,7 @@ STOCK = Variant(
         fold_scatter=False,
         inline_kernels=False,
         recompute=False,
+        clone_generated=False,
         check_dims=False,
     ),
 )
@@ -140,6 +143,7 @@ ALL_VARIANTS: tuple[Variant, ...] = (
     Variant("fold-scatter", fold_scatter=True),
     Variant("inline-kernels", inline_kernels=True),
     Variant("recompute", schedule=True, recompute=True),
+    Variant("clone-generated", clone_generated=True),
     Variant(
         "all",
         schedule=True,
@@ -149,6 +153,7 @@ ALL_VARIANTS: tuple[Variant, ...] = (
         fold_scatter=True,
         inline_kernels=True,
         recompute=True,
+        clone_generated=True,
     ),
 )
 

@@ -1,6 +1,7 @@
 """Passes: each a ``tvm.transform.Pass`` whose ``name`` equals its class name."""
 
 from .check_dim_ranges import CheckDimRanges, DimRangeOptions
+from .clone_generated_tensors import CloneGeneratedTensors, CloneOptions
 from .fold_zero_scatter import FoldZeroScatter, ZeroScatterOptions
 from .inline_kernel_intermediates import InlineKernelIntermediates, InlineOptions
 from .memory_aware_schedule import MemoryAwareSchedule, ScheduleOptions
@@ -11,6 +12,8 @@ from .simplify_transposes import SimplifyTransposes, TransposeOptions
 
 __all__ = [
     "CheckDimRanges",
+    "CloneGeneratedTensors",
+    "CloneOptions",
     "DimRangeOptions",
     "FoldZeroScatter",
     "InlineKernelIntermediates",

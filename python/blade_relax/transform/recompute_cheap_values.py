@@ -54,8 +54,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import tvm
+import tvm_ffi
 from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from ..analysis import memory_timeline
+from ..symbolic import Ordering
 
 __all__ = ["RecomputeCheapValues", "RecomputeOptions", "RecomputeReport"]
 
@@ -76,17 +80,27 @@ class RecomputeOptions:
     min_gap
         The fewest bindings between the last early read and the first late read for a
         recomputation (a shorter gap saves too little to pay for the kernel).
+    max_chain
+        The most kernels recomputed for one value: its own, and those of cheap inputs that are
+        not live at the late reads (``1``: only values whose inputs are all live there).
+    extend_inputs
+        Also recompute a value by keeping one input of its own type alive until the late reads
+        (the input takes the value's place), where the timeline proves it.
     """
 
     enabled: bool = True
     max_pattern: int = 2
     min_gap: int = 2
+    max_chain: int = 3
+    extend_inputs: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_pattern <= 2:
             raise ValueError(f"max_pattern must be 0, 1 or 2, got {self.max_pattern}")
         if self.min_gap < 1:
             raise ValueError(f"min_gap must be at least 1, got {self.min_gap}")
+        if self.max_chain < 1:
+            raise ValueError(f"max_chain must be at least 1, got {self.max_chain}")
 
 
 @dataclass
@@ -153,72 +167,129 @@ def _reads(bindings: Sequence[relax.Binding]) -> dict[relax.Var, list[int]]:
     return reads
 
 
-def _plan_block(
-    mod: tvm.IRModule,
-    patterns: dict[str, int],
-    block: relax.DataflowBlock,
-    live_throughout: set[relax.Var],
-    options: RecomputeOptions,
-) -> dict[int, list[int]]:
-    """For each binding to recompute, the positions of its late reads.
+@dataclass(frozen=True)
+class _Plan:
+    """Recompute ``chain`` (binding positions, in order, the last one the value read late)
+    just before ``late[0]``; the reads at ``late`` read the last copy."""
 
-    ``live_throughout``: variables live during the whole block (parameters, values read after
-    it). A value that is an input of a recomputed value, or computed from one, is not
-    recomputed itself: the copy would read the original at a point where it may be dead.
-    """
-    bindings = list(block.bindings)
-    reads = _reads(bindings)
-    candidates: list[tuple[int, list[int], list[relax.Var]]] = []
-    for position, binding in enumerate(bindings):
-        var = binding.var
-        if var in live_throughout or not isinstance(binding, relax.VarBinding):
-            continue
-        if not _cheap_kernel(mod, patterns, binding.value, options.max_pattern):
-            continue
+    chain: tuple[int, ...]
+    late: tuple[int, ...]
+    leaves: tuple[relax.Var, ...]
+    #: Whether the subset argument covers it (one copy, every input live at the late reads);
+    #: other plans are accepted only where the timeline proves the peak no higher.
+    proven: bool = False
+
+
+class _BlockFacts:
+    """Reads and kernels of one dataflow block, for planning."""
+
+    def __init__(self, mod, patterns, block, live_throughout, options) -> None:
+        self.bindings = list(block.bindings)
+        self.reads = _reads(self.bindings)
+        self.position = {b.var: i for i, b in enumerate(self.bindings)}
+        self.live_throughout = live_throughout
+        self.options = options
+        self.cheap = [
+            isinstance(b, relax.VarBinding)
+            and b.var not in live_throughout
+            and _cheap_kernel(mod, patterns, b.value, options.max_pattern)
+            and _tensor_inputs(b.value) is not None
+            for b in self.bindings
+        ]
+
+    def live_until(self, var: relax.Var, position: int) -> bool:
+        """Whether ``var`` is live at ``position`` in the block as it is."""
+        if var in self.live_throughout or var not in self.position:
+            return var in self.live_throughout or self.reads.get(var, [-1])[-1] >= position
+        return self.reads.get(var, [-1])[-1] >= position
+
+    def chain(
+        self, position: int, until: int, depth: int, dead: frozenset = frozenset()
+    ) -> tuple[list[int], set] | None:
+        """The cheap bindings to copy so that ``position``'s value can be recomputed with only
+        inputs live at ``until`` (``dead``: values other plans let die early); ``None`` if
+        there is none within ``depth`` levels."""
+        value = self.bindings[position].value
+        positions, leaves = [position], set()
+        for var in _tensor_inputs(value):
+            if var not in dead and self.live_until(var, until):
+                leaves.add(var)
+                continue
+            source = self.position.get(var)
+            if source is None or depth == 0 or not self.cheap[source]:
+                return None
+            sub = self.chain(source, until, depth - 1, dead)
+            if sub is None:
+                return None
+            positions += sub[0]
+            leaves |= sub[1]
+        return sorted(set(positions)), leaves
+
+    def extended(self, position: int, until: int) -> tuple[list[int], set] | None:
+        """Recompute ``position``'s value alone by keeping one input alive longer: the one input
+        not live at ``until``, when it is a value of this block of the same type as the result
+        (it takes the result's place in the bytes live between them)."""
+        binding = self.bindings[position]
         inputs = _tensor_inputs(binding.value)
-        uses = reads.get(var, [])
-        if inputs is None or len(uses) < 2:
+        short = [v for v in inputs if not self.live_until(v, until)]
+        if len(short) != 1 or short[0] not in self.position:
+            return None
+        if not tvm_ffi.structural_equal(short[0].ty, binding.var.ty):
+            return None
+        return [position], set(inputs)
+
+
+def _candidates(facts: _BlockFacts) -> list[_Plan]:
+    """Every value worth recomputing, with the chain it needs (possibly just itself)."""
+    out = []
+    for position, binding in enumerate(facts.bindings):
+        if not facts.cheap[position]:
+            continue
+        uses = facts.reads.get(binding.var, [])
+        if len(uses) < 2:
             continue
         points = [position, *uses]
         gaps = [points[i + 1] - points[i] for i in range(len(points) - 1)]
         split = max(range(1, len(gaps)), key=lambda i: gaps[i], default=None)
-        if split is None or gaps[split] <= options.min_gap:
+        if split is None or gaps[split] <= facts.options.min_gap:
             continue
-        late = uses[split:]
-        if any(v not in live_throughout and reads[v][-1] < late[-1] for v in inputs):
-            continue
-        candidates.append((position, late, inputs))
-    plan: dict[int, list[int]] = {}
-    involved: set[relax.Var] = set()
-    for position, late, inputs in candidates:
-        var = bindings[position].var
-        if var in involved or any(v in involved for v in inputs):
-            continue
-        plan[position] = late
-        involved.add(var)
-        involved.update(inputs)
-    return plan
+        late = tuple(uses[split:])
+        found = facts.chain(position, late[-1], facts.options.max_chain - 1)
+        proven = found is not None and len(found[0]) == 1
+        if found is None and facts.options.extend_inputs:
+            found = facts.extended(position, late[-1])
+        if found is not None:
+            out.append(_Plan(tuple(found[0]), late, tuple(found[1]), proven))
+    return out
 
 
-def _rewrite_block(
-    block: relax.DataflowBlock, plan: dict[int, list[int]]
-) -> tuple[relax.DataflowBlock, int]:
+def _compatible(plan: _Plan, accepted: list[_Plan], bindings) -> bool:
+    """A plan may join the accepted ones if no copy would read a value that another plan lets
+    die early, and no value it lets die early is read by another plan's copies."""
+    value = bindings[plan.chain[-1]].var
+    early_deaths = {bindings[p.chain[-1]].var for p in accepted}
+    read_by_copies = {v for p in accepted for v in p.leaves}
+    return value not in read_by_copies and not any(v in early_deaths for v in plan.leaves)
+
+
+def _rewrite_block(block: relax.DataflowBlock, plans: Sequence[_Plan]) -> relax.DataflowBlock:
     bindings = list(block.bindings)
-    # Late read position -> [(original var, binding to copy)].
-    copies_before: dict[int, list[tuple[relax.Var, relax.VarBinding]]] = {}
+    copies_before: dict[int, list[relax.VarBinding]] = {}
     renamed_at: dict[int, dict[relax.Var, relax.Var]] = {}
-    for position, late in plan.items():
-        original = bindings[position]
-        copy_var = relax.DataflowVar(original.var.name + "_recompute", original.var.ty)
-        copies_before.setdefault(late[0], []).append(
-            (original.var, relax.VarBinding(copy_var, original.value))
-        )
-        for read in late:
-            renamed_at.setdefault(read, {})[original.var] = copy_var
+    for plan in plans:
+        renames: dict[relax.Var, relax.Var] = {}
+        for position in plan.chain:
+            original = bindings[position]
+            copy_var = relax.DataflowVar(original.var.name + "_recompute", original.var.ty)
+            value = _Renamer(renames).visit_expr(original.value) if renames else original.value
+            copies_before.setdefault(plan.late[0], []).append(relax.VarBinding(copy_var, value))
+            renames[original.var] = copy_var
+        value_var = bindings[plan.chain[-1]].var
+        for read in plan.late:
+            renamed_at.setdefault(read, {})[value_var] = renames[value_var]
     out: list[relax.Binding] = []
     for position, binding in enumerate(bindings):
-        for _, copy in copies_before.get(position, []):
-            out.append(copy)
+        out += copies_before.get(position, [])
         renames = renamed_at.get(position)
         if renames:
             new_value = _Renamer(renames).visit_expr(binding.value)
@@ -227,7 +298,7 @@ def _rewrite_block(
             else:
                 binding = relax.VarBinding(binding.var, new_value)
         out.append(binding)
-    return relax.DataflowBlock(out), len(plan)
+    return relax.DataflowBlock(out)
 
 
 @mutator
@@ -299,15 +370,62 @@ class RecomputeCheapValues:
             for later in blocks[index + 1 :]:
                 for binding in later.bindings:
                     live.update(relax.analysis.free_vars(binding.value))
-            plan = _plan_block(mod, patterns, block, live, self.options)
-            if not plan:
+            facts = _BlockFacts(mod, patterns, block, live, self.options)
+            accepted = self._accept(mod, func, blocks, index, facts)
+            if not accepted:
                 continue
-            blocks[index], count = _rewrite_block(block, plan)
-            self.report.recomputed += count
+            blocks[index] = _rewrite_block(block, accepted)
+            self.report.recomputed += len(accepted)
             changed = True
         if not changed:
             return None
-        new_func = relax.Function(
-            func.params, relax.SeqExpr(blocks, body.body), func.ret_ty, func.is_pure, func.attrs
-        )
-        return relax.BlockBuilder().normalize(new_func)
+        return _with_blocks(func, blocks)
+
+    def _accept(self, mod, func, blocks, index, facts: _BlockFacts) -> list[_Plan]:
+        """Single copies of values whose inputs are live anyway are accepted by the subset
+        argument; chains and copies that keep an input alive longer only where the symbolic
+        timeline proves the peak is no higher for any admissible value of the dims."""
+        accepted: list[_Plan] = []
+        chains: list[_Plan] = []
+        for plan in _candidates(facts):
+            if plan.proven and _compatible(plan, accepted, facts.bindings):
+                accepted.append(plan)
+            else:
+                chains.append(plan)
+        # A value one of whose inputs now dies early is recomputed from that input's inputs.
+        dead = frozenset(facts.bindings[p.chain[-1]].var for p in accepted)
+        rebuilt = []
+        for plan in chains:
+            found = facts.chain(plan.chain[-1], plan.late[-1], self.options.max_chain - 1, dead)
+            if found is not None and len(found[0]) > 1:
+                rebuilt.append(_Plan(tuple(found[0]), plan.late, tuple(found[1])))
+            elif not plan.proven:
+                rebuilt.append(plan)
+        chains = rebuilt
+        if not chains:
+            return accepted
+        block = blocks[index]
+
+        def peak(plans: list[_Plan]):
+            trial = list(blocks)
+            trial[index] = _rewrite_block(block, plans) if plans else block
+            return memory_timeline(_with_blocks(func, trial), mod=mod)
+
+        base = peak(accepted)
+        for plan in chains:
+            if not _compatible(plan, accepted, facts.bindings):
+                continue
+            trial = peak([*accepted, plan])
+            verdict = base.graph.compare(trial.peak, base.peak)
+            if verdict in (Ordering.LT, Ordering.LE, Ordering.EQ):
+                accepted.append(plan)
+                base = trial
+        return accepted
+
+
+def _with_blocks(func: relax.Function, blocks: list) -> relax.Function:
+    body = func.body
+    new_func = relax.Function(
+        func.params, relax.SeqExpr(blocks, body.body), func.ret_ty, func.is_pure, func.attrs
+    )
+    return relax.BlockBuilder().normalize(new_func)

@@ -1,0 +1,264 @@
+"""CloneGeneratedTensors: tensors generated from inputs alone are built once per reader.
+
+Some large tensors of an imported graph carry no information of their own: the causal mask
+``where(iota_row >= iota_col, 0, -inf)`` of shape ``(1, 1, s, s)``, a one-hot target
+``-1 * onehot``, position ids. They are computed from the function's parameters, constants and
+the symbolic dims only, yet a graph computes each once and reads it in every layer, so it is
+live from the first layer to the last (and through the backward). Built again right before
+each reader, such a tensor is fused by ``FuseOps`` into the reader's kernel (a mask into the
+masked softmax, a one-hot into the loss gradient) and never materialized, or, where the reader
+cannot absorb it, lives only next to that reader.
+
+The rule
+--------
+A binding is *generated* when it is a call of a cheap operator (elementwise and comparison
+operators, ``where``, casts, broadcasts, ``expand_dims``/``reshape``/``permute_dims``,
+``arange``/``full``/``zeros``/``ones`` and their ``_like`` forms) whose tensor arguments are
+parameters, constants or generated bindings (its *tree*, at most ``max_tree`` bindings). A
+generated binding with at least two readers in its block keeps its original for the first
+reader; before every later reader the whole tree is bound again, and that reader reads the
+copy. Bindings read after their block are left alone.
+
+Why it is safe for memory
+-------------------------
+The original now lives from its definition to its first reader only; each copy lives next to
+its reader, where the original was live before, and its tree's leaves are parameters,
+constants or scalars (live anyway, or nothing). Intermediate bindings of a tree are transient
+and fuse with it (all its operators are injective); ``MemoryAwareSchedule`` and the planners
+see the copies as any other kernels. The cost is the copy's elementwise work per reader.
+
+Where it runs
+-------------
+On high-level Relax before ``LegalizeOps``, so that ``FuseOps`` can fuse each copy into its
+reader: in :func:`blade_relax.get_pipeline` after ``FoldZeroScatter`` (which turns one-hot
+scatters into such predicates).
+
+What it assumes
+---------------
+A normalized module with dataflow blocks. Values of other kinds of blocks pass through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import tvm
+from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+__all__ = ["CloneGeneratedTensors", "CloneOptions", "CloneReport"]
+
+#: Operators cheap enough to repeat per reader, producing a tensor from their arguments alone.
+GENERATOR_OPS = frozenset(
+    {
+        "relax.add",
+        "relax.subtract",
+        "relax.multiply",
+        "relax.divide",
+        "relax.negative",
+        "relax.where",
+        "relax.equal",
+        "relax.not_equal",
+        "relax.less",
+        "relax.less_equal",
+        "relax.greater",
+        "relax.greater_equal",
+        "relax.logical_and",
+        "relax.logical_or",
+        "relax.logical_not",
+        "relax.bitwise_and",
+        "relax.bitwise_or",
+        "relax.bitwise_not",
+        "relax.astype",
+        "relax.broadcast_to",
+        "relax.expand_dims",
+        "relax.reshape",
+        "relax.permute_dims",
+        "relax.arange",
+        "relax.full",
+        "relax.full_like",
+        "relax.zeros",
+        "relax.zeros_like",
+        "relax.ones",
+        "relax.ones_like",
+    }
+)
+
+
+@dataclass(frozen=True)
+class CloneOptions:
+    """Options of :class:`CloneGeneratedTensors`.
+
+    Attributes
+    ----------
+    enabled
+        Run the pass; when ``False`` it returns its input unchanged.
+    max_tree
+        The most bindings a generated tensor's tree may have (each copy repeats them all).
+    """
+
+    enabled: bool = True
+    max_tree: int = 16
+
+    def __post_init__(self) -> None:
+        if self.max_tree < 1:
+            raise ValueError(f"max_tree must be at least 1, got {self.max_tree}")
+
+
+@dataclass
+class CloneReport:
+    """What one run changed: generated tensors ``cloned``, and the ``copies`` made."""
+
+    cloned: int = 0
+    copies: int = 0
+
+
+@mutator
+class _Renamer(PyExprMutator):
+    """Reads of the renamed variables become reads of their copies."""
+
+    def __init__(self, renames: dict[relax.Var, relax.Var]) -> None:
+        super().__init__()
+        self.renames = renames
+
+    def visit_var_(self, var: relax.Var) -> relax.Expr:  # noqa: D102
+        return self.renames.get(var, var)
+
+    def visit_dataflow_var_(self, var: relax.DataflowVar) -> relax.Expr:  # noqa: D102
+        return self.renames.get(var, var)
+
+
+def _trees(
+    bindings: Sequence[relax.Binding], params: set[relax.Var], max_tree: int
+) -> dict[relax.Var, tuple[int, ...]]:
+    """Generated bindings -> the positions of their trees (in order, themselves last)."""
+    trees: dict[relax.Var, tuple[int, ...]] = {}
+    for position, binding in enumerate(bindings):
+        value = binding.value
+        if not isinstance(binding, relax.VarBinding) or not isinstance(value, relax.Call):
+            continue
+        if not isinstance(value.op, tvm.ir.Op) or value.op.name not in GENERATOR_OPS:
+            continue
+        if not isinstance(binding.var.ty, relax.TensorType):
+            continue
+        tree: set[int] = {position}
+        ok = True
+        for var in relax.analysis.free_vars(value):
+            if var in params or not isinstance(var.ty, relax.TensorType):
+                continue  # parameters are live anyway; shapes and scalars cost nothing
+            if var in trees:
+                tree.update(trees[var])
+            else:
+                ok = False
+                break
+        if ok and len(tree) <= max_tree:
+            trees[binding.var] = tuple(sorted(tree))
+    return trees
+
+
+def _clone_block(
+    block: relax.DataflowBlock,
+    params: set[relax.Var],
+    escaping: set[relax.Var],
+    options: CloneOptions,
+    report: CloneReport,
+) -> relax.DataflowBlock | None:
+    bindings = list(block.bindings)
+    trees = _trees(bindings, params, options.max_tree)
+    readers: dict[relax.Var, list[int]] = {}
+    for position, binding in enumerate(bindings):
+        for var in relax.analysis.free_vars(binding.value):
+            if var in trees:
+                readers.setdefault(var, []).append(position)
+    copies_before: dict[int, list[relax.Binding]] = {}
+    renames_at: dict[int, dict[relax.Var, relax.Var]] = {}
+    for var, tree in trees.items():
+        reads = sorted(set(readers.get(var, [])))
+        if var in escaping or len(reads) < 2:
+            continue
+        for reader in reads[1:]:
+            renames: dict[relax.Var, relax.Var] = {}
+            for position in tree:
+                original = bindings[position]
+                copy = relax.DataflowVar(f"{original.var.name}_for_{reader}", original.var.ty)
+                value = _Renamer(renames).visit_expr(original.value) if renames else original.value
+                copies_before.setdefault(reader, []).append(relax.VarBinding(copy, value))
+                renames[original.var] = copy
+            renames_at.setdefault(reader, {})[var] = renames[var]
+            report.copies += 1
+        report.cloned += 1
+    if not copies_before:
+        return None
+    out: list[relax.Binding] = []
+    for position, binding in enumerate(bindings):
+        out += copies_before.get(position, [])
+        renames = renames_at.get(position)
+        if renames:
+            value = _Renamer(renames).visit_expr(binding.value)
+            if isinstance(binding, relax.MatchCast):
+                binding = relax.MatchCast(binding.var, value, binding.ty)
+            else:
+                binding = relax.VarBinding(binding.var, value)
+        out.append(binding)
+    return relax.DataflowBlock(out)
+
+
+@tvm.transform.module_pass(opt_level=0, name="CloneGeneratedTensors")
+class CloneGeneratedTensors:
+    """Build tensors generated from inputs alone once per reader (see the module docstring).
+
+    Parameters
+    ----------
+    options
+        A :class:`CloneOptions` (``None``: defaults).
+
+    After the pass ran, ``pass_obj.report`` is a :class:`CloneReport` of the last run.
+    """
+
+    def __init__(self, options: CloneOptions | None = None) -> None:
+        if options is not None and not isinstance(options, CloneOptions):
+            raise TypeError(
+                f"CloneGeneratedTensors expects CloneOptions, got {type(options).__name__}"
+            )
+        self.options = options or CloneOptions()
+        self.report = CloneReport()
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        self.report = CloneReport()
+        if not self.options.enabled:
+            return mod
+        updates = {}
+        for gv, func in mod.functions.items():
+            if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
+                continue
+            blocks = list(func.body.blocks)
+            changed = False
+            for index, block in enumerate(blocks):
+                if not isinstance(block, relax.DataflowBlock):
+                    continue
+                escaping = set(relax.analysis.free_vars(func.body.body))
+                for later in blocks[index + 1 :]:
+                    for binding in later.bindings:
+                        escaping.update(relax.analysis.free_vars(binding.value))
+                new_block = _clone_block(
+                    block, set(func.params), escaping, self.options, self.report
+                )
+                if new_block is not None:
+                    blocks[index] = new_block
+                    changed = True
+            if changed:
+                new_func = relax.Function(
+                    func.params,
+                    relax.SeqExpr(blocks, func.body.body),
+                    func.ret_ty,
+                    func.is_pure,
+                    func.attrs,
+                )
+                updates[gv] = relax.BlockBuilder().normalize(new_func)
+        if not updates:
+            return mod
+        builder = relax.BlockBuilder(mod)
+        for gv, func in updates.items():
+            builder.update_func(gv, func)
+        return builder.get()
