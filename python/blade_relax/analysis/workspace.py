@@ -23,7 +23,9 @@ Not counted, because they are not heap workspace:
 * global allocations TVM places on the stack: on a CPU target, constant-size ones of fewer than
   ``runtime::kMaxStackAlloca`` = 1024 bytes stay an ``alloca`` (``LowerTVMBuiltin``,
   ``src/tirx/transform/lower_tvm_builtin.cc``);
-* ``local``, ``shared`` and ``warp`` scopes (registers and on-chip memory of GPU kernels);
+* ``local``, ``shared`` and ``warp`` scopes (registers and on-chip memory of GPU kernels: the
+  CUDA pipeline's dlight schedules keep a softmax's intermediates there, so CUDA kernels
+  usually hold no workspace at all);
 * the kernel's parameters (tensors the VM allocated: the runtime accounting counts them).
 
 The description
@@ -35,13 +37,16 @@ allocations are live at the same time, in program order (alloc, free). The kerne
 the largest total of one such set, held from the kernel's start to its end (the allocations sit
 at the top of the lowered body, which is where ``StorageRewrite`` hoists them).
 
-It is read in two places, from the same expression:
+It is read in three places, from the same expression:
 
 * by the symbolic timeline, at a Relax call site (:func:`call_workspace`): the reads become the
   shapes of the call's arguments, which gives bytes over the caller's dims;
+* by the rematerialization runtime's timeline (``transform._remat_timeline``, through
+  :func:`call_reads` and :meth:`KernelWorkspace.substitute`), whose budgets then include it;
 * by the runtime accounting, from the tensors the VM passes the kernel
   (:meth:`KernelWorkspace.nbytes_of`; :func:`workspace_table` builds the table the accounting
-  reads, see :func:`blade_relax.runtime.measure_memory`).
+  reads, see :func:`blade_relax.runtime.measure_memory`). The table must come from the module
+  the executable was built from: :func:`compile_keeping_module` compiles and keeps it.
 
 Assumptions: sizes are non-negative, so TIR's truncating ``Div``/``Mod`` are Python's ``//`` and
 ``%``; an allocation inside a loop is allocated and freed once per iteration, so it counts once
@@ -306,11 +311,19 @@ def _lower(func: tirx.PrimFunc, name: str, target: tvm.target.Target) -> tvm.IRM
     # MakePackedAPI only exports functions with a global symbol; the VM calls the kernel by it.
     func = func.with_attr("global_symbol", name)
     mod = tvm.IRModule({name: func})
-    mod = tirx.transform.BindTarget(target.with_host(host))(mod)
-    pipeline, finalize_host, _ = tvm.tirx.get_default_tir_pipeline(target)
-    mod = pipeline(mod)
-    host_mod, _ = split_host_device_mods(mod)
-    return finalize_host()(host_mod)
+    # The build's options (``tirx.*`` config, disabled passes) as the ambient context has them;
+    # not its instruments, which watch the caller's pipeline, not this lowering.
+    current = tvm.transform.PassContext.current()
+    with tvm.transform.PassContext(
+        opt_level=current.opt_level,
+        config=current.config,
+        disabled_pass=list(current.disabled_pass),
+    ):
+        mod = tirx.transform.BindTarget(target.with_host(host))(mod)
+        pipeline, finalize_host, _ = tvm.tirx.get_default_tir_pipeline(target)
+        mod = pipeline(mod)
+        host_mod, _ = split_host_device_mods(mod)
+        return finalize_host()(host_mod)
 
 
 @dataclass
