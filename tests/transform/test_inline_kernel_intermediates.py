@@ -148,18 +148,45 @@ def reused_elements(var_x: T.handle, var_w: T.handle, var_out: T.handle):
 
 
 def test_softmax_chain_is_inlined():
-    pass_ = InlineKernelIntermediates()
+    pass_ = InlineKernelIntermediates(InlineOptions(epilogues=False))
     tvm.ir.assert_structural_equal(pass_(Softmax), SoftmaxExpected)
     assert (pass_.report.inlined, pass_.report.kernels) == (2, 1)
 
 
+def _lowered_scratch(func: tvm.tirx.PrimFunc) -> list[str]:
+    """The scratch allocations TVM's own lowering makes for ``func``, as printed."""
+    mod = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
+    s_tir = tvm.s_tir.transform
+    mod = tvm.transform.Sequential(
+        [
+            s_tir.LowerInitBlock(),
+            s_tir.PlanAndUpdateBufferAllocationLocation(),
+            s_tir.ConvertBlocksToOpaque(),
+            s_tir.CompactBufferAllocation(),
+        ]
+    )(mod)
+    return [line.strip() for line in mod["main"].script().splitlines() if "alloc_buffer(" in line]
+
+
+def test_reduction_readers_run_per_slice():
+    """With epilogues on, the softmax's sum and quotient run per row of its maximum: TVM's
+    lowering then keeps one element of each row reduction instead of s of them."""
+    before = _lowered_scratch(Softmax["fused_softmax_add"])
+    after = _lowered_scratch(InlineKernelIntermediates()(Softmax)["fused_softmax_add"])
+    assert any("(s," in line for line in before), before
+    assert after and all("((T.int64(1),)" in line for line in after), after
+    pass_ = InlineKernelIntermediates()
+    pass_(Softmax)
+    assert (pass_.report.inlined, pass_.report.nested) == (2, 2)
+
+
 def test_reused_elements_are_not_recomputed():
-    func, count = inline_intermediates(reused_elements)
-    assert count == 0 and func.same_as(reused_elements)
+    func, report = inline_intermediates(reused_elements, InlineOptions(epilogues=False))
+    assert report.inlined == 0 and func.same_as(reused_elements)
 
 
 def test_consumer_limit_and_disabled():
-    one = InlineKernelIntermediates(InlineOptions(max_consumers=1))
+    one = InlineKernelIntermediates(InlineOptions(max_consumers=1, epilogues=False))
     result = one(Softmax)
     # The quotient has one consumer; exp has two and stays.
     assert one.report.inlined == 1

@@ -12,8 +12,11 @@ one element of it per iteration and every element once (its read region is one p
 coordinates are distinct iteration vars covering every iteration var of extent above 1).
 Inlining then adds no work, except that ``k`` consumers compute the element ``k`` times (at
 most ``max_consumers``, 2 by default: a softmax's ``exp`` is computed for the sum and again for
-the quotient). Reductions' results stay intermediates (a ``matmul -> add`` still has the
-matmul's result as scratch): ``compute_inline`` cannot move a reduction into its consumer.
+the quotient). A reduction's result cannot be inlined; when one elementwise block reads it (a
+``matmul -> add`` epilogue), that block is moved under the reduction's spatial loops
+(``reverse_compute_at``), right after each element's reduction loop, and TVM's lowering
+(``PlanAndUpdateBufferAllocationLocation``, ``CompactBufferAllocation``) then allocates one
+element of the result instead of the whole tensor.
 
 The values computed are the same expressions (no reassociation), so results are
 bit-identical.
@@ -57,10 +60,14 @@ class InlineOptions:
         Run the pass; when ``False`` it returns its input unchanged.
     max_consumers
         Inline an intermediate read by at most this many blocks (each recomputes it).
+    epilogues
+        Nest the elementwise reader of a reduction's result under the reduction's spatial
+        loops, so that the result needs one element of scratch, not the whole tensor.
     """
 
     enabled: bool = True
     max_consumers: int = 2
+    epilogues: bool = True
 
     def __post_init__(self) -> None:
         if self.max_consumers < 1:
@@ -69,9 +76,11 @@ class InlineOptions:
 
 @dataclass
 class InlineReport:
-    """What one run changed: intermediates ``inlined``, in how many ``kernels``."""
+    """What one run changed: intermediates ``inlined``, reduction readers ``nested`` under
+    their reductions, in how many ``kernels``."""
 
     inlined: int = 0
+    nested: int = 0
     kernels: int = 0
 
 
@@ -123,7 +132,7 @@ def _inline_one(sch: s_tir.Schedule, max_consumers: int) -> bool:
             continue
         try:
             sch.compute_inline(block_rv)
-        except (tvm.TVMError, s_tir.ScheduleError):
+        except RuntimeError:  # ScheduleError and TVM's errors
             continue
         return True
     return False
@@ -131,7 +140,7 @@ def _inline_one(sch: s_tir.Schedule, max_consumers: int) -> bool:
 
 def inline_intermediates(
     func: tirx.PrimFunc, options: InlineOptions | None = None
-) -> tuple[tirx.PrimFunc, int]:
+) -> tuple[tirx.PrimFunc, InlineReport]:
     """``func`` with its spatial intermediates inlined (see the module docstring).
 
     Parameters
@@ -143,20 +152,57 @@ def inline_intermediates(
 
     Returns
     -------
-    tuple[tirx.PrimFunc, int]
-        The new PrimFunc (``func`` itself when nothing changed) and how many intermediates were
-        inlined.
+    tuple[tirx.PrimFunc, InlineReport]
+        The new PrimFunc (``func`` itself when nothing changed) and what changed in it.
     """
     options = options or InlineOptions()
+    report = InlineReport()
     try:
         sch = s_tir.Schedule(func)
         sch.get_sblock("root")
-    except (tvm.TVMError, s_tir.ScheduleError, ValueError):
-        return func, 0
-    count = 0
+    except (RuntimeError, ValueError):  # TVM raises RuntimeError subclasses
+        return func, report
     while _inline_one(sch, options.max_consumers):
-        count += 1
-    return (sch.mod["main"] if count else func), count
+        report.inlined += 1
+    if options.epilogues:
+        report.nested = _nest_epilogues(sch)
+    if not (report.inlined or report.nested):
+        return func, report
+    report.kernels = 1
+    return sch.mod["main"], report
+
+
+def _nest_epilogues(sch: s_tir.Schedule) -> int:
+    """Move the readers of a reduction's intermediate under the reduction's spatial loops
+    (``reverse_compute_at``), in program order; how many were moved.
+
+    A reader then runs for each finished slice of the result, right after its reduction loop
+    (a bias add per element of a matmul; a softmax's sum and quotient per row of its maximum),
+    and TVM's own lowering (``PlanAndUpdateBufferAllocationLocation`` +
+    ``CompactBufferAllocation``) shrinks the intermediate to the slice each iteration touches.
+    ``reverse_compute_at`` refuses a move that would change what is computed.
+    """
+    root = sch.get_sblock("root")
+    intermediates = list(sch.get(root).alloc_buffers)
+    moved = 0
+    for block_rv in sch.get_child_blocks(root):
+        block = sch.get(block_rv)
+        if block.init is None or len(block.writes) != 1:
+            continue
+        buffer = block.writes[0].source
+        if not any(buffer.same_as(b) for b in intermediates):
+            continue
+        spatial = sum(int(iv.iter_type) == int(tirx.IterVar.DataPar) for iv in block.iter_vars)
+        loops = sch.get_loops(block_rv)
+        if spatial == 0 or len(loops) <= spatial:
+            continue
+        for consumer in sch.get_consumers(block_rv):
+            try:
+                sch.reverse_compute_at(consumer, loops[spatial - 1])
+            except RuntimeError:  # ScheduleError and TVM's errors
+                break
+            moved += 1
+    return moved
 
 
 @tvm.transform.module_pass(opt_level=0, name="InlineKernelIntermediates")
@@ -187,10 +233,11 @@ class InlineKernelIntermediates:
         for gv, func in mod.functions.items():
             if not isinstance(func, tirx.PrimFunc):
                 continue
-            new_func, count = inline_intermediates(func, self.options)
-            if count:
+            new_func, report = inline_intermediates(func, self.options)
+            if report.kernels:
                 updates[gv] = new_func
-                self.report.inlined += count
+                self.report.inlined += report.inlined
+                self.report.nested += report.nested
                 self.report.kernels += 1
         if not updates:
             return mod
