@@ -1,13 +1,66 @@
-"""The README's quickstart runs and prints what the README says it prints."""
+"""The README: its quickstart prints what it says, its commands set up and write where they say."""
 
 from __future__ import annotations
 
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 README = Path(__file__).resolve().parents[2] / "README.md"
+# Flags of the command lines that name a file to write.
+OUTPUT_FLAGS = ("--plot", "--json", "--chrome-trace", "--out", "--budget-plot")
+
+
+def _section(title: str) -> str:
+    text = README.read_text()
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end >= 0 else len(text)]
+
+
+def _commands(title: str) -> list[list[str]]:
+    """The shell commands of a section's bash blocks, as argument lists."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", _section(title), re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            command: list[str] = []
+            for word in [*shlex.split(line, comments=True), "&&"]:
+                if word in ("&&", "||", ";"):
+                    if command:
+                        commands.append(command)
+                    command = []
+                else:
+                    command.append(word)
+    return commands
+
+
+def test_first_command_installs_no_torch_and_runs_the_demo():
+    first = re.search(r"```bash\n(.*?)```", _section("Set up"), re.S).group(1)
+    assert "torch" not in first and "[hf" not in first and "nvidia" not in first
+    assert 'pip install -e ".[plot]"' in first and "blade-relax demo" in first
+
+
+def test_plain_pypi_users_get_the_cpu_build_of_torch():
+    commands = _commands("Set up")
+    torch = [c for c in commands if any(w.startswith("torch==") for w in c)]
+    assert torch, "the README says how to install torch"
+    for command in torch:
+        assert "torch==2.13.0+cpu" in command
+        assert command[command.index("--index-url") + 1] == "https://download.pytorch.org/whl/cpu"
+    ci = (README.parent / "ci" / "test.sh").read_text()
+    assert 'TORCH_VERSION="2.13.0+cpu"' in ci and "download.pytorch.org/whl/cpu" in ci
+
+
+def test_examples_write_into_an_output_folder_not_the_checkout():
+    for title in ("Set up", "Command line"):
+        for command in _commands(title):
+            for flag, value in zip(command, command[1:]):
+                if flag in OUTPUT_FLAGS:
+                    assert value.startswith(("out/", "/tmp/")), (title, command)
+            for written in re.findall(r"open\('([^']+)', 'w'\)", " ".join(command)):
+                assert written.startswith(("out/", "/tmp/")), (title, command)
 
 
 def _quickstart() -> tuple[str, str]:
