@@ -25,12 +25,12 @@ import tvm
 from tvm import relax
 
 import blade_relax
+from blade_relax.analysis import compile_keeping_module
 from blade_relax.frontend import import_training_step
 from blade_relax.runtime import (
     RematBudgetWarning,
     last_remat_decision,
-    memory_stats,
-    reset_memory_stats,
+    measure_memory,
     set_memory_budget,
 )
 
@@ -50,7 +50,10 @@ model = transformers.LlamaForCausalLM(config)
 graph = import_training_step(model, max_seq_len=256, keep_upper_bound=False)
 print(f"{len(graph.param_names)} parameters, outputs: loss + {len(graph.output_names) - 1} grads")
 
-exe = tvm.compile(graph.mod, "llvm", relax_pipeline=blade_relax.get_pipeline("llvm"))
+# ``compile_keeping_module`` is ``tvm.compile`` that also keeps the module it built: its table of
+# kernel workspaces (scratch memory inside a kernel) lets the measurement count them while each
+# kernel runs, as the runtime's timeline does.
+build = compile_keeping_module(graph.mod, "llvm", blade_relax.get_pipeline("llvm"))
 params = [tvm.runtime.tensor(p) for p in graph.params]
 
 
@@ -64,14 +67,13 @@ params = [tvm.runtime.tensor(p) for p in graph.params]
 # are the caller's tensors, not counted): every peak below is the bytes the step itself
 # allocates, the quantity the budget bounds and the warning speaks of.
 def step(ids):
-    vm = relax.VirtualMachine(exe, tvm.cpu())
-    reset_memory_stats()
-    assert memory_stats()["live_bytes"] == 0, "every row is measured from an empty base"
-    outs = vm["main"](tvm.runtime.tensor(ids), tvm.runtime.tensor(ids), *params)
-    stats = memory_stats()
+    vm = relax.VirtualMachine(build.executable, tvm.cpu())
+    with measure_memory(vm, workspaces=build.workspaces) as measured:
+        outs = vm["main"](tvm.runtime.tensor(ids), tvm.runtime.tensor(ids), *params)
+    assert measured.live_before == 0, "every row is measured from an empty base"
     arrays = [o.numpy() for o in outs]
     del outs, vm
-    return arrays, stats["peak_bytes"], stats
+    return arrays, measured.peak_bytes, measured.stats
 
 
 ######################################################################
