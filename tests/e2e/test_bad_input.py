@@ -137,6 +137,10 @@ def test_stock_pipeline_has_no_dim_check():
     assert out.outputs.shape == (1, 8)
 
 
+# The "plan" variant's passes (the Variant's flags switch every other pass off).
+CHECKED_PLAN_FLAGS = Variant("plan", plan=True).flags
+
+
 def test_dim_check_adds_no_allocation_and_keeps_the_predicted_peak(bounded_compiled):
     from blade_relax.analysis import memory_timeline
 
@@ -145,9 +149,7 @@ def test_dim_check_adds_no_allocation_and_keeps_the_predicted_peak(bounded_compi
         "checks-only": STOCK,
         "plan": Variant(
             "plan-unchecked",
-            pipeline=lambda t: get_pipeline(
-                t, schedule=False, remat=False, plan=True, check_dims=False
-            ),
+            pipeline=lambda t: get_pipeline(t, **{**CHECKED_PLAN_FLAGS, "check_dims": False}),
         ),
     }
     for name, without in unchecked.items():

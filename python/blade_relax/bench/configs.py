@@ -386,25 +386,40 @@ register_config(
     )
 )
 register_budget_family("blade-relax")
+# The default pipeline's passes beyond the three memory passes, by the flag that enables each.
+_GRAPH_PASSES = {
+    "simplify": "SimplifyTransposes",
+    "fold_scatter": "FoldZeroScatter",
+    "clone_generated": "CloneGeneratedTensors",
+    "inline_kernels": "InlineKernelIntermediates",
+    "recompute": "RecomputeCheapValues",
+}
+_DEFAULT_FLAGS = {
+    "schedule": True,
+    "remat": True,
+    "plan": True,
+    **dict.fromkeys(_GRAPH_PASSES, True),
+}
+
 register_config(
     TvmConfig(
         "blade-relax-full",
-        pipeline=_blade_factory(
-            schedule=True,
-            remat=True,
-            plan=True,
-            simplify=True,
-            fold_scatter=True,
-            inline_kernels=True,
-            recompute=True,
-            clone_generated=True,
-        ),
-        description="the default pipeline: SimplifyTransposes + FoldZeroScatter + "
-        "CloneGeneratedTensors + InlineKernelIntermediates + MemoryAwareSchedule + "
-        "RecomputeCheapValues + Rematerialize + PlanMemory, bounds dropped",
+        pipeline=_blade_factory(**_DEFAULT_FLAGS),
+        description="the default pipeline: "
+        + " + ".join(_GRAPH_PASSES.values())
+        + " + MemoryAwareSchedule + Rematerialize + PlanMemory, bounds dropped",
     )
 )
 register_budget_family("blade-relax-full")
+for _flag, _pass in _GRAPH_PASSES.items():
+    # What each pass removes from the default pipeline's peak: the default without it.
+    register_config(
+        TvmConfig(
+            f"blade-relax-full-no-{_flag.replace('_', '-')}",
+            pipeline=_blade_factory(**{**_DEFAULT_FLAGS, _flag: False}),
+            description=f"the default pipeline without {_pass}, bounds dropped",
+        )
+    )
 register_config(
     TvmConfig(
         "blade-relax-memory",
