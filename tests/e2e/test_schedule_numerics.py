@@ -13,6 +13,7 @@ import blade_relax
 from blade_relax.frontend import flatten_outputs, specialize
 from blade_relax.frontend.builtin import BUILTIN_MODELS, random_arguments
 from blade_relax.runtime import memory_stats, reset_memory_stats
+from blade_relax.testing.differential import Variant
 
 LENGTHS = (3, 17, 64)
 
@@ -104,7 +105,10 @@ def test_llama_training_step_is_scheduled_identically():
 
 
 def _planned_vm(mod: tvm.IRModule) -> relax.VirtualMachine:
-    pipe = blade_relax.get_pipeline("llvm", schedule=True, remat=False, plan=True)
+    # The schedule and the planner alone (the default pipeline's graph passes switched off).
+    pipe = blade_relax.get_pipeline(
+        "llvm", **Variant("schedule-plan", schedule=True, plan=True).flags
+    )
     return relax.VirtualMachine(tvm.compile(mod, "llvm", relax_pipeline=pipe), tvm.cpu())
 
 
