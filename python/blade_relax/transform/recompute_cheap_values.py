@@ -384,7 +384,8 @@ class RecomputeCheapValues:
     def _accept(self, mod, func, blocks, index, facts: _BlockFacts) -> list[_Plan]:
         """Single copies of values whose inputs are live anyway are accepted by the subset
         argument; chains and copies that keep an input alive longer only where the symbolic
-        timeline proves the peak is no higher for any admissible value of the dims."""
+        timeline proves the peak is no higher for any admissible value of the dims, and lower
+        for some."""
         accepted: list[_Plan] = []
         chains: list[_Plan] = []
         for plan in _candidates(facts):
@@ -417,10 +418,27 @@ class RecomputeCheapValues:
                 continue
             trial = peak([*accepted, plan])
             verdict = base.graph.compare(trial.peak, base.peak)
-            if verdict in (Ordering.LT, Ordering.LE, Ordering.EQ):
+            if verdict in (Ordering.LT, Ordering.LE, Ordering.EQ) and _lowers_somewhere(
+                trial, base
+            ):
                 accepted.append(plan)
                 base = trial
         return accepted
+
+
+def _lowers_somewhere(trial, base) -> bool:
+    """Whether ``trial``'s peak is below ``base``'s at one of the dims' sample points.
+
+    A plan the proof only shows to be harmless is not taken: it would add kernels for
+    nothing, and the planners downstream see a different program.
+    """
+    for point in base.graph.representative_points():
+        try:
+            if base.graph.evaluate(trial.peak, point) < base.graph.evaluate(base.peak, point):
+                return True
+        except ValueError:  # an expression the point cannot evaluate proves nothing
+            continue
+    return False
 
 
 def _with_blocks(func: relax.Function, blocks: list) -> relax.Function:
