@@ -136,7 +136,8 @@ class InputDiesEarly:
             g = R.call_tir(cls.scale, (x,), out_ty=R.Tensor((s, 4), "float32"))
             a = R.call_tir(cls.add, (h, g), out_ty=R.Tensor((s, 4), "float32"))
             b = R.call_tir(cls.add, (a, a), out_ty=R.Tensor((s, 4), "float32"))
-            c = R.call_tir(cls.add, (b, b), out_ty=R.Tensor((s, 4), "float32"))
+            b2 = R.call_tir(cls.add, (b, a), out_ty=R.Tensor((s, 4), "float32"))
+            c = R.call_tir(cls.add, (b2, b2), out_ty=R.Tensor((s, 4), "float32"))
             d = R.call_tir(cls.add, (c, h), out_ty=R.Tensor((s, 4), "float32"))
             e = R.call_tir(cls.add, (d, g), out_ty=R.Tensor((s, 4), "float32"))
             R.output(e, g)
@@ -153,7 +154,8 @@ def test_late_read_is_recomputed():
 def test_value_whose_input_dies_early_needs_a_chain():
     """Without chains or longer-lived inputs nothing qualifies (``g`` escapes; ``h``'s input
     ``t`` dies early); with them ``t`` and ``h`` are recomputed from ``x``, as the timeline
-    proves the peak no higher."""
+    proves the peak no higher, and it is lower (five tensors are live at ``b2`` while ``h``
+    waits for ``d``)."""
     single = RecomputeCheapValues(RecomputeOptions(max_chain=1, extend_inputs=False))
     assert single(InputDiesEarly).same_as(InputDiesEarly)
     assert single.report.recomputed == 0
@@ -165,7 +167,7 @@ def test_value_whose_input_dies_early_needs_a_chain():
     for s in (1, 16, 300):
         before = memory_timeline(InputDiesEarly["main"], mod=InputDiesEarly).evaluate({"s": s})
         after = memory_timeline(result["main"], mod=result).evaluate({"s": s})
-        assert after.peak <= before.peak
+        assert after.peak < before.peak
 
 
 def test_options():
