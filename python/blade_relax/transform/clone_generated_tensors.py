@@ -45,7 +45,8 @@ from dataclasses import dataclass
 
 import tvm
 from tvm import relax
-from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from ._block_edit import copy_binding, insert_copies, vars_read_after, with_blocks
 
 __all__ = ["CloneGeneratedTensors", "CloneOptions", "CloneReport"]
 
@@ -114,21 +115,6 @@ class CloneReport:
     copies: int = 0
 
 
-@mutator
-class _Renamer(PyExprMutator):
-    """Reads of the renamed variables become reads of their copies."""
-
-    def __init__(self, renames: dict[relax.Var, relax.Var]) -> None:
-        super().__init__()
-        self.renames = renames
-
-    def visit_var_(self, var: relax.Var) -> relax.Expr:  # noqa: D102
-        return self.renames.get(var, var)
-
-    def visit_dataflow_var_(self, var: relax.DataflowVar) -> relax.Expr:  # noqa: D102
-        return self.renames.get(var, var)
-
-
 def _trees(
     bindings: Sequence[relax.Binding], params: set[relax.Var], max_tree: int
 ) -> dict[relax.Var, tuple[int, ...]]:
@@ -181,27 +167,15 @@ def _clone_block(
             renames: dict[relax.Var, relax.Var] = {}
             for position in tree:
                 original = bindings[position]
-                copy = relax.DataflowVar(f"{original.var.name}_for_{reader}", original.var.ty)
-                value = _Renamer(renames).visit_expr(original.value) if renames else original.value
-                copies_before.setdefault(reader, []).append(relax.VarBinding(copy, value))
-                renames[original.var] = copy
+                copy = copy_binding(original, f"{original.var.name}_for_{reader}", renames)
+                copies_before.setdefault(reader, []).append(copy)
+                renames[original.var] = copy.var
             renames_at.setdefault(reader, {})[var] = renames[var]
             report.copies += 1
         report.cloned += 1
     if not copies_before:
         return None
-    out: list[relax.Binding] = []
-    for position, binding in enumerate(bindings):
-        out += copies_before.get(position, [])
-        renames = renames_at.get(position)
-        if renames:
-            value = _Renamer(renames).visit_expr(binding.value)
-            if isinstance(binding, relax.MatchCast):
-                binding = relax.MatchCast(binding.var, value, binding.ty)
-            else:
-                binding = relax.VarBinding(binding.var, value)
-        out.append(binding)
-    return relax.DataflowBlock(out)
+    return insert_copies(block, copies_before, renames_at)
 
 
 @tvm.transform.module_pass(opt_level=0, name="CloneGeneratedTensors")
@@ -237,10 +211,7 @@ class CloneGeneratedTensors:
             for index, block in enumerate(blocks):
                 if not isinstance(block, relax.DataflowBlock):
                     continue
-                escaping = set(relax.analysis.free_vars(func.body.body))
-                for later in blocks[index + 1 :]:
-                    for binding in later.bindings:
-                        escaping.update(relax.analysis.free_vars(binding.value))
+                escaping = vars_read_after(func, index)
                 new_block = _clone_block(
                     block, set(func.params), escaping, self.options, self.report
                 )
@@ -248,14 +219,7 @@ class CloneGeneratedTensors:
                     blocks[index] = new_block
                     changed = True
             if changed:
-                new_func = relax.Function(
-                    func.params,
-                    relax.SeqExpr(blocks, func.body.body),
-                    func.ret_ty,
-                    func.is_pure,
-                    func.attrs,
-                )
-                updates[gv] = relax.BlockBuilder().normalize(new_func)
+                updates[gv] = with_blocks(func, blocks)
         if not updates:
             return mod
         builder = relax.BlockBuilder(mod)

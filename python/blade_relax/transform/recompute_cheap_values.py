@@ -56,10 +56,10 @@ from dataclasses import dataclass
 import tvm
 import tvm_ffi
 from tvm import relax, tirx
-from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..analysis import memory_timeline
 from ..symbolic import Ordering
+from ._block_edit import copy_binding, insert_copies, vars_read_after, with_blocks
 
 __all__ = ["RecomputeCheapValues", "RecomputeOptions", "RecomputeReport"]
 
@@ -274,46 +274,19 @@ def _compatible(plan: _Plan, accepted: list[_Plan], bindings) -> bool:
 
 def _rewrite_block(block: relax.DataflowBlock, plans: Sequence[_Plan]) -> relax.DataflowBlock:
     bindings = list(block.bindings)
-    copies_before: dict[int, list[relax.VarBinding]] = {}
-    renamed_at: dict[int, dict[relax.Var, relax.Var]] = {}
+    copies_before: dict[int, list[relax.Binding]] = {}
+    renames_at: dict[int, dict[relax.Var, relax.Var]] = {}
     for plan in plans:
         renames: dict[relax.Var, relax.Var] = {}
         for position in plan.chain:
             original = bindings[position]
-            copy_var = relax.DataflowVar(original.var.name + "_recompute", original.var.ty)
-            value = _Renamer(renames).visit_expr(original.value) if renames else original.value
-            copies_before.setdefault(plan.late[0], []).append(relax.VarBinding(copy_var, value))
-            renames[original.var] = copy_var
+            copy = copy_binding(original, original.var.name + "_recompute", renames)
+            copies_before.setdefault(plan.late[0], []).append(copy)
+            renames[original.var] = copy.var
         value_var = bindings[plan.chain[-1]].var
         for read in plan.late:
-            renamed_at.setdefault(read, {})[value_var] = renames[value_var]
-    out: list[relax.Binding] = []
-    for position, binding in enumerate(bindings):
-        out += copies_before.get(position, [])
-        renames = renamed_at.get(position)
-        if renames:
-            new_value = _Renamer(renames).visit_expr(binding.value)
-            if isinstance(binding, relax.MatchCast):
-                binding = relax.MatchCast(binding.var, new_value, binding.ty)
-            else:
-                binding = relax.VarBinding(binding.var, new_value)
-        out.append(binding)
-    return relax.DataflowBlock(out)
-
-
-@mutator
-class _Renamer(PyExprMutator):
-    """Reads of the renamed variables become reads of their copies."""
-
-    def __init__(self, renames: dict[relax.Var, relax.Var]) -> None:
-        super().__init__()
-        self.renames = renames
-
-    def visit_var_(self, var: relax.Var) -> relax.Expr:  # noqa: D102
-        return self.renames.get(var, var)
-
-    def visit_dataflow_var_(self, var: relax.DataflowVar) -> relax.Expr:  # noqa: D102
-        return self.renames.get(var, var)
+            renames_at.setdefault(read, {})[value_var] = renames[value_var]
+    return insert_copies(block, copies_before, renames_at)
 
 
 @tvm.transform.module_pass(opt_level=0, name="RecomputeCheapValues")
@@ -365,11 +338,7 @@ class RecomputeCheapValues:
             if not isinstance(block, relax.DataflowBlock):
                 continue
             # Values read after the block (its outputs) and parameters live throughout it.
-            live = set(func.params)
-            live.update(relax.analysis.free_vars(body.body))
-            for later in blocks[index + 1 :]:
-                for binding in later.bindings:
-                    live.update(relax.analysis.free_vars(binding.value))
+            live = set(func.params) | vars_read_after(func, index)
             facts = _BlockFacts(mod, patterns, block, live, self.options)
             accepted = self._accept(mod, func, blocks, index, facts)
             if not accepted:
@@ -379,7 +348,7 @@ class RecomputeCheapValues:
             changed = True
         if not changed:
             return None
-        return _with_blocks(func, blocks)
+        return with_blocks(func, blocks)
 
     def _accept(self, mod, func, blocks, index, facts: _BlockFacts) -> list[_Plan]:
         """Single copies of values whose inputs are live anyway are accepted by the subset
@@ -410,7 +379,7 @@ class RecomputeCheapValues:
         def peak(plans: list[_Plan]):
             trial = list(blocks)
             trial[index] = _rewrite_block(block, plans) if plans else block
-            return memory_timeline(_with_blocks(func, trial), mod=mod)
+            return memory_timeline(with_blocks(func, trial), mod=mod)
 
         base = peak(accepted)
         for plan in chains:
@@ -439,11 +408,3 @@ def _lowers_somewhere(trial, base) -> bool:
         except ValueError:  # an expression the point cannot evaluate proves nothing
             continue
     return False
-
-
-def _with_blocks(func: relax.Function, blocks: list) -> relax.Function:
-    body = func.body
-    new_func = relax.Function(
-        func.params, relax.SeqExpr(blocks, body.body), func.ret_ty, func.is_pure, func.attrs
-    )
-    return relax.BlockBuilder().normalize(new_func)
