@@ -9,12 +9,26 @@ binding, nor to rebuild a function around new blocks with its types, so both are
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
+import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-__all__ = ["copy_binding", "insert_copies", "vars_read_after", "with_blocks"]
+__all__ = [
+    "copy_binding",
+    "copy_chain",
+    "insert_copies",
+    "rewrite_dataflow_blocks",
+    "vars_read_after",
+    "with_blocks",
+]
+
+BlockRewrite = Callable[
+    [relax.Function, int, relax.DataflowBlock, list], relax.DataflowBlock | None
+]
+"""``(func, index, block, blocks) -> new block or None``: ``blocks`` holds the function's blocks
+with the earlier ones already rewritten."""
 
 
 @mutator
@@ -42,6 +56,21 @@ def copy_binding(
     """A new dataflow binding ``name`` of ``original``'s value, its reads renamed."""
     var = relax.DataflowVar(name, original.var.ty)
     return relax.VarBinding(var, _renamed(original.value, renames))
+
+
+def copy_chain(
+    bindings: Sequence[relax.Binding], chain: Sequence[int], suffix: str
+) -> tuple[list[relax.VarBinding], dict[relax.Var, relax.Var]]:
+    """Copies of the bindings at positions ``chain`` (in order, each reading the copies before
+    it), named ``<name><suffix>``, and the map from each original variable to its copy."""
+    copies: list[relax.VarBinding] = []
+    renames: dict[relax.Var, relax.Var] = {}
+    for position in chain:
+        original = bindings[position]
+        copy = copy_binding(original, original.var.name + suffix, renames)
+        copies.append(copy)
+        renames[original.var] = copy.var
+    return copies, renames
 
 
 def insert_copies(
@@ -82,3 +111,29 @@ def with_blocks(func: relax.Function, blocks: Sequence[relax.BindingBlock]) -> r
         func.params, relax.SeqExpr(list(blocks), body.body), func.ret_ty, func.is_pure, func.attrs
     )
     return relax.BlockBuilder().normalize(new_func)
+
+
+def rewrite_dataflow_blocks(mod: tvm.IRModule, rewrite: BlockRewrite) -> tvm.IRModule:
+    """``mod`` with ``rewrite`` applied to every dataflow block of every Relax function; the
+    functions whose blocks changed are rebuilt (``mod`` itself when none did)."""
+    updates = {}
+    for gv, func in mod.functions.items():
+        if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
+            continue
+        blocks = list(func.body.blocks)
+        changed = False
+        for index, block in enumerate(blocks):
+            if not isinstance(block, relax.DataflowBlock):
+                continue
+            new_block = rewrite(func, index, block, blocks)
+            if new_block is not None:
+                blocks[index] = new_block
+                changed = True
+        if changed:
+            updates[gv] = with_blocks(func, blocks)
+    if not updates:
+        return mod
+    builder = relax.BlockBuilder(mod)
+    for gv, func in updates.items():
+        builder.update_func(gv, func)
+    return builder.get()

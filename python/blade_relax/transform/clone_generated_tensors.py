@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import tvm
 from tvm import relax
 
-from ._block_edit import copy_binding, insert_copies, vars_read_after, with_blocks
+from ._block_edit import copy_chain, insert_copies, rewrite_dataflow_blocks, vars_read_after
 
 __all__ = ["CloneGeneratedTensors", "CloneOptions", "CloneReport"]
 
@@ -164,12 +164,8 @@ def _clone_block(
         if var in escaping or len(reads) < 2:
             continue
         for reader in reads[1:]:
-            renames: dict[relax.Var, relax.Var] = {}
-            for position in tree:
-                original = bindings[position]
-                copy = copy_binding(original, f"{original.var.name}_for_{reader}", renames)
-                copies_before.setdefault(reader, []).append(copy)
-                renames[original.var] = copy.var
+            copies, renames = copy_chain(bindings, tree, f"_for_{reader}")
+            copies_before.setdefault(reader, []).extend(copies)
             renames_at.setdefault(reader, {})[var] = renames[var]
             report.copies += 1
         report.cloned += 1
@@ -202,27 +198,9 @@ class CloneGeneratedTensors:
         self.report = CloneReport()
         if not self.options.enabled:
             return mod
-        updates = {}
-        for gv, func in mod.functions.items():
-            if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
-                continue
-            blocks = list(func.body.blocks)
-            changed = False
-            for index, block in enumerate(blocks):
-                if not isinstance(block, relax.DataflowBlock):
-                    continue
-                escaping = vars_read_after(func, index)
-                new_block = _clone_block(
-                    block, set(func.params), escaping, self.options, self.report
-                )
-                if new_block is not None:
-                    blocks[index] = new_block
-                    changed = True
-            if changed:
-                updates[gv] = with_blocks(func, blocks)
-        if not updates:
-            return mod
-        builder = relax.BlockBuilder(mod)
-        for gv, func in updates.items():
-            builder.update_func(gv, func)
-        return builder.get()
+
+        def rewrite(func, index, block, _blocks):
+            escaping = vars_read_after(func, index)
+            return _clone_block(block, set(func.params), escaping, self.options, self.report)
+
+        return rewrite_dataflow_blocks(mod, rewrite)

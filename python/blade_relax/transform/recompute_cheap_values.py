@@ -59,7 +59,13 @@ from tvm import relax, tirx
 
 from ..analysis import memory_timeline
 from ..symbolic import Ordering
-from ._block_edit import copy_binding, insert_copies, vars_read_after, with_blocks
+from ._block_edit import (
+    copy_chain,
+    insert_copies,
+    rewrite_dataflow_blocks,
+    vars_read_after,
+    with_blocks,
+)
 
 __all__ = ["RecomputeCheapValues", "RecomputeOptions", "RecomputeReport"]
 
@@ -277,12 +283,8 @@ def _rewrite_block(block: relax.DataflowBlock, plans: Sequence[_Plan]) -> relax.
     copies_before: dict[int, list[relax.Binding]] = {}
     renames_at: dict[int, dict[relax.Var, relax.Var]] = {}
     for plan in plans:
-        renames: dict[relax.Var, relax.Var] = {}
-        for position in plan.chain:
-            original = bindings[position]
-            copy = copy_binding(original, original.var.name + "_recompute", renames)
-            copies_before.setdefault(plan.late[0], []).append(copy)
-            renames[original.var] = copy.var
+        copies, renames = copy_chain(bindings, plan.chain, "_recompute")
+        copies_before.setdefault(plan.late[0], []).extend(copies)
         value_var = bindings[plan.chain[-1]].var
         for read in plan.late:
             renames_at.setdefault(read, {})[value_var] = renames[value_var]
@@ -314,41 +316,18 @@ class RecomputeCheapValues:
         if not self.options.enabled:
             return mod
         patterns = kernel_patterns(mod)
-        updates = {}
-        for gv, func in mod.functions.items():
-            if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
-                continue
-            new_func = self._function(mod, patterns, func)
-            if new_func is not None:
-                updates[gv] = new_func
-        if not updates:
-            return mod
-        builder = relax.BlockBuilder(mod)
-        for gv, func in updates.items():
-            builder.update_func(gv, func)
-        return builder.get()
 
-    def _function(
-        self, mod: tvm.IRModule, patterns: dict[str, int], func: relax.Function
-    ) -> relax.Function | None:
-        body = func.body
-        blocks = list(body.blocks)
-        changed = False
-        for index, block in enumerate(blocks):
-            if not isinstance(block, relax.DataflowBlock):
-                continue
+        def rewrite(func, index, block, blocks):
             # Values read after the block (its outputs) and parameters live throughout it.
             live = set(func.params) | vars_read_after(func, index)
             facts = _BlockFacts(mod, patterns, block, live, self.options)
             accepted = self._accept(mod, func, blocks, index, facts)
             if not accepted:
-                continue
-            blocks[index] = _rewrite_block(block, accepted)
+                return None
             self.report.recomputed += len(accepted)
-            changed = True
-        if not changed:
-            return None
-        return with_blocks(func, blocks)
+            return _rewrite_block(block, accepted)
+
+        return rewrite_dataflow_blocks(mod, rewrite)
 
     def _accept(self, mod, func, blocks, index, facts: _BlockFacts) -> list[_Plan]:
         """Single copies of values whose inputs are live anyway are accepted by the subset
