@@ -2,7 +2,11 @@
 
 Where each pass runs, and why there:
 
-* ``SimplifyTransposes`` runs first, on the high-level ops (``relax.permute_dims``,
+* ``FuseAttention`` runs first on CPU targets, on the high-level ops: an attention chain
+  (``matmul``, scale, mask, ``softmax``, ``matmul`` and the layout operators around it) becomes
+  one kernel that ``InlineKernelIntermediates`` later computes row by row. It must see the
+  score matmul before ``SimplifyTransposes`` turns it into an ``NT_matmul`` kernel.
+* ``SimplifyTransposes`` runs next, on the high-level ops (``relax.permute_dims``,
   ``relax.matmul``) that library dispatch and ``LegalizeOps`` would otherwise lower: it cancels
   the transposes an imported graph is full of and lets matmuls read transposed operands in
   place, before any of them becomes a kernel with a buffer of its own.
@@ -89,9 +93,15 @@ def _pass_list(
     recompute_options: Any = None,
     clone_generated: bool = False,
     clone_options: Any = None,
+    fuse_attention: bool = False,
+    attention_options: Any = None,
 ) -> list[tvm.transform.Pass]:
     phases = _backend_phases(target)
     passes: list[tvm.transform.Pass] = []
+    if fuse_attention and not is_gpu_target(target):
+        from .transform import FuseAttention
+
+        passes.append(FuseAttention(attention_options))
     if simplify:
         from .transform import SimplifyTransposes
 
@@ -157,6 +167,7 @@ def get_pipeline(
     inline_kernels: bool = True,
     recompute: bool = True,
     clone_generated: bool = True,
+    fuse_attention: bool = True,
     schedule_options: Any = None,
     remat_options: Any = None,
     plan_options: Any = None,
@@ -165,6 +176,7 @@ def get_pipeline(
     inline_options: Any = None,
     recompute_options: Any = None,
     clone_options: Any = None,
+    attention_options: Any = None,
     check_dims: bool = True,
     check_options: Any = None,
 ) -> tvm.transform.Pass:
@@ -176,16 +188,17 @@ def get_pipeline(
         ``"llvm"``, ``{"kind": "cuda", "arch": "sm_90"}`` or a ``tvm.target.Target``.
     schedule, remat, plan
         Enable ``MemoryAwareSchedule``, ``Rematerialize`` and ``PlanMemory``.
-    simplify, fold_scatter, clone_generated, inline_kernels, recompute
+    simplify, fold_scatter, clone_generated, fuse_attention, inline_kernels, recompute
         Enable ``SimplifyTransposes``, ``FoldZeroScatter``, ``CloneGeneratedTensors``,
-        ``InlineKernelIntermediates`` (on CPU targets only) and ``RecomputeCheapValues``. With these, the three above and
-        ``check_dims`` off, the result is TVM's default pipeline for the target.
+        ``FuseAttention`` and ``InlineKernelIntermediates`` (both on CPU targets only) and
+        ``RecomputeCheapValues``. With these, the three above and ``check_dims`` off, the
+        result is TVM's default pipeline for the target.
     check_dims
         Enable ``CheckDimRanges``: a call whose dims lie outside the ranges the function
         declares (``tir_var_lower_bound`` / ``tir_var_upper_bound``) fails before any kernel
         runs, with an error naming the dim, its value and the range.
     schedule_options, remat_options, plan_options, simplify_options, fold_scatter_options,
-    inline_options, recompute_options, clone_options, check_options
+    inline_options, recompute_options, clone_options, attention_options, check_options
         Option dataclasses handed to the passes (``None`` for their defaults).
 
     Returns
@@ -214,6 +227,8 @@ def get_pipeline(
         recompute_options=recompute_options,
         clone_generated=clone_generated,
         clone_options=clone_options,
+        fuse_attention=fuse_attention,
+        attention_options=attention_options,
     )
 
     @tvm.transform.module_pass(opt_level=0, name="blade_relax_pipeline")
@@ -266,7 +281,8 @@ def lower_to_memory_stage(
         As for :func:`get_pipeline`.
     **flags
         ``schedule``, ``remat``, ``plan``, ``simplify``, ``fold_scatter``, ``inline_kernels``,
-        ``recompute``, ``clone_generated``, ``check_dims`` and option keywords
+        ``recompute``, ``clone_generated``, ``fuse_attention``, ``check_dims`` and option
+        keywords
         of :func:`get_pipeline`; all passes default to off, which gives the stock pipeline.
     """
     tgt = as_target(target)
@@ -279,6 +295,7 @@ def lower_to_memory_stage(
         "inline_kernels": False,
         "recompute": False,
         "clone_generated": False,
+        "fuse_attention": False,
     }
     options.update(flags)
     passes = _pass_list(
@@ -301,6 +318,8 @@ def lower_to_memory_stage(
         recompute_options=options.pop("recompute_options", None),
         clone_generated=options.pop("clone_generated"),
         clone_options=options.pop("clone_options", None),
+        fuse_attention=options.pop("fuse_attention"),
+        attention_options=options.pop("attention_options", None),
     )
     if options:
         raise TypeError(f"unknown pipeline options: {sorted(options)}")

@@ -148,7 +148,7 @@ def reused_elements(var_x: T.handle, var_w: T.handle, var_out: T.handle):
 
 
 def test_softmax_chain_is_inlined():
-    pass_ = InlineKernelIntermediates(InlineOptions(epilogues=False))
+    pass_ = InlineKernelIntermediates(InlineOptions(epilogues=False, rows=False))
     tvm.ir.assert_structural_equal(pass_(Softmax), SoftmaxExpected)
     assert (pass_.report.inlined, pass_.report.kernels) == (2, 1)
 
@@ -181,8 +181,27 @@ def test_reduction_readers_run_per_slice():
 
 
 def test_reused_elements_are_not_recomputed():
-    func, report = inline_intermediates(reused_elements, InlineOptions(epilogues=False))
+    func, report = inline_intermediates(reused_elements, InlineOptions(epilogues=False, rows=False))
     assert report.inlined == 0 and func.same_as(reused_elements)
+
+
+def test_producers_run_per_row_of_their_reader():
+    """The rows stage computes the scaled operand one row at a time under the matmul's row
+    loop (still once per element): TVM's lowering then keeps one row of scratch."""
+    func, report = inline_intermediates(reused_elements)
+    assert (report.inlined, report.rows) == (0, 1)
+    before, after = _lowered_scratch(reused_elements), _lowered_scratch(func)
+    assert any("(s, T.int64(8))" in line for line in before), before
+    assert after and all("(s, T.int64(8))" not in line for line in after), after
+    x = np.random.default_rng(0).standard_normal((5, 8)).astype("float32")
+    w = np.random.default_rng(1).standard_normal((8, 4)).astype("float32")
+    outs = []
+    for kernel in (reused_elements, func):
+        lib = tvm.compile(kernel.with_attr("global_symbol", "main"), "llvm")
+        out = tvm.runtime.tensor(np.zeros((5, 4), "float32"))
+        lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(w), out)
+        outs.append(out.numpy())
+    np.testing.assert_array_equal(outs[1], outs[0])
 
 
 def test_consumer_limit_and_disabled():

@@ -336,6 +336,7 @@ _NO_GRAPH_PASSES = {
     "inline_kernels": False,
     "recompute": False,
     "clone_generated": False,
+    "fuse_attention": False,
 }
 
 
@@ -391,6 +392,7 @@ _GRAPH_PASSES = {
     "simplify": "SimplifyTransposes",
     "fold_scatter": "FoldZeroScatter",
     "clone_generated": "CloneGeneratedTensors",
+    "fuse_attention": "FuseAttention",
     "inline_kernels": "InlineKernelIntermediates",
     "recompute": "RecomputeCheapValues",
 }
@@ -440,6 +442,16 @@ register_config(
         "blade-relax-inline",
         pipeline=_blade_factory(schedule=False, remat=False, plan=False, inline_kernels=True),
         description="stock + InlineKernelIntermediates, bounds dropped",
+    )
+)
+register_config(
+    TvmConfig(
+        "blade-relax-attention",
+        pipeline=_blade_factory(
+            schedule=False, remat=False, plan=False, fuse_attention=True, inline_kernels=True
+        ),
+        description="stock + FuseAttention + InlineKernelIntermediates (which computes the "
+        "fused kernel row by row), bounds dropped",
     )
 )
 register_config(

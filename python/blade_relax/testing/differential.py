@@ -99,6 +99,7 @@ class Variant:
     inline_kernels: bool = False
     recompute: bool = False
     clone_generated: bool = False
+    fuse_attention: bool = False
     pipeline: Callable[[str], tvm.transform.Pass] | None = field(default=None, compare=False)
 
     @property
@@ -112,6 +113,7 @@ class Variant:
             "inline_kernels": self.inline_kernels,
             "recompute": self.recompute,
             "clone_generated": self.clone_generated,
+            "fuse_attention": self.fuse_attention,
         }
 
     @property
@@ -132,6 +134,7 @@ STOCK = Variant(
         inline_kernels=False,
         recompute=False,
         clone_generated=False,
+        fuse_attention=False,
         check_dims=False,
     ),
 )
@@ -144,6 +147,7 @@ ALL_VARIANTS: tuple[Variant, ...] = (
     Variant("inline-kernels", inline_kernels=True),
     Variant("recompute", schedule=True, recompute=True),
     Variant("clone-generated", clone_generated=True),
+    Variant("fuse-attention", fuse_attention=True, inline_kernels=True),
     Variant(
         "all",
         schedule=True,
@@ -154,6 +158,7 @@ ALL_VARIANTS: tuple[Variant, ...] = (
         inline_kernels=True,
         recompute=True,
         clone_generated=True,
+        fuse_attention=True,
     ),
 )
 

@@ -3,6 +3,7 @@
 from .check_dim_ranges import CheckDimRanges, DimRangeOptions
 from .clone_generated_tensors import CloneGeneratedTensors, CloneOptions
 from .fold_zero_scatter import FoldZeroScatter, ZeroScatterOptions
+from .fuse_attention import AttentionOptions, FuseAttention
 from .inline_kernel_intermediates import InlineKernelIntermediates, InlineOptions
 from .memory_aware_schedule import MemoryAwareSchedule, ScheduleOptions
 from .plan_memory import PlanMemory, PlanOptions
@@ -11,11 +12,13 @@ from .rematerialize import Rematerialize, RematOptions
 from .simplify_transposes import SimplifyTransposes, TransposeOptions
 
 __all__ = [
+    "AttentionOptions",
     "CheckDimRanges",
     "CloneGeneratedTensors",
     "CloneOptions",
     "DimRangeOptions",
     "FoldZeroScatter",
+    "FuseAttention",
     "InlineKernelIntermediates",
     "InlineOptions",
     "MemoryAwareSchedule",

@@ -48,7 +48,7 @@ from tvm import relax
 
 from ._block_edit import copy_chain, insert_copies, rewrite_dataflow_blocks, vars_read_after
 
-__all__ = ["CloneGeneratedTensors", "CloneOptions", "CloneReport"]
+__all__ = ["CloneGeneratedTensors", "CloneOptions", "CloneReport", "generated_trees"]
 
 #: Operators cheap enough to repeat per reader, producing a tensor from their arguments alone.
 GENERATOR_OPS = frozenset(
@@ -76,6 +76,7 @@ GENERATOR_OPS = frozenset(
         "relax.expand_dims",
         "relax.reshape",
         "relax.permute_dims",
+        "relax.index_tensor",
         "relax.arange",
         "relax.full",
         "relax.full_like",
@@ -115,10 +116,21 @@ class CloneReport:
     copies: int = 0
 
 
-def _trees(
+def generated_trees(
     bindings: Sequence[relax.Binding], params: set[relax.Var], max_tree: int
 ) -> dict[relax.Var, tuple[int, ...]]:
-    """Generated bindings -> the positions of their trees (in order, themselves last)."""
+    """The generated bindings of a block (see the module docstring) -> the positions of their
+    trees (in order, themselves last).
+
+    Parameters
+    ----------
+    bindings
+        The bindings of one dataflow block.
+    params
+        The function's parameters (live anyway, so a tree may read them).
+    max_tree
+        The most bindings a tree may have; larger ones are not generated.
+    """
     trees: dict[relax.Var, tuple[int, ...]] = {}
     for position, binding in enumerate(bindings):
         value = binding.value
@@ -151,7 +163,7 @@ def _clone_block(
     report: CloneReport,
 ) -> relax.DataflowBlock | None:
     bindings = list(block.bindings)
-    trees = _trees(bindings, params, options.max_tree)
+    trees = generated_trees(bindings, params, options.max_tree)
     readers: dict[relax.Var, list[int]] = {}
     for position, binding in enumerate(bindings):
         for var in relax.analysis.free_vars(binding.value):

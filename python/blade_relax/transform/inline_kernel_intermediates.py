@@ -63,11 +63,16 @@ class InlineOptions:
     epilogues
         Nest the elementwise reader of a reduction's result under the reduction's spatial
         loops, so that the result needs one element of scratch, not the whole tensor.
+    rows
+        Compute an intermediate inside the outer loops of its readers, one slice per
+        iteration, where that computes no element twice (the scores and softmax statistics of
+        a fused attention, one row at a time).
     """
 
     enabled: bool = True
     max_consumers: int = 2
     epilogues: bool = True
+    rows: bool = True
 
     def __post_init__(self) -> None:
         if self.max_consumers < 1:
@@ -77,10 +82,12 @@ class InlineOptions:
 @dataclass
 class InlineReport:
     """What one run changed: intermediates ``inlined``, reduction readers ``nested`` under
-    their reductions, in how many ``kernels``."""
+    their reductions, producers computed per slice under their readers' loops (``rows``), in
+    how many ``kernels``."""
 
     inlined: int = 0
     nested: int = 0
+    rows: int = 0
     kernels: int = 0
 
 
@@ -132,7 +139,7 @@ def _inline_one(sch: s_tir.Schedule, max_consumers: int) -> bool:
             continue
         try:
             sch.compute_inline(block_rv)
-        except RuntimeError:  # ScheduleError and TVM's errors
+        except (RuntimeError, ValueError):  # ScheduleError and TVM's failed checks
             continue
         return True
     return False
@@ -166,7 +173,9 @@ def inline_intermediates(
         report.inlined += 1
     if options.epilogues:
         report.nested = _nest_epilogues(sch)
-    if not (report.inlined or report.nested):
+    if options.rows:
+        report.rows = _nest_producers(sch)
+    if not (report.inlined or report.nested or report.rows):
         return func, report
     report.kernels = 1
     return sch.mod["main"], report
@@ -199,9 +208,86 @@ def _nest_epilogues(sch: s_tir.Schedule) -> int:
         for consumer in sch.get_consumers(block_rv):
             try:
                 sch.reverse_compute_at(consumer, loops[spatial - 1])
-            except RuntimeError:  # ScheduleError and TVM's errors
+            except (RuntimeError, ValueError):  # ScheduleError and TVM's failed checks
                 break
             moved += 1
+    return moved
+
+
+def _instances(extents: list) -> tvm.ir.Expr:
+    total = tirx.IntImm("int64", 1)
+    for extent in extents:
+        total = total * extent
+    return total
+
+
+def _common_loops(sch: s_tir.Schedule, blocks: list) -> list:
+    """The loops enclosing every block of ``blocks``, outermost first."""
+    nests = [sch.get_loops(b) for b in blocks]
+    common = []
+    for depth, loop in enumerate(nests[0]):
+        stmt = sch.get(loop)
+        if not all(len(n) > depth and sch.get(n[depth]).same_as(stmt) for n in nests[1:]):
+            break
+        common.append(loop)
+    return common
+
+
+def _row_loop(sch: s_tir.Schedule, block_rv: object, loops: list) -> object | None:
+    """The deepest of ``loops`` under which ``block_rv`` can be computed per iteration without
+    computing any of its instances twice (tried on a copy of the schedule)."""
+    analyzer = tvm.sym.Analyzer()
+    block = sch.get(block_rv)
+    before = _instances([iv.dom.extent for iv in block.iter_vars])
+    for depth in range(len(loops) - 1, -1, -1):
+        if all(_is_one(sch.get(loop).extent) for loop in loops[: depth + 1]):
+            return None  # nothing to slice: the block would still compute everything at once
+        trial = sch.copy()
+        try:
+            trial.compute_at(block_rv, loops[depth], preserve_unit_loops=True)
+        except (RuntimeError, ValueError):  # ScheduleError and TVM's failed checks
+            continue
+        after = _instances([trial.get(loop).extent for loop in trial.get_loops(block_rv)])
+        if analyzer.can_prove_equal(before, after):
+            return loops[depth]
+    return None
+
+
+def _nest_producers(sch: s_tir.Schedule) -> int:
+    """Compute intermediates inside their readers' common outer loops (``compute_at``), last
+    producers first; how many were moved.
+
+    Each is placed under the deepest common loop where it computes every instance once (the
+    number of instances before and after is compared symbolically), so the work is unchanged
+    and ``CompactBufferAllocation`` keeps the slice one iteration writes: a row of an
+    attention's scores, one maximum and one sum, instead of the ``(b, h, s, s)`` scores.
+    """
+    moved = 0
+    progressed = True
+    while progressed:
+        progressed = False
+        root = sch.get_sblock("root")
+        intermediates = list(sch.get(root).alloc_buffers)
+        for block_rv in reversed(sch.get_child_blocks(root)):
+            block = sch.get(block_rv)
+            if len(block.writes) != 1:
+                continue
+            if not any(block.writes[0].source.same_as(b) for b in intermediates):
+                continue
+            consumers = sch.get_consumers(block_rv)
+            if not consumers:
+                continue
+            common = _common_loops(sch, consumers)
+            own = sch.get_loops(block_rv)
+            if not common or (own and any(sch.get(own[0]).same_as(sch.get(c)) for c in common)):
+                continue  # no loop to go under, or already under the readers' loops
+            target = _row_loop(sch, block_rv, common)
+            if target is None:
+                continue
+            sch.compute_at(block_rv, target, preserve_unit_loops=True)
+            moved += 1
+            progressed = True
+            break
     return moved
 
 
@@ -238,6 +324,7 @@ class InlineKernelIntermediates:
                 updates[gv] = new_func
                 self.report.inlined += report.inlined
                 self.report.nested += report.nested
+                self.report.rows += report.rows
                 self.report.kernels += 1
         if not updates:
             return mod

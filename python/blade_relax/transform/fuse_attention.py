@@ -1,0 +1,633 @@
+"""FuseAttention: an attention block becomes one kernel that never holds its score matrix.
+
+An imported attention layer is a chain of whole-tensor operators: ``S = Q @ K^T`` (a
+``(b, h, s, s)`` tensor), a scale and a mask, ``P = softmax(S)`` (another ``(b, h, s, s)``
+tensor), ``O = P @ V``; around it the heads are cut out of a fused ``qkv`` projection by a
+``split`` (three copies) and moved into place by ``permute_dims`` (three more), and the result
+is moved back. ``FuseOps`` never puts two matmuls in one kernel, so every one of these tensors
+is materialized: at long lengths the two score tensors dominate the peak of an inference step,
+at short lengths the ``split`` copies next to ``qkv`` do. ``torch.compile`` reads the heads as
+strided views and calls a flash-attention kernel, which holds neither.
+
+This pass replaces the chain by one kernel (``call_tir``), built with TE:
+
+* every layout operator of the group is an *index map*, so the kernel reads ``Q``, ``K`` and
+  ``V`` where they lie in ``qkv`` and writes its result in the layout its reader wants. TVM's
+  own route (group the operators, ``LegalizeOps``, ``FuseTIR``) was tried first: the legalized
+  ``reshape`` ravels and unravels over the whole shape, leaving ``floormod(x, s)`` index terms
+  that TVM's simplifier cannot remove for a symbolic ``s``, and no schedule can then relate
+  the loops. Here reshape axes are matched in groups of equal size, so indices stay affine;
+* the two matmuls are TE reductions in ascending ``k``, as ``relax.matmul`` legalizes, and the
+  softmax is ``topi.nn.softmax`` itself, so results are bit-identical to the unfused graph;
+* ``InlineKernelIntermediates`` (its ``rows`` stage) then computes the scores, the softmax's
+  maximum and sum per row under the output's row loop, so the kernel's scratch is two rows of
+  ``s`` elements instead of ``(b, h, s, s)`` twice.
+
+The group
+---------
+*Core*: ``P = softmax(X, axis=-1)`` where ``X`` is reached from a matmul ``S`` through
+elementwise operators with one other operand each (a scale, a mask) and
+``reshape``/``broadcast_to``; and ``O = matmul(P', V)`` where ``P'`` is ``P`` through
+``reshape``/``broadcast_to``. Every value of the core except ``O`` has exactly one reader, the
+next one in the chain.
+
+*Extensions*: a binding of a layout operator (``reshape``, ``permute_dims``,
+``broadcast_to``, ``expand_dims``, ``squeeze``, ``split`` and its items) joins the group when
+every reader of its value is in the group (upstream); so does the layout reader of the result
+while it is the only reader (downstream). A value read after its block or by a binding outside
+the group never becomes internal to it. Other inputs (the mask) are read as tensors.
+
+Where it runs
+-------------
+On high-level Relax, before ``LegalizeOps``; in :func:`blade_relax.get_pipeline` it is the
+first pass (``SimplifyTransposes`` would turn the score matmul into an ``NT_matmul`` kernel
+this pass does not match; the transposes it would cancel are index maps here anyway). On CPU
+targets only, like ``InlineKernelIntermediates`` that computes the kernel row by row: on a GPU
+the kernel would need a schedule dlight does not have.
+
+What it assumes
+---------------
+A normalized module with dataflow blocks. Functions already marked ``Primitive`` or
+``Codegen`` are left alone, as is every chain that does not match (a softmax whose result is
+also read elsewhere, as in a training graph whose backward reads it; a chain without a
+matmul, an operator or a reshape the kernel builder does not handle).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import tvm
+from tvm import relax, s_tir, te, tirx, topi
+
+from ._block_edit import vars_read_after, with_blocks
+
+__all__ = ["AttentionOptions", "AttentionReport", "FuseAttention", "LAYOUT_OPS"]
+
+#: Operators that only move data: an attention group may absorb them on either side.
+LAYOUT_OPS = frozenset(
+    {
+        "relax.reshape",
+        "relax.permute_dims",
+        "relax.broadcast_to",
+        "relax.expand_dims",
+        "relax.squeeze",
+        "relax.split",
+    }
+)
+_LAYOUT_NAMES = LAYOUT_OPS | {"TupleGetItem"}
+#: Layout readers of the result the group may take (a split's items would leave the group).
+_VIEW_OPS = LAYOUT_OPS - {"relax.split"}
+
+#: Elementwise operators allowed between the score matmul and the softmax (scale, mask).
+_SCORE_OPS = frozenset(
+    {
+        "relax.add",
+        "relax.subtract",
+        "relax.multiply",
+        "relax.divide",
+        "relax.maximum",
+        "relax.minimum",
+    }
+)
+#: Operators that only change the shape between the matmuls and the softmax.
+_RESHAPE_OPS = frozenset({"relax.reshape", "relax.broadcast_to"})
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """Options of :class:`FuseAttention`.
+
+    Attributes
+    ----------
+    enabled
+        Run the pass; when ``False`` it returns its input unchanged.
+    absorb_inputs
+        Let the group absorb the layout operators that only it reads (the ``split`` of
+        ``qkv``, the head transposes) and the layout readers of its result; without it only
+        the core chain is grouped.
+    max_group
+        The most bindings one group may have.
+    """
+
+    enabled: bool = True
+    absorb_inputs: bool = True
+    max_group: int = 96
+
+    def __post_init__(self) -> None:
+        if self.max_group < 4:
+            raise ValueError(f"max_group must be at least 4, got {self.max_group}")
+
+
+@dataclass
+class AttentionReport:
+    """What one run changed: attention chains ``fused``, with ``absorbed`` extra bindings."""
+
+    fused: int = 0
+    absorbed: int = 0
+
+
+def _op_name(binding: relax.Binding) -> str | None:
+    value = binding.value
+    if isinstance(binding, relax.VarBinding) and isinstance(value, relax.Call):
+        if isinstance(value.op, tvm.ir.Op):
+            return value.op.name
+    if isinstance(binding, relax.VarBinding) and isinstance(value, relax.TupleGetItem):
+        return "TupleGetItem"
+    return None
+
+
+def _tensor_args(binding: relax.Binding) -> list[relax.Var]:
+    value = binding.value
+    if isinstance(value, relax.TupleGetItem):
+        return [value.tuple_value] if isinstance(value.tuple_value, relax.Var) else []
+    if not isinstance(value, relax.Call):
+        return []
+    return [a for a in value.args if isinstance(a, relax.Var)]
+
+
+class _Block:
+    """Definitions and readers of the variables of one dataflow block."""
+
+    def __init__(self, block: relax.DataflowBlock, read_after: set[relax.Var]) -> None:
+        self.bindings = list(block.bindings)
+        self.position = {b.var: i for i, b in enumerate(self.bindings)}
+        self.readers: dict[relax.Var, set[int]] = {}
+        for i, binding in enumerate(self.bindings):
+            for var in relax.analysis.free_vars(binding.value):
+                self.readers.setdefault(var, set()).add(i)
+        self.escaping = {b.var for b in self.bindings if not isinstance(b.var, relax.DataflowVar)}
+        self.escaping |= read_after
+
+    def sole_reader(self, var: relax.Var) -> int | None:
+        readers = self.readers.get(var, set())
+        if var in self.escaping or len(readers) != 1:
+            return None
+        return next(iter(readers))
+
+    def producer(self, var: relax.Var) -> int | None:
+        return self.position.get(var)
+
+
+def _is_matmul(binding: relax.Binding) -> bool:
+    return _op_name(binding) == "relax.matmul"
+
+
+def _softmax_axis_is_last(binding: relax.Binding) -> bool:
+    call = binding.value
+    ndim = call.args[0].ty.ndim
+    axis = int(call.attrs.axis)
+    return axis == -1 or (ndim > 0 and axis == ndim - 1)
+
+
+def _core(info: _Block, softmax_pos: int) -> list[int] | None:
+    """Positions of the core chain around the softmax at ``softmax_pos`` (see the module
+    docstring), or ``None`` when it does not match."""
+    bindings = info.bindings
+    chain = [softmax_pos]
+    current = bindings[softmax_pos].value.args[0]
+    # Backwards to the score matmul.
+    while True:
+        if not isinstance(current, relax.Var) or info.sole_reader(current) is None:
+            return None
+        pos = info.producer(current)
+        if pos is None:
+            return None
+        binding = bindings[pos]
+        name = _op_name(binding)
+        if _is_matmul(binding):
+            chain.append(pos)
+            break
+        if name in _RESHAPE_OPS or name in _SCORE_OPS:
+            chain.append(pos)
+            # The scores flow through one operand; the others are the scale or the mask.
+            operands = [a for a in binding.value.args if isinstance(a, relax.Var)]
+            scores = [a for a in operands if _reaches_matmul(info, a)]
+            if len(scores) != 1:
+                return None
+            current = scores[0]
+            continue
+        return None
+    # Forwards to the output matmul.
+    current = bindings[softmax_pos].var
+    while True:
+        reader = info.sole_reader(current)
+        if reader is None:
+            return None
+        binding = bindings[reader]
+        name = _op_name(binding)
+        if _is_matmul(binding):
+            if not binding.value.args[0].same_as(current):
+                return None
+            chain.append(reader)
+            break
+        if name in _RESHAPE_OPS and binding.value.args[0].same_as(current):
+            chain.append(reader)
+            current = binding.var
+            continue
+        return None
+    return sorted(chain)
+
+
+def _reaches_matmul(info: _Block, var: relax.Var, depth: int = 8) -> bool:
+    """Whether ``var`` is a matmul's result through at most ``depth`` reshape/score
+    operators of the block."""
+    pos = info.producer(var)
+    if pos is None or depth == 0:
+        return False
+    binding = info.bindings[pos]
+    if _is_matmul(binding):
+        return True
+    name = _op_name(binding)
+    if name not in _RESHAPE_OPS and name not in _SCORE_OPS:
+        return False
+    return any(
+        _reaches_matmul(info, a, depth - 1) for a in binding.value.args if isinstance(a, relax.Var)
+    )
+
+
+def _extend(info: _Block, group: set[int], options: AttentionOptions) -> set[int]:
+    """The group with the layout bindings only it reads (upstream: the heads cut out of
+    ``qkv``) and the layout readers of its result while each is the only one (downstream)."""
+    group = set(group)
+    last = max(group)
+    while len(group) < options.max_group:
+        reader = info.sole_reader(info.bindings[last].var)
+        if reader is None or _op_name(info.bindings[reader]) not in _VIEW_OPS:
+            break
+        group.add(reader)
+        last = reader
+    changed = True
+    while changed and len(group) < options.max_group:
+        changed = False
+        for pos in sorted(group):
+            for var in _tensor_args(info.bindings[pos]):
+                producer = info.producer(var)
+                if producer is None or producer in group or var in info.escaping:
+                    continue
+                if _op_name(info.bindings[producer]) not in _LAYOUT_NAMES:
+                    continue
+                if not info.readers.get(var, set()) <= group:
+                    continue
+                group.add(producer)
+                changed = True
+    return group
+
+
+# The kernel. Every value of the group is an *accessor* (index -> element expression): layout
+# operators compose index maps, so the heads are read where they lie in ``qkv``; only the two
+# matmuls and the softmax are TE stages.
+
+Accessor = Callable[[Sequence[tvm.ir.Expr]], tvm.ir.Expr]
+
+
+class _Unsupported(Exception):
+    """The group uses an operator or a shape the kernel builder does not handle."""
+
+
+def _shape(var: relax.Expr) -> list[tvm.ir.Expr]:
+    ty = var.ty
+    if not isinstance(ty, relax.TensorType) or ty.shape is None:
+        raise _Unsupported("a tensor of unknown shape")
+    return list(ty.shape.values)
+
+
+def _const_int(expr: tvm.ir.Expr) -> int | None:
+    return int(expr) if isinstance(expr, tirx.IntImm) else None
+
+
+def _zero(shape: Sequence[tvm.ir.Expr]) -> tvm.ir.Expr:
+    return tirx.IntImm(str(shape[0].ty) if shape else "int64", 0)
+
+
+def _reshape_map(
+    src: Sequence[tvm.ir.Expr], dst: Sequence[tvm.ir.Expr]
+) -> Callable[[Sequence[tvm.ir.Expr]], list[tvm.ir.Expr]]:
+    """Index map of ``reshape(src -> dst)``: a destination index -> the source index.
+
+    ``topi.reshape`` ravels and unravels over the whole shape, which leaves ``floormod(x, s)``
+    terms TVM's simplifier cannot remove for a symbolic ``s`` (and schedules then cannot
+    relate the loops). Here the axes are matched in groups of equal size (unit axes apart, a
+    symbolic axis only with an equal one, constant axes merged or split), so every index is a
+    mixed-radix conversion over constant extents.
+    """
+    analyzer = tvm.sym.Analyzer()
+    src_axes = [i for i, e in enumerate(src) if _const_int(e) != 1]
+    dst_axes = [i for i, e in enumerate(dst) if _const_int(e) != 1]
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(src_axes) and j < len(dst_axes):
+        a, b = src[src_axes[i]], dst[dst_axes[j]]
+        if analyzer.can_prove_equal(a, b):
+            groups.append(([src_axes[i]], [dst_axes[j]]))
+            i, j = i + 1, j + 1
+            continue
+        size_a, size_b = _const_int(a), _const_int(b)
+        if size_a is None or size_b is None:
+            raise _Unsupported("a reshape mixes a symbolic axis with others")
+        group_src, group_dst = [src_axes[i]], [dst_axes[j]]
+        i, j = i + 1, j + 1
+        while size_a != size_b:
+            if size_a < size_b:
+                extent = _const_int(src[src_axes[i]]) if i < len(src_axes) else None
+                if extent is None:
+                    raise _Unsupported("reshape groups do not line up")
+                size_a *= extent
+                group_src.append(src_axes[i])
+                i += 1
+            else:
+                extent = _const_int(dst[dst_axes[j]]) if j < len(dst_axes) else None
+                if extent is None:
+                    raise _Unsupported("reshape groups do not line up")
+                size_b *= extent
+                group_dst.append(dst_axes[j])
+                j += 1
+        groups.append((group_src, group_dst))
+    if i != len(src_axes) or j != len(dst_axes):
+        raise _Unsupported("a reshape that changes the size")
+
+    def index_map(idx: Sequence[tvm.ir.Expr]) -> list[tvm.ir.Expr]:
+        out = [_zero(src) for _ in src]
+        for group_src, group_dst in groups:
+            flat = idx[group_dst[0]]
+            for axis in group_dst[1:]:
+                flat = flat * dst[axis] + idx[axis]
+            for axis in reversed(group_src[1:]):
+                out[axis] = tirx.floormod(flat, src[axis])
+                flat = tirx.floordiv(flat, src[axis])
+            out[group_src[0]] = flat
+        return out
+
+    return index_map
+
+
+def _broadcast_index(idx: Sequence[tvm.ir.Expr], src: Sequence[tvm.ir.Expr]) -> list[tvm.ir.Expr]:
+    """The index into a tensor of shape ``src`` broadcast (numpy rules) to ``len(idx)`` axes."""
+    offset = len(idx) - len(src)
+    if offset < 0:
+        raise _Unsupported("a broadcast to a lower rank")
+    return [
+        _zero(src) if _const_int(extent) == 1 else idx[offset + axis]
+        for axis, extent in enumerate(src)
+    ]
+
+
+def _elementwise(name: str, lhs: tvm.ir.Expr, rhs: tvm.ir.Expr) -> tvm.ir.Expr:
+    if name == "relax.add":
+        return lhs + rhs
+    if name == "relax.subtract":
+        return lhs - rhs
+    if name == "relax.multiply":
+        return lhs * rhs
+    if name == "relax.divide":
+        return lhs / rhs
+    if name == "relax.maximum":
+        return tirx.max(lhs, rhs)
+    return tirx.min(lhs, rhs)
+
+
+def _matmul(
+    a: Accessor,
+    a_shape: Sequence[tvm.ir.Expr],
+    b: Accessor,
+    b_shape: Sequence[tvm.ir.Expr],
+    out_shape: Sequence[tvm.ir.Expr],
+    dtype: str,
+) -> te.Tensor:
+    """``matmul`` as ``relax.matmul`` legalizes it: batch axes broadcast, ascending ``k``."""
+    k = te.reduce_axis((0, a_shape[-1]), name="k")
+
+    def element(*idx):
+        i, j = idx[-2], idx[-1]
+        a_idx = [*_broadcast_index(idx[:-2], a_shape[:-2]), i, k]
+        b_idx = [*_broadcast_index(idx[:-2], b_shape[:-2]), k, j]
+        return te.sum(a(a_idx).astype(dtype) * b(b_idx).astype(dtype), axis=k)
+
+    return te.compute(out_shape, element, name="matmul")
+
+
+def _elements(accessor: Accessor) -> Callable[..., tvm.ir.Expr]:
+    """A TE compute body (one argument per axis) from an accessor."""
+    return lambda *idx: accessor(idx)
+
+
+def _of_tensor(tensor: te.Tensor) -> Accessor:
+    return lambda idx: tensor(*idx)
+
+
+def _operand(expr: relax.Expr, access: dict, rank: int) -> Accessor:
+    """An argument of an elementwise operator, broadcast to ``rank`` axes."""
+    if isinstance(expr, tvm.ir.expr.Constant):
+        value = expr.value
+        data = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
+        if data.ndim != 0:
+            raise _Unsupported("a constant that is not a scalar")
+        value = tirx.const(data.item(), str(data.dtype))
+        return lambda idx: value
+    if expr not in access:
+        raise _Unsupported("an operand outside the group")
+    src, inner = _shape(expr), access[expr]
+    if len(src) == rank:
+        return lambda idx: inner(_broadcast_index(idx, src))
+    return lambda idx: inner(_broadcast_index(idx, src))
+
+
+def _permuted(inner: Accessor, axes: Sequence[int]) -> Accessor:
+    def access(idx):
+        src_idx = [idx[0]] * len(axes)
+        for position, axis in enumerate(axes):
+            src_idx[axis] = idx[position]
+        return inner(src_idx)
+
+    return access
+
+
+def _shifted(inner: Accessor, axis: int, start: int) -> Accessor:
+    def access(idx):
+        idx = list(idx)
+        idx[axis] = idx[axis] + start
+        return inner(idx)
+
+    return access
+
+
+def build_kernel(info: _Block, group: Sequence[int]) -> tuple[tirx.PrimFunc, list[relax.Var]]:
+    """The PrimFunc computing the group's result, and the outer tensors it reads (in order).
+
+    Raises
+    ------
+    _Unsupported
+        When an operator or a shape of the group is not handled; the group is then left as it
+        is.
+    """
+    members = {info.bindings[p].var for p in group}
+    inputs: list[relax.Var] = []
+    for pos in group:
+        for var in relax.analysis.free_vars(info.bindings[pos].value):
+            if isinstance(var.ty, tvm.ir.PrimType) or var in members or var in inputs:
+                continue  # symbolic dims are bound by the inputs' shapes
+            if not isinstance(var.ty, relax.TensorType):
+                raise _Unsupported("an input that is not a tensor")
+            inputs.append(var)
+    placeholders = [te.placeholder(_shape(v), str(v.ty.dtype), v.name) for v in inputs]
+    access: dict[relax.Var, Accessor] = {v: _of_tensor(t) for v, t in zip(inputs, placeholders)}
+    splits: dict[relax.Var, tuple[relax.Var, list[int], int]] = {}
+    for pos in group:
+        binding = info.bindings[pos]
+        var, value, name = binding.var, binding.value, _op_name(binding)
+        if name == "TupleGetItem":
+            source, starts, axis = splits[value.tuple_value]
+            access[var] = _shifted(access[source], axis, starts[value.index])
+            continue
+        args = value.args
+        if name == "relax.split":
+            src = _shape(args[0])
+            axis = int(value.attrs.axis) % len(src)
+            sections = value.attrs.indices_or_sections
+            if isinstance(sections, (int, tirx.IntImm)):
+                extent = _const_int(src[axis])
+                if extent is None or extent % int(sections):
+                    raise _Unsupported("a split of a symbolic axis")
+                starts = [extent // int(sections) * n for n in range(int(sections))]
+            else:
+                starts = [0, *(int(x) for x in sections)]
+            splits[var] = (args[0], starts, axis)
+            continue
+        out_shape = _shape(var)
+        if name in ("relax.reshape", "relax.expand_dims", "relax.squeeze"):
+            index_map = _reshape_map(_shape(args[0]), out_shape)
+            inner = access[args[0]]
+            access[var] = lambda idx, inner=inner, index_map=index_map: inner(index_map(idx))
+        elif name == "relax.permute_dims":
+            axes = value.attrs.axes
+            rank = len(out_shape)
+            axes = list(reversed(range(rank))) if axes is None else [int(a) for a in axes]
+            access[var] = _permuted(access[args[0]], axes)
+        elif name == "relax.broadcast_to":
+            access[var] = _operand(args[0], access, len(out_shape))
+        elif name in _SCORE_OPS:
+            rank = len(out_shape)
+            lhs, rhs = _operand(args[0], access, rank), _operand(args[1], access, rank)
+            access[var] = lambda idx, lhs=lhs, rhs=rhs, name=name: _elementwise(
+                name, lhs(idx), rhs(idx)
+            )
+        elif name == "relax.matmul":
+            a_shape, b_shape = _shape(args[0]), _shape(args[1])
+            if len(a_shape) < 2 or len(b_shape) < 2:
+                raise _Unsupported("a matmul of a vector")
+            access[var] = _of_tensor(
+                _matmul(
+                    access[args[0]],
+                    a_shape,
+                    access[args[1]],
+                    b_shape,
+                    out_shape,
+                    str(var.ty.dtype),
+                )
+            )
+        elif name == "relax.nn.softmax":
+            scores = te.compute(out_shape, _elements(access[args[0]]), name="scores")
+            access[var] = _of_tensor(topi.nn.softmax(scores, axis=len(out_shape) - 1))
+        else:
+            raise _Unsupported(str(name))
+    result = info.bindings[group[-1]].var
+    out = te.compute(_shape(result), _elements(access[result]), name="attention")
+    # A private function (the builder names it) with its own symbolic vars, as ``call_te``
+    # makes them: the placeholders' shapes still hold the Relax function's vars.
+    kernel = s_tir.renew_defs(
+        te.create_prim_func([*placeholders, out], index_dtype_override="int64")
+    )
+    kernel = kernel.without_attr("global_symbol")
+    return kernel, inputs
+
+
+@tvm.transform.module_pass(opt_level=0, name="FuseAttention")
+class FuseAttention:
+    """Compute each attention chain as one kernel (see the module docstring).
+
+    Parameters
+    ----------
+    options
+        An :class:`AttentionOptions` (``None``: defaults).
+
+    After the pass ran, ``pass_obj.report`` is an :class:`AttentionReport` of the last run.
+    """
+
+    def __init__(self, options: AttentionOptions | None = None) -> None:
+        if options is not None and not isinstance(options, AttentionOptions):
+            raise TypeError(f"FuseAttention expects AttentionOptions, got {type(options).__name__}")
+        self.options = options or AttentionOptions()
+        self.report = AttentionReport()
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        self.report = AttentionReport()
+        if not self.options.enabled:
+            return mod
+        builder = relax.BlockBuilder(mod)
+        changed = False
+        for gv, func in list(mod.functions.items()):
+            if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
+                continue
+            attrs = func.attrs or {}
+            if any(key in attrs for key in ("Primitive", "Codegen", "Composite")):
+                continue
+            blocks = list(func.body.blocks)
+            func_changed = False
+            for index, block in enumerate(blocks):
+                if not isinstance(block, relax.DataflowBlock):
+                    continue
+                new_block = self._fuse_block(block, vars_read_after(func, index), builder)
+                if new_block is not None:
+                    blocks[index] = new_block
+                    func_changed = True
+            if func_changed:
+                builder.update_func(gv, with_blocks(func, blocks))
+                changed = True
+        if not changed:
+            return mod
+        # The bindings the kernels replaced are now unused.
+        return relax.transform.DeadCodeElimination()(builder.get())
+
+    def _fuse_block(
+        self,
+        block: relax.DataflowBlock,
+        read_after: set[relax.Var],
+        builder: relax.BlockBuilder,
+    ) -> relax.DataflowBlock | None:
+        info = _Block(block, read_after)
+        taken: set[int] = set()
+        replace_at: dict[int, relax.Binding] = {}
+        for pos, binding in enumerate(info.bindings):
+            if _op_name(binding) != "relax.nn.softmax" or pos in taken:
+                continue
+            if not _softmax_axis_is_last(binding):
+                continue
+            core = _core(info, pos)
+            if core is None or taken & set(core):
+                continue
+            group = set(core)
+            if self.options.absorb_inputs:
+                group = _extend(info, group, self.options) - taken
+            if len(group) > self.options.max_group:
+                continue
+            ordered = sorted(group)
+            try:
+                kernel, inputs = build_kernel(info, ordered)
+            except _Unsupported:
+                continue
+            gv = builder.add_func(kernel, "fused_attention")
+            last = info.bindings[ordered[-1]]
+            call = relax.call_tir(gv, inputs, last.var.ty)
+            replace_at[ordered[-1]] = relax.VarBinding(last.var, call)
+            taken |= group
+            self.report.fused += 1
+            self.report.absorbed += len(group) - len(core)
+        if not replace_at:
+            return None
+        # Only the last binding of a group is replaced; the others are left for
+        # DeadCodeElimination (nothing else reads them).
+        return relax.DataflowBlock(
+            [replace_at.get(pos, binding) for pos, binding in enumerate(info.bindings)]
+        )

@@ -1,0 +1,303 @@
+# ruff: noqa: E501
+"""FuseAttention: an attention chain becomes one kernel that never holds its score matrix."""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import numpy as np
+import pytest
+import tvm
+from tvm.script import ir as I
+from tvm.script import relax as R
+from tvm.script import tirx as T
+
+from blade_relax.frontend.builtin import attention_block
+from blade_relax.testing.differential import Variant, compile_checked, measure_call
+from blade_relax.transform import AttentionOptions, FuseAttention, InlineKernelIntermediates
+
+
+# fmt: off
+@I.ir_module
+class Attention:
+    """Two heads cut out of a fused ``qkv`` projection, scaled, masked, and merged back."""
+
+    @R.function
+    def main(qkv: R.Tensor(("s", 12), "float32"), mask: R.Tensor((1, "s", "s"), "float32")):
+        s = T.int64()
+        with R.dataflow():
+            parts = R.split(qkv, indices_or_sections=[4, 8], axis=1)
+            q = parts[0]
+            k = parts[1]
+            v = parts[2]
+            qh = R.permute_dims(R.reshape(q, R.shape([s, 2, 2])), axes=[1, 0, 2])
+            kh = R.permute_dims(R.reshape(k, R.shape([s, 2, 2])), axes=[1, 2, 0])
+            vh = R.permute_dims(R.reshape(v, R.shape([s, 2, 2])), axes=[1, 0, 2])
+            scores = R.matmul(qh, kh)
+            scaled = R.multiply(scores, R.const(0.5, "float32"))
+            masked = R.add(scaled, mask)
+            probs = R.nn.softmax(masked, axis=-1)
+            ctx = R.matmul(probs, vh)
+            merged = R.permute_dims(ctx, axes=[1, 0, 2])
+            out = R.reshape(merged, R.shape([s, 4]))
+            R.output(out)
+        return out
+
+
+# The kernel's shapes share one symbolic dim, as TVM's printer writes it.
+s = TypeVar("s")
+
+
+@I.ir_module
+class AttentionExpected:
+    @T.prim_func(private=True, s_tir=True)
+    def fused_attention(qkv: T.Buffer((s, T.int64(12)), "float32"), mask: T.Buffer((T.int64(1), s, s), "float32"), attention: T.Buffer((s, T.int64(4)), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        # with T.sblock("root"):
+        matmul = T.sblock_alloc_buffer((T.int64(2), s, s))
+        scores = T.sblock_alloc_buffer((T.int64(2), s, s))
+        T_softmax_maxelem = T.sblock_alloc_buffer((T.int64(2), s))
+        T_softmax_exp = T.sblock_alloc_buffer((T.int64(2), s, s))
+        T_softmax_expsum = T.sblock_alloc_buffer((T.int64(2), s))
+        T_softmax_norm = T.sblock_alloc_buffer((T.int64(2), s, s))
+        matmul_1 = T.sblock_alloc_buffer((T.int64(2), s, T.int64(2)))
+        for i0, i1, i2, k in T.grid(T.int64(2), s, s, T.int64(2)):
+            with T.sblock("matmul"):
+                v_i0 = T.axis.spatial(T.int64(2), i0)
+                v_i1 = T.axis.spatial(s, i1)
+                v_i2 = T.axis.spatial(s, i2)
+                v_k = T.axis.reduce(T.int64(2), k)
+                T.reads(qkv[T.min(v_i1, v_i2):T.min(v_i1, v_i2) + (T.max(v_i1, v_i2) + T.int64(1) - T.min(v_i1, v_i2)), v_i0 * T.int64(2) + v_k:v_i0 * T.int64(2) + v_k + T.int64(5)])
+                T.writes(matmul[v_i0, v_i1, v_i2])
+                with T.init():
+                    matmul[v_i0, v_i1, v_i2] = T.float32(0.0)
+                matmul[v_i0, v_i1, v_i2] = matmul[v_i0, v_i1, v_i2] + qkv[v_i1, v_i0 * T.int64(2) + v_k] * qkv[v_i2, v_i0 * T.int64(2) + v_k + T.int64(4)]
+        for i0, i1, i2 in T.grid(T.int64(2), s, s):
+            with T.sblock("scores"):
+                v_i0 = T.axis.spatial(T.int64(2), i0)
+                v_i1 = T.axis.spatial(s, i1)
+                v_i2 = T.axis.spatial(s, i2)
+                T.reads(matmul[v_i0, v_i1, v_i2], mask[T.int64(0), v_i1, v_i2])
+                T.writes(scores[v_i0, v_i1, v_i2])
+                scores[v_i0, v_i1, v_i2] = matmul[v_i0, v_i1, v_i2] * T.float32(0.5) + mask[T.int64(0), v_i1, v_i2]
+        for i0, i1, k in T.grid(T.int64(2), s, s):
+            with T.sblock("T_softmax_maxelem"):
+                v_i0 = T.axis.spatial(T.int64(2), i0)
+                v_i1 = T.axis.spatial(s, i1)
+                v_k = T.axis.reduce(s, k)
+                T.reads(scores[v_i0, v_i1, v_k])
+                T.writes(T_softmax_maxelem[v_i0, v_i1])
+                with T.init():
+                    T_softmax_maxelem[v_i0, v_i1] = T.float32(-340282346638528859811704183484516925440.0)
+                T_softmax_maxelem[v_i0, v_i1] = T.max(T_softmax_maxelem[v_i0, v_i1], scores[v_i0, v_i1, v_k])
+        for i0, i1, i2 in T.grid(T.int64(2), s, s):
+            with T.sblock("T_softmax_exp"):
+                v_i0 = T.axis.spatial(T.int64(2), i0)
+                v_i1 = T.axis.spatial(s, i1)
+                v_i2 = T.axis.spatial(s, i2)
+                T.reads(scores[v_i0, v_i1, v_i2], T_softmax_maxelem[v_i0, v_i1])
+                T.writes(T_softmax_exp[v_i0, v_i1, v_i2])
+                T_softmax_exp[v_i0, v_i1, v_i2] = T.exp(scores[v_i0, v_i1, v_i2] - T_softmax_maxelem[v_i0, v_i1])
+        for i0, i1, k in T.grid(T.int64(2), s, s):
+            with T.sblock("T_softmax_expsum"):
+                v_i0 = T.axis.spatial(T.int64(2), i0)
+                v_i1 = T.axis.spatial(s, i1)
+                v_k = T.axis.reduce(s, k)
+                T.reads(T_softmax_exp[v_i0, v_i1, v_k])
+                T.writes(T_softmax_expsum[v_i0, v_i1])
+                with T.init():
+                    T_softmax_expsum[v_i0, v_i1] = T.float32(0.0)
+                T_softmax_expsum[v_i0, v_i1] = T_softmax_expsum[v_i0, v_i1] + T_softmax_exp[v_i0, v_i1, v_k]
+        for i0, i1, i2 in T.grid(T.int64(2), s, s):
+            with T.sblock("T_softmax_norm"):
+                v_i0 = T.axis.spatial(T.int64(2), i0)
+                v_i1 = T.axis.spatial(s, i1)
+                v_i2 = T.axis.spatial(s, i2)
+                T.reads(T_softmax_exp[v_i0, v_i1, v_i2], T_softmax_expsum[v_i0, v_i1])
+                T.writes(T_softmax_norm[v_i0, v_i1, v_i2])
+                T.sblock_attr({"axis": 2})
+                T_softmax_norm[v_i0, v_i1, v_i2] = T_softmax_exp[v_i0, v_i1, v_i2] / T_softmax_expsum[v_i0, v_i1]
+        for i0, i1, i2, k in T.grid(T.int64(2), s, T.int64(2), s):
+            with T.sblock("matmul_1"):
+                v_i0 = T.axis.spatial(T.int64(2), i0)
+                v_i1 = T.axis.spatial(s, i1)
+                v_i2 = T.axis.spatial(T.int64(2), i2)
+                v_k = T.axis.reduce(s, k)
+                T.reads(T_softmax_norm[v_i0, v_i1, v_k], qkv[v_k, v_i0 * T.int64(2) + v_i2 + T.int64(8)])
+                T.writes(matmul_1[v_i0, v_i1, v_i2])
+                with T.init():
+                    matmul_1[v_i0, v_i1, v_i2] = T.float32(0.0)
+                matmul_1[v_i0, v_i1, v_i2] = matmul_1[v_i0, v_i1, v_i2] + T_softmax_norm[v_i0, v_i1, v_k] * qkv[v_k, v_i0 * T.int64(2) + v_i2 + T.int64(8)]
+        for i0, i1 in T.grid(s, T.int64(4)):
+            with T.sblock("attention"):
+                v_i0 = T.axis.spatial(s, i0)
+                v_i1 = T.axis.spatial(T.int64(4), i1)
+                T.reads(matmul_1[v_i1 // T.int64(2), v_i0, v_i1 % T.int64(2)])
+                T.writes(attention[v_i0, v_i1])
+                attention[v_i0, v_i1] = matmul_1[v_i1 // T.int64(2), v_i0, v_i1 % T.int64(2)]
+
+    @R.function
+    def main(qkv: R.Tensor((s, 12), dtype="float32"), mask: R.Tensor((1, s, s), dtype="float32")) -> R.Tensor((s, 4), dtype="float32"):
+        cls = AttentionExpected
+        with R.dataflow():
+            out = R.call_tir(cls.fused_attention, (qkv, mask), out_ty=R.Tensor((s, 4), dtype="float32"))
+            R.output(out)
+        return out
+
+
+@I.ir_module
+class ProbsEscape:
+    """A training graph: the backward reads the softmax output, so it must exist."""
+
+    @R.function
+    def main(q: R.Tensor((2, "s", 4), "float32"), k: R.Tensor((2, 4, "s"), "float32"), v: R.Tensor((2, "s", 4), "float32")):
+        with R.dataflow():
+            scores = R.matmul(q, k)
+            probs = R.nn.softmax(scores, axis=-1)
+            ctx = R.matmul(probs, v)
+            both = R.add(R.sum(ctx), R.sum(probs))
+            R.output(both)
+        return both
+
+
+@I.ir_module
+class SoftmaxOverRows:
+    """A softmax over another axis than the last is not an attention."""
+
+    @R.function
+    def main(q: R.Tensor((2, "s", 4), "float32"), k: R.Tensor((2, 4, "s"), "float32"), v: R.Tensor((2, "s", 4), "float32")):
+        with R.dataflow():
+            scores = R.matmul(q, k)
+            probs = R.nn.softmax(scores, axis=1)
+            ctx = R.matmul(probs, v)
+            R.output(ctx)
+        return ctx
+
+
+@I.ir_module
+class SymbolicReshape:
+    """A reshape that moves the symbolic dim across constant ones has no affine index map."""
+
+    @R.function
+    def main(q: R.Tensor(("s", 8), "float32"), k: R.Tensor((2, 4, "s"), "float32"), v: R.Tensor((2, "s", 4), "float32")):
+        s = T.int64()
+        with R.dataflow():
+            qh = R.reshape(q, R.shape([2, s, 4]))
+            scores = R.matmul(qh, k)
+            probs = R.nn.softmax(scores, axis=-1)
+            ctx = R.matmul(probs, v)
+            R.output(ctx)
+        return ctx
+# fmt: on
+
+
+def test_attention_chain_becomes_one_kernel():
+    pass_ = FuseAttention()
+    tvm.ir.assert_structural_equal(pass_(Attention), AttentionExpected)
+    # Core: matmul, multiply, add, softmax, matmul; absorbed: split, its items, reshapes,
+    # transposes on the way in, the transpose and reshape on the way out.
+    assert (pass_.report.fused, pass_.report.absorbed) == (1, 12)
+
+
+@pytest.mark.parametrize("module", [ProbsEscape, SoftmaxOverRows, SymbolicReshape])
+def test_other_chains_pass_through(module):
+    pass_ = FuseAttention()
+    assert pass_(module).same_as(module)
+    assert pass_.report.fused == 0
+
+
+def test_core_only_and_options():
+    core = FuseAttention(AttentionOptions(absorb_inputs=False))
+    after = core(Attention)
+    assert (core.report.fused, core.report.absorbed) == (1, 0)
+    # The layout operators stay bindings of main; the kernel reads the heads they produce.
+    assert (
+        "R.split" in after["main"].script() and "R.split" not in after.script().split("def main")[0]
+    )
+    assert FuseAttention(AttentionOptions(enabled=False))(Attention).same_as(Attention)
+    with pytest.raises(ValueError, match="max_group"):
+        AttentionOptions(max_group=3)
+    with pytest.raises(TypeError, match="AttentionOptions"):
+        FuseAttention(3)
+
+
+def _row_scratch(mod: tvm.IRModule) -> list[str]:
+    """The scratch buffers of the fused kernel after TVM's own compaction, as printed."""
+    func = mod["fused_attention"].with_attr("global_symbol", "main")
+    s_tir = tvm.s_tir.transform
+    lowered = tvm.transform.Sequential(
+        [
+            s_tir.LowerInitBlock(),
+            s_tir.PlanAndUpdateBufferAllocationLocation(),
+            s_tir.ConvertBlocksToOpaque(),
+            s_tir.CompactBufferAllocation(),
+        ]
+    )(tvm.IRModule({"main": func}))
+    return [
+        line.strip() for line in lowered["main"].script().splitlines() if "alloc_buffer(" in line
+    ]
+
+
+def test_kernel_computes_one_row_at_a_time():
+    """After InlineKernelIntermediates, no scratch buffer of the kernel has two ``s`` axes:
+    the scores and probabilities are kept one row at a time."""
+    fused = FuseAttention()(Attention)
+    before = _row_scratch(fused)
+    assert any(line.count("s") >= 2 and "(T.int64(2), s, s)" in line for line in before), before
+    inline = InlineKernelIntermediates()
+    after = _row_scratch(inline(fused))
+    assert inline.report.rows >= 4
+    assert after and not any("s, s" in line for line in after), after
+
+
+ATTENTION = Variant("attention", fuse_attention=True, inline_kernels=True)
+STOCK = Variant("none")
+
+
+@pytest.mark.parametrize("s", [1, 7, 33])
+def test_results_and_bytes_against_the_unfused_graph(s):
+    rng = np.random.default_rng(s)
+    qkv = rng.standard_normal((s, 12)).astype("float32")
+    mask = np.triu(np.full((s, s), -1e9, "float32"), 1)[None]
+    runs = {}
+    for variant in (STOCK, ATTENTION):
+        compiled = compile_checked(Attention, variant)
+        runs[variant.name] = measure_call(compiled.vm(), [qkv, mask])
+    np.testing.assert_allclose(
+        runs["attention"].outputs, runs["none"].outputs, rtol=1e-6, atol=1e-6
+    )
+    # The unfused graph holds the scores and probabilities, (2, s, s) each; the kernel holds a
+    # row of each, and no split copies.
+    assert runs["attention"].peak < runs["none"].peak
+
+
+def test_attention_block_in_the_default_pipeline():
+    """The builtin attention block (separate q/k/v projections) is fused in the default CPU
+    pipeline, which then computes the same result in fewer bytes."""
+    mod = attention_block(hidden=16, heads=2)
+    rng = np.random.default_rng(0)
+    args = [rng.standard_normal((40, 16)).astype("float32")]
+    args += [rng.standard_normal((16, 16)).astype("float32") * 0.3 for _ in range(4)]
+    # The default pipeline's passes; Rematerialize does nothing without a budget.
+    default = dict.fromkeys(
+        (
+            "schedule",
+            "plan",
+            "simplify",
+            "fold_scatter",
+            "inline_kernels",
+            "recompute",
+            "clone_generated",
+            "fuse_attention",
+        ),
+        True,
+    )
+    runs = {}
+    for fused in (True, False):
+        variant = Variant(f"default-{fused}", **{**default, "fuse_attention": fused})
+        runs[fused] = measure_call(compile_checked(mod, variant).vm(), args)
+    np.testing.assert_allclose(runs[True].outputs, runs[False].outputs, rtol=1e-5, atol=1e-6)
+    assert runs[True].peak < runs[False].peak
+    fuse = FuseAttention()
+    fuse(mod)
+    assert fuse.report.fused == 1
