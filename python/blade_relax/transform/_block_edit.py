@@ -113,9 +113,14 @@ def with_blocks(func: relax.Function, blocks: Sequence[relax.BindingBlock]) -> r
     return relax.BlockBuilder().normalize(new_func)
 
 
-def rewrite_dataflow_blocks(mod: tvm.IRModule, rewrite: BlockRewrite) -> tvm.IRModule:
+def rewrite_dataflow_blocks(
+    mod: tvm.IRModule, rewrite: BlockRewrite, builder: relax.BlockBuilder | None = None
+) -> tvm.IRModule:
     """``mod`` with ``rewrite`` applied to every dataflow block of every Relax function; the
-    functions whose blocks changed are rebuilt (``mod`` itself when none did)."""
+    functions whose blocks changed are rebuilt (``mod`` itself when none did).
+
+    ``builder``, a ``relax.BlockBuilder(mod)`` the rewrite adds functions to (kernels its new
+    bindings call), receives the rebuilt functions too and gives the result."""
     updates = {}
     for gv, func in mod.functions.items():
         if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
@@ -133,7 +138,7 @@ def rewrite_dataflow_blocks(mod: tvm.IRModule, rewrite: BlockRewrite) -> tvm.IRM
             updates[gv] = with_blocks(func, blocks)
     if not updates:
         return mod
-    builder = relax.BlockBuilder(mod)
+    builder = builder or relax.BlockBuilder(mod)
     for gv, func in updates.items():
         builder.update_func(gv, func)
     return builder.get()

@@ -62,7 +62,7 @@ import numpy as np
 import tvm
 from tvm import relax, s_tir, te, tirx, topi
 
-from ._block_edit import vars_read_after, with_blocks
+from ._block_edit import rewrite_dataflow_blocks, vars_read_after
 
 __all__ = ["AttentionOptions", "AttentionReport", "FuseAttention", "LAYOUT_OPS"]
 
@@ -566,29 +566,18 @@ class FuseAttention:
         if not self.options.enabled:
             return mod
         builder = relax.BlockBuilder(mod)
-        changed = False
-        for gv, func in list(mod.functions.items()):
-            if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
-                continue
+
+        def rewrite(func, index, block, _blocks):
             attrs = func.attrs or {}
             if any(key in attrs for key in ("Primitive", "Codegen", "Composite")):
-                continue
-            blocks = list(func.body.blocks)
-            func_changed = False
-            for index, block in enumerate(blocks):
-                if not isinstance(block, relax.DataflowBlock):
-                    continue
-                new_block = self._fuse_block(block, vars_read_after(func, index), builder)
-                if new_block is not None:
-                    blocks[index] = new_block
-                    func_changed = True
-            if func_changed:
-                builder.update_func(gv, with_blocks(func, blocks))
-                changed = True
-        if not changed:
+                return None
+            return self._fuse_block(block, vars_read_after(func, index), builder)
+
+        out = rewrite_dataflow_blocks(mod, rewrite, builder)
+        if out is mod:
             return mod
         # The bindings the kernels replaced are now unused.
-        return relax.transform.DeadCodeElimination()(builder.get())
+        return relax.transform.DeadCodeElimination()(out)
 
     def _fuse_block(
         self,
