@@ -123,10 +123,13 @@ def _pass_list(
     if schedule:
         from .transform import MemoryAwareSchedule, ScheduleOptions
 
-        if schedule_options is None and plan:
+        if schedule_options is None:
             # Score orders for the planner that follows: PlanMemory frees each tensor after its
-            # last use; StaticPlanBlockMemory (the pass's default model) pools equal sizes.
-            schedule_options = ScheduleOptions(planner="plan")
+            # last use; StaticPlanBlockMemory (the pass's default model) pools equal sizes. With
+            # RecomputeCheapValues after it, the chosen order is compared once more, recomputed.
+            schedule_options = ScheduleOptions(
+                planner="plan" if plan else "static", recompute_after=recompute
+            )
         passes.append(MemoryAwareSchedule(schedule_options))
     if recompute:
         from .transform import RecomputeCheapValues

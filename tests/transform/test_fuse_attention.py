@@ -278,10 +278,10 @@ def test_attention_block_in_the_default_pipeline():
     rng = np.random.default_rng(0)
     args = [rng.standard_normal((40, 16)).astype("float32")]
     args += [rng.standard_normal((16, 16)).astype("float32") * 0.3 for _ in range(4)]
-    # The default pipeline's passes; Rematerialize does nothing without a budget.
     default = dict.fromkeys(
         (
             "schedule",
+            "remat",
             "plan",
             "simplify",
             "fold_scatter",

@@ -41,7 +41,7 @@ from ..symbolic import UNBOUNDED_STAND_IN, Ordering, ShapeGraph, SymbolicExpr
 from ..symbolic.dim import is_unknown_symbol
 from ..symbolic.expr import evaluate_sympy
 
-__all__ = ["ByteSpace", "OrderProfile", "UnsupportedBytes"]
+__all__ = ["ByteSpace", "OrderProfile", "UnsupportedBytes", "acceptance_points"]
 
 # Values standing for opaque UNKNOWN atoms in heuristic decisions only: a schedule whose
 # acceptance would need their real value must be proven instead.
@@ -104,7 +104,7 @@ class ByteSpace:
         self.exact = not any(is_unknown_symbol(a) for a in self._atoms)
         self._roots = _free_roots(graph)
         self.decision_points = [_restrict(p, self._roots) for p in graph.representative_points()]
-        self.acceptance_points = _dedup(self.decision_points + _dense_points(self._roots))
+        self.acceptance_points = acceptance_points(graph)
         self._decision_values = self._monomial_values(self.decision_points)
         self._acceptance_values = self._monomial_values(self.acceptance_points)
         value_max = max(
@@ -388,6 +388,13 @@ def _unique_object(rows: np.ndarray) -> np.ndarray:
     for row in rows:
         seen.setdefault(tuple(row.tolist()), None)
     return np.array(list(seen), dtype=object).reshape(len(seen), rows.shape[1])
+
+
+def acceptance_points(graph: ShapeGraph) -> list[dict[str, int]]:
+    """The acceptance points of ``graph``'s free dims (see the module docstring)."""
+    roots = _free_roots(graph)
+    decision = [_restrict(p, roots) for p in graph.representative_points()]
+    return _dedup(decision + _dense_points(roots))
 
 
 def _free_roots(graph: ShapeGraph) -> dict[str, tuple[int, int]]:

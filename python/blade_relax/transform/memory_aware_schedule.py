@@ -133,7 +133,7 @@ import tvm
 from tvm import relax
 
 from ..symbolic import ShapeGraph, SymbolicExpr
-from ._schedule_cost import OrderProfile, UnsupportedBytes, front_le
+from ._schedule_cost import OrderProfile, UnsupportedBytes, acceptance_points, front_le
 from ._schedule_model import (
     PLANNERS,
     Block,
@@ -156,6 +156,7 @@ from ._schedule_search import (
 from ._schedule_versions import (
     VERSION_ATTR,
     DimRange,
+    _crossover,
     build_dispatch,
     choose_ranges,
     range_graph,
@@ -226,6 +227,14 @@ class ScheduleOptions:
         Blocks with fewer bindings are left as they are.
     max_bindings
         Blocks with more bindings are left as they are (None: no limit).
+    recompute_after
+        ``RecomputeCheapValues`` follows the pass (as in :func:`blade_relax.get_pipeline`).
+        Orders are scored before recomputation, which removes different values from different
+        orders; so a function that gets one order (no range versions) is compared once more,
+        recomputed, with its input order: the input order is kept where it is then no higher
+        at every acceptance point and lower at one; where it is lower only from some length
+        on, the function dispatches to the scheduled order below that length and to the input
+        order above it (the crossover found as for range versions).
     """
 
     strategies: tuple[str, ...] = STRATEGIES
@@ -242,6 +251,7 @@ class ScheduleOptions:
     tie: float = 0.001
     min_bindings: int = 3
     max_bindings: int | None = None
+    recompute_after: bool = False
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.strategies if s not in STRATEGIES]
@@ -771,6 +781,18 @@ def schedule_module(
             updates[gv] = dispatcher
             added.extend(copies)
         elif single.func is not func:
+            if options.recompute_after and max(options.max_versions, 2) > 1:
+                choice = _after_recompute(mod, gv, func, single.func, graph)
+                if choice is not None:
+                    for entry in single.reports:
+                        entry.strategy += f" ({choice[0]} after recomputation)"
+                    if choice[0] == "input order kept":
+                        continue
+                    dispatcher, copies = build_dispatch(mod, gv, func, choice[1], choice[2])
+                    updates[gv] = dispatcher
+                    added.extend(copies)
+                    report.versions[gv.name_hint] = [str(r) for r, _ in choice[2]]
+                    continue
             updates[gv] = single.func
     if not updates:
         return mod, report
@@ -778,6 +800,65 @@ def schedule_module(
     functions.update(dict(added))
     out = tvm.IRModule(functions, attrs=mod.attrs, global_infos=mod.global_infos)
     return out, report
+
+
+def _after_recompute(
+    mod: tvm.IRModule,
+    gv: tvm.ir.GlobalVar,
+    original: relax.Function,
+    scheduled: relax.Function,
+    graph: ShapeGraph,
+) -> tuple | None:
+    """Compare the input and the scheduled order after ``RecomputeCheapValues`` (see
+    ``ScheduleOptions.recompute_after``).
+
+    Returns ``("input order kept",)``, ``("split", dim_var, versions)`` (the scheduled order
+    up to the crossover, the input order above it) or None (keep the scheduled order).
+    """
+    from ..analysis import memory_timeline
+    from .recompute_cheap_values import RecomputeCheapValues
+
+    timelines = {}
+    for name, func in (("input", original), ("scheduled", scheduled)):
+        trial = tvm.IRModule(dict(mod.functions), attrs=mod.attrs, global_infos=mod.global_infos)
+        trial[gv] = func
+        trial = RecomputeCheapValues()(trial)
+        timelines[name] = memory_timeline(trial[gv], mod=trial)
+    found = version_dim(original, graph)
+    points = acceptance_points(graph)
+    if found is not None:
+        var = found[0]
+        points = sorted(points, key=lambda p: p[var.name])
+
+    def peaks_at(name: str, values: list[int]) -> np.ndarray:
+        return np.array([timelines[name].evaluate({var.name: v}).peak for v in values])
+
+    try:
+        kept = [timelines["input"].evaluate(p).peak for p in points]
+        chosen = [timelines["scheduled"].evaluate(p).peak for p in points]
+    except (ValueError, KeyError):  # a size a point cannot evaluate: keep the scheduled order
+        return None
+    if all(a <= b for a, b in zip(kept, chosen)):
+        return ("input order kept",) if any(a < b for a, b in zip(kept, chosen)) else None
+    if found is None:
+        return None
+    # The input order wins from some point on: the last point where the scheduled order is
+    # no higher, with the input order no higher at every point after it and lower at one.
+    _, lower, upper = found
+    for i in range(len(points) - 1):
+        before = all(b <= a for a, b in zip(kept[: i + 1], chosen[: i + 1]))
+        after = all(a <= b for a, b in zip(kept[i + 1 :], chosen[i + 1 :]))
+        if before and after and any(a < b for a, b in zip(kept[i + 1 :], chosen[i + 1 :])):
+            t, nxt = points[i][var.name], points[i + 1][var.name]
+            cut = _crossover(peaks_at, "scheduled", "input", t, nxt)
+            if upper is not None and cut >= upper:
+                return None
+            versions = [
+                (DimRange(var.name, lower, cut), scheduled),
+                (DimRange(var.name, cut + 1, upper), original),
+            ]
+            return ("split", var, versions)
+    return None
 
 
 @tvm.transform.module_pass(opt_level=0, name="MemoryAwareSchedule")

@@ -693,7 +693,14 @@ def _stock_plan(
                     func = func.without_attr(key)
         functions[gv] = func
     sub = tvm.IRModule(functions, attrs=mod.attrs, global_infos=mod.global_infos)
-    sub = relax.transform.StaticPlanBlockMemory()(sub)
+    # The sub-module leaves out the Relax functions planned here, which the delegated ones may
+    # call (a dispatcher calls its range copies): the caller's instruments (well-formedness
+    # checks) would report those calls, so the delegated pass runs without them.
+    current = tvm.transform.PassContext.current()
+    with tvm.transform.PassContext(
+        opt_level=current.opt_level, config=current.config, disabled_pass=current.disabled_pass
+    ):
+        sub = relax.transform.StaticPlanBlockMemory()(sub)
     out = {}
     for gv in gvs:
         func = sub[gv]
