@@ -13,8 +13,10 @@ from tvm.script import relax as R
 from tvm.script import tirx as T
 
 from blade_relax.frontend.builtin import attention_block
-from blade_relax.testing.differential import Variant, compile_checked, measure_call
+from blade_relax.testing.differential import ALL_VARIANTS, Variant, compile_checked, measure_call
 from blade_relax.transform import AttentionOptions, FuseAttention, InlineKernelIntermediates
+
+from .test_inline_kernel_intermediates import _lowered_scratch
 
 
 # fmt: off
@@ -223,19 +225,7 @@ def test_core_only_and_options():
 
 def _row_scratch(mod: tvm.IRModule) -> list[str]:
     """The scratch buffers of the fused kernel after TVM's own compaction, as printed."""
-    func = mod["fused_attention"].with_attr("global_symbol", "main")
-    s_tir = tvm.s_tir.transform
-    lowered = tvm.transform.Sequential(
-        [
-            s_tir.LowerInitBlock(),
-            s_tir.PlanAndUpdateBufferAllocationLocation(),
-            s_tir.ConvertBlocksToOpaque(),
-            s_tir.CompactBufferAllocation(),
-        ]
-    )(tvm.IRModule({"main": func}))
-    return [
-        line.strip() for line in lowered["main"].script().splitlines() if "alloc_buffer(" in line
-    ]
+    return _lowered_scratch(mod["fused_attention"])
 
 
 def test_kernel_computes_one_row_at_a_time():
@@ -278,20 +268,7 @@ def test_attention_block_in_the_default_pipeline():
     rng = np.random.default_rng(0)
     args = [rng.standard_normal((40, 16)).astype("float32")]
     args += [rng.standard_normal((16, 16)).astype("float32") * 0.3 for _ in range(4)]
-    default = dict.fromkeys(
-        (
-            "schedule",
-            "remat",
-            "plan",
-            "simplify",
-            "fold_scatter",
-            "inline_kernels",
-            "recompute",
-            "clone_generated",
-            "fuse_attention",
-        ),
-        True,
-    )
+    default = next(v for v in ALL_VARIANTS if v.name == "all").flags  # the default pipeline
     runs = {}
     for fused in (True, False):
         variant = Variant(f"default-{fused}", **{**default, "fuse_attention": fused})

@@ -18,8 +18,11 @@ import blade_relax
 from blade_relax.analysis import memory_timeline
 from blade_relax.frontend.builtin import BUILTIN_MODELS
 from blade_relax.symbolic import Ordering, ShapeGraph
+from blade_relax.testing.differential import ALL_VARIANTS
 from blade_relax.transform import MemoryAwareSchedule, ScheduleOptions
 from blade_relax.transform.memory_aware_schedule import schedule_module, version_for
+
+DEFAULT_VARIANT = next(v for v in ALL_VARIANTS if v.name == "all")
 
 
 def _order(mod: tvm.IRModule, block: int = 0) -> list[str]:
@@ -668,16 +671,8 @@ def test_order_is_compared_again_after_recomputation():
     from blade_relax.pipeline import lower_to_memory_stage
 
     mod = drop_upper_bounds(build_workload("gpt2-train", SMALL).graph.mod)
-    flags = dict(
-        schedule=True,
-        plan=True,
-        simplify=True,
-        fold_scatter=True,
-        inline_kernels=True,
-        recompute=True,
-        clone_generated=True,
-        fuse_attention=True,
-    )
+    # The default pipeline's passes (Rematerialize does nothing without a budget).
+    flags = {**DEFAULT_VARIANT.flags, "remat": False}
     peaks = {}
     for after in (False, True):
         options = ScheduleOptions(planner="plan", recompute_after=after)
