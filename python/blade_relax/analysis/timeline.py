@@ -47,6 +47,8 @@ from .liveness import BindingInfo, Liveness, liveness
 from .workspace import call_workspace
 
 __all__ = [
+    "VIEW_OPS",
+    "VIEW_PACKED",
     "Allocation",
     "EvaluatedTimeline",
     "MemoryTimeline",
@@ -56,15 +58,18 @@ __all__ = [
     "register_timeline_rule",
 ]
 
-# Operators whose result shares its input's memory.
-_VIEW_OPS = frozenset(
+#: Operators whose result shares its (first) argument's memory. Every model of what an
+#: instruction does to memory (this timeline, the schedule's, the planner's, the remat
+#: pass's) reads views from here.
+VIEW_OPS = frozenset(
     {
         "relax.reshape",
         "relax.memory.view",
         "relax.memory.ensure_zero_offset",
     }
 )
-_VIEW_PACKED = frozenset({"vm.builtin.reshape", "vm.builtin.tensor_view"})
+#: Packed functions whose result shares its first argument's memory.
+VIEW_PACKED = frozenset({"vm.builtin.reshape", "vm.builtin.tensor_view"})
 _STORAGE_ALLOCS = frozenset({"relax.memory.alloc_storage", "relax.vm.alloc_storage"})
 _TENSOR_IN_STORAGE = frozenset({"relax.memory.alloc_tensor", "relax.vm.alloc_tensor"})
 _TENSOR_ALLOCS = frozenset({"relax.builtin.alloc_tensor"})
@@ -412,7 +417,7 @@ def _value_effect(
         return ValueEffect(allocates=_storage_size(call, graph))
     if name in _TENSOR_IN_STORAGE:
         return ValueEffect(aliases=_tensor_vars(args[:1]))
-    if name in _VIEW_OPS or name in _VIEW_PACKED:
+    if name in VIEW_OPS or name in VIEW_PACKED:
         return ValueEffect(aliases=_tensor_vars(args[:1]))
     if name == "relax.call_tir_inplace":
         # The result is written into the arguments named by `inplace_indices`.

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 import tvm
 from tvm import relax, tirx
 
+from ..analysis.timeline import VIEW_OPS, VIEW_PACKED
+
 __all__ = ["Allocation", "FunctionFacts", "KernelCall", "collect_facts"]
 
-_VIEW_OPS = frozenset({"relax.reshape", "relax.memory.view", "relax.memory.ensure_zero_offset"})
-_VIEW_PACKED = frozenset({"vm.builtin.reshape"})
 _ALLOC_TENSOR = "relax.builtin.alloc_tensor"
 _ALLOC_STORAGE = frozenset({"relax.memory.alloc_storage", "relax.vm.alloc_storage"})
 _TENSOR_IN_STORAGE = frozenset({"relax.memory.alloc_tensor", "relax.vm.alloc_tensor"})
@@ -363,7 +363,7 @@ def _call_effect(
             )
             allocs.append(alloc)
             return frozenset({alloc.id})
-        if name in _TENSOR_IN_STORAGE or name in _VIEW_OPS:
+        if name in _TENSOR_IN_STORAGE or name in VIEW_OPS:
             return _used_allocs(args[0], aliases) if args else frozenset()
         if name in _SHAPE_ONLY_OPS:
             return frozenset()
@@ -376,7 +376,7 @@ def _call_effect(
         return used
     if isinstance(op, relax.ExternFunc):
         symbol = str(op.global_symbol)
-        if symbol in _VIEW_PACKED:
+        if symbol in VIEW_PACKED:
             return _used_allocs(args[0], aliases) if args else frozenset()
         used = _used_allocs(call, aliases)
         if symbol not in trusted:

@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 import tvm
 from tvm import relax
 
+from ..analysis.timeline import VIEW_OPS, VIEW_PACKED
+
 __all__ = ["FunctionModel", "Op", "RecipeError", "UnsupportedFunction", "build_model"]
 
 _ALLOC_TENSOR = "relax.builtin.alloc_tensor"
-_VIEW_OPS = frozenset({"relax.reshape", "relax.memory.view", "relax.memory.ensure_zero_offset"})
-_VIEW_PACKED = frozenset({"vm.builtin.reshape"})
 
 
 class UnsupportedFunction(Exception):
@@ -182,7 +182,7 @@ def _classify(
         name = _callee(value)
         if name == _ALLOC_TENSOR:
             return Op(index, var, value, "alloc", _vars_in(value, defined))
-        if name in _VIEW_OPS or name in _VIEW_PACKED:
+        if name in VIEW_OPS or name in VIEW_PACKED:
             args = list(value.args)
             if isinstance(value.op, tvm.ir.Op) and value.op.name in (
                 "relax.call_pure_packed",

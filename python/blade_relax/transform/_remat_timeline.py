@@ -43,6 +43,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ..analysis.timeline import VIEW_OPS, VIEW_PACKED
 from ..analysis.workspace import call_reads
 from ..runtime.remat import REMAT_FORMAT, metadata_key
 
@@ -84,9 +85,6 @@ _STORAGE_ALLOCS = frozenset({"relax.memory.alloc_storage", "relax.vm.alloc_stora
 _TENSOR_IN_STORAGE = frozenset({"relax.memory.alloc_tensor", "relax.vm.alloc_tensor"})
 _KILLS = frozenset(
     {"relax.memory.kill_tensor", "relax.memory.kill_storage", "relax.vm.kill_object"}
-)
-_VIEWS = frozenset(
-    {"relax.reshape", "relax.memory.view", "relax.memory.ensure_zero_offset", "vm.builtin.reshape"}
 )
 
 
@@ -470,7 +468,7 @@ class _Walker:
             elif name in _KILLS:
                 if args and isinstance(args[0], relax.Var):
                     self.drop(args[0])
-            elif name in _VIEWS:
+            elif name in VIEW_OPS or name in VIEW_PACKED:
                 sources = [a for a in args[:1] if isinstance(a, relax.Var)]
             elif name == EVICT:
                 slot = int(args[1].value)

@@ -19,12 +19,10 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
-from ..analysis.timeline import PACKED_CALL_OPS, callee_name
+from ..analysis.timeline import PACKED_CALL_OPS, VIEW_OPS, VIEW_PACKED, callee_name
 from ..symbolic import Ordering, ShapeGraph, SymbolicExpr
 from ._schedule_cost import ByteSpace, OrderProfile, pareto_front
 
-_VIEW_OPS = frozenset({"relax.reshape", "relax.memory.view", "relax.memory.ensure_zero_offset"})
-_VIEW_PACKED = frozenset({"vm.builtin.reshape", "vm.builtin.tensor_view"})
 _INPLACE = frozenset({"relax.call_tir_inplace", "relax.call_inplace_packed"})
 # Values that read no variable and allocate nothing the VM counts (constants live in the
 # executable; prim values, strings and dtypes are constants in TVM 0.27's IR).
@@ -243,7 +241,7 @@ class BlockBuilder:
             if relax.analysis.contains_impure_call(value):
                 raise UnsupportedBlock(f"impure call in binding {var.name}")
             name, args = callee_name(value)
-            if name in _VIEW_OPS or name in _VIEW_PACKED:
+            if name in VIEW_OPS or name in VIEW_PACKED:
                 self.is_view = True
                 return self._refs_of_expr(args[0]) if args else ()
             if name == "relax.call_tir":
