@@ -233,7 +233,7 @@ def test_kernel_computes_one_row_at_a_time():
     the scores and probabilities are kept one row at a time."""
     fused = FuseAttention()(Attention)
     before = _row_scratch(fused)
-    assert any(line.count("s") >= 2 and "(T.int64(2), s, s)" in line for line in before), before
+    assert any("(T.int64(2), s, s)" in line for line in before), before
     inline = InlineKernelIntermediates()
     after = _row_scratch(inline(fused))
     assert inline.report.rows >= 4

@@ -48,7 +48,7 @@ from tvm import relax
 
 from ._block_edit import copy_chain, insert_copies, rewrite_dataflow_blocks, vars_read_after
 
-__all__ = ["CloneGeneratedTensors", "CloneOptions", "CloneReport", "generated_trees"]
+__all__ = ["CloneGeneratedTensors", "CloneOptions", "CloneReport"]
 
 #: Operators cheap enough to repeat per reader, producing a tensor from their arguments alone.
 GENERATOR_OPS = frozenset(
@@ -116,7 +116,7 @@ class CloneReport:
     copies: int = 0
 
 
-def generated_trees(
+def _trees(
     bindings: Sequence[relax.Binding], params: set[relax.Var], max_tree: int
 ) -> dict[relax.Var, tuple[int, ...]]:
     """The generated bindings of a block (see the module docstring) -> the positions of their
@@ -163,7 +163,7 @@ def _clone_block(
     report: CloneReport,
 ) -> relax.DataflowBlock | None:
     bindings = list(block.bindings)
-    trees = generated_trees(bindings, params, options.max_tree)
+    trees = _trees(bindings, params, options.max_tree)
     readers: dict[relax.Var, list[int]] = {}
     for position, binding in enumerate(bindings):
         for var in relax.analysis.free_vars(binding.value):

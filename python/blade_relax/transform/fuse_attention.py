@@ -64,10 +64,10 @@ from tvm import relax, s_tir, te, tirx, topi
 
 from ._block_edit import rewrite_dataflow_blocks, vars_read_after
 
-__all__ = ["AttentionOptions", "AttentionReport", "FuseAttention", "LAYOUT_OPS"]
+__all__ = ["AttentionOptions", "AttentionReport", "FuseAttention"]
 
 #: Operators that only move data: an attention group may absorb them on either side.
-LAYOUT_OPS = frozenset(
+_LAYOUT_OPS = frozenset(
     {
         "relax.reshape",
         "relax.permute_dims",
@@ -77,9 +77,9 @@ LAYOUT_OPS = frozenset(
         "relax.split",
     }
 )
-_LAYOUT_NAMES = LAYOUT_OPS | {"TupleGetItem"}
+_LAYOUT_NAMES = _LAYOUT_OPS | {"TupleGetItem"}
 #: Layout readers of the result the group may take (a split's items would leave the group).
-_VIEW_OPS = LAYOUT_OPS - {"relax.split"}
+_RESULT_LAYOUT_OPS = _LAYOUT_OPS - {"relax.split"}
 
 #: Elementwise operators allowed between the score matmul and the softmax (scale, mask).
 _SCORE_OPS = frozenset(
@@ -255,7 +255,7 @@ def _extend(info: _Block, group: set[int], options: AttentionOptions) -> set[int
     last = max(group)
     while len(group) < options.max_group:
         reader = info.sole_reader(info.bindings[last].var)
-        if reader is None or _op_name(info.bindings[reader]) not in _VIEW_OPS:
+        if reader is None or _op_name(info.bindings[reader]) not in _RESULT_LAYOUT_OPS:
             break
         group.add(reader)
         last = reader
@@ -429,8 +429,6 @@ def _operand(expr: relax.Expr, access: dict, rank: int) -> Accessor:
     if expr not in access:
         raise _Unsupported("an operand outside the group")
     src, inner = _shape(expr), access[expr]
-    if len(src) == rank:
-        return lambda idx: inner(_broadcast_index(idx, src))
     return lambda idx: inner(_broadcast_index(idx, src))
 
 
@@ -453,7 +451,7 @@ def _shifted(inner: Accessor, axis: int, start: int) -> Accessor:
     return access
 
 
-def build_kernel(info: _Block, group: Sequence[int]) -> tuple[tirx.PrimFunc, list[relax.Var]]:
+def _build_kernel(info: _Block, group: Sequence[int]) -> tuple[tirx.PrimFunc, list[relax.Var]]:
     """The PrimFunc computing the group's result, and the outer tensors it reads (in order).
 
     Raises
@@ -603,7 +601,7 @@ class FuseAttention:
                 continue
             ordered = sorted(group)
             try:
-                kernel, inputs = build_kernel(info, ordered)
+                kernel, inputs = _build_kernel(info, ordered)
             except _Unsupported:
                 continue
             gv = builder.add_func(kernel, "fused_attention")

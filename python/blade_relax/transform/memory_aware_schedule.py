@@ -132,6 +132,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ..analysis import memory_timeline
 from ..symbolic import ShapeGraph, SymbolicExpr
 from ._schedule_cost import OrderProfile, UnsupportedBytes, acceptance_points, front_le
 from ._schedule_model import (
@@ -163,6 +164,7 @@ from ._schedule_versions import (
     version_dim,
     version_for,
 )
+from .recompute_cheap_values import RecomputeCheapValues
 
 __all__ = [
     "BlockReport",
@@ -233,8 +235,9 @@ class ScheduleOptions:
         orders; so a function that gets one order (no range versions) is compared once more,
         recomputed, with its input order: the input order is kept where it is then no higher
         at every acceptance point and lower at one; where it is lower only from some length
-        on, the function dispatches to the scheduled order below that length and to the input
-        order above it (the crossover found as for range versions).
+        on, the function dispatches (with ``max_versions`` of 2 or more) to the scheduled order
+        below that length and to the input order above it (the crossover found as for range
+        versions).
     """
 
     strategies: tuple[str, ...] = STRATEGIES
@@ -781,8 +784,8 @@ def schedule_module(
             updates[gv] = dispatcher
             added.extend(copies)
         elif single.func is not func:
-            if options.recompute_after and max(options.max_versions, 2) > 1:
-                choice = _after_recompute(mod, gv, func, single.func, graph)
+            if options.recompute_after:
+                choice = _after_recompute(mod, gv, func, single.func, graph, options)
                 if choice is not None:
                     for entry in single.reports:
                         entry.strategy += f" ({choice[0]} after recomputation)"
@@ -808,6 +811,7 @@ def _after_recompute(
     original: relax.Function,
     scheduled: relax.Function,
     graph: ShapeGraph,
+    options: ScheduleOptions,
 ) -> tuple | None:
     """Compare the input and the scheduled order after ``RecomputeCheapValues`` (see
     ``ScheduleOptions.recompute_after``).
@@ -815,9 +819,6 @@ def _after_recompute(
     Returns ``("input order kept",)``, ``("split", dim_var, versions)`` (the scheduled order
     up to the crossover, the input order above it) or None (keep the scheduled order).
     """
-    from ..analysis import memory_timeline
-    from .recompute_cheap_values import RecomputeCheapValues
-
     timelines = {}
     for name, func in (("input", original), ("scheduled", scheduled)):
         trial = tvm.IRModule(dict(mod.functions), attrs=mod.attrs, global_infos=mod.global_infos)
@@ -840,7 +841,7 @@ def _after_recompute(
         return None
     if all(a <= b for a, b in zip(kept, chosen)):
         return ("input order kept",) if any(a < b for a, b in zip(kept, chosen)) else None
-    if found is None:
+    if found is None or options.max_versions < 2:
         return None
     # The input order wins from some point on: the last point where the scheduled order is
     # no higher, with the input order no higher at every point after it and lower at one.
