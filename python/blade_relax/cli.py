@@ -568,7 +568,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from .analysis import compile_keeping_module, memory_timeline
     from .pipeline import get_pipeline, lower_to_memory_stage, stock_pipeline
     from .symbolic import ShapeGraph
-    from .transform.memory_aware_schedule import version_for
+    from .transform import version_for
 
     func = model.mod["main"]
     dims = sorted(ShapeGraph.from_function(func).dims)
@@ -693,7 +693,7 @@ def _warn_far_beyond(
     say, without running anything, how many bytes a call at the asked size allocates.
     """
     from .symbolic import ShapeGraph
-    from .transform.memory_aware_schedule import version_for
+    from .transform import version_for
 
     graph = ShapeGraph.from_function(func)
     if any(d.upper is not None for d in graph.dims.values()):
@@ -769,8 +769,7 @@ def function_label(mod: Any, name: str) -> str:
     entry function a copy stands for and when it runs: ``"main for s >= 110"``, ``"main"``
     (what runs without a budget), ``"main under a budget"``.
     """
-    from .transform._remat_timeline import COPY_ATTR
-    from .transform.memory_aware_schedule import VERSION_ATTR
+    from .contract import REMAT_COPY_ATTR, SCHEDULE_VERSION_ATTR
 
     ranges: list[str] = []
     budget = False
@@ -779,11 +778,11 @@ def function_label(mod: Any, name: str) -> str:
         if current not in {gv.name_hint for gv in mod.get_global_vars()}:
             break
         attrs = getattr(mod[current], "attrs", None)
-        if attrs is not None and COPY_ATTR in attrs:
-            budget = budget or bool(int(attrs[COPY_ATTR]["budget"]))
-            current = str(attrs[COPY_ATTR]["of"])
-        elif attrs is not None and VERSION_ATTR in attrs:
-            info = attrs[VERSION_ATTR]
+        if attrs is not None and REMAT_COPY_ATTR in attrs:
+            budget = budget or bool(int(attrs[REMAT_COPY_ATTR]["budget"]))
+            current = str(attrs[REMAT_COPY_ATTR]["of"])
+        elif attrs is not None and SCHEDULE_VERSION_ATTR in attrs:
+            info = attrs[SCHEDULE_VERSION_ATTR]
             dim, lower = str(info["dim"]), int(info["lower"])
             if "upper" in info:
                 ranges.append(f"{lower} <= {dim} <= {int(info['upper'])}")
@@ -891,7 +890,7 @@ def run_report(args: argparse.Namespace) -> int:
                 ) from None
             stages.append((label, lowered))
 
-    from .transform.memory_aware_schedule import version_for
+    from .transform import version_for
 
     timelines = []
     for label, mod in stages:

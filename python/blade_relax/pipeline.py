@@ -153,7 +153,7 @@ def _pass_list(
             passes.append(finalize_pass)
         if remat and finalize_pass.info.name == "KillAfterLastUse":
             # The remat runtime decides on the timeline of the planned IR (see rematerialize.py).
-            from .transform.rematerialize import RematTimeline
+            from .transform import RematTimeline
 
             passes.append(RematTimeline())
     return passes

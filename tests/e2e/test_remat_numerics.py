@@ -16,6 +16,7 @@ from tvm import relax
 
 import blade_relax
 from blade_relax.analysis import compile_keeping_module, memory_timeline
+from blade_relax.contract import REMAT_META_ATTR
 from blade_relax.runtime import (
     RematBudgetWarning,
     last_remat_decision,
@@ -24,9 +25,7 @@ from blade_relax.runtime import (
     set_memory_budget,
 )
 from blade_relax.testing.differential import Variant, compile_checked
-from blade_relax.transform import RematOptions
-from blade_relax.transform._remat_timeline import META_ATTR
-from blade_relax.transform.memory_aware_schedule import version_for
+from blade_relax.transform import RematOptions, version_for
 
 LAYERS, WIDTH = 4, 32
 LENGTHS = (7, 64, 300)
@@ -112,8 +111,8 @@ def test_dispatch_names_the_copy_that_runs(remat_memory_stage):
     low = remat_memory_stage
     assert version_for(low, "main_adjoint", {"n": 7}) == "main_adjoint__plain"
     assert version_for(low, "main_adjoint", {"n": 7}, budget=True) == "main_adjoint__remat"
-    assert META_ATTR in low["main_adjoint__remat"].attrs
-    assert META_ATTR not in low["main_adjoint__plain"].attrs
+    assert REMAT_META_ATTR in low["main_adjoint__remat"].attrs
+    assert REMAT_META_ATTR not in low["main_adjoint__plain"].attrs
 
 
 @pytest.mark.parametrize("n", LENGTHS)

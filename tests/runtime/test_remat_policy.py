@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import blade_relax  # noqa: F401  (registers the builtins)
+from blade_relax.contract import REMAT_FORMAT, metadata_key
 from blade_relax.runtime import (
     RematBudgetWarning,
     RematInexactWarning,
@@ -29,7 +30,7 @@ from blade_relax.runtime._remat_policy import (
     minimum_peak,
     predict_peak,
 )
-from blade_relax.runtime.remat import REMAT_FORMAT, compile_expressions, metadata_key
+from blade_relax.runtime.remat import compile_expressions
 
 
 def slot(k, nbytes, start, site, cost=1.0, regen_peak=None, deps=()):

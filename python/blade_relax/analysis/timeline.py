@@ -42,6 +42,7 @@ from typing import Any
 import tvm
 from tvm import relax
 
+from ..contract import EVICT, REGENERATE, REMAT_BEGIN
 from ..symbolic import Ordering, ShapeGraph, SymbolicExpr
 from .liveness import BindingInfo, Liveness, liveness
 from .workspace import call_workspace
@@ -440,9 +441,9 @@ def _value_effect(
 
 _RULES.update(
     {
-        "blade_relax.evict": _remat_evict_rule,
-        "blade_relax.regenerate": _remat_regenerate_rule,
-        "blade_relax.remat_begin": _remat_begin_rule,
+        EVICT: _remat_evict_rule,
+        REGENERATE: _remat_regenerate_rule,
+        REMAT_BEGIN: _remat_begin_rule,
     }
 )
 

@@ -32,6 +32,8 @@ from typing import Any
 import tvm
 from tvm import relax
 
+from ..contract import REMAT_ACTIVE
+
 __all__ = ["OverheadRow", "active_query_us", "main", "measure_overhead"]
 
 
@@ -68,7 +70,7 @@ def active_query_us(calls: int = 100_000) -> float:
     """Microseconds per call of ``blade_relax.remat_active`` through the FFI (no budget set)."""
     from .. import runtime
 
-    active = tvm.get_global_func("blade_relax.remat_active")
+    active = tvm.get_global_func(REMAT_ACTIVE)
     with runtime.set_memory_budget(None):
         start = time.perf_counter()
         for _ in range(calls):

@@ -22,6 +22,8 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ..contract import LOWER_BOUND_ATTR, UPPER_BOUND_ATTR
+
 __all__ = [
     "DimOutOfRangeError",
     "DimRange",
@@ -31,9 +33,6 @@ __all__ = [
     "set_dim_bounds",
     "specialize",
 ]
-
-UPPER_BOUND_ATTR = "tir_var_upper_bound"
-LOWER_BOUND_ATTR = "tir_var_lower_bound"
 
 
 class DimOutOfRangeError(ValueError):

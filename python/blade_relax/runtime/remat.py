@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import hashlib
 import json
 import threading
 import time
@@ -77,12 +76,12 @@ from typing import Any
 import numpy as np
 import tvm
 
+from ..contract import EVICT, REGENERATE, REMAT_ACTIVE, REMAT_BEGIN, REMAT_FORMAT
 from . import budget as _budget
 from ._remat_policy import ConcreteTimeline, Decision, SlotTimeline, decide, minimum_peak
 from .accounting import current_live_bytes, record_eviction, record_regeneration
 
 __all__ = [
-    "REMAT_FORMAT",
     "RematBudgetWarning",
     "RematInexactWarning",
     "RematProgram",
@@ -90,8 +89,6 @@ __all__ = [
     "last_remat_decision",
     "remat_programs",
 ]
-
-REMAT_FORMAT = "blade_relax.remat/2"
 
 # Decisions kept per program before the cache is emptied (shapes x budgets).
 _DECISION_CACHE_LIMIT = 1024
@@ -501,10 +498,10 @@ def _remat_active() -> bool:
     return _budget.get_memory_budget() is not None
 
 
-tvm.register_global_func("blade_relax.remat_active", _remat_active, override=True)
-tvm.register_global_func("blade_relax.remat_begin", _remat_begin, override=True)
-tvm.register_global_func("blade_relax.evict", _remat_evict, override=True)
-tvm.register_global_func("blade_relax.regenerate", _remat_regenerate, override=True)
+tvm.register_global_func(REMAT_ACTIVE, _remat_active, override=True)
+tvm.register_global_func(REMAT_BEGIN, _remat_begin, override=True)
+tvm.register_global_func(EVICT, _remat_evict, override=True)
+tvm.register_global_func(REGENERATE, _remat_regenerate, override=True)
 
 
 # --------------------------------------------------------------------------- reports
@@ -560,8 +557,3 @@ def remat_programs() -> dict[str, RematProgram]:
     """The programs of every rematerialized function called so far, by metadata key."""
     with _programs_lock:
         return dict(_programs)
-
-
-def metadata_key(function: str, text: str) -> str:
-    """The key under which a function's metadata is cached: its name and a digest of the JSON."""
-    return f"{function}:{hashlib.sha1(text.encode()).hexdigest()[:16]}"

@@ -59,8 +59,9 @@ from tvm import relax
 
 from .. import runtime
 from ..analysis import memory_timeline, workspace_table
+from ..contract import REMAT_META_ATTR
 from ..pipeline import get_pipeline
-from ..transform.memory_aware_schedule import version_for
+from ..transform import version_for
 from .program_gen import GeneratedProgram
 
 __all__ = [
@@ -734,10 +735,10 @@ def _remat_metadata(memory_stage: tvm.IRModule, dims: dict[str, int]) -> dict[st
     """The remat metadata of the function that runs ``main`` at ``dims`` under a budget (None
     when the pass left it alone)."""
     attrs = memory_stage[version_for(memory_stage, "main", dims, budget=True)].attrs
-    if attrs is None or "blade_relax.remat" not in attrs:
+    if attrs is None or REMAT_META_ATTR not in attrs:
         return None
     try:
-        return json.loads(str(attrs["blade_relax.remat"]))
+        return json.loads(str(attrs[REMAT_META_ATTR]))
     except ValueError:
         return None
 

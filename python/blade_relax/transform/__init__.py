@@ -2,13 +2,14 @@
 
 from .check_dim_ranges import CheckDimRanges, DimRangeOptions
 from .clone_generated_tensors import CloneGeneratedTensors, CloneOptions
+from .dispatch import version_for
 from .fold_zero_scatter import FoldZeroScatter, ZeroScatterOptions
 from .fuse_attention import AttentionOptions, FuseAttention
 from .inline_kernel_intermediates import InlineKernelIntermediates, InlineOptions
-from .memory_aware_schedule import MemoryAwareSchedule, ScheduleOptions
-from .plan_memory import PlanMemory, PlanOptions
+from .plan import PlanMemory, PlanOptions
 from .recompute_cheap_values import RecomputeCheapValues, RecomputeOptions
-from .rematerialize import Rematerialize, RematOptions
+from .remat import Rematerialize, RematOptions, RematTimeline
+from .schedule import MemoryAwareSchedule, ScheduleOptions
 from .simplify_transposes import SimplifyTransposes, TransposeOptions
 
 __all__ = [
@@ -27,9 +28,11 @@ __all__ = [
     "RecomputeCheapValues",
     "RecomputeOptions",
     "RematOptions",
+    "RematTimeline",
     "Rematerialize",
     "ScheduleOptions",
     "SimplifyTransposes",
     "TransposeOptions",
     "ZeroScatterOptions",
+    "version_for",
 ]

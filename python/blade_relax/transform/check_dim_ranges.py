@@ -63,14 +63,12 @@ from dataclasses import dataclass
 import tvm
 from tvm import relax, tirx
 
+from ..contract import CHECKED_DIMS_ATTR, LOWER_BOUND_ATTR, UPPER_BOUND_ATTR
+
 __all__ = ["CheckDimRanges", "DimCheck", "DimRangeOptions", "declared_dim_checks"]
 
-#: Function attribute set on a function this pass has transformed (the names of checked dims).
-CHECKED_ATTR = "blade_relax.checked_dims"
 #: The packed function ``R.assert_op`` is legalized to (registered by ``tvm.relax.op.base``).
 ASSERT_FUNC = "relax.run.assert_op"
-_LOWER_ATTR = "tir_var_lower_bound"
-_UPPER_ATTR = "tir_var_upper_bound"
 
 
 @dataclass(frozen=True)
@@ -161,8 +159,8 @@ def declared_dim_checks(func: relax.Function, name: str = "function") -> list[Di
     ValueError
         When an attribute is not a map from names to integers, or a range is empty.
     """
-    lower = _int_dict(func.attrs, _LOWER_ATTR, name)
-    upper = _int_dict(func.attrs, _UPPER_ATTR, name)
+    lower = _int_dict(func.attrs, LOWER_BOUND_ATTR, name)
+    upper = _int_dict(func.attrs, UPPER_BOUND_ATTR, name)
     checks = []
     for dim in sorted(set(lower) | set(upper)):
         lo, hi = lower.get(dim), upper.get(dim)
@@ -275,7 +273,7 @@ class CheckDimRanges:
             name = gv.name_hint
             if self.options.functions is not None and name not in self.options.functions:
                 continue
-            if CHECKED_ATTR in func.attrs:
+            if CHECKED_DIMS_ATTR in func.attrs:
                 continue
             checks = declared_dim_checks(func, name)
             if not checks:
@@ -292,6 +290,6 @@ class CheckDimRanges:
                 continue
             new_func, placed = result
             builder = builder or relax.BlockBuilder(mod)
-            builder.update_func(gv, new_func.with_attr(CHECKED_ATTR, placed))
+            builder.update_func(gv, new_func.with_attr(CHECKED_DIMS_ATTR, placed))
             self.checked[name] = tuple(placed)
         return mod if builder is None else builder.get()

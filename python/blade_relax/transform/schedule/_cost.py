@@ -37,9 +37,9 @@ from dataclasses import dataclass
 import numpy as np
 import sympy
 
-from ..symbolic import UNBOUNDED_STAND_IN, Ordering, ShapeGraph, SymbolicExpr
-from ..symbolic.dim import is_unknown_symbol
-from ..symbolic.expr import evaluate_sympy
+from ...symbolic import UNBOUNDED_STAND_IN, Ordering, ShapeGraph, SymbolicExpr
+from ...symbolic.dim import is_unknown_symbol
+from ...symbolic.expr import evaluate_sympy
 
 __all__ = ["ByteSpace", "OrderProfile", "UnsupportedBytes", "acceptance_points"]
 

@@ -19,9 +19,9 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
-from ..analysis.timeline import PACKED_CALL_OPS, VIEW_OPS, VIEW_PACKED, callee_name
-from ..symbolic import Ordering, ShapeGraph, SymbolicExpr
-from ._schedule_cost import ByteSpace, OrderProfile, pareto_front
+from ...analysis.timeline import PACKED_CALL_OPS, VIEW_OPS, VIEW_PACKED, callee_name
+from ...symbolic import Ordering, ShapeGraph, SymbolicExpr
+from ._cost import ByteSpace, OrderProfile, pareto_front
 
 _INPLACE = frozenset({"relax.call_tir_inplace", "relax.call_inplace_packed"})
 # Values that read no variable and allocate nothing the VM counts (constants live in the

@@ -19,8 +19,8 @@ from blade_relax.analysis import memory_timeline
 from blade_relax.frontend.builtin import BUILTIN_MODELS
 from blade_relax.symbolic import Ordering, ShapeGraph
 from blade_relax.testing.differential import ALL_VARIANTS
-from blade_relax.transform import MemoryAwareSchedule, ScheduleOptions
-from blade_relax.transform.memory_aware_schedule import schedule_module, version_for
+from blade_relax.transform import MemoryAwareSchedule, ScheduleOptions, version_for
+from blade_relax.transform.schedule import schedule_module
 
 DEFAULT_VARIANT = next(v for v in ALL_VARIANTS if v.name == "all")
 

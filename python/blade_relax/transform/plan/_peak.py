@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import sympy
 
-from ..symbolic import ShapeGraph, SymbolicExpr
+from ...symbolic import ShapeGraph, SymbolicExpr
 
 __all__ = ["Interval", "LiveModel", "PointSet", "Region"]
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from tvm import relax
 
-from ._remat_ir import FunctionModel, Op, RecipeError
+from ._ir import FunctionModel, Op, RecipeError
 
 __all__ = ["Candidate", "Recipe", "build_recipe", "classify_at", "find_gaps"]
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import tvm
 from tvm import relax
 
-from ..analysis.timeline import VIEW_OPS, VIEW_PACKED
+from ...analysis.timeline import VIEW_OPS, VIEW_PACKED
 
 __all__ = ["FunctionModel", "Op", "RecipeError", "UnsupportedFunction", "build_model"]
 

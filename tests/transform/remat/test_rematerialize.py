@@ -13,17 +13,10 @@ from tvm.script import relax as R
 from tvm.script import tirx as T
 
 import blade_relax  # noqa: F401  (registers the runtime builtins)
+from blade_relax.contract import EVICT, REGENERATE, REMAT_BEGIN, REMAT_COPY_ATTR, REMAT_META_ATTR
 from blade_relax.transform import Rematerialize, RematOptions
-from blade_relax.transform._remat_timeline import (
-    BEGIN,
-    COPY_ATTR,
-    EVICT,
-    META_ATTR,
-    REGENERATE,
-    RematHazardError,
-    RematTimeline,
-    simulate,
-)
+from blade_relax.transform.remat import RematHazardError, RematTimeline
+from blade_relax.transform.remat._timeline import simulate
 
 # The structure tests read the rewritten function in place (the budget dispatch has its own).
 OPTIONS = RematOptions(min_bytes=0, min_fraction=0.0, plain_without_budget=False)
@@ -86,8 +79,12 @@ def _normalized(mod: tvm.IRModule) -> tvm.IRModule:
     """Drop the metadata (checked apart) so that the structure can be compared."""
     out = {}
     for gv, func in mod.functions.items():
-        if isinstance(func, relax.Function) and func.attrs is not None and META_ATTR in func.attrs:
-            func = func.without_attr(META_ATTR)
+        if (
+            isinstance(func, relax.Function)
+            and func.attrs is not None
+            and REMAT_META_ATTR in func.attrs
+        ):
+            func = func.without_attr(REMAT_META_ATTR)
             blocks = []
             for block in func.body.blocks:
                 bindings = []
@@ -97,7 +94,7 @@ def _normalized(mod: tvm.IRModule) -> tvm.IRModule:
                         isinstance(value, relax.Call)
                         and len(value.args) == 2
                         and isinstance(value.args[0], relax.ExternFunc)
-                        and value.args[0].global_symbol == BEGIN
+                        and value.args[0].global_symbol == REMAT_BEGIN
                     ):
                         args = list(value.args[1].fields)[:4]
                         args[0] = tvm.ir.StringImm("meta")
@@ -121,7 +118,7 @@ def _normalized(mod: tvm.IRModule) -> tvm.IRModule:
 
 
 def _meta(mod: tvm.IRModule, name: str = "main") -> dict:
-    return json.loads(str(mod[name].attrs[META_ATTR]))
+    return json.loads(str(mod[name].attrs[REMAT_META_ATTR]))
 
 
 # --------------------------------------------------------------------------- structure
@@ -757,8 +754,8 @@ def test_functions_called_from_a_dispatcher_with_control_flow_are_rematerialized
         bb.emit_func_output(out)
     mod = bb.get()
     after = Rematerialize(OPTIONS)(mod)
-    assert META_ATTR in after["main_version"].attrs
-    assert after["dispatch"].attrs is None or META_ATTR not in after["dispatch"].attrs
+    assert REMAT_META_ATTR in after["main_version"].attrs
+    assert after["dispatch"].attrs is None or REMAT_META_ATTR not in after["dispatch"].attrs
 
 
 # --------------------------------------------------------------------------- budget dispatch
@@ -799,8 +796,10 @@ def test_budget_dispatch_calls_the_rewritten_copy_only_under_a_budget():
     # The copies: the rewritten function and the original, private, each marked.
     remat, plain = after["main__remat"], after["main__plain"]
     assert "global_symbol" not in remat.attrs and "global_symbol" not in plain.attrs
-    assert str(remat.attrs[COPY_ATTR]["of"]) == "main" and int(remat.attrs[COPY_ATTR]["budget"])
-    assert not int(plain.attrs[COPY_ATTR]["budget"])
+    assert str(remat.attrs[REMAT_COPY_ATTR]["of"]) == "main" and int(
+        remat.attrs[REMAT_COPY_ATTR]["budget"]
+    )
+    assert not int(plain.attrs[REMAT_COPY_ATTR]["budget"])
     tvm.ir.assert_structural_equal(
         _with_attrs(remat, in_place["main"].attrs), in_place["main"], map_free_vars=True
     )
@@ -818,13 +817,13 @@ def test_budget_dispatch_is_idempotent():
 def test_version_for_follows_range_and_budget_dispatchers():
     """A range dispatcher over copies that Rematerialize then turns into budget dispatchers:
     ``version_for`` names the copy that runs at given dims, with and without a budget."""
-    from blade_relax.transform._schedule_versions import DimRange, build_dispatch, version_for
+    from blade_relax.transform.dispatch import DimRange, range_dispatch, version_for
 
     chain = _chain_module()
     gv = chain.get_global_var("main")
     n = chain["main"].params[0].ty.shape.values[0]
     versions = [(DimRange("n", 1, 64), chain["main"]), (DimRange("n", 65, None), chain["main"])]
-    dispatcher, copies = build_dispatch(chain, gv, chain["main"], n, versions)
+    dispatcher, copies = range_dispatch(chain, gv, chain["main"], n, versions)
     functions = {g: f for g, f in chain.functions.items() if g != gv}
     versioned = tvm.IRModule({**functions, gv: dispatcher, **dict(copies)})
     after = Rematerialize(DISPATCH)(versioned)

@@ -18,7 +18,7 @@ from tvm.script import relax as R
 from tvm.script import tirx as T
 
 from blade_relax.transform import PlanMemory, PlanOptions
-from blade_relax.transform._plan_tir import inplace_verdict
+from blade_relax.transform.plan._tir import inplace_verdict
 
 
 def _plan(mod: tvm.IRModule, options: PlanOptions | None = None) -> tvm.IRModule:

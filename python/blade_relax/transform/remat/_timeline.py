@@ -43,19 +43,19 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..analysis.timeline import VIEW_OPS, VIEW_PACKED
-from ..analysis.workspace import call_reads
-from ..runtime.remat import REMAT_FORMAT, metadata_key
+from ...analysis.timeline import VIEW_OPS, VIEW_PACKED
+from ...analysis.workspace import call_reads
+from ...contract import (
+    EVICT,
+    REGENERATE,
+    REMAT_BEGIN,
+    REMAT_FORMAT,
+    REMAT_META_ATTR,
+    REMAT_REGEN_ATTR,
+    metadata_key,
+)
 
 __all__ = [
-    "ACTIVE",
-    "BEGIN",
-    "COPY_ATTR",
-    "EVICT",
-    "META_ATTR",
-    "REGEN_ATTR",
-    "REGENERATE",
-    "RELEASE_ATTR",
     "RematHazardError",
     "RematTimeline",
     "Simulation",
@@ -64,22 +64,8 @@ __all__ = [
     "simulate",
 ]
 
-BEGIN = "blade_relax.remat_begin"
-EVICT = "blade_relax.evict"
-REGENERATE = "blade_relax.regenerate"
 # The VM builtin that calls a closure (the function inserts it to call ``release``).
 INVOKE_CLOSURE = "vm.builtin.invoke_closure"
-# Function attribute holding the metadata JSON (on the rematerialized function).
-META_ATTR = "blade_relax.remat"
-# Function attribute marking a regeneration function: "<function>/<slot>".
-REGEN_ATTR = "blade_relax.remat_regen"
-# Function attribute marking the module's no-op release function.
-RELEASE_ATTR = "blade_relax.remat_release"
-# Function attribute of the two copies a dispatcher chooses from: {"of": <dispatcher>,
-# "budget": 1 on the rewritten copy (runs under a memory budget), 0 on the unrewritten one}.
-COPY_ATTR = "blade_relax.remat_copy"
-# The packed function the dispatcher asks whether this thread has a memory budget.
-ACTIVE = "blade_relax.remat_active"
 
 _STORAGE_ALLOCS = frozenset({"relax.memory.alloc_storage", "relax.vm.alloc_storage"})
 _TENSOR_IN_STORAGE = frozenset({"relax.memory.alloc_tensor", "relax.vm.alloc_tensor"})
@@ -488,7 +474,7 @@ class _Walker:
                     self.stashed[sid] -= 1
                 self.tainted.update(sids)
                 self.hold(var, sids)
-            elif name == BEGIN:
+            elif name == REMAT_BEGIN:
                 pass  # no memory: the frame
             elif _is_prim_func(value, self.mod):
                 # A kernel writes into its arguments; its workspace lives while it runs.
@@ -534,7 +520,7 @@ class _Walker:
                 raise _InexactCall(f"call of {gv.name_hint}, not a Relax function of the module")
             if gv.name_hint in chain or len(chain) >= _MAX_CALL_DEPTH:
                 raise _InexactCall(f"recursive or too deep call of {gv.name_hint}")
-            if callee.attrs is not None and META_ATTR in callee.attrs:
+            if callee.attrs is not None and REMAT_META_ATTR in callee.attrs:
                 raise _InexactCall(f"call of {gv.name_hint}, itself rematerialized")
             inner = self.callee_dims(callee, call_args, rename)
             params = {p: self.held_by(a) for p, a in zip(callee.params, call_args)}
@@ -687,7 +673,7 @@ def attach_metadata(func: relax.Function, meta: dict[str, Any]) -> relax.Functio
             value = binding.value
             if not replaced and isinstance(value, relax.Call):
                 name, args = _callee(value)
-                if name == BEGIN:
+                if name == REMAT_BEGIN:
                     new_args = relax.Tuple(
                         [tvm.ir.StringImm(key), metadata_constant(text), *args[2:]]
                     )
@@ -710,14 +696,18 @@ def attach_metadata(func: relax.Function, meta: dict[str, Any]) -> relax.Functio
         func.attrs,
         func.span,
     )
-    return relax.BlockBuilder().normalize(new_func.with_attr(META_ATTR, text))
+    return relax.BlockBuilder().normalize(new_func.with_attr(REMAT_META_ATTR, text))
 
 
 def regen_functions(mod: tvm.IRModule) -> dict[str, relax.Function]:
     """The regeneration functions of ``mod`` by name."""
     out = {}
     for gv, func in mod.functions.items():
-        if isinstance(func, relax.Function) and func.attrs is not None and REGEN_ATTR in func.attrs:
+        if (
+            isinstance(func, relax.Function)
+            and func.attrs is not None
+            and REMAT_REGEN_ATTR in func.attrs
+        ):
             out[gv.name_hint] = func
     return out
 
@@ -730,10 +720,10 @@ def refresh_metadata(mod: tvm.IRModule, stage: str) -> tvm.IRModule:
         if (
             not isinstance(func, relax.Function)
             or func.attrs is None
-            or META_ATTR not in func.attrs
+            or REMAT_META_ATTR not in func.attrs
         ):
             continue
-        old = json.loads(str(func.attrs[META_ATTR]))
+        old = json.loads(str(func.attrs[REMAT_META_ATTR]))
         sim = simulate(func, mod, stage)
         peaks = []
         for slot in old["slots"]:

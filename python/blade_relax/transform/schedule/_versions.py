@@ -18,8 +18,9 @@ other branch allocates (apache/tvm#20191). Each copy is private (no ``global_sym
 the function's other attributes, gets ``tir_var_lower_bound`` raised to its range's lower end
 (sound: the dispatcher guarantees it; it lets later passes prove more) but never
 ``tir_var_upper_bound`` (``StaticPlanBlockMemory`` would plan every buffer at that bound), and
-carries :data:`VERSION_ATTR` (the function it was copied from and its range;
-:func:`version_for` finds the copy that runs at given dims).
+carries :data:`~blade_relax.contract.SCHEDULE_VERSION_ATTR` (the function it was copied from and its
+range; :func:`blade_relax.transform.dispatch.version_for` finds the copy that runs at given
+dims). The dispatcher itself is built by :mod:`blade_relax.transform.dispatch`.
 
 Only functions with exactly one free dim, defined by the parameters' shapes, are versioned.
 This module chooses the ranges from the orders a search has already scored and builds the IR;
@@ -29,51 +30,23 @@ they lower the peak.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import tvm
 from tvm import relax
 
-from ..symbolic import ShapeGraph
-from ._schedule_cost import _free_roots
-from ._schedule_search import Pool
+from ...contract import LOWER_BOUND_ATTR, UPPER_BOUND_ATTR
+from ...symbolic import ShapeGraph
+from ..dispatch import DimRange, int_map
+from ._cost import _free_roots
+from ._search import Pool
 
 __all__ = [
-    "LOWER_BOUND_ATTR",
-    "VERSION_ATTR",
-    "DimRange",
-    "build_dispatch",
     "choose_ranges",
     "range_graph",
     "version_dim",
-    "version_for",
 ]
-
-#: Attribute of a range copy: ``{"of": <function it was copied from>, "dim": <dim name>,
-#: "lower": <int64>, "upper": <int64, absent when unbounded>}``.
-VERSION_ATTR = "blade_relax.schedule_version"
-LOWER_BOUND_ATTR = "tir_var_lower_bound"
-UPPER_BOUND_ATTR = "tir_var_upper_bound"
-
-
-@dataclass(frozen=True)
-class DimRange:
-    """``lower <= dim <= upper`` (``upper`` None: unbounded)."""
-
-    dim: str
-    lower: int
-    upper: int | None
-
-    def __str__(self) -> str:
-        if self.upper is None:
-            return f"{self.dim} >= {self.lower}"
-        return f"{self.lower} <= {self.dim} <= {self.upper}"
-
-    def suffix(self) -> str:
-        """A name suffix, e.g. ``s2_64`` or ``s65_inf``."""
-        return f"{self.dim}{self.lower}_{'inf' if self.upper is None else self.upper}"
 
 
 def version_dim(
@@ -200,115 +173,7 @@ def range_graph(func: relax.Function, rng: DimRange) -> ShapeGraph:
     lower[rng.dim] = max(lower.get(rng.dim, rng.lower), rng.lower)
     if rng.upper is not None:
         upper[rng.dim] = min(upper.get(rng.dim, rng.upper), rng.upper)
-    probe = func.with_attr(LOWER_BOUND_ATTR, _int_map(lower))
+    probe = func.with_attr(LOWER_BOUND_ATTR, int_map(lower))
     if upper:
-        probe = probe.with_attr(UPPER_BOUND_ATTR, _int_map(upper))
+        probe = probe.with_attr(UPPER_BOUND_ATTR, int_map(upper))
     return ShapeGraph.from_function(probe)
-
-
-def _int_map(values: dict[str, int]) -> dict[str, tvm.tirx.IntImm]:
-    return {k: tvm.tirx.IntImm("int64", v) for k, v in values.items()}
-
-
-def _version_function(func: relax.Function, rng: DimRange, source: str) -> relax.Function:
-    """A private copy of ``func`` (fresh variables) for ``rng``."""
-    copy = relax.utils.copy_with_new_vars(func)
-    if copy.attrs is not None and "global_symbol" in copy.attrs:
-        copy = copy.without_attr("global_symbol")
-    lower = {}
-    if copy.attrs is not None and LOWER_BOUND_ATTR in copy.attrs:
-        lower = {str(k): int(v) for k, v in copy.attrs[LOWER_BOUND_ATTR].items()}
-    if rng.lower > lower.get(rng.dim, 0):
-        lower[rng.dim] = rng.lower
-        copy = copy.with_attr(LOWER_BOUND_ATTR, _int_map(lower))
-    info: dict[str, object] = {
-        "of": source,
-        "dim": rng.dim,
-        "lower": tvm.tirx.IntImm("int64", rng.lower),
-    }
-    if rng.upper is not None:
-        info["upper"] = tvm.tirx.IntImm("int64", rng.upper)
-    return copy.with_attr(VERSION_ATTR, info)
-
-
-def version_for(
-    mod: tvm.IRModule, name: str, dims: Mapping[str, int], *, budget: bool = False
-) -> str:
-    """The name of the function that runs when ``name`` is called at ``dims``.
-
-    Follows the dispatchers the memory passes make: the range copy whose range holds ``dims``
-    when ``MemoryAwareSchedule`` versioned ``name``, then, when ``Rematerialize`` kept a plain
-    copy next to its rewritten one, the rewritten copy if ``budget`` (the calling thread has
-    a memory budget) else the plain one. ``name`` itself when neither applies.
-
-    Useful to read the memory timeline of a dispatched function (a dispatcher allocates
-    nothing).
-    """
-    from ._remat_timeline import COPY_ATTR
-
-    def in_range(attrs) -> bool:
-        if COPY_ATTR in attrs:
-            return False  # a budget copy of a range copy inherits its attributes
-        info = attrs[VERSION_ATTR]
-        if str(info["dim"]) not in dims:
-            return False
-        value = int(dims[str(info["dim"])])
-        upper = int(info["upper"]) if "upper" in info else None
-        return int(info["lower"]) <= value and (upper is None or value <= upper)
-
-    def budget_copy(attrs) -> bool:
-        return bool(int(attrs[COPY_ATTR]["budget"])) == budget
-
-    current = _copy_of(mod, VERSION_ATTR, name, in_range) or name
-    return _copy_of(mod, COPY_ATTR, current, budget_copy) or current
-
-
-def _copy_of(
-    mod: tvm.IRModule, attr: str, of: str, accept: Callable[[Mapping], bool]
-) -> str | None:
-    """The Relax function whose ``attr`` says it is a copy of ``of`` and that ``accept``s."""
-    for gv, func in mod.functions.items():
-        attrs = getattr(func, "attrs", None)
-        if not isinstance(func, relax.Function) or attrs is None or attr not in attrs:
-            continue
-        if str(attrs[attr]["of"]) == of and accept(attrs):
-            return gv.name_hint
-    return None
-
-
-def build_dispatch(
-    mod: tvm.IRModule,
-    gv: tvm.ir.GlobalVar,
-    func: relax.Function,
-    dim_var: tvm.tirx.Var,
-    versions: Sequence[tuple[DimRange, relax.Function]],
-) -> tuple[relax.Function, list[tuple[tvm.ir.GlobalVar, relax.Function]]]:
-    """The dispatcher that replaces ``func`` and the range copies it calls.
-
-    ``versions`` are contiguous ranges in increasing order, each with its scheduled function
-    (parameters as ``func``'s). The dispatcher keeps ``func``'s parameters, return type and
-    attributes; it tests ``dim <= upper`` of every range but the last, in order.
-    """
-    taken = {g.name_hint for g in mod.get_global_vars()}
-    builder = relax.BlockBuilder()
-    copies: list[tuple[tvm.ir.GlobalVar, relax.Function]] = []
-    for rng, version in versions:
-        name = f"{gv.name_hint}__{rng.suffix()}"
-        while name in taken:
-            name += "_"
-        taken.add(name)
-        copy = _version_function(version, rng, gv.name_hint)
-        copies.append((builder.add_func(copy, name), copy))
-
-    params = list(func.params)
-    body: relax.Expr = relax.Call(copies[-1][0], params)
-    for i in range(len(copies) - 2, -1, -1):
-        upper = versions[i][0].upper
-        assert upper is not None, "only the last range may be unbounded"
-        cond = relax.prim_value(dim_var <= tvm.tirx.IntImm("int64", upper))
-        then = relax.SeqExpr([], relax.Call(copies[i][0], params))
-        body = relax.If(cond, then, relax.SeqExpr([], body))
-    dispatcher = relax.Function(
-        params, relax.SeqExpr([], body), func.ret_ty, func.is_pure, func.attrs, func.span
-    )
-    return builder.normalize(dispatcher), copies

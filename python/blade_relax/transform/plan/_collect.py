@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import tvm
 from tvm import relax, tirx
 
-from ..analysis.timeline import VIEW_OPS, VIEW_PACKED
+from ...analysis.timeline import VIEW_OPS, VIEW_PACKED
+from ...contract import EVICT, REGENERATE
 
 __all__ = ["Allocation", "FunctionFacts", "KernelCall", "collect_facts"]
 
@@ -34,8 +35,6 @@ _ALLOC_TENSOR = "relax.builtin.alloc_tensor"
 _ALLOC_STORAGE = frozenset({"relax.memory.alloc_storage", "relax.vm.alloc_storage"})
 _TENSOR_IN_STORAGE = frozenset({"relax.memory.alloc_tensor", "relax.vm.alloc_tensor"})
 _CALL_TIR_DYN = "relax.vm.call_tir_dyn"
-_EVICT = "blade_relax.evict"
-_REGENERATE = "blade_relax.regenerate"
 # Operators that read only the shape or type of their argument: no reference survives them.
 _SHAPE_ONLY_OPS = frozenset({"relax.shape_of", "relax.tensor_to_shape"})
 
@@ -409,7 +408,7 @@ def _remat_effect(
         and op.name == "relax.call_builtin_with_ctx"
         and len(args) >= 2
         and isinstance(args[0], relax.ExternFunc)
-        and str(args[0].global_symbol) == _EVICT
+        and str(args[0].global_symbol) == EVICT
         and isinstance(args[1], relax.Tuple)
         and len(args[1].fields) == 3
     ):
@@ -421,7 +420,7 @@ def _remat_effect(
             return None
         stash[slot] = stash.get(slot, frozenset()) | held
         return frozenset()
-    if isinstance(op, relax.ExternFunc) and str(op.global_symbol) == _REGENERATE and len(args) >= 2:
+    if isinstance(op, relax.ExternFunc) and str(op.global_symbol) == REGENERATE and len(args) >= 2:
         slot = _int_value(args[1])
         if slot is None:
             return None

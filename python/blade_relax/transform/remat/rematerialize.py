@@ -87,20 +87,22 @@ from typing import Any
 import tvm
 from tvm import relax
 
-from ..runtime.remat import compile_expressions
-from ._remat_ir import FunctionModel, Op, RecipeError, UnsupportedFunction, build_model
-from ._remat_select import Candidate, Recipe, build_recipe, classify_at, find_gaps
-from ._remat_timeline import (
-    ACTIVE,
-    BEGIN,
-    COPY_ATTR,
+from ...contract import (
     EVICT,
-    INVOKE_CLOSURE,
-    META_ATTR,
-    REGEN_ATTR,
+    NO_PLAN_ATTR,
     REGENERATE,
-    RELEASE_ATTR,
-    RematTimeline,
+    REMAT_BEGIN,
+    REMAT_COPY_ATTR,
+    REMAT_META_ATTR,
+    REMAT_REGEN_ATTR,
+    REMAT_RELEASE_ATTR,
+)
+from ...runtime.remat import compile_expressions
+from ..dispatch import budget_dispatch
+from ._ir import FunctionModel, Op, RecipeError, UnsupportedFunction, build_model
+from ._select import Candidate, Recipe, build_recipe, classify_at, find_gaps
+from ._timeline import (
+    INVOKE_CLOSURE,
     attach_metadata,
     build_metadata,
     prim_to_py,
@@ -108,10 +110,7 @@ from ._remat_timeline import (
     tensor_bytes_py,
 )
 
-__all__ = ["RematOptions", "Rematerialize", "RematTimeline"]
-
-# Function attribute read by PlanMemory: variables whose allocation keeps its own storage.
-NO_PLAN_ATTR = "blade_relax.no_plan"
+__all__ = ["RematOptions", "Rematerialize"]
 
 
 @dataclass(frozen=True)
@@ -202,7 +201,8 @@ class Rematerialize:
                 # function the pass can transform decides.
                 continue
             if func.attrs is not None and any(
-                a in func.attrs for a in (META_ATTR, REGEN_ATTR, RELEASE_ATTR, COPY_ATTR)
+                a in func.attrs
+                for a in (REMAT_META_ATTR, REMAT_REGEN_ATTR, REMAT_RELEASE_ATTR, REMAT_COPY_ATTR)
             ):
                 continue
             if self.options.functions is not None and gv.name_hint not in self.options.functions:
@@ -214,7 +214,7 @@ class Rematerialize:
             if new_func is None:
                 continue
             if self.options.plain_without_budget:
-                builder.update_func(gv, _budget_dispatch(builder, gv, func, new_func))
+                builder.update_func(gv, budget_dispatch(builder, gv, func, new_func))
             else:
                 builder.update_func(gv, new_func)
             changed = True
@@ -358,7 +358,7 @@ def _regen_function(
     def make(all_params: list[relax.Var]) -> relax.Function:
         body = relax.SeqExpr([relax.BindingBlock(bindings)], result)
         fn = relax.Function(all_params, body, cand.root.ty, True)
-        return fn.with_attr("relax.force_pure", True).with_attr(REGEN_ATTR, f"{owner}/{slot}")
+        return fn.with_attr("relax.force_pure", True).with_attr(REMAT_REGEN_ATTR, f"{owner}/{slot}")
 
     func = make(params)
     free = list(relax.analysis.free_symbolic_vars(func))
@@ -373,7 +373,7 @@ def _regen_function(
 
 # --------------------------------------------------------------------------- the pass
 def _hot_bindings(func: relax.Function, mod: tvm.IRModule, fraction: float):
-    from ..analysis import memory_timeline
+    from ...analysis import memory_timeline
 
     timeline = memory_timeline(func, mod=mod)
     graph = timeline.graph
@@ -427,7 +427,7 @@ def _rematerialize(
         return None
     gaps = find_gaps(model, hot, options.min_gap)
     # Only tensors whose size the runtime can evaluate from the dims, and not provably tiny.
-    from ..symbolic import Ordering
+    from ...symbolic import Ordering
 
     for root in list(gaps):
         try:
@@ -586,65 +586,6 @@ def _own_storage(func: relax.Function, tensors: set[relax.Var]) -> relax.Functio
     return relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs, func.span)
 
 
-def _budget_dispatch(
-    builder: relax.BlockBuilder,
-    gv: relax.GlobalVar,
-    original: relax.Function,
-    rewritten: relax.Function,
-) -> relax.Function:
-    """The dispatcher that replaces ``original``: the rewritten copy under a budget, else the
-    original one.
-
-    Both copies are private functions (fresh variables, no ``global_symbol``) carrying
-    :data:`COPY_ATTR`; the dispatcher keeps the name, parameters and attributes of
-    ``original``::
-
-        def f(x):
-            active = R.call_packed("blade_relax.remat_active", ty_args=R.Prim("bool"))
-            if active:
-                r = f__remat(x)
-            else:
-                r = f__plain(x)
-            return r
-
-    Separate functions, not two branches of one body: the planners plan each function on its
-    own, and the rewritten copy's evictable tensors must own their storage while the plain
-    copy's share it as the planner sees fit.
-    """
-    taken = {g.name_hint for g in builder.get().get_global_vars()}
-
-    def private_copy(func: relax.Function, suffix: str, budget: bool) -> relax.GlobalVar:
-        copy = relax.utils.copy_with_new_vars(func)
-        if copy.attrs is not None and "global_symbol" in copy.attrs:
-            copy = copy.without_attr("global_symbol")
-        info = {"of": gv.name_hint, "budget": tvm.tirx.IntImm("int64", int(budget))}
-        name = f"{gv.name_hint}__{suffix}"
-        while name in taken:
-            name += "_"
-        taken.add(name)
-        return builder.add_func(copy.with_attr(COPY_ATTR, info), name)
-
-    remat_gv = private_copy(rewritten, "remat", True)
-    plain_gv = private_copy(original, "plain", False)
-    params = list(original.params)
-    active = relax.Var("remat_active", tvm.ir.PrimType("bool"))
-    ask = relax.Call(relax.ExternFunc(ACTIVE), [], ty_args=[tvm.ir.PrimType("bool")])
-    body = relax.If(
-        active,
-        relax.SeqExpr([], relax.Call(remat_gv, params)),
-        relax.SeqExpr([], relax.Call(plain_gv, params)),
-    )
-    dispatcher = relax.Function(
-        params,
-        relax.SeqExpr([relax.BindingBlock([relax.VarBinding(active, ask)])], body),
-        original.ret_ty,
-        original.is_pure,
-        original.attrs,
-        original.span,
-    )
-    return builder.normalize(dispatcher)
-
-
 def _release_function(builder: relax.BlockBuilder) -> relax.GlobalVar:
     """The module's no-op function the runtime calls after a regeneration (see the runtime)."""
     mod = builder.get()
@@ -652,12 +593,12 @@ def _release_function(builder: relax.BlockBuilder) -> relax.GlobalVar:
         if (
             isinstance(func, relax.Function)
             and func.attrs is not None
-            and RELEASE_ATTR in func.attrs
+            and REMAT_RELEASE_ATTR in func.attrs
         ):
             return gv
     body = relax.SeqExpr([], relax.Tuple([]))
     func = relax.Function([], body, relax.TupleType([]), True)
-    func = func.with_attr(RELEASE_ATTR, True)
+    func = func.with_attr(REMAT_RELEASE_ATTR, True)
     return builder.add_func(relax.BlockBuilder().normalize(func), "blade_relax_remat_release")
 
 
@@ -764,7 +705,7 @@ def _rewrite(
         relax.VarBinding(
             frame,
             _builtin(
-                BEGIN,
+                REMAT_BEGIN,
                 [
                     tvm.ir.StringImm("pending"),
                     relax.const(0, "uint8"),

@@ -67,10 +67,11 @@ from dataclasses import dataclass, field
 import tvm
 from tvm import relax, tirx
 
-from ..symbolic import ShapeGraph, SymbolicExpr
-from ._plan_collect import Allocation, FunctionFacts, collect_facts
-from ._plan_peak import Interval, LiveModel, Region
-from ._plan_tir import inplace_verdict
+from ...contract import LOWER_BOUND_ATTR, NO_PLAN_ATTR, REGENERATE, UPPER_BOUND_ATTR
+from ...symbolic import ShapeGraph, SymbolicExpr
+from ._collect import Allocation, FunctionFacts, collect_facts
+from ._peak import Interval, LiveModel, Region
+from ._tir import inplace_verdict
 
 __all__ = [
     "FunctionPlan",
@@ -80,9 +81,7 @@ __all__ = [
     "plan_function",
 ]
 
-#: Function attribute: names of variables whose allocation must keep its own storage.
-NO_PLAN_ATTR = "blade_relax.no_plan"
-_BOUND_ATTRS = ("tir_var_upper_bound", "tir_var_lower_bound")
+_BOUND_ATTRS = (UPPER_BOUND_ATTR, LOWER_BOUND_ATTR)
 _DYNAMIC_OUTPUT_ATTR = "relax.memory_plan_dynamic_func_output"
 
 
@@ -127,7 +126,7 @@ class PlanOptions:
     peak_safe: bool = True
     plan_at_upper_bound: bool = False
     # The remat runtime's regenerate reads its tensor arguments only during the call.
-    trusted_packed: tuple[str, ...] = ("blade_relax.regenerate",)
+    trusted_packed: tuple[str, ...] = (REGENERATE,)
     max_grid_points: int = 4096
     max_grid_cells: int = 1 << 23
     max_proofs: int = 4000

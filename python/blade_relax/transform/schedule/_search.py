@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..symbolic import Ordering
-from ._schedule_cost import ByteSpace
-from ._schedule_model import Block, Timeline, timeline
+from ...symbolic import Ordering
+from ._cost import ByteSpace
+from ._model import Block, Timeline, timeline
 
 # ====================================================================== strategies
 

@@ -132,10 +132,13 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..analysis import memory_timeline
-from ..symbolic import ShapeGraph, SymbolicExpr
-from ._schedule_cost import OrderProfile, UnsupportedBytes, acceptance_points, front_le
-from ._schedule_model import (
+from ...analysis import memory_timeline
+from ...contract import SCHEDULE_VERSION_ATTR
+from ...symbolic import ShapeGraph, SymbolicExpr
+from ..dispatch import DimRange, range_dispatch
+from ..recompute_cheap_values import RecomputeCheapValues
+from ._cost import OrderProfile, UnsupportedBytes, acceptance_points, front_le
+from ._model import (
     PLANNERS,
     Block,
     BlockBuilder,
@@ -144,7 +147,7 @@ from ._schedule_model import (
     timeline,
     tir_var_names,
 )
-from ._schedule_search import (
+from ._search import (
     Decider,
     Pool,
     as_float,
@@ -154,17 +157,12 @@ from ._schedule_search import (
     refine,
     replay,
 )
-from ._schedule_versions import (
-    VERSION_ATTR,
-    DimRange,
+from ._versions import (
     _crossover,
-    build_dispatch,
     choose_ranges,
     range_graph,
     version_dim,
-    version_for,
 )
-from .recompute_cheap_values import RecomputeCheapValues
 
 __all__ = [
     "BlockReport",
@@ -173,7 +171,6 @@ __all__ = [
     "ScheduleReport",
     "schedule_function",
     "schedule_module",
-    "version_for",
 ]
 
 
@@ -768,7 +765,9 @@ def schedule_module(
     for gv, func in mod.functions.items():
         if not isinstance(func, relax.Function):
             continue
-        if func.attrs is not None and ("Primitive" in func.attrs or VERSION_ATTR in func.attrs):
+        if func.attrs is not None and (
+            "Primitive" in func.attrs or SCHEDULE_VERSION_ATTR in func.attrs
+        ):
             continue  # fused sub-functions (FuseTIR turns them into kernels); range copies
         graph = _graph_of(func, gv.name_hint)
         if graph is None:
@@ -780,7 +779,7 @@ def schedule_module(
             versions = _versions(gv, func, mod, options, graph, single, report)
         if versions:
             var = version_dim(func, graph)[0]
-            dispatcher, copies = build_dispatch(mod, gv, func, var, versions)
+            dispatcher, copies = range_dispatch(mod, gv, func, var, versions)
             updates[gv] = dispatcher
             added.extend(copies)
         elif single.func is not func:
@@ -791,7 +790,7 @@ def schedule_module(
                         entry.strategy += f" ({choice[0]} after recomputation)"
                     if choice[0] == "input order kept":
                         continue
-                    dispatcher, copies = build_dispatch(mod, gv, func, choice[1], choice[2])
+                    dispatcher, copies = range_dispatch(mod, gv, func, choice[1], choice[2])
                     updates[gv] = dispatcher
                     added.extend(copies)
                     report.versions[gv.name_hint] = [str(r) for r, _ in choice[2]]

@@ -1,0 +1,86 @@
+"""Names the passes write into a module and the runtime reads back, each defined once here.
+
+The compiler side (``transform/``) and the runtime side (``runtime/``) meet only through what an
+executable carries: calls of packed functions by name, function attributes, and the remat
+metadata JSON. This module is that contract. It imports nothing but the standard library, so
+either side (and a user's tool that reads a compiled module) can use it without pulling in the
+other.
+
+Packed functions (registered by :mod:`blade_relax.runtime.remat`, called from the IR that
+:class:`~blade_relax.transform.Rematerialize` writes):
+
+* :data:`REMAT_BEGIN` ``(key, metadata, dims, release, *regenerators) -> frame``: one frame per
+  call of a rematerialized function; decides, from the concrete dims and the thread's memory
+  budget, which slots are evicted.
+* :data:`EVICT` ``(frame, slot, tensor)``: drop the tensor (when the decision says so) or keep
+  it in the frame until its ``regenerate``.
+* :data:`REGENERATE` ``(frame, slot, *inputs) -> tensor``: the kept tensor, or a recomputed one.
+* :data:`REMAT_ACTIVE` ``() -> bool``: whether this thread has a memory budget (a dispatcher
+  calls the rewritten copy then, the plain one otherwise).
+
+Function attributes:
+
+* :data:`REMAT_META_ATTR`: the metadata JSON of a rematerialized function (format
+  :data:`REMAT_FORMAT`, described in :mod:`blade_relax.transform.remat`).
+* :data:`REMAT_REGEN_ATTR`: ``"<function>/<slot>"`` on a regeneration function.
+* :data:`REMAT_RELEASE_ATTR`: on the module's no-op release function.
+* :data:`REMAT_COPY_ATTR`: ``{"of": <dispatcher>, "budget": 0 | 1}`` on the two copies a remat
+  dispatcher chooses from.
+* :data:`NO_PLAN_ATTR`: variables whose allocation keeps a storage of its own (the memory
+  planners must not share it: the remat runtime may hold it across its last use).
+* :data:`SCHEDULE_VERSION_ATTR`: ``{"of": <function>, <dim>: [lo, hi]}`` on a range copy made
+  by :class:`~blade_relax.transform.MemoryAwareSchedule`.
+* :data:`CHECKED_DIMS_ATTR`: the dims whose range :class:`~blade_relax.transform.CheckDimRanges`
+  already asserts in a function.
+* :data:`UPPER_BOUND_ATTR`, :data:`LOWER_BOUND_ATTR`: TVM's own per-function dim bounds,
+  read by TVM's memory planner and by ours.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+__all__ = [
+    "CHECKED_DIMS_ATTR",
+    "EVICT",
+    "LOWER_BOUND_ATTR",
+    "NO_PLAN_ATTR",
+    "REGENERATE",
+    "REMAT_ACTIVE",
+    "REMAT_BEGIN",
+    "REMAT_COPY_ATTR",
+    "REMAT_FORMAT",
+    "REMAT_META_ATTR",
+    "REMAT_REGEN_ATTR",
+    "REMAT_RELEASE_ATTR",
+    "SCHEDULE_VERSION_ATTR",
+    "UPPER_BOUND_ATTR",
+    "metadata_key",
+]
+
+# ----------------------------------------------------------------------- packed functions
+REMAT_BEGIN = "blade_relax.remat_begin"
+EVICT = "blade_relax.evict"
+REGENERATE = "blade_relax.regenerate"
+REMAT_ACTIVE = "blade_relax.remat_active"
+
+# --------------------------------------------------------------------- function attributes
+REMAT_META_ATTR = "blade_relax.remat"
+REMAT_REGEN_ATTR = "blade_relax.remat_regen"
+REMAT_RELEASE_ATTR = "blade_relax.remat_release"
+REMAT_COPY_ATTR = "blade_relax.remat_copy"
+NO_PLAN_ATTR = "blade_relax.no_plan"
+SCHEDULE_VERSION_ATTR = "blade_relax.schedule_version"
+CHECKED_DIMS_ATTR = "blade_relax.checked_dims"
+UPPER_BOUND_ATTR = "tir_var_upper_bound"
+LOWER_BOUND_ATTR = "tir_var_lower_bound"
+
+# ------------------------------------------------------------------------ metadata format
+#: Version of the remat metadata JSON; the runtime refuses any other (the module must be
+#: recompiled with the same blade_relax).
+REMAT_FORMAT = "blade_relax.remat/2"
+
+
+def metadata_key(function: str, text: str) -> str:
+    """The key a function's remat metadata is cached under: its name and a digest of the JSON."""
+    return f"{function}:{hashlib.sha1(text.encode()).hexdigest()[:16]}"
