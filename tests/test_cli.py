@@ -324,6 +324,26 @@ def test_report_of_a_builtin_with_stock_pipeline_and_default_dims(tmp_path, caps
     assert "memory report blade_relax" not in out
 
 
+def test_report_says_what_each_pass_of_the_pipeline_changed(tmp_path, capsys):
+    path = tmp_path / "mlp-train.json"
+    code, out, err = _run(["report", "mlp-train", "--dims", "b=16", "--json", path], capsys)
+    assert code == 0, err
+    passes = json.loads(path.read_text())["passes"]
+    assert passes["stock TVM"] == []  # TVM's own passes report nothing
+    names = [p["pass"] for p in passes["blade_relax"]]
+    assert {"MemoryAwareSchedule", "Rematerialize", "PlanMemory"} <= set(names)
+    text = out.split("passes of the blade_relax pipeline", 1)[1]
+    for name in names:  # every pass's summary, in the order the passes ran
+        assert f"\n{name}: " in text
+    assert [line.split(":")[0] for line in text.splitlines() if line[:1].isupper()] == names
+    schedule = next(p for p in passes["blade_relax"] if p["pass"] == "MemoryAwareSchedule")
+    (main,) = [f for f in schedule["functions"] if f["function"] == "main"]
+    assert main["changed"] and main["changes"]
+    # The figures are evaluated at the report's dims.
+    assert main["peak_before_bytes"] > 0 and main["peak_after_bytes"] > 0
+    assert f"{main['peak_after_bytes']:,} B" in text
+
+
 def test_report_without_lowering(tmp_path, capsys):
     path = tmp_path / "mlp.json"
     code, out, err = _run(

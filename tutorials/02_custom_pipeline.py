@@ -18,11 +18,10 @@ native warnings, hidden by default).
 # keyword arguments as :func:`blade_relax.get_pipeline`.
 import tvm
 from tvm import relax
-from tvm.relax.backend.cpu_generic import pipeline as cpu
 
 import blade_relax  # registers the "blade_relax" pipeline
 from blade_relax.frontend.builtin import attention_block, random_arguments
-from blade_relax.transform import MemoryAwareSchedule, PlanMemory, Rematerialize
+from blade_relax.pipeline import PHASES, PipelineFlags, pipeline_phases
 
 blade_relax.quiet()  # TVM's C++ warnings on stderr; BLADE_RELAX_VERBOSE=1 shows them
 mod = attention_block(hidden=64, heads=4)
@@ -35,20 +34,16 @@ print("compiled with relax.get_pipeline('blade_relax')")
 # Where each pass goes: ``MemoryAwareSchedule`` after fusion and before ``ToNonDataflow``
 # (it reorders dataflow blocks); ``Rematerialize`` after ``ToNonDataflow``/``CallTIRRewrite``
 # and before memory planning (it inserts impure builtins); ``PlanMemory`` in place of
-# ``StaticPlanBlockMemory``.
+# ``StaticPlanBlockMemory``. ``pipeline_phases`` gives TVM's phases for the target with the
+# passes you switch on already in place (by position in TVM's phase list, which it checks:
+# a TVM whose phases changed shape is an error, not a silently dropped pass), so your own
+# passes can go between any two phases.
 target = tvm.target.Target("llvm")
-finalize = [
-    PlanMemory() if p.info.name == "StaticPlanBlockMemory" else p
-    for p in cpu.finalize_passes(target)
-]
-passes = (
-    cpu.library_dispatch_passes(target)
-    + cpu.legalize_passes(target)
-    + [MemoryAwareSchedule()]
-    + cpu.dataflow_lower_passes(target)
-    + [Rematerialize()]
-    + finalize
+phases = pipeline_phases(
+    target,
+    **{flag: flag in ("schedule", "remat", "plan") for flag in PipelineFlags.switches()},
 )
+passes = [p for phase in PHASES for p in phases[phase]]
 print(
     "pass names:",
     [

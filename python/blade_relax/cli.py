@@ -366,57 +366,38 @@ def _run_once(
     budget: int | None = None,
     workspaces: Mapping[str, Any] | None = None,
 ) -> RunResult:
-    import tvm
-    from tvm import relax
-
     from .frontend import flatten_outputs
-    from .runtime import (
-        current_live_bytes,
-        last_remat_decision,
-        measure_memory,
-        set_memory_budget,
-    )
+    from .runtime import current_live_bytes, measure_call
     from .runtime.remat import RematBudgetWarning
 
-    # A fresh VM on a clean slate: a VM keeps its last result until its next call, and stale
-    # results of earlier calls would otherwise count as live bytes of this one.
-    gc.collect()
-    vm = relax.VirtualMachine(exe, tvm.cpu())
-    tensors = [tvm.runtime.tensor(a) for a in arrays]
-    trace: list[int] = []
-    base = 0
+    live: list[int] = []
 
     def instrument(_func: Any, _name: str, before_run: bool, _ret: Any, *_args: Any) -> int:
         # Memory over the program as the runtime sees it: the live bytes after every instruction.
         if not before_run:
-            trace.append(current_live_bytes() - base)
+            live.append(current_live_bytes())
         return 0  # run the instruction as usual
 
-    # The kernels' workspaces (``workspaces``: the compiled module's table) count while each
-    # kernel runs, as the symbolic timeline counts them.
-    with measure_memory(vm, workspaces=workspaces, instrument=instrument) as measured:
-        base = measured.live_before
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RematBudgetWarning)
-            if budget is None:
-                out = vm["main"](*tensors)
-            else:
-                with set_memory_budget(base + budget):
-                    out = vm["main"](*tensors)
-    stats = measured.stats
-    outputs = [t.numpy() for t in flatten_outputs(out)]
-    del out, vm
+    # A fresh VM of ``exe`` (see measure_call); the kernels' workspaces (``workspaces``: the
+    # compiled module's table) count while each kernel runs, as the symbolic timeline counts
+    # them.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RematBudgetWarning)
+        measured = measure_call(
+            exe, arrays, budget=budget, workspaces=workspaces, instrument=instrument
+        )
+    base = measured.live_before
     result = RunResult(
-        peak_bytes=stats["peak_bytes"] - base,
+        peak_bytes=measured.peak_bytes,
         predicted_bytes=None,
-        evictions=stats["evictions"],
-        regenerations=stats["regenerations"],
-        outputs=outputs,
+        evictions=measured.evictions,
+        regenerations=measured.regenerations,
+        outputs=flatten_outputs(measured.outputs),
         budget_bytes=budget,
-        live_trace=trace,
+        live_trace=[v - base for v in live],
     )
-    decision = last_remat_decision() if budget is not None else None
-    if decision is not None and decision["budget"] == base + budget:
+    decision = measured.decision
+    if decision is not None:
         if {k: int(v) for k, v in decision["dims"].items()} == dict(bindings):
             result.predicted_bytes = int(decision["predicted_peak"]) - base
             result.reachable = bool(decision["reachable"])
@@ -875,15 +856,20 @@ def run_report(args: argparse.Namespace) -> int:
 
     target = {"llvm": "llvm", "cuda": {"kind": "cuda", "arch": "sm_90"}}[args.target]
     stages: list[tuple[str, Any]] = []
+    # What each of our passes changed (its ``last_result``), per pipeline.
+    pass_results: dict[str, list[Any]] = {}
     if args.pipeline == "none":
         stages.append(("input", model.mod))
     else:
+        from .transform import collect_results
+
         flags_of = {"stock TVM": {}, "blade_relax": _blade_flags()}
         wanted = ["stock TVM"] + (["blade_relax"] if args.pipeline == "blade" else [])
         for label in wanted:
             _progress(f"lowering {model.name} with the {label} pipeline ({args.target})")
             try:
-                lowered = lower_to_memory_stage(model.mod, target, **flags_of[label])
+                with collect_results() as pass_results[label]:
+                    lowered = lower_to_memory_stage(model.mod, target, **flags_of[label])
             except Exception as err:  # TVM's passes raise their own error types
                 raise CliError(
                     f"the {label} pipeline cannot lower {model.name}: {first_line(err)}"
@@ -936,6 +922,12 @@ def run_report(args: argparse.Namespace) -> int:
             f"blade_relax vs stock TVM at {bindings}: peak {after.peak:,} B vs {before.peak:,} B "
             f"({after.peak / max(before.peak, 1):.3f} x)"
         )
+    for label, results in pass_results.items():
+        if results:
+            print()
+            print(f"passes of the {label} pipeline (what each changed; peaks at these dims):")
+            for result in results:
+                print(result.summary(bindings, max_functions=args.rows))
 
     if json_path is not None:
         payload = {
@@ -946,6 +938,10 @@ def run_report(args: argparse.Namespace) -> int:
             "pipeline": args.pipeline,
             "dims": bindings,
             "reports": [json.loads(r.to_json()) for r in reports],
+            "passes": {
+                label: [r.to_dict(bindings) for r in results]
+                for label, results in pass_results.items()
+            },
         }
         _write_text(json_path, json.dumps(payload, indent=2) + "\n", "--json")
         print(f"json: {json_path}")

@@ -33,6 +33,29 @@ Where each pass runs, and why there:
   on the declared dim ranges are impure (no dataflow block, no purity checking) and become the
   first bindings of the body, ahead of every allocation and kernel (see check_dim_ranges.py).
 
+How the pipeline is assembled (the way mlc-llm's ``compiler_pass/pipeline.py`` does it): one
+explicit list of phases, :data:`PHASES`, run in order:
+
+``graph``
+    Our passes on high-level operators (``FuseAttention``, ``SimplifyTransposes``,
+    ``FoldZeroScatter``, ``CloneGeneratedTensors``).
+``library_dispatch``, ``legalize``, ``dataflow_lower``
+    TVM's phases of the same names for the target, as TVM returns them (``legalize`` ends with
+    ``FuseTIR``, and dlight's GPU schedules on CUDA).
+``fused``
+    Our passes on the fused dataflow graph (``InlineKernelIntermediates``,
+    ``MemoryAwareSchedule``, ``RecomputeCheapValues``).
+``finalize``, ``vm_lower``
+    TVM's ``finalize_passes`` for the target, written out here with the ``relax.transform``
+    constructors and split where the memory stage ends (``vm_lower`` starts at
+    ``VMShapeLower``); ``Rematerialize`` and ``CheckDimRanges`` come first, ``PlanMemory`` takes
+    the place of ``StaticPlanBlockMemory`` and ``RematTimeline`` follows ``KillAfterLastUse``.
+    :func:`check_tvm_phases` compares the pass names of TVM's list with this copy (once per
+    target kind) and raises a ``RuntimeError`` naming the difference when TVM changes it, rather
+    than silently dropping a pass placed by position.
+
+The flags that select our passes are the fields of :class:`PipelineFlags`.
+
 The pipeline is registered as the Relax pipeline ``"blade_relax"``, so
 ``tvm.compile(mod, target, relax_pipeline=relax.get_pipeline("blade_relax", target=target))``
 works as well as ``relax_pipeline=blade_relax.get_pipeline(target)``.
@@ -40,6 +63,8 @@ works as well as ``relax_pipeline=blade_relax.get_pipeline(target)``.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from collections.abc import Callable
 from typing import Any
 
@@ -57,12 +82,109 @@ def as_target(target: str | dict | tvm.target.Target) -> tvm.target.Target:
         raise ValueError(f"not a valid TVM target: {target!r} ({err})") from err
 
 
-def is_gpu_target(target: tvm.target.Target) -> bool:
-    """Whether kernels for ``target`` run on a CUDA-like GPU."""
-    return target.kind.name in ("cuda", "rocm", "vulkan", "metal", "opencl")
+def _flag(default: bool, pass_name: str, kind: str, options: str) -> Any:
+    """A switch of :class:`PipelineFlags`: the pass it enables, its kind, its options field."""
+    return dataclasses.field(
+        default=default, metadata={"pass": pass_name, "kind": kind, "options": options}
+    )
 
 
-def _backend_phases(target: tvm.target.Target):
+@dataclasses.dataclass(frozen=True)
+class PipelineFlags:
+    """Which blade_relax passes the pipeline runs, and the options each one is given.
+
+    The one list of the pipeline's flags: :func:`get_pipeline`'s and
+    :func:`lower_to_memory_stage`'s keywords are its fields, and the bench configurations and the
+    differential variants enumerate its switches (:meth:`switches`, :meth:`passes`).
+
+    The defaults are :func:`get_pipeline`'s (every pass on); :meth:`stock` has every pass off,
+    which is TVM's default pipeline for the target. The switches are declared in the order
+    their passes run within each kind: ``"memory"`` (``MemoryAwareSchedule``,
+    ``Rematerialize``, ``PlanMemory``), ``"graph"`` (the passes that clean up imported graphs and
+    fused kernels) and ``"check"`` (``CheckDimRanges``). ``*_options`` are the option dataclasses
+    handed to the passes (``None`` for their defaults).
+    """
+
+    # The memory passes.
+    schedule: bool = _flag(True, "MemoryAwareSchedule", "memory", "schedule_options")
+    remat: bool = _flag(True, "Rematerialize", "memory", "remat_options")
+    plan: bool = _flag(True, "PlanMemory", "memory", "plan_options")
+    # The graph passes (FuseAttention and InlineKernelIntermediates on CPU targets only).
+    fuse_attention: bool = _flag(True, "FuseAttention", "graph", "attention_options")
+    simplify: bool = _flag(True, "SimplifyTransposes", "graph", "simplify_options")
+    fold_scatter: bool = _flag(True, "FoldZeroScatter", "graph", "fold_scatter_options")
+    clone_generated: bool = _flag(True, "CloneGeneratedTensors", "graph", "clone_options")
+    inline_kernels: bool = _flag(True, "InlineKernelIntermediates", "graph", "inline_options")
+    recompute: bool = _flag(True, "RecomputeCheapValues", "graph", "recompute_options")
+    # The dim-range check.
+    check_dims: bool = _flag(True, "CheckDimRanges", "check", "check_options")
+    # The passes' options.
+    schedule_options: Any = None
+    remat_options: Any = None
+    plan_options: Any = None
+    attention_options: Any = None
+    simplify_options: Any = None
+    fold_scatter_options: Any = None
+    clone_options: Any = None
+    inline_options: Any = None
+    recompute_options: Any = None
+    check_options: Any = None
+
+    @classmethod
+    def switches(cls, kind: str | None = None) -> tuple[str, ...]:
+        """The names of the switches (of one ``kind`` when given), in declaration order."""
+        return tuple(cls.passes(kind))
+
+    @classmethod
+    def passes(cls, kind: str | None = None) -> dict[str, str]:
+        """Switch name -> the name of the pass it enables (of one ``kind`` when given)."""
+        if kind not in (None, "memory", "graph", "check"):
+            raise ValueError(f"switch kinds are 'memory', 'graph' and 'check', not {kind!r}")
+        return {
+            f.name: f.metadata["pass"]
+            for f in dataclasses.fields(cls)
+            if "pass" in f.metadata and kind in (None, f.metadata["kind"])
+        }
+
+    @classmethod
+    def options_field(cls, switch: str) -> str:
+        """The name of the field holding the options of ``switch``'s pass."""
+        for f in dataclasses.fields(cls):
+            if f.name == switch and "options" in f.metadata:
+                return f.metadata["options"]
+        raise ValueError(f"not a pipeline switch: {switch!r}")
+
+    @classmethod
+    def stock(cls, **changes: Any) -> PipelineFlags:
+        """Every pass off (TVM's default pipeline), then ``changes``."""
+        return cls.of({**dict.fromkeys(cls.switches(), False), **changes})
+
+    @classmethod
+    def of(cls, values: dict[str, Any]) -> PipelineFlags:
+        """``PipelineFlags(**values)``, naming unknown keys in a ``TypeError``."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise TypeError(f"unknown pipeline options: {unknown}")
+        return cls(**values)
+
+
+# The phases of the pipeline, in the order they run (see the module docstring). TVM's phases
+# keep TVM's names; ``finalize`` and ``vm_lower`` together are TVM's ``finalize_passes``, split
+# where the memory stage ends (``VMShapeLower``).
+PHASES: tuple[str, ...] = (
+    "graph",
+    "library_dispatch",
+    "legalize",
+    "fused",
+    "dataflow_lower",
+    "finalize",
+    "vm_lower",
+)
+
+
+def _backend_phases(target: tvm.target.Target) -> Any:
+    """TVM's pipeline module for ``target``, whose phases blade_relax builds on."""
     if target.kind.name == "cuda":
         from tvm.relax.backend.cuda import pipeline as phases
     elif target.kind.name == "llvm":
@@ -72,91 +194,165 @@ def _backend_phases(target: tvm.target.Target):
     return phases
 
 
-def _pass_list(
-    target: tvm.target.Target,
-    schedule: bool,
-    remat: bool,
-    plan: bool,
-    schedule_options: Any,
-    remat_options: Any,
-    plan_options: Any,
-    *,
-    check_dims: bool = False,
-    check_options: Any = None,
-    simplify: bool = False,
-    simplify_options: Any = None,
-    fold_scatter: bool = False,
-    fold_scatter_options: Any = None,
-    inline_kernels: bool = False,
-    inline_options: Any = None,
-    recompute: bool = False,
-    recompute_options: Any = None,
-    clone_generated: bool = False,
-    clone_options: Any = None,
-    fuse_attention: bool = False,
-    attention_options: Any = None,
-) -> list[tvm.transform.Pass]:
+def _ours(name: str, *args: Any) -> tvm.transform.Pass:
+    """blade_relax's pass ``name`` (imported when first asked for: the stock pipeline has none)."""
+    from . import transform
+
+    return getattr(transform, name)(*args)
+
+
+def _finalize_phases(
+    target: tvm.target.Target, flags: PipelineFlags, plan_memory: bool = True
+) -> tuple[list[tvm.transform.Pass], list[tvm.transform.Pass]]:
+    """TVM's ``finalize_passes(target)`` written out, with our passes in place.
+
+    Returned as (``finalize``, ``vm_lower``): the passes up to the memory stage, and those from
+    ``VMShapeLower`` on. With every flag off this is TVM's list for the target kind exactly
+    (``tvm.relax.backend.cpu_generic.pipeline`` / ``tvm.relax.backend.cuda.pipeline``), which
+    :func:`check_tvm_phases` verifies. ``plan_memory=False`` leaves memory planning out.
+    """
+    cuda = target.kind.name == "cuda"
+    finalize: list[tvm.transform.Pass] = []
+    if flags.remat:
+        finalize.append(_ours("Rematerialize", flags.remat_options))
+    if flags.check_dims:
+        finalize.append(_ours("CheckDimRanges", flags.check_options))
+    if plan_memory:
+        if flags.plan:
+            finalize.append(_ours("PlanMemory", flags.plan_options))
+        else:
+            finalize.append(relax.transform.StaticPlanBlockMemory())
+    if cuda:
+        finalize.append(relax.transform.RewriteCUDAGraph())
+    finalize.append(relax.transform.LowerAllocTensor())
+    finalize.append(relax.transform.KillAfterLastUse())
+    if flags.remat:
+        # The remat runtime decides on the timeline of the planned IR (see rematerialize.py).
+        finalize.append(_ours("RematTimeline"))
+    finalize.append(relax.transform.LowerRuntimeBuiltin())
+    finalize.append(relax.transform.ComputePrimValue())
+    vm_lower = [relax.transform.VMShapeLower(), relax.transform.AttachGlobalSymbol()]
+    return finalize, vm_lower
+
+
+def check_tvm_phases(target: str | dict | tvm.target.Target = "llvm") -> None:
+    """Check that TVM's finalize phase for ``target`` is the one blade_relax writes out.
+
+    blade_relax places ``PlanMemory`` and ``RematTimeline`` by position in its own copy of
+    TVM's ``finalize_passes``; a pass renamed, added, removed or moved in TVM would otherwise
+    be silently dropped or misplaced. The pipeline functions run this check once per target
+    kind (again whenever TVM's phase function is another object).
+
+    Raises
+    ------
+    RuntimeError
+        Naming the difference between TVM's pass names and blade_relax's.
+    """
+    tgt = as_target(target)
+    phases = _backend_phases(tgt)
+    theirs = [p.info.name for p in phases.finalize_passes(tgt)]
+    finalize, vm_lower = _finalize_phases(tgt, PipelineFlags.stock())
+    ours = [p.info.name for p in finalize + vm_lower]
+    if theirs == ours:
+        return
+    changes = []
+    matcher = difflib.SequenceMatcher(a=ours, b=theirs, autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "replace":
+            changes.append(f"{', '.join(ours[i1:i2])} became {', '.join(theirs[j1:j2])}")
+        elif tag == "delete":
+            changes.append(f"{', '.join(ours[i1:i2])} missing")
+        elif tag == "insert":
+            changes.append(f"{', '.join(theirs[j1:j2])} added")
+    raise RuntimeError(
+        f"TVM's finalize phase for {tgt.kind.name} targets ({phases.__name__}.finalize_passes) "
+        f"is no longer the one blade_relax mirrors to place its passes: "
+        f"{'; '.join(changes)}. TVM: {theirs}; blade_relax: {ours}. "
+        "Update _finalize_phases in blade_relax/pipeline.py for this TVM version."
+    )
+
+
+# Target kind -> the TVM phase function last checked for it.
+_CHECKED: dict[str, Any] = {}
+
+
+def _checked_backend_phases(target: tvm.target.Target) -> Any:
     phases = _backend_phases(target)
-    passes: list[tvm.transform.Pass] = []
-    if fuse_attention and not is_gpu_target(target):
-        from .transform import FuseAttention
+    if _CHECKED.get(target.kind.name) is not phases.finalize_passes:
+        check_tvm_phases(target)
+        _CHECKED[target.kind.name] = phases.finalize_passes
+    return phases
 
-        passes.append(FuseAttention(attention_options))
-    if simplify:
-        from .transform import SimplifyTransposes
 
-        passes.append(SimplifyTransposes(simplify_options))
-    if fold_scatter:
-        from .transform import FoldZeroScatter
-
-        passes.append(FoldZeroScatter(fold_scatter_options))
-    if clone_generated:
-        from .transform import CloneGeneratedTensors
-
-        passes.append(CloneGeneratedTensors(clone_options))
-    passes += phases.library_dispatch_passes(target)
-    passes += phases.legalize_passes(target)
-    if inline_kernels and not is_gpu_target(target):
-        from .transform import InlineKernelIntermediates
-
-        passes.append(InlineKernelIntermediates(inline_options))
-    if schedule:
-        from .transform import MemoryAwareSchedule, ScheduleOptions
-
+def _phases(
+    target: tvm.target.Target,
+    flags: PipelineFlags,
+    *,
+    after_fusion: tuple[tvm.transform.Pass, ...] = (),
+    plan_memory: bool = True,
+) -> dict[str, list[tvm.transform.Pass]]:
+    """The pipeline's passes for ``target``, by phase (every name of :data:`PHASES`)."""
+    phases = _checked_backend_phases(target)
+    cpu = target.kind.name == "llvm"
+    graph: list[tvm.transform.Pass] = []
+    if flags.fuse_attention and cpu:
+        graph.append(_ours("FuseAttention", flags.attention_options))
+    if flags.simplify:
+        graph.append(_ours("SimplifyTransposes", flags.simplify_options))
+    if flags.fold_scatter:
+        graph.append(_ours("FoldZeroScatter", flags.fold_scatter_options))
+    if flags.clone_generated:
+        graph.append(_ours("CloneGeneratedTensors", flags.clone_options))
+    fused: list[tvm.transform.Pass] = []
+    if flags.inline_kernels and cpu:
+        fused.append(_ours("InlineKernelIntermediates", flags.inline_options))
+    if flags.schedule:
+        schedule_options = flags.schedule_options
         if schedule_options is None:
             # Score orders for the planner that follows: PlanMemory frees each tensor after its
             # last use; StaticPlanBlockMemory (the pass's default model) pools equal sizes. With
             # RecomputeCheapValues after it, the chosen order is compared once more, recomputed.
+            from .transform import ScheduleOptions
+
             schedule_options = ScheduleOptions(
-                planner="plan" if plan else "static", recompute_after=recompute
+                planner="plan" if flags.plan else "static", recompute_after=flags.recompute
             )
-        passes.append(MemoryAwareSchedule(schedule_options))
-    if recompute:
-        from .transform import RecomputeCheapValues
+        fused.append(_ours("MemoryAwareSchedule", schedule_options))
+    if flags.recompute:
+        fused.append(_ours("RecomputeCheapValues", flags.recompute_options))
+    fused += after_fusion
+    finalize, vm_lower = _finalize_phases(target, flags, plan_memory)
+    return {
+        "graph": graph,
+        "library_dispatch": list(phases.library_dispatch_passes(target)),
+        "legalize": list(phases.legalize_passes(target)),
+        "fused": fused,
+        "dataflow_lower": list(phases.dataflow_lower_passes(target)),
+        "finalize": finalize,
+        "vm_lower": vm_lower,
+    }
 
-        passes.append(RecomputeCheapValues(recompute_options))
-    passes += phases.dataflow_lower_passes(target)
-    if remat:
-        from .transform import Rematerialize
 
-        passes.append(Rematerialize(remat_options))
-    if check_dims:
-        from .transform import CheckDimRanges
+def _as_pipeline(
+    name: str, target: tvm.target.Target, passes: list[tvm.transform.Pass]
+) -> tvm.transform.Pass:
+    @tvm.transform.module_pass(opt_level=0, name=name)
+    def _pipeline(mod: tvm.ir.IRModule, _ctx: tvm.transform.PassContext) -> tvm.ir.IRModule:
+        with target:
+            return tvm.transform.Sequential(passes)(mod)
 
-        passes.append(CheckDimRanges(check_options))
-    for finalize_pass in phases.finalize_passes(target):
-        if plan and finalize_pass.info.name == "StaticPlanBlockMemory":
-            from .transform import PlanMemory
+    return _pipeline
 
-            passes.append(PlanMemory(plan_options))
-        else:
-            passes.append(finalize_pass)
-        if remat and finalize_pass.info.name == "KillAfterLastUse":
-            # The remat runtime decides on the timeline of the planned IR (see rematerialize.py).
-            from .transform import RematTimeline
 
-            passes.append(RematTimeline())
-    return passes
+def pipeline_phases(
+    target: str | dict | tvm.target.Target = "llvm", **flags: Any
+) -> dict[str, list[tvm.transform.Pass]]:
+    """The passes ``get_pipeline(target, **flags)`` runs, by phase, in order.
+
+    The keys are :data:`PHASES`; a phase none of whose passes is selected is an empty list.
+    ``flags`` are the keywords of :func:`get_pipeline`, with its defaults (every pass on).
+    """
+    return _phases(as_target(target), PipelineFlags.of(flags))
 
 
 def get_pipeline(
@@ -204,70 +400,47 @@ def get_pipeline(
     inline_options, recompute_options, clone_options, attention_options, check_options
         Option dataclasses handed to the passes (``None`` for their defaults).
 
+    The keywords are the fields of :class:`PipelineFlags`, with its defaults.
+
     Returns
     -------
     tvm.transform.Pass
         A module pass usable as ``tvm.compile(mod, target, relax_pipeline=...)``.
     """
-    tgt = as_target(target)
-    passes = _pass_list(
-        tgt,
-        schedule,
-        remat,
-        plan,
-        schedule_options,
-        remat_options,
-        plan_options,
-        check_dims=check_dims,
-        check_options=check_options,
-        simplify=simplify,
-        simplify_options=simplify_options,
-        fold_scatter=fold_scatter,
-        fold_scatter_options=fold_scatter_options,
-        inline_kernels=inline_kernels,
-        inline_options=inline_options,
-        recompute=recompute,
-        recompute_options=recompute_options,
-        clone_generated=clone_generated,
-        clone_options=clone_options,
-        fuse_attention=fuse_attention,
-        attention_options=attention_options,
-    )
-
-    @tvm.transform.module_pass(opt_level=0, name="blade_relax_pipeline")
-    def _pipeline(mod: tvm.ir.IRModule, _ctx: tvm.transform.PassContext) -> tvm.ir.IRModule:
-        with tgt:
-            return tvm.transform.Sequential(passes)(mod)
-
-    return _pipeline
+    values = dict(locals())  # the keywords: nothing else is bound yet
+    tgt = as_target(values.pop("target"))
+    flags = PipelineFlags.of(values)
+    passes = [p for phase in _phases(tgt, flags).values() for p in phase]
+    return _as_pipeline("blade_relax_pipeline", tgt, passes)
 
 
 def stock_pipeline(
     target: str | dict | tvm.target.Target = "llvm",
     *,
     after_fusion: tuple[tvm.transform.Pass, ...] = (),
+    plan_memory: bool = True,
 ) -> tvm.transform.Pass:
     """TVM's default pipeline for ``target`` (with fusion): the baseline we compare against.
 
-    ``after_fusion`` passes run after ``FuseTIR`` and before ``ToNonDataflow`` (where
-    ``MemoryAwareSchedule`` would run), e.g. ``relax.transform.TopologicalSort(...)``.
+    ``after_fusion`` passes run after ``FuseTIR`` and before ``ToNonDataflow`` (at the end of
+    the ``fused`` phase, where ``MemoryAwareSchedule`` would run), e.g.
+    ``relax.transform.TopologicalSort(...)``. ``plan_memory=False`` leaves
+    ``StaticPlanBlockMemory`` out: every tensor gets a storage of its own (a reference for the
+    numerics of memory planners).
     """
     tgt = as_target(target)
-    passes = _pass_list(tgt, False, False, False, None, None, None)
-    cut = next(i for i, p in enumerate(passes) if p.info.name == "RewriteDataflowReshape")
-    passes[cut:cut] = list(after_fusion)
-
-    @tvm.transform.module_pass(opt_level=0, name="stock_pipeline")
-    def _pipeline(mod: tvm.ir.IRModule, _ctx: tvm.transform.PassContext) -> tvm.ir.IRModule:
-        with tgt:
-            return tvm.transform.Sequential(passes)(mod)
-
-    return _pipeline
+    phases = _phases(
+        tgt, PipelineFlags.stock(), after_fusion=tuple(after_fusion), plan_memory=plan_memory
+    )
+    return _as_pipeline("stock_pipeline", tgt, [p for phase in phases.values() for p in phase])
 
 
 def lower_to_memory_stage(
     mod: tvm.ir.IRModule,
     target: str | dict | tvm.target.Target = "llvm",
+    *,
+    start_at: str = "graph",
+    stop_before: str = "vm_lower",
     **flags: Any,
 ) -> tvm.ir.IRModule:
     """Run the pipeline up to, not including, ``VMShapeLower``.
@@ -282,53 +455,27 @@ def lower_to_memory_stage(
         The module to lower (left unchanged).
     target
         As for :func:`get_pipeline`.
+    start_at, stop_before
+        Run only the phases from ``start_at`` up to, not including, ``stop_before`` (names of
+        :data:`PHASES`). ``stop_before="dataflow_lower"`` gives the fused dataflow graph
+        (after legalization, fusion and the ``fused`` phase's passes); ``start_at=
+        "dataflow_lower"`` lowers such a graph; ``start_at="finalize"`` plans the memory of a
+        lowered function (``Rematerialize`` and ``CheckDimRanges`` included, when on).
     **flags
-        ``schedule``, ``remat``, ``plan``, ``simplify``, ``fold_scatter``, ``inline_kernels``,
-        ``recompute``, ``clone_generated``, ``fuse_attention``, ``check_dims`` and option
-        keywords
-        of :func:`get_pipeline`; all passes default to off, which gives the stock pipeline.
+        The keywords of :func:`get_pipeline` (the fields of :class:`PipelineFlags`); all
+        passes default to off, which gives the stock pipeline.
     """
+    for name in (start_at, stop_before):
+        if name not in PHASES:
+            raise ValueError(f"unknown pipeline phase {name!r}; the phases are {PHASES}")
+    first, end = PHASES.index(start_at), PHASES.index(stop_before)
+    if first > end:
+        raise ValueError(f"phase {start_at!r} runs after {stop_before!r}")
     tgt = as_target(target)
-    options = {
-        "schedule": False,
-        "remat": False,
-        "plan": False,
-        "simplify": False,
-        "fold_scatter": False,
-        "inline_kernels": False,
-        "recompute": False,
-        "clone_generated": False,
-        "fuse_attention": False,
-    }
-    options.update(flags)
-    passes = _pass_list(
-        tgt,
-        options.pop("schedule"),
-        options.pop("remat"),
-        options.pop("plan"),
-        options.pop("schedule_options", None),
-        options.pop("remat_options", None),
-        options.pop("plan_options", None),
-        check_dims=options.pop("check_dims", False),
-        check_options=options.pop("check_options", None),
-        simplify=options.pop("simplify"),
-        simplify_options=options.pop("simplify_options", None),
-        fold_scatter=options.pop("fold_scatter"),
-        fold_scatter_options=options.pop("fold_scatter_options", None),
-        inline_kernels=options.pop("inline_kernels"),
-        inline_options=options.pop("inline_options", None),
-        recompute=options.pop("recompute"),
-        recompute_options=options.pop("recompute_options", None),
-        clone_generated=options.pop("clone_generated"),
-        clone_options=options.pop("clone_options", None),
-        fuse_attention=options.pop("fuse_attention"),
-        attention_options=options.pop("attention_options", None),
-    )
-    if options:
-        raise TypeError(f"unknown pipeline options: {sorted(options)}")
-    cut = next(i for i, p in enumerate(passes) if p.info.name == "VMShapeLower")
+    phases = _phases(tgt, PipelineFlags.stock(**flags))
+    passes = [p for name in PHASES[first:end] for p in phases[name]]
     with tgt:
-        return tvm.transform.Sequential(passes[:cut])(mod)
+        return tvm.transform.Sequential(passes)(mod)
 
 
 def _registered_pipeline(**kwargs: Any) -> tvm.transform.Pass:

@@ -26,22 +26,7 @@ UPPER = 64
 
 def _unplanned_pipeline(target: str = "llvm") -> tvm.transform.Pass:
     """The stock pipeline without StaticPlanBlockMemory: every tensor gets its own storage."""
-    from tvm.relax.backend.cpu_generic import pipeline as phases
-
-    tgt = tvm.target.Target(target)
-    passes = (
-        phases.library_dispatch_passes(tgt)
-        + phases.legalize_passes(tgt)
-        + phases.dataflow_lower_passes(tgt)
-        + [p for p in phases.finalize_passes(tgt) if p.info.name != "StaticPlanBlockMemory"]
-    )
-
-    @tvm.transform.module_pass(opt_level=0, name="unplanned_pipeline")
-    def _run(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        with tgt:
-            return tvm.transform.Sequential(passes)(mod)
-
-    return _run
+    return stock_pipeline(target, plan_memory=False)
 
 
 def _vm(mod: tvm.IRModule, pipeline: tvm.transform.Pass) -> relax.VirtualMachine:

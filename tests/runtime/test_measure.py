@@ -1,7 +1,16 @@
 """Measuring one call: kernel workspaces counted while the kernel runs, through the VM's
-instrument, composed with the caller's own instrument and removed afterwards."""
+instrument, composed with the caller's own instrument and removed afterwards; ``measure_call``'s
+rules (a fresh VM, the budget on top of the bytes live before the call, the peak above them).
+
+``TwoAdds`` after the stock pipeline allocates two ``(n, 4)`` float32 tensors (``16 n`` bytes
+each): ``a = x + x``, then the output ``b = a + x`` while ``a`` is still live, then ``a`` is
+killed. The call's peak is ``32 n`` bytes above the bytes live before it, and ``16 n`` (the
+output) stay live while the VM holds its result.
+"""
 
 from __future__ import annotations
+
+import warnings
 
 import numpy as np
 import pytest
@@ -11,9 +20,12 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
-import blade_relax  # noqa: F401  (installs the runtime accounting)
+import blade_relax  # installs the runtime accounting
 from blade_relax.runtime import (
+    RematBudgetWarning,
     current_live_bytes,
+    get_memory_budget,
+    measure_call,
     measure_memory,
     memory_stats,
     reset_memory_stats,
@@ -157,3 +169,175 @@ def test_measure_memory_needs_the_vm_for_a_table():
     with pytest.raises(ValueError, match="needs the VM"):
         with measure_memory(None, workspaces=TABLE):
             pass
+
+
+# --------------------------------------------------------------------------- measure_call
+@I.ir_module
+class TwoAdds:
+    @R.function
+    def main(x: R.Tensor(("n", 4), "float32")):
+        with R.dataflow():
+            a = R.add(x, x)
+            b = R.add(a, x)
+            R.output(b)
+        return b
+
+
+def _two_adds_peak(n: int) -> int:
+    """``a`` and ``b``, both (n, 4) float32, live together while ``b`` is computed."""
+    return 2 * (n * 4 * 4)
+
+
+@pytest.fixture(scope="module")
+def two_adds():
+    return tvm.compile(TwoAdds, "llvm")
+
+
+def _rows(n: int) -> np.ndarray:
+    return np.arange(n * 4, dtype="float32").reshape(n, 4)
+
+
+@pytest.mark.parametrize("n", [1, 7, 100])
+def test_measure_call_peak_is_exact(two_adds, n):
+    m = measure_call(two_adds, [_rows(n)])
+    assert m.peak_bytes == _two_adds_peak(n)
+    assert m.peak_absolute == m.live_before + _two_adds_peak(n)
+    assert m.allocations == 2 and m.evictions == 0 and m.regenerations == 0
+    assert m.workspace_bytes == 0
+    assert m.runtime_budget is None and m.decision is None
+    np.testing.assert_array_equal(m.outputs, _rows(n) * 3)
+
+
+def test_measure_call_drops_its_fresh_vm(two_adds):
+    """Given an executable, the call runs on a VM of its own, which holds nothing afterwards."""
+    n = 9
+    m = measure_call(two_adds, [_rows(n)])
+    assert memory_stats()["live_bytes"] == m.live_before
+    assert isinstance(m.outputs, np.ndarray)
+
+
+def test_measure_call_budget_is_on_top_of_the_live_bytes(two_adds):
+    """The runtime budget is the bytes live before the call plus the call's budget; a function
+    without rematerialization runs as without one."""
+    n = 12
+    held = relax.VirtualMachine(two_adds, tvm.cpu())
+    kept = held["main"](tvm.runtime.tensor(_rows(n)))  # 16 n bytes live before the call
+    seen = []
+
+    def read_budget(_func, _symbol, before_run, _ret, *_args):
+        if before_run:
+            seen.append(get_memory_budget())
+        return 0
+
+    m = measure_call(two_adds, [_rows(n)], budget=100, instrument=read_budget)
+    assert m.live_before >= 16 * n
+    assert m.runtime_budget == m.live_before + 100
+    assert seen and set(seen) == {m.live_before + 100}
+    assert get_memory_budget() is None  # only during the call
+    assert m.peak_bytes == _two_adds_peak(n)  # nothing to evict: the budget changes nothing
+    assert m.evictions == 0 and m.decision is None
+    absolute = measure_call(two_adds, [_rows(n)], runtime_budget=m.live_before + 100)
+    assert absolute.runtime_budget == m.live_before + 100
+    del kept, held
+
+
+def test_measure_call_does_not_count_the_vms_previous_result(two_adds):
+    """A reused VM still holds its previous result when the next call starts: it is in the base
+    (``live_before``), not in the call's peak."""
+    n = 25
+    vm = relax.VirtualMachine(two_adds, tvm.cpu())
+    first = measure_call(vm, [_rows(n)])
+    second = measure_call(vm, [_rows(n)])
+    assert first.peak_bytes == second.peak_bytes == _two_adds_peak(n)
+    assert second.live_before == first.live_before + 16 * n  # the VM's last result
+    # Released once the second call returned: the VM now holds the second result only.
+    assert memory_stats()["live_bytes"] == first.live_before + 16 * n
+    del vm
+    assert memory_stats()["live_bytes"] == first.live_before
+
+
+def test_measure_call_counts_workspaces_and_runs_the_callers_instrument():
+    exe = tvm.compile(TwoKernels, "llvm")
+    n = 30
+    symbols = []
+
+    def trace(_func, symbol, before_run, _ret, *_args):
+        if not before_run:
+            symbols.append(symbol)
+        return 0
+
+    m = measure_call(exe, [_rows(n)], workspaces=TABLE, instrument=trace)
+    assert m.peak_bytes == 16 * n + 32 * n and m.workspace_bytes == 32 * n
+    assert "scale" in symbols and "plus_one" in symbols
+    np.testing.assert_array_equal(m.outputs, _rows(n) * 4 + 1)
+
+
+def test_measure_call_options(two_adds):
+    x = _rows(3)
+    assert measure_call(two_adds, [x], convert=None).outputs is None
+    raw = measure_call(two_adds, [tvm.runtime.tensor(x)], convert=lambda out: out)
+    assert isinstance(raw.outputs, tvm.runtime.Tensor)
+    with pytest.raises(ValueError, match="not both"):
+        measure_call(two_adds, [x], budget=1, runtime_budget=1)
+
+
+# A (n, 64) tensor read again at the end, over a (n, 64) peak in the middle that it need not
+# stay live for: rematerialization evicts it under a budget and computes it again at the end.
+@I.ir_module
+class KeptAcross:
+    @R.function
+    def main(
+        x: R.Tensor(("n", 4), "float32"),
+        w1: R.Tensor((4, 64), "float32"),
+        w2: R.Tensor((64, 4), "float32"),
+        w3: R.Tensor((64, 4), "float32"),
+    ):
+        with R.dataflow():
+            a = R.matmul(x, w1)
+            b = R.matmul(a, w2)
+            c = R.nn.relu(R.matmul(b, w1))
+            e = R.matmul(c, w2)
+            f = R.add(R.matmul(a, w3), e)
+            R.output(f)
+        return f
+
+
+@pytest.fixture(scope="module")
+def kept_across():
+    # No reordering or compile-time recomputation: the runtime rematerialization is what acts.
+    pipeline = blade_relax.get_pipeline("llvm", schedule=False, recompute=False)
+    return tvm.compile(KeptAcross, "llvm", relax_pipeline=pipeline)
+
+
+def _kept_across_args(n: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    shapes = [(n, 4), (4, 64), (64, 4), (64, 4)]
+    return [rng.standard_normal(s).astype("float32") for s in shapes]
+
+
+def test_measure_call_under_a_budget_the_remat_runtime_evicts(kept_across):
+    n = 40
+    args = _kept_across_args(n)
+    free = measure_call(kept_across, args)
+    # a (n, 64), b (n, 4) and c (n, 64) are live together while c is computed.
+    assert free.peak_bytes == (64 + 4 + 64) * 4 * n
+    assert free.evictions == 0 and free.decision is None
+    budget = 400 * n
+    m = measure_call(kept_across, args, budget=budget)
+    decision = m.decision
+    assert decision is not None and decision["budget"] == m.live_before + budget
+    assert decision["reachable"] and m.peak_bytes <= budget < free.peak_bytes
+    assert m.peak_absolute == decision["predicted_peak"]
+    assert m.evictions >= 1 and m.regenerations == m.evictions
+    np.testing.assert_allclose(m.outputs, free.outputs, rtol=1e-5, atol=1e-5)
+
+
+def test_measure_call_records_the_budget_warnings(kept_across):
+    args = _kept_across_args(8)
+    with warnings.catch_warnings(record=True) as outside:
+        warnings.simplefilter("always")
+        m = measure_call(kept_across, args, budget=1, record_warnings=True)
+    assert not outside  # recorded, not shown
+    assert not m.decision["reachable"]
+    assert m.budget_warnings == 1
+    assert issubclass(m.recorded_warnings[0].category, RematBudgetWarning)

@@ -134,6 +134,18 @@ def test_functions_without_a_range_to_check_are_unchanged(mod):
     assert pass_obj.checked == {}
 
 
+def test_last_result_says_what_changed_per_function():
+    pass_obj = CheckDimRanges()
+    once = pass_obj(Bounded)
+    assert pass_obj.last_result["main"].changed
+    assert pass_obj.last_result["main"].changes == ("1 dim checked (n)",)
+    pass_obj(once)
+    assert not pass_obj.last_result.changed
+    assert pass_obj.last_result["main"].notes == ("already checked",)
+    pass_obj(NoBounds)
+    assert not pass_obj.last_result.changed and not pass_obj.last_result["main"].changed
+
+
 def test_disabled_pass_changes_nothing():
     tvm.ir.assert_structural_equal(_check(Bounded, DimRangeOptions(enabled=False)), Bounded)
     tvm.ir.assert_structural_equal(_check(Bounded, DimRangeOptions(functions=("other",))), Bounded)

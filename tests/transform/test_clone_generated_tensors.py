@@ -96,6 +96,17 @@ def test_computed_escaping_and_single_reader_values_stay():
     assert pass_.report.copies == 0
 
 
+def test_last_result_says_what_changed_per_function():
+    pass_ = CloneGeneratedTensors()
+    pass_(Mask)
+    assert pass_.last_result["main"].changed
+    assert pass_.last_result["main"].changes == (
+        "2 generated tensors built again for later readers (2 copies)",
+    )
+    pass_(NotGenerated)
+    assert not pass_.last_result.changed and not pass_.last_result["main"].changed
+
+
 def test_options():
     assert CloneGeneratedTensors(CloneOptions(enabled=False))(Mask).same_as(Mask)
     # The mask's tree has four bindings: with at most three nothing but ``rows`` is cloned.

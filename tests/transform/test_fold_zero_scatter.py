@@ -159,6 +159,21 @@ def test_index_is_read_through_clip_and_unit_axes():
     assert [p.name for p in kernel.params][:2] == ["input_ids", "dy"]
 
 
+def test_last_result_says_what_changed_per_function():
+    pass_ = FoldZeroScatter()
+    pass_(EmbeddingGrad)
+    assert pass_.last_result["main"].changed
+    assert pass_.last_result["main"].changes == (
+        "1 accumulating scatter folded (reduction kernel)",
+    )
+    pass_(OneHot)
+    assert pass_.last_result["main"].changes == ("1 one-hot scatter folded (predicate)",)
+    assert "main: 1 one-hot scatter folded" in pass_.last_result.summary()
+    no_one_hot = FoldZeroScatter(ZeroScatterOptions(one_hot=False))
+    no_one_hot(OneHot)
+    assert not no_one_hot.last_result.changed and not no_one_hot.last_result["main"].changed
+
+
 def test_options_switch_rewrites_off():
     assert FoldZeroScatter(ZeroScatterOptions(one_hot=False)).__call__(OneHot).same_as(OneHot)
     assert FoldZeroScatter(ZeroScatterOptions(accumulate=False))(EmbeddingGrad).same_as(

@@ -208,6 +208,19 @@ def test_other_chains_pass_through(module):
     assert pass_.report.fused == 0
 
 
+def test_last_result_says_what_changed_per_function():
+    pass_ = FuseAttention()
+    pass_(Attention)
+    main = pass_.last_result["main"]
+    assert main.changed and main.changes == (
+        "1 attention chain fused",
+        "12 layout bindings absorbed",
+    )
+    assert pass_.last_result.changed_functions == (main,)
+    pass_(ProbsEscape)
+    assert not pass_.last_result.changed and not pass_.last_result["main"].changed
+
+
 def test_core_only_and_options():
     core = FuseAttention(AttentionOptions(absorb_inputs=False))
     after = core(Attention)

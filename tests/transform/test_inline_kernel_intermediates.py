@@ -12,7 +12,7 @@ from tvm.script import relax as R
 from tvm.script import tirx as T
 
 from blade_relax.frontend.builtin import attention_block
-from blade_relax.pipeline import _pass_list, as_target, lower_to_memory_stage
+from blade_relax.pipeline import lower_to_memory_stage, pipeline_phases
 from blade_relax.transform import InlineKernelIntermediates, InlineOptions
 from blade_relax.transform.inline_kernel_intermediates import inline_intermediates
 
@@ -204,6 +204,17 @@ def test_producers_run_per_row_of_their_reader():
     np.testing.assert_array_equal(outs[1], outs[0])
 
 
+def test_last_result_says_what_changed_per_kernel():
+    pass_ = InlineKernelIntermediates(InlineOptions(epilogues=False, rows=False))
+    pass_(Softmax)
+    kernel = pass_.last_result["fused_softmax_add"]
+    assert kernel.changed and kernel.changes == ("2 intermediates inlined",)
+    assert [f.function for f in pass_.last_result.changed_functions] == ["fused_softmax_add"]
+    pass_(tvm.IRModule({"reused_elements": reused_elements}))
+    assert not pass_.last_result.changed
+    assert not pass_.last_result["reused_elements"].changed
+
+
 def test_consumer_limit_and_disabled():
     one = InlineKernelIntermediates(InlineOptions(max_consumers=1, epilogues=False))
     result = one(Softmax)
@@ -249,11 +260,8 @@ def test_cpu_pipeline_inlines_and_gpu_pipeline_does_not():
     assert sum(stock) > sum(inlined)
 
     def names(target):
-        flags = dict(schedule=False, remat=False, plan=False, schedule_options=None)
-        passes = _pass_list(
-            as_target(target), **flags, remat_options=None, plan_options=None, inline_kernels=True
-        )
-        return [p.info.name for p in passes]
+        phases = pipeline_phases(target, inline_kernels=True)
+        return [p.info.name for passes in phases.values() for p in passes]
 
     assert "InlineKernelIntermediates" in names("llvm")
     assert "InlineKernelIntermediates" not in names({"kind": "cuda", "arch": "sm_90"})

@@ -170,6 +170,16 @@ def test_value_whose_input_dies_early_needs_a_chain():
         assert after.peak < before.peak
 
 
+def test_last_result_says_what_changed_per_function():
+    pass_ = RecomputeCheapValues()
+    pass_(LateRead)
+    assert pass_.last_result["main"].changed
+    assert pass_.last_result["main"].changes == ("1 value recomputed before late readers",)
+    short_gap = RecomputeCheapValues(RecomputeOptions(min_gap=3))
+    short_gap(LateRead)
+    assert not short_gap.last_result.changed and not short_gap.last_result["main"].changed
+
+
 def test_options():
     assert RecomputeCheapValues(RecomputeOptions(enabled=False))(LateRead).same_as(LateRead)
     # The gap (three bindings between the early and the late read) must exceed min_gap.

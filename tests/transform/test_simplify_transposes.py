@@ -189,6 +189,23 @@ def test_report_counts_each_rewrite():
     assert (pass_.report.composed, pass_.report.cancelled, pass_.report.fused) == (2, 2, 2)
 
 
+def test_last_result_says_what_changed_per_function():
+    pass_ = SimplifyTransposes()
+    assert pass_.last_result is None
+    pass_(Linear)
+    result = pass_.last_result
+    assert result.pass_name == "SimplifyTransposes" and result.changed
+    assert result["main"].changes == (
+        "2 transpose pairs cancelled",
+        "2 matmuls fused with a transpose",
+    )
+    assert result["main"].peak_before is None and result["main"].peak_after is None
+    assert result.detail is pass_.report
+    pass_(Untouched)
+    assert not pass_.last_result.changed and not pass_.last_result["main"].changed
+    assert pass_.last_result.summary() == "SimplifyTransposes: no change"
+
+
 def test_options_switch_stages_off():
     only_compose = SimplifyTransposes(TransposeOptions(fuse_matmul=False))
     result = only_compose(Linear)

@@ -80,13 +80,6 @@ class Liveness:
         positions = self.uses.get(var)
         return positions[-1] if positions else None
 
-    def next_use(self, var: relax.Var, after: int) -> int | None:
-        """First use of ``var`` strictly after position ``after``, if any."""
-        for position in self.uses.get(var, ()):
-            if position > after:
-                return position
-        return None
-
 
 def _free_vars_in_order(expr: relax.Expr) -> tuple[relax.Var, ...]:
     seen: dict[relax.Var, None] = {}

@@ -27,110 +27,40 @@ the caller's dims). It counts in that step's ``live_during`` (and working set), 
 the runtime accounting counts the same bytes, from the same description, when the call is
 measured with a workspace table (``blade_relax.runtime.measure_memory``).
 
-Rules for packed functions and operators this module doesn't know can be added with
-:func:`register_timeline_rule`.
+What each binding does to memory is not decided here: :mod:`blade_relax.analysis.effects`
+(the op table every memory model reads) gives each binding's :class:`~.effects.ValueEffect`,
+and :func:`~.effects.register_timeline_rule` teaches it packed functions and operators it
+does not know. This module simulates those effects over the function.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import tvm
 from tvm import relax
 
-from ..contract import EVICT, REGENERATE, REMAT_BEGIN
 from ..symbolic import Ordering, ShapeGraph, SymbolicExpr
-from .liveness import BindingInfo, Liveness, liveness
-from .workspace import call_workspace
+from .effects import (
+    KILLS,
+    STORAGE_ALLOCS,
+    binding_effect,
+    callee_name,
+    returns_nothing,
+)
+from .liveness import Liveness, liveness
 
 __all__ = [
-    "VIEW_OPS",
-    "VIEW_PACKED",
     "Allocation",
     "EvaluatedTimeline",
     "MemoryTimeline",
     "TimelineStep",
-    "ValueEffect",
     "memory_timeline",
-    "register_timeline_rule",
 ]
 
-#: Operators whose result shares its (first) argument's memory. Every model of what an
-#: instruction does to memory (this timeline, the schedule's, the planner's, the remat
-#: pass's) reads views from here.
-VIEW_OPS = frozenset(
-    {
-        "relax.reshape",
-        "relax.memory.view",
-        "relax.memory.ensure_zero_offset",
-    }
-)
-#: Packed functions whose result shares its first argument's memory.
-VIEW_PACKED = frozenset({"vm.builtin.reshape", "vm.builtin.tensor_view"})
-_STORAGE_ALLOCS = frozenset({"relax.memory.alloc_storage", "relax.vm.alloc_storage"})
-_TENSOR_IN_STORAGE = frozenset({"relax.memory.alloc_tensor", "relax.vm.alloc_tensor"})
-_TENSOR_ALLOCS = frozenset({"relax.builtin.alloc_tensor"})
-_KILLS = frozenset(
-    {"relax.memory.kill_storage", "relax.memory.kill_tensor", "relax.vm.kill_object"}
-)
-# Ops whose first argument names the packed function they call.
-PACKED_CALL_OPS = frozenset(
-    {"relax.call_pure_packed", "relax.call_builtin_with_ctx", "relax.call_inplace_packed"}
-)
 _LOWERED_MARKERS = frozenset({"relax.call_tir", "relax.builtin.alloc_tensor"})
-
-
-@dataclass(frozen=True)
-class ValueEffect:
-    """What evaluating one bound value does to memory.
-
-    Attributes
-    ----------
-    allocates
-        Bytes of a fresh allocation the value creates (``None``: none).
-    aliases
-        Variables whose memory the result refers to (views, tuples, tensors in a storage).
-    kills
-        A variable whose register the binding drops.
-    keeps
-        ``(owner, key, var)``: the callee keeps ``var``'s memory alive inside the object
-        ``owner`` (a runtime frame) under ``key``, until a later binding takes it or ``owner``
-        is dropped. Rematerialization's ``evict`` does this when it decides to keep the tensor.
-    takes
-        ``(owner, key)``: the result is the memory kept under ``key`` in ``owner``, which lets
-        go of it. When nothing is kept there, the result is a fresh allocation of its size.
-    workspace
-        Bytes the callee holds only while it runs (a kernel's workspace).
-    """
-
-    allocates: SymbolicExpr | None = None
-    aliases: tuple[relax.Var, ...] = ()
-    kills: relax.Var | None = None
-    keeps: tuple[relax.Var, object, relax.Var] | None = None
-    takes: tuple[relax.Var, object] | None = None
-    workspace: SymbolicExpr | None = None
-
-
-TimelineRule = Callable[[relax.Call, relax.Var, ShapeGraph], ValueEffect]
-_RULES: dict[str, TimelineRule] = {}
-
-
-def register_timeline_rule(name: str, rule: TimelineRule) -> None:
-    """Tell the timeline what a packed function or operator does to memory.
-
-    Parameters
-    ----------
-    name
-        The packed function's global symbol (``"blade_relax.regenerate"``) or the operator's
-        name (``"relax.my_op"``).
-    rule
-        ``rule(call, bound_var, graph) -> ValueEffect``.
-    """
-    _RULES[name] = rule
 
 
 @dataclass(frozen=True)
@@ -188,10 +118,6 @@ class EvaluatedTimeline:
     output_bytes: int
     workspace: list[int] = field(default_factory=list)
     peak_workspace: int = 0
-
-    @property
-    def peak_with_persistent(self) -> int:
-        return self.peak + self.persistent
 
 
 @dataclass
@@ -312,165 +238,6 @@ def _symbolic_max(graph: ShapeGraph, candidates: Sequence[SymbolicExpr]) -> Symb
     return maxima[0] if len(maxima) == 1 else SymbolicExpr.max(*maxima)
 
 
-def callee_name(call: relax.Call) -> tuple[str | None, list[relax.Expr]]:
-    """The operator or packed-function name of a call and its data arguments."""
-    op = call.op
-    args = list(call.args)
-    if isinstance(op, tvm.ir.Op):
-        if op.name in PACKED_CALL_OPS and args and isinstance(args[0], relax.ExternFunc):
-            return args[0].global_symbol, args[1:]
-        return op.name, args
-    if isinstance(op, relax.ExternFunc):
-        return op.global_symbol, args
-    return None, args
-
-
-def _tensor_vars(exprs: Sequence[relax.Expr]) -> tuple[relax.Var, ...]:
-    return tuple(e for e in exprs if isinstance(e, relax.Var))
-
-
-def _builtin_args(call: relax.Call) -> list[relax.Expr]:
-    """The data arguments of a packed call, unpacking ``call_builtin_with_ctx``'s tuple."""
-    _, args = callee_name(call)
-    if len(args) == 1 and isinstance(args[0], relax.Tuple):
-        return list(args[0].fields)
-    return args
-
-
-def _slot_key(expr: relax.Expr) -> object:
-    # Relax integer constants are IntImm expressions in TVM 0.27.
-    if isinstance(expr, tvm.tirx.IntImm):
-        return int(expr.value)
-    return expr
-
-
-def _remat_evict_rule(call: relax.Call, var: relax.Var, graph: ShapeGraph) -> ValueEffect:
-    # blade_relax.evict(frame, slot, tensor): without an eviction decision (no budget) the
-    # runtime keeps the tensor in the frame until its regenerate, so that is what the timeline
-    # of the final IR predicts; the runtime's own decision timeline models real evictions.
-    args = _builtin_args(call)
-    if len(args) == 3 and isinstance(args[0], relax.Var) and isinstance(args[2], relax.Var):
-        return ValueEffect(keeps=(args[0], _slot_key(args[1]), args[2]))
-    return ValueEffect()
-
-
-def _remat_regenerate_rule(call: relax.Call, var: relax.Var, graph: ShapeGraph) -> ValueEffect:
-    # blade_relax.regenerate(frame, slot, ...): returns the kept tensor, or recomputes it.
-    args = _builtin_args(call)
-    if len(args) >= 2 and isinstance(args[0], relax.Var):
-        return ValueEffect(takes=(args[0], _slot_key(args[1])))
-    return ValueEffect(allocates=graph.bytes_of(var))
-
-
-def _remat_begin_rule(call: relax.Call, var: relax.Var, graph: ShapeGraph) -> ValueEffect:
-    # The frame object holds no tensor memory of its own.
-    return ValueEffect()
-
-
-def _returns_nothing(var: relax.Var) -> bool:
-    ty = var.ty
-    if isinstance(ty, relax.TupleType):
-        return len(ty.fields) == 0
-    return not isinstance(ty, relax.TensorType | relax.TupleType)
-
-
-def _storage_size(call: relax.Call, graph: ShapeGraph) -> SymbolicExpr:
-    size = call.args[0]
-    if isinstance(size, relax.ShapeExpr) and len(size.values) == 1:
-        return graph.canonical(SymbolicExpr.from_prim_expr(size.values[0]))
-    values = getattr(getattr(size, "ty", None), "values", None)
-    if values is not None and len(values) == 1:
-        return graph.canonical(SymbolicExpr.from_prim_expr(values[0]))
-    warnings.warn(
-        f"alloc_storage with a size the timeline cannot read ({size}); counted as unknown",
-        stacklevel=3,
-    )
-    return SymbolicExpr.unknown(f"alloc_storage size {size}")
-
-
-def _call_effect(
-    call: relax.Call,
-    var: relax.Var,
-    graph: ShapeGraph,
-    mod: tvm.IRModule | None,
-    workspaces: bool = False,
-    target: Any = None,
-) -> ValueEffect:
-    effect = _value_effect(call, var, graph, mod)
-    if mod is None or not workspaces:
-        return effect
-    workspace = call_workspace(call, var, mod, graph, target)
-    if workspace is None or _is_zero(workspace):
-        return effect
-    return dataclasses.replace(effect, workspace=workspace)
-
-
-def _value_effect(
-    call: relax.Call, var: relax.Var, graph: ShapeGraph, mod: tvm.IRModule | None
-) -> ValueEffect:
-    name, args = callee_name(call)
-    if name is not None and name in _RULES:
-        return _RULES[name](call, var, graph)
-    if name in _KILLS:
-        target = args[0] if args and isinstance(args[0], relax.Var) else None
-        return ValueEffect(kills=target)
-    if name in _STORAGE_ALLOCS:
-        return ValueEffect(allocates=_storage_size(call, graph))
-    if name in _TENSOR_IN_STORAGE:
-        return ValueEffect(aliases=_tensor_vars(args[:1]))
-    if name in VIEW_OPS or name in VIEW_PACKED:
-        return ValueEffect(aliases=_tensor_vars(args[:1]))
-    if name == "relax.call_tir_inplace":
-        # The result is written into the arguments named by `inplace_indices`.
-        indices = [int(i) for i in call.attrs.inplace_indices]
-        tensor_args = list(args[1].fields) if isinstance(args[1], relax.Tuple) else [args[1]]
-        aliased = [tensor_args[i] for i in indices if i >= 0]
-        fresh_bytes = None
-        if any(i < 0 for i in indices):
-            fresh_bytes = graph.bytes_of(var)
-        return ValueEffect(allocates=fresh_bytes, aliases=_tensor_vars(aliased))
-    if isinstance(call.op, relax.GlobalVar) and mod is not None:
-        callee = mod[call.op] if call.op in mod.functions else None
-        if isinstance(callee, tvm.tirx.PrimFunc):
-            # Destination-passing kernel call: it writes into buffers passed as arguments.
-            return ValueEffect()
-    if _returns_nothing(var):
-        return ValueEffect()
-    return ValueEffect(allocates=graph.bytes_of(var))
-
-
-_RULES.update(
-    {
-        EVICT: _remat_evict_rule,
-        REGENERATE: _remat_regenerate_rule,
-        REMAT_BEGIN: _remat_begin_rule,
-    }
-)
-
-
-def _effect(
-    binding: BindingInfo,
-    graph: ShapeGraph,
-    mod: tvm.IRModule | None,
-    workspaces: bool = False,
-    target: Any = None,
-) -> ValueEffect:
-    value = binding.value
-    if binding.is_match_cast or isinstance(value, relax.Var):
-        return ValueEffect(aliases=_tensor_vars([value]))
-    if isinstance(value, relax.Tuple):
-        return ValueEffect(aliases=_tensor_vars(list(value.fields)))
-    if isinstance(value, relax.TupleGetItem):
-        return ValueEffect(aliases=_tensor_vars([value.tuple_value]))
-    if isinstance(value, relax.Call):
-        return _call_effect(value, binding.var, graph, mod, workspaces, target)
-    if isinstance(value, relax.If):
-        # Conservative for control flow: the result is a fresh value of its type's size.
-        return ValueEffect(allocates=graph.bytes_of(binding.var))
-    # Constants live in the executable, shapes and primitive values are not tensors.
-    return ValueEffect()
-
-
 def _stage(info: Liveness, mod: tvm.IRModule | None) -> str:
     stage = "relax"
     for binding in info.bindings:
@@ -478,7 +245,7 @@ def _stage(info: Liveness, mod: tvm.IRModule | None) -> str:
         if not isinstance(value, relax.Call):
             continue
         name, _ = callee_name(value)
-        if name in _STORAGE_ALLOCS or name in _KILLS:
+        if name in STORAGE_ALLOCS or name in KILLS:
             return "memory"
         if name in _LOWERED_MARKERS:
             stage = "lowered"
@@ -565,7 +332,7 @@ def memory_timeline(
     workspace_at: list[SymbolicExpr] = [SymbolicExpr.constant(0)] * n
     for binding in info.bindings:
         i = binding.index
-        effect = _effect(binding, graph, mod, workspaces, target)
+        effect = binding_effect(binding, graph, mod, workspaces, target)
         if effect.workspace is not None:
             workspace_at[i] = effect.workspace
         own: set[int] = set()
@@ -620,7 +387,7 @@ def memory_timeline(
         if explicit_kills:
             if effect.kills is not None:
                 release(effect.kills, i)
-            if _returns_nothing(binding.var) and not own:
+            if returns_nothing(binding.var) and not own:
                 refs[binding.var] = frozenset()
         else:
             for var in death.get(i, ()):

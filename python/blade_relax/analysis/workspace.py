@@ -41,7 +41,7 @@ It is read in three places, from the same expression:
 
 * by the symbolic timeline, at a Relax call site (:func:`call_workspace`): the reads become the
   shapes of the call's arguments, which gives bytes over the caller's dims;
-* by the rematerialization runtime's timeline (``transform._remat_timeline``, through
+* by the rematerialization runtime's timeline (``transform.remat._timeline``, through
   :func:`call_reads` and :meth:`KernelWorkspace.substitute`), whose budgets then include it;
 * by the runtime accounting, from the tensors the VM passes the kernel
   (:meth:`KernelWorkspace.nbytes_of`; :func:`workspace_table` builds the table the accounting

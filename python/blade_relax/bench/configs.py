@@ -39,6 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..pipeline import PipelineFlags
+
 __all__ = [
     "BenchConfig",
     "ConfigFamily",
@@ -330,14 +332,7 @@ register_config_family(
 # The passes that clean up imported graphs and fused kernels; each configuration names the ones
 # it runs, so that
 # the memory passes' configurations below keep measuring those passes alone.
-_NO_GRAPH_PASSES = {
-    "simplify": False,
-    "fold_scatter": False,
-    "inline_kernels": False,
-    "recompute": False,
-    "clone_generated": False,
-    "fuse_attention": False,
-}
+_NO_GRAPH_PASSES = dict.fromkeys(PipelineFlags.switches("graph"), False)
 
 
 def _blade_factory(**flags: bool) -> PipelineFactory:
@@ -388,20 +383,8 @@ register_config(
 )
 register_budget_family("blade-relax")
 # The default pipeline's passes beyond the three memory passes, by the flag that enables each.
-_GRAPH_PASSES = {
-    "simplify": "SimplifyTransposes",
-    "fold_scatter": "FoldZeroScatter",
-    "clone_generated": "CloneGeneratedTensors",
-    "fuse_attention": "FuseAttention",
-    "inline_kernels": "InlineKernelIntermediates",
-    "recompute": "RecomputeCheapValues",
-}
-_DEFAULT_FLAGS = {
-    "schedule": True,
-    "remat": True,
-    "plan": True,
-    **dict.fromkeys(_GRAPH_PASSES, True),
-}
+_GRAPH_PASSES = PipelineFlags.passes("graph")
+_DEFAULT_FLAGS = dict.fromkeys(PipelineFlags.switches("memory") + tuple(_GRAPH_PASSES), True)
 
 register_config(
     TvmConfig(

@@ -79,14 +79,13 @@ def active_query_us(calls: int = 100_000) -> float:
     return elapsed / calls * 1e6
 
 
-def _decision_us(vm_main: Any, args: Sequence[Any], calls: int) -> float | None:
+def _decision_us(vm: Any, args: Sequence[Any], calls: int) -> float | None:
     """Median time of the (cached) remat decision under 0.9 of the unbudgeted step peak."""
     from .. import runtime
 
-    runtime.reset_memory_stats()
-    base = runtime.memory_stats()["live_bytes"]
-    vm_main(*args)
-    peak = runtime.memory_stats()["peak_bytes"] - base
+    unbudgeted = runtime.measure_call(vm, args, convert=None)
+    base, peak = unbudgeted.live_before, unbudgeted.peak_bytes
+    vm_main = vm["main"]
     times = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # an unreachable budget warns; the timing still counts
@@ -153,7 +152,8 @@ def measure_overhead(
     rows: list[OverheadRow] = []
     for length in lengths:
         args = [tvm.runtime.tensor(a, device) for a in workload.inputs(length)] + params
-        mains = {n: relax.VirtualMachine(executables[n], device)["main"] for n in names}
+        vms = {n: relax.VirtualMachine(executables[n], device) for n in names}
+        mains = {n: vm["main"] for n, vm in vms.items()}
         for main_fn in mains.values():  # warm up: first-call costs, caches
             main_fn(*args)
         block_times: dict[str, list[float]] = {n: [] for n in names}
@@ -178,9 +178,9 @@ def measure_overhead(
                 median_ratio=statistics.median(ratios),
                 median_step_s=statistics.median(block_times[name]) / steps,
             )
-            row.decision_us = _decision_us(mains[name], args, max(3, steps))
+            row.decision_us = _decision_us(vms[name], args, max(3, steps))
             rows.append(row)
-        del mains
+        del mains, vms
     return rows
 
 

@@ -8,9 +8,8 @@ What is measured, per configuration and sequence length:
     Bytes the step allocates at its highest point, outputs (loss, gradients, logits) included.
     TVM: the peak of ``blade_relax.runtime.memory_stats()`` over one VM call (every storage the
     VM allocates, at the size requested, and the workspace of the kernel running at that point,
-    see ``workspace_bytes``), minus the live bytes before the call
-    (``blade_relax.runtime.measure_memory``). PyTorch: the
-    peak of :class:`~.torch_memory.LiveBytesCounter` over one step (every storage an ATen op
+    see ``workspace_bytes``), minus the live bytes before the call, on a fresh VM
+    (``blade_relax.runtime.measure_call``). PyTorch: the peak of :class:`~.torch_memory.LiveBytesCounter` over one step (every storage an ATen op
     creates, gradients included; ``.grad`` is reset to ``None`` before the step, as TVM returns
     fresh gradients).
 ``workspace_bytes`` (TVM)
@@ -54,10 +53,9 @@ import contextlib
 import copy
 import gc
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -148,20 +146,6 @@ def relative_error(out: np.ndarray, ref: np.ndarray) -> float:
 # TVM
 
 
-def _measure(vm: Any, workspaces: Any) -> Any:
-    """``measure_memory`` around one call of ``vm``, with no stale remat decision around."""
-    from ..runtime import clear_last_remat_decision, measure_memory
-
-    clear_last_remat_decision()
-    return measure_memory(vm, workspaces=workspaces)
-
-
-def _last_decision() -> dict[str, Any] | None:
-    from ..runtime import last_remat_decision
-
-    return last_remat_decision()
-
-
 class _TvmRunner:
     def __init__(
         self,
@@ -211,35 +195,33 @@ class _TvmRunner:
         repeat: int,
         budget_bytes: int | None,
     ) -> list[np.ndarray]:
+        from ..runtime import measure_call, set_memory_budget
+
         vm, row.compile_time_s = self._vm_for(dims)
         row.compilations = self.compilations
         main = vm["main"]
         args = [tvm.runtime.tensor(a, self.device) for a in inputs] + self._params
-        # The measured step runs on a fresh VM: a VM keeps its last result alive until its next
-        # call returns, and the remat runtime releases that result early under a budget, which
-        # would otherwise credit a budgeted config with bytes the previous step left behind.
-        fresh = relax.VirtualMachine(self._exe, self.device)
-        fresh_main = fresh["main"]
-        gc.collect()
-        with _measure(fresh, self._workspaces) as measured:
-            base = measured.live_before
-            # The runtime budget counts every live byte of the thread (the inputs, the cached
-            # VM's last result); the config's budget is what the step itself may add on top.
-            runtime_budget = None if budget_bytes is None else base + budget_bytes
-            with _budget(runtime_budget):
-                out = fresh_main(*args)
-        stats = measured.stats
-        with _budget(runtime_budget):
-            outputs = [np.asarray(t.numpy()) for t in flatten_outputs(out)]
-            del out
-            row.step_peak_bytes = int(measured.peak_bytes)
-            row.workspace_bytes = int(measured.workspace_bytes)
-            decision = _last_decision() if budget_bytes is not None else None
-            if decision is not None:
-                row.unevictable_bytes = int(decision["unevictable_peak"] - base + row.caller_bytes)
-            row.evictions = stats.get("evictions")
-            row.regenerations = stats.get("regenerations")
-            row.allocations = stats.get("allocations")
+        # The measured step runs on a fresh VM of the executable, under a budget of what the
+        # step may add on top of the bytes live before it (see measure_call).
+        measured = measure_call(
+            self._exe,
+            args,
+            budget=budget_bytes,
+            workspaces=self._workspaces,
+            device=self.device,
+        )
+        outputs = [np.asarray(a) for a in flatten_outputs(measured.outputs)]
+        row.step_peak_bytes = int(measured.peak_bytes)
+        row.workspace_bytes = int(measured.workspace_bytes)
+        if measured.decision is not None:
+            row.unevictable_bytes = int(
+                measured.decision["unevictable_peak"] - measured.live_before + row.caller_bytes
+            )
+        row.evictions = measured.evictions
+        row.regenerations = measured.regenerations
+        row.allocations = measured.allocations
+        # The timed steps (on the cached VM) run under the same budget.
+        with set_memory_budget(measured.runtime_budget):
             row.step_times_s = _timed(lambda: main(*args), repeat, self.device)
             if self.device.dlpack_device_type() == tvm.cuda().dlpack_device_type():
                 row.driver_peak_bytes, row.driver_agrees = _driver_view(
@@ -250,14 +232,14 @@ class _TvmRunner:
 
 def _driver_view(exe: Any, args: Sequence[Any], device: Any, workspaces: Any) -> tuple[int, bool]:
     """The step's peak as the CUDA driver sees it, and whether the accounting agrees."""
-    from ..runtime import workspace_instrument
+    from ..runtime import measure_memory, workspace_instrument
     from ..runtime.devices import agrees_with_driver, measure_driver_memory
 
     vm = relax.VirtualMachine(exe, device, memory_cfg="naive")
     vm["main"](*args)  # loads the kernels: first-use costs stay out of the reading
     gc.collect()
     # The driver sees the kernels' workspaces too: the accounting counts them in the same run.
-    with _measure(None, None) as measured:
+    with measure_memory() as measured:
         out, driver = measure_driver_memory(
             vm, "main", args, device, instrument=workspace_instrument(workspaces)
         )
@@ -266,17 +248,6 @@ def _driver_view(exe: Any, args: Sequence[Any], device: Any, workspaces: Any) ->
     return driver.peak_bytes, agrees_with_driver(
         measured.peak_bytes, driver, stats["allocations"] + stats["workspaces"]
     )
-
-
-@contextlib.contextmanager
-def _budget(nbytes: int | None) -> Iterator[None]:
-    if nbytes is None:
-        yield
-        return
-    from ..runtime import set_memory_budget
-
-    with set_memory_budget(nbytes):
-        yield
 
 
 def _timed(step: Callable[[], Any], repeat: int, device: Any = None) -> list[float]:
@@ -592,12 +563,3 @@ def _summary(config: BenchConfig, requested: bool) -> ConfigSummary:
         requested=requested,
         settings=settings,
     )
-
-
-def measurement_dict(row: Measurement) -> dict[str, Any]:
-    """``row`` as a JSON-ready dict."""
-    return asdict(row)
-
-
-def _stderr(message: str) -> None:
-    print(f"... {message}", file=sys.stderr, flush=True)

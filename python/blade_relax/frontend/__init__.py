@@ -10,7 +10,8 @@ All return an :class:`ImportedGraph`. torch and transformers are imported only w
 Face importer is called.
 """
 
-from .graph import (
+from .hf import TiedParameterError, import_inference, import_training_step
+from .imported import (
     DimOutOfRangeError,
     DimRange,
     ImportedGraph,
@@ -19,7 +20,6 @@ from .graph import (
     set_dim_bounds,
     specialize,
 )
-from .hf import TiedParameterError, import_inference, import_training_step
 from .relax_native import relax_training_step
 
 __all__ = [

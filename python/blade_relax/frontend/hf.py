@@ -29,7 +29,7 @@ import tvm
 from tvm import relax
 
 from .converters import custom_convert_map
-from .graph import (
+from .imported import (
     LOWER_BOUND_ATTR,
     UPPER_BOUND_ATTR,
     DimRange,

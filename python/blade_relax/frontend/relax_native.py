@@ -16,7 +16,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from .graph import DimRange, ImportedGraph, set_dim_bounds
+from .imported import DimRange, ImportedGraph, set_dim_bounds
 
 __all__ = ["relax_training_step"]
 

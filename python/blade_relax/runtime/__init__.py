@@ -1,4 +1,5 @@
-"""Runtime: memory accounting, the memory budget, and the builtins the VM calls.
+"""Runtime: memory accounting, the memory budget, measuring one VM call (``measure_call``),
+and the builtins the VM calls.
 
 Nothing here imports a pass: the compiled module talks to the runtime only through the packed
 functions registered on import and through function attributes.

@@ -111,10 +111,6 @@ class SymbolicDim:
         """The range as text, e.g. ``[1, 2048]`` or ``[1, inf)``."""
         return format_range(self.lower, self.upper)
 
-    def contains(self, value: int) -> bool:
-        """Whether ``value`` lies in the dim's range."""
-        return value >= self.lower and (self.upper is None or value <= self.upper)
-
 
 def format_range(lower: int | None, upper: int | None) -> str:
     """Format a range for error messages: ``[1, 2048]``, ``[1, inf)``."""

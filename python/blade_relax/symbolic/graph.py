@@ -36,6 +36,7 @@ from typing import Any
 
 import sympy
 
+from ..contract import LOWER_BOUND_ATTR, UPPER_BOUND_ATTR
 from .compare import BoundEngine, Ordering
 from .dim import (
     DEFAULT_LOWER,
@@ -917,10 +918,10 @@ def _read_bound_attrs(func: Any) -> tuple[dict[str, int], dict[str, int], set[st
     nonneg: set[str] = set()
     if attrs is None:
         return lower, upper, nonneg
-    if "tir_var_lower_bound" in attrs:
-        lower = {str(k): int(v) for k, v in attrs["tir_var_lower_bound"].items()}
-    if "tir_var_upper_bound" in attrs:
-        upper = {str(k): int(v) for k, v in attrs["tir_var_upper_bound"].items()}
+    if LOWER_BOUND_ATTR in attrs:
+        lower = {str(k): int(v) for k, v in attrs[LOWER_BOUND_ATTR].items()}
+    if UPPER_BOUND_ATTR in attrs:
+        upper = {str(k): int(v) for k, v in attrs[UPPER_BOUND_ATTR].items()}
     if "tir_non_negative_var" in attrs:
         nonneg = {str(getattr(v, "name", v)) for v in attrs["tir_non_negative_var"]}
     return lower, upper, nonneg

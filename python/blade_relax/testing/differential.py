@@ -46,7 +46,6 @@ from __future__ import annotations
 import functools
 import json
 import random
-import warnings
 import weakref
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -60,7 +59,7 @@ from tvm import relax
 from .. import runtime
 from ..analysis import memory_timeline, workspace_table
 from ..contract import REMAT_META_ATTR
-from ..pipeline import get_pipeline
+from ..pipeline import PipelineFlags, get_pipeline
 from ..transform import version_for
 from .program_gen import GeneratedProgram
 
@@ -105,39 +104,22 @@ class Variant:
 
     @property
     def flags(self) -> dict[str, bool]:
-        return {
-            "schedule": self.schedule,
-            "remat": self.remat,
-            "plan": self.plan,
-            "simplify": self.simplify,
-            "fold_scatter": self.fold_scatter,
-            "inline_kernels": self.inline_kernels,
-            "recompute": self.recompute,
-            "clone_generated": self.clone_generated,
-            "fuse_attention": self.fuse_attention,
-        }
+        """The variant's switches of the memory and graph passes, as ``get_pipeline`` keywords
+        (``check_dims`` is left to ``get_pipeline``'s default: every variant checks dims)."""
+        return {name: getattr(self, name) for name in _VARIANT_SWITCHES}
 
     @property
     def replaces_stock_planner(self) -> bool:
         return self.plan
 
 
+# The switches a Variant has a field for: PipelineFlags' memory and graph passes.
+_VARIANT_SWITCHES = PipelineFlags.switches("memory") + PipelineFlags.switches("graph")
+
 # TVM's default pipeline: no blade_relax pass, not even the dim-range check.
 STOCK = Variant(
     "stock",
-    pipeline=lambda target: get_pipeline(
-        target,
-        schedule=False,
-        remat=False,
-        plan=False,
-        simplify=False,
-        fold_scatter=False,
-        inline_kernels=False,
-        recompute=False,
-        clone_generated=False,
-        fuse_attention=False,
-        check_dims=False,
-    ),
+    pipeline=lambda target: get_pipeline(target, **dict.fromkeys(PipelineFlags.switches(), False)),
 )
 ALL_VARIANTS: tuple[Variant, ...] = (
     Variant("schedule", schedule=True),
@@ -375,16 +357,6 @@ def compile_checked(
 
 
 # ----------------------------------------------------------------------------- running
-def _to_numpy(value: Any) -> Any:
-    if isinstance(value, tvm.runtime.Tensor):
-        return value.numpy()
-    if isinstance(value, (list, tuple)) or type(value).__name__ == "Array":
-        return [_to_numpy(v) for v in value]
-    if isinstance(value, np.ndarray):
-        return value
-    return value
-
-
 def outputs_equal(expected: Any, got: Any, path: str = "out") -> str | None:
     """``None`` when ``got`` equals ``expected`` bit for bit (NaNs equal), else what differs."""
     if isinstance(expected, list):
@@ -441,52 +413,36 @@ def measure_call(
 ) -> Measured:
     """Call ``vm["main"]`` once under ``budget`` and measure its bytes.
 
-    The peak is ``memory_stats()["peak_bytes"]`` minus the live bytes before the call
-    (:func:`blade_relax.runtime.measure_memory`); with ``workspaces`` (the executable's table,
-    :attr:`CompiledVariant.workspaces`; by default that of a VM made by
-    :meth:`CompiledVariant.vm`) it includes the workspace of the kernel running at the peak,
-    as the timeline does.
+    :func:`blade_relax.runtime.measure_call` on ``vm`` itself (the harness checks what a VM
+    releases once dropped), with ``budget`` as the runtime takes it (the bytes live before the
+    call included), and the warnings the call raises recorded rather than shown. The peak is
+    ``memory_stats()["peak_bytes"]`` minus the live bytes before the call; with ``workspaces``
+    (the executable's table, :attr:`CompiledVariant.workspaces`; by default that of a VM made
+    by :meth:`CompiledVariant.vm`) it includes the workspace of the kernel running at the
+    peak, as the timeline does.
     ``decision`` is the rematerialization runtime's decision for this call when ``budget`` is
-    set and the function is rematerialized (it may be a stale decision of an earlier call with
-    the same budget when the function is not: check the IR first, as :func:`check_program`
-    does).
+    set and the function is rematerialized (``None`` otherwise).
     """
-    device = device or tvm.cpu()
     if workspaces is None:
         workspaces = _VM_WORKSPACES.get(vm)
-    tensors = [tvm.runtime.tensor(a, device) for a in args]
-    warning_type = getattr(runtime, "RematBudgetWarning", None)
-    last_decision = getattr(runtime, "last_remat_decision", lambda: None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with runtime.measure_memory(vm, workspaces=workspaces) as measured:
-            if budget is not None:
-                with runtime.set_memory_budget(budget):
-                    out = vm["main"](*tensors)
-            else:
-                out = vm["main"](*tensors)
-    stats = measured.stats
-    before = measured.live_before
-    outputs = _to_numpy(out)
-    del out
-    # A rematerialized function asks for its decision first thing in every call, so with a
-    # budget set the thread's last decision is this call's (None for a function without remat,
-    # or a stale one for another budget, which the budget tells apart).
-    decision = last_decision() if budget is not None else None
-    if decision is not None and decision.get("budget") != budget:
-        decision = None
-    budget_warnings = (
-        sum(1 for w in caught if issubclass(w.category, warning_type)) if warning_type else 0
+    m = runtime.measure_call(
+        vm,
+        args,
+        runtime_budget=budget,
+        workspaces=workspaces,
+        device=device,
+        collect_garbage=False,
+        record_warnings=True,
     )
     return Measured(
-        outputs=outputs,
-        peak=stats["peak_bytes"] - before,
-        peak_absolute=stats["peak_bytes"],
-        live_before=before,
-        evictions=stats.get("evictions", 0),
-        regenerations=stats.get("regenerations", 0),
-        budget_warnings=budget_warnings,
-        decision=decision,
+        outputs=m.outputs,
+        peak=m.peak_bytes,
+        peak_absolute=m.peak_absolute,
+        live_before=m.live_before,
+        evictions=m.evictions,
+        regenerations=m.regenerations,
+        budget_warnings=m.budget_warnings,
+        decision=m.decision,
     )
 
 

@@ -39,6 +39,8 @@ import tvm
 import tvm_ffi
 from tvm import relax, tirx
 
+from ..contract import LOWER_BOUND_ATTR, UPPER_BOUND_ATTR
+
 __all__ = [
     "COPY_PACKED_FUNC",
     "Choices",
@@ -777,9 +779,9 @@ def generate_program(ch: Choices, config: GeneratorConfig | None = None) -> Gene
     lower = {d.name: d.lower for d in dim_ranges if d.declared_lower}
     upper = {d.name: d.upper for d in dim_ranges if d.declared_upper}
     if lower:
-        main = main.with_attr("tir_var_lower_bound", lower)
+        main = main.with_attr(LOWER_BOUND_ATTR, lower)
     if upper:
-        main = main.with_attr("tir_var_upper_bound", upper)
+        main = main.with_attr(UPPER_BOUND_ATTR, upper)
     mod["main"] = main
     mod = relax.transform.Normalize()(mod)
     return GeneratedProgram(mod=mod, dims=tuple(dim_ranges), ops=mb.log)

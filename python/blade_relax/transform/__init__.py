@@ -1,5 +1,7 @@
-"""Passes: each a ``tvm.transform.Pass`` whose ``name`` equals its class name."""
+"""Passes: each a ``tvm.transform.Pass`` whose ``name`` equals its class name, and whose
+``last_result`` says what its last run changed (:class:`PassResult`)."""
 
+from ._warn import PassFallbackWarning
 from .check_dim_ranges import CheckDimRanges, DimRangeOptions
 from .clone_generated_tensors import CloneGeneratedTensors, CloneOptions
 from .dispatch import version_for
@@ -9,6 +11,7 @@ from .inline_kernel_intermediates import InlineKernelIntermediates, InlineOption
 from .plan import PlanMemory, PlanOptions
 from .recompute_cheap_values import RecomputeCheapValues, RecomputeOptions
 from .remat import Rematerialize, RematOptions, RematTimeline
+from .result import FunctionResult, PassResult, collect_results
 from .schedule import MemoryAwareSchedule, ScheduleOptions
 from .simplify_transposes import SimplifyTransposes, TransposeOptions
 
@@ -19,10 +22,13 @@ __all__ = [
     "CloneOptions",
     "DimRangeOptions",
     "FoldZeroScatter",
+    "FunctionResult",
     "FuseAttention",
     "InlineKernelIntermediates",
     "InlineOptions",
     "MemoryAwareSchedule",
+    "PassFallbackWarning",
+    "PassResult",
     "PlanMemory",
     "PlanOptions",
     "RecomputeCheapValues",
@@ -34,5 +40,6 @@ __all__ = [
     "SimplifyTransposes",
     "TransposeOptions",
     "ZeroScatterOptions",
+    "collect_results",
     "version_for",
 ]

@@ -64,6 +64,7 @@ import tvm
 from tvm import relax, tirx
 
 from ..contract import CHECKED_DIMS_ATTR, LOWER_BOUND_ATTR, UPPER_BOUND_ATTR
+from .result import FunctionResult, PassResult, counted, publish
 
 __all__ = ["CheckDimRanges", "DimCheck", "DimRangeOptions", "declared_dim_checks"]
 
@@ -254,7 +255,9 @@ class CheckDimRanges:
         A :class:`DimRangeOptions` (``None``: defaults).
 
     After the pass ran, ``pass_obj.checked`` maps each transformed function's name to the
-    names of the dims it checks.
+    names of the dims it checks, and ``pass_obj.last_result`` is a
+    :class:`~blade_relax.transform.result.PassResult` (no byte figures: the checks allocate
+    nothing, so the peak is unchanged).
     """
 
     def __init__(self, options: DimRangeOptions | None = None) -> None:
@@ -262,21 +265,31 @@ class CheckDimRanges:
             raise TypeError(f"CheckDimRanges expects DimRangeOptions, got {type(options).__name__}")
         self.options = options or DimRangeOptions()
         self.checked: dict[str, tuple[str, ...]] = {}
+        self.last_result: PassResult | None = None
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         if not self.options.enabled:
+            publish(self, PassResult("CheckDimRanges", notes=("disabled by its options",)))
             return mod
         builder: relax.BlockBuilder | None = None
+        results: list[FunctionResult] = []
         for gv, func in list(mod.functions.items()):
-            if not isinstance(func, relax.Function) or func.attrs is None:
+            if not isinstance(func, relax.Function):
                 continue
             name = gv.name_hint
+            left_alone = FunctionResult(name, False)  # declares no range
+            if func.attrs is None:
+                results.append(left_alone)
+                continue
             if self.options.functions is not None and name not in self.options.functions:
+                results.append(FunctionResult(name, False, notes=("not in options.functions",)))
                 continue
             if CHECKED_DIMS_ATTR in func.attrs:
+                results.append(FunctionResult(name, False, notes=("already checked",)))
                 continue
             checks = declared_dim_checks(func, name)
             if not checks:
+                results.append(left_alone)
                 continue
             if _checks_pure(func):
                 warnings.warn(
@@ -284,12 +297,23 @@ class CheckDimRanges:
                     "must run after RemovePurityChecking. Its dims are not checked.",
                     stacklevel=2,
                 )
+                results.append(
+                    FunctionResult(name, False, notes=("still checked for purity: too early",))
+                )
                 continue
             result = _with_checks(func, checks)
             if result is None:
+                results.append(
+                    FunctionResult(
+                        name, False, notes=("no bounded dim is defined where it can be checked",)
+                    )
+                )
                 continue
             new_func, placed = result
             builder = builder or relax.BlockBuilder(mod)
             builder.update_func(gv, new_func.with_attr(CHECKED_DIMS_ATTR, placed))
             self.checked[name] = tuple(placed)
+            phrase = f"{counted(len(placed), 'dim')} checked ({', '.join(placed)})"
+            results.append(FunctionResult(name, True, (phrase,)))
+        publish(self, PassResult("CheckDimRanges", tuple(results)))
         return mod if builder is None else builder.get()

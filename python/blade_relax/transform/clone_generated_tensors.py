@@ -47,6 +47,7 @@ import tvm
 from tvm import relax
 
 from ._block_edit import copy_chain, insert_copies, rewrite_dataflow_blocks, vars_read_after
+from .result import PassResult, counted, function_results, publish
 
 __all__ = ["CloneGeneratedTensors", "CloneOptions", "CloneReport"]
 
@@ -195,7 +196,11 @@ class CloneGeneratedTensors:
     options
         A :class:`CloneOptions` (``None``: defaults).
 
-    After the pass ran, ``pass_obj.report`` is a :class:`CloneReport` of the last run.
+    After the pass ran, ``pass_obj.report`` is a :class:`CloneReport` of the last run and
+    ``pass_obj.last_result`` a :class:`~blade_relax.transform.result.PassResult` (no byte
+    figures: the pass runs on whole imported graphs before legalization, where a memory
+    timeline of each changed function would cost more than the pass; what a copy saves shows
+    only once ``FuseOps`` fused it into its reader).
     """
 
     def __init__(self, options: CloneOptions | None = None) -> None:
@@ -205,14 +210,34 @@ class CloneGeneratedTensors:
             )
         self.options = options or CloneOptions()
         self.report = CloneReport()
+        self.last_result: PassResult | None = None
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         self.report = CloneReport()
         if not self.options.enabled:
+            publish(self, PassResult("CloneGeneratedTensors", notes=("disabled by its options",)))
             return mod
+        names = {func: gv.name_hint for gv, func in mod.functions.items()}
+        counts: dict[str, list[int]] = {}  # function: tensors cloned, copies made
 
         def rewrite(func, index, block, _blocks):
             escaping = vars_read_after(func, index)
-            return _clone_block(block, set(func.params), escaping, self.options, self.report)
+            before = (self.report.cloned, self.report.copies)
+            new_block = _clone_block(block, set(func.params), escaping, self.options, self.report)
+            count = counts.setdefault(names[func], [0, 0])
+            count[0] += self.report.cloned - before[0]
+            count[1] += self.report.copies - before[1]
+            return new_block
 
-        return rewrite_dataflow_blocks(mod, rewrite)
+        out = rewrite_dataflow_blocks(mod, rewrite)
+        changes = {
+            name: [
+                f"{counted(cloned, 'generated tensor')} built again for later readers "
+                f"({counted(copies, 'copy', 'copies')})"
+            ]
+            for name, (cloned, copies) in counts.items()
+            if cloned
+        }
+        functions = function_results(mod, out, changes)
+        publish(self, PassResult("CloneGeneratedTensors", functions, detail=self.report))
+        return out

@@ -179,7 +179,7 @@ def budget_dispatch(
     ``original``::
 
         def f(x):
-            active = R.call_packed("blade_relax.remat_active", ty_args=R.Prim("bool"))
+            active = R.call_packed(REMAT_ACTIVE, ty_args=R.Prim("bool"))
             if active:
                 r = f__remat(x)
             else:

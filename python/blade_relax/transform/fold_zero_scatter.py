@@ -50,6 +50,8 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from .result import PassResult, counted, function_results, publish
+
 __all__ = ["FoldZeroScatter", "ScatterReport", "ZeroScatterOptions"]
 
 _SCATTER = tvm.ir.Op.get("relax.scatter_elements")
@@ -320,7 +322,11 @@ class FoldZeroScatter:
     options
         A :class:`ZeroScatterOptions` (``None``: defaults).
 
-    After the pass ran, ``pass_obj.report`` is a :class:`ScatterReport` of the last run.
+    After the pass ran, ``pass_obj.report`` is a :class:`ScatterReport` of the last run and
+    ``pass_obj.last_result`` a :class:`~blade_relax.transform.result.PassResult` (no byte
+    figures: the pass runs on whole imported graphs before legalization, where a memory
+    timeline of each changed function would cost more than the pass; every rewrite drops a
+    zero buffer).
     """
 
     def __init__(self, options: ZeroScatterOptions | None = None) -> None:
@@ -330,13 +336,16 @@ class FoldZeroScatter:
             )
         self.options = options or ZeroScatterOptions()
         self.report = ScatterReport()
+        self.last_result: PassResult | None = None
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         self.report = ScatterReport()
         if not (self.options.one_hot or self.options.accumulate):
+            publish(self, PassResult("FoldZeroScatter", notes=("disabled by its options",)))
             return mod
         folder = _Folder(mod, self.options, self.report)
         changed = False
+        changes: dict[str, list[str]] = {}
         for gv, func in list(mod.functions.items()):
             if not isinstance(func, relax.Function):
                 continue
@@ -345,7 +354,24 @@ class FoldZeroScatter:
             if (self.report.one_hot, self.report.accumulate) != before:
                 folder.builder_.update_func(gv, new_func)
                 changed = True
-        if not changed:
-            return mod
-        # The zero tensors nothing reads any more.
-        return relax.transform.DeadCodeElimination()(folder.builder_.get())
+                changes[gv.name_hint] = _changes(self.report, before)
+        out = mod
+        if changed:
+            # The zero tensors nothing reads any more.
+            out = relax.transform.DeadCodeElimination()(folder.builder_.get())
+        functions = function_results(mod, out, changes)
+        publish(self, PassResult("FoldZeroScatter", functions, detail=self.report))
+        return out
+
+
+def _changes(report: ScatterReport, before: tuple[int, int]) -> list[str]:
+    """What one function's visit added to ``report``, which held ``before`` (one_hot,
+    accumulate) before it."""
+    one_hot = report.one_hot - before[0]
+    accumulate = report.accumulate - before[1]
+    out = []
+    if one_hot:
+        out.append(f"{counted(one_hot, 'one-hot scatter')} folded (predicate)")
+    if accumulate:
+        out.append(f"{counted(accumulate, 'accumulating scatter')} folded (reduction kernel)")
+    return out

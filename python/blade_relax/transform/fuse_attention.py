@@ -63,6 +63,7 @@ import tvm
 from tvm import relax, s_tir, te, tirx, topi
 
 from ._block_edit import rewrite_dataflow_blocks, vars_read_after
+from .result import PassResult, counted, function_results, publish
 
 __all__ = ["AttentionOptions", "AttentionReport", "FuseAttention"]
 
@@ -550,7 +551,11 @@ class FuseAttention:
     options
         An :class:`AttentionOptions` (``None``: defaults).
 
-    After the pass ran, ``pass_obj.report`` is an :class:`AttentionReport` of the last run.
+    After the pass ran, ``pass_obj.report`` is an :class:`AttentionReport` of the last run and
+    ``pass_obj.last_result`` a :class:`~blade_relax.transform.result.PassResult` (no byte
+    figures: the pass runs on whole imported graphs before legalization, where a memory
+    timeline of each changed function would cost more than the pass; a fused chain holds
+    neither score tensor).
     """
 
     def __init__(self, options: AttentionOptions | None = None) -> None:
@@ -558,24 +563,43 @@ class FuseAttention:
             raise TypeError(f"FuseAttention expects AttentionOptions, got {type(options).__name__}")
         self.options = options or AttentionOptions()
         self.report = AttentionReport()
+        self.last_result: PassResult | None = None
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         self.report = AttentionReport()
         if not self.options.enabled:
+            publish(self, PassResult("FuseAttention", notes=("disabled by its options",)))
             return mod
         builder = relax.BlockBuilder(mod)
+        names = {func: gv.name_hint for gv, func in mod.functions.items()}
+        counts: dict[str, list[int]] = {}  # function: attention chains fused, bindings absorbed
+        notes: dict[str, list[str]] = {}
 
         def rewrite(func, index, block, _blocks):
             attrs = func.attrs or {}
             if any(key in attrs for key in ("Primitive", "Codegen", "Composite")):
+                notes[names[func]] = ["a Primitive, Codegen or Composite function: left alone"]
                 return None
-            return self._fuse_block(block, vars_read_after(func, index), builder)
+            before = (self.report.fused, self.report.absorbed)
+            new_block = self._fuse_block(block, vars_read_after(func, index), builder)
+            count = counts.setdefault(names[func], [0, 0])
+            count[0] += self.report.fused - before[0]
+            count[1] += self.report.absorbed - before[1]
+            return new_block
 
         out = rewrite_dataflow_blocks(mod, rewrite, builder)
-        if out is mod:
-            return mod
-        # The bindings the kernels replaced are now unused.
-        return relax.transform.DeadCodeElimination()(out)
+        if out is not mod:
+            # The bindings the kernels replaced are now unused.
+            out = relax.transform.DeadCodeElimination()(out)
+        changes = {
+            name: [f"{counted(fused, 'attention chain')} fused"]
+            + ([f"{counted(absorbed, 'layout binding')} absorbed"] if absorbed else [])
+            for name, (fused, absorbed) in counts.items()
+            if fused
+        }
+        functions = function_results(mod, out, changes, notes=notes)
+        publish(self, PassResult("FuseAttention", functions, detail=self.report))
+        return out
 
     def _fuse_block(
         self,

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 import tvm
 from tvm import s_tir, tirx
 
+from .result import PassResult, counted, function_results, publish
+
 __all__ = [
     "InlineKernelIntermediates",
     "InlineOptions",
@@ -300,7 +302,10 @@ class InlineKernelIntermediates:
     options
         An :class:`InlineOptions` (``None``: defaults).
 
-    After the pass ran, ``pass_obj.report`` is an :class:`InlineReport` summed over the module.
+    After the pass ran, ``pass_obj.report`` is an :class:`InlineReport` summed over the module
+    and ``pass_obj.last_result`` a :class:`~blade_relax.transform.result.PassResult` with one
+    entry per PrimFunc (no byte figures: the pass changes kernels, not Relax functions; their
+    callers' timelines count the smaller workspaces once read with the new module).
     """
 
     def __init__(self, options: InlineOptions | None = None) -> None:
@@ -310,12 +315,17 @@ class InlineKernelIntermediates:
             )
         self.options = options or InlineOptions()
         self.report = InlineReport()
+        self.last_result: PassResult | None = None
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         self.report = InlineReport()
         if not self.options.enabled:
+            publish(
+                self, PassResult("InlineKernelIntermediates", notes=("disabled by its options",))
+            )
             return mod
         updates = {}
+        changes: dict[str, list[str]] = {}
         for gv, func in mod.functions.items():
             if not isinstance(func, tirx.PrimFunc):
                 continue
@@ -326,9 +336,24 @@ class InlineKernelIntermediates:
                 self.report.nested += report.nested
                 self.report.rows += report.rows
                 self.report.kernels += 1
-        if not updates:
-            return mod
-        out = tvm.IRModule(dict(mod.functions), attrs=mod.attrs)
-        for gv, func in updates.items():
-            out[gv] = func
+                changes[gv.name_hint] = _changes(report)
+        out = mod
+        if updates:
+            out = tvm.IRModule(dict(mod.functions), attrs=mod.attrs)
+            for gv, func in updates.items():
+                out[gv] = func
+        functions = function_results(mod, out, changes, kind=tirx.PrimFunc)
+        publish(self, PassResult("InlineKernelIntermediates", functions, detail=self.report))
         return out
+
+
+def _changes(report: InlineReport) -> list[str]:
+    """What :func:`inline_intermediates` did to one kernel, in words."""
+    out = []
+    if report.inlined:
+        out.append(f"{counted(report.inlined, 'intermediate')} inlined")
+    if report.nested:
+        out.append(f"{counted(report.nested, 'reduction reader')} moved under the reduction loops")
+    if report.rows:
+        out.append(f"{counted(report.rows, 'producer')} computed per slice of a reader")
+    return out

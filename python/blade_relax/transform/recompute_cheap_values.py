@@ -66,6 +66,7 @@ from ._block_edit import (
     vars_read_after,
     with_blocks,
 )
+from .result import PassResult, counted, function_results, publish
 
 __all__ = ["RecomputeCheapValues", "RecomputeOptions", "RecomputeReport"]
 
@@ -300,7 +301,11 @@ class RecomputeCheapValues:
     options
         A :class:`RecomputeOptions` (``None``: defaults).
 
-    After the pass ran, ``pass_obj.report`` is a :class:`RecomputeReport` of the last run.
+    After the pass ran, ``pass_obj.report`` is a :class:`RecomputeReport` of the last run and
+    ``pass_obj.last_result`` a :class:`~blade_relax.transform.result.PassResult` (no byte
+    figures: most recomputations are accepted by the subset argument of the module docstring,
+    without a timeline, and one per changed function would cost more than the pass; the
+    argument shows the peak never rises).
     """
 
     def __init__(self, options: RecomputeOptions | None = None) -> None:
@@ -310,12 +315,16 @@ class RecomputeCheapValues:
             )
         self.options = options or RecomputeOptions()
         self.report = RecomputeReport()
+        self.last_result: PassResult | None = None
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         self.report = RecomputeReport()
         if not self.options.enabled:
+            publish(self, PassResult("RecomputeCheapValues", notes=("disabled by its options",)))
             return mod
         patterns = kernel_patterns(mod)
+        names = {func: gv.name_hint for gv, func in mod.functions.items()}
+        recomputed: dict[str, int] = {}
 
         def rewrite(func, index, block, blocks):
             # Values read after the block (its outputs) and parameters live throughout it.
@@ -325,9 +334,17 @@ class RecomputeCheapValues:
             if not accepted:
                 return None
             self.report.recomputed += len(accepted)
+            recomputed[names[func]] = recomputed.get(names[func], 0) + len(accepted)
             return _rewrite_block(block, accepted)
 
-        return rewrite_dataflow_blocks(mod, rewrite)
+        out = rewrite_dataflow_blocks(mod, rewrite)
+        changes = {
+            name: [f"{counted(count, 'value')} recomputed before late readers"]
+            for name, count in recomputed.items()
+        }
+        functions = function_results(mod, out, changes)
+        publish(self, PassResult("RecomputeCheapValues", functions, detail=self.report))
+        return out
 
     def _accept(self, mod, func, blocks, index, facts: _BlockFacts) -> list[_Plan]:
         """Single copies of values whose inputs are live anyway are accepted by the subset

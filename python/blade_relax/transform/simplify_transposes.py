@@ -51,6 +51,8 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from .result import PassResult, counted, function_results, publish
+
 __all__ = ["SimplifyTransposes", "TransposeOptions", "TransposeReport"]
 
 _PERMUTE = tvm.ir.Op.get("relax.permute_dims")
@@ -240,7 +242,11 @@ class SimplifyTransposes:
     options
         A :class:`TransposeOptions` (``None``: defaults).
 
-    After the pass ran, ``pass_obj.report`` is a :class:`TransposeReport` of the last run.
+    After the pass ran, ``pass_obj.report`` is a :class:`TransposeReport` of the last run and
+    ``pass_obj.last_result`` a :class:`~blade_relax.transform.result.PassResult` (no byte
+    figures: the pass runs on whole imported graphs before legalization, where a memory
+    timeline of each changed function would cost more than the pass; every rewrite removes a
+    transposed copy, never adds one).
     """
 
     def __init__(self, options: TransposeOptions | None = None) -> None:
@@ -250,24 +256,54 @@ class SimplifyTransposes:
             )
         self.options = options or TransposeOptions()
         self.report = TransposeReport()
+        self.last_result: PassResult | None = None
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         self.report = TransposeReport()
         if not (self.options.compose or self.options.fuse_matmul):
+            publish(self, PassResult("SimplifyTransposes", notes=("disabled by its options",)))
             return mod
         simplifier = _Simplifier(mod, self.options, self.report)
         changed = False
+        changes: dict[str, list[str]] = {}
         for gv, func in list(mod.functions.items()):
             if not isinstance(func, relax.Function):
                 continue
             before = (self.report.composed, self.report.fused)
+            counts = (self.report.composed, self.report.cancelled, self.report.fused)
             new_func = simplifier.visit_expr(func)
+            changes[gv.name_hint] = _changes(self.report, counts)
             if (self.report.composed, self.report.fused) != before:
                 simplifier.builder_.update_func(gv, new_func)
                 changed = True
         if not changed:
+            self._publish(mod, mod, changes)
             return mod
-        mod = simplifier.builder_.get()
+        out = simplifier.builder_.get()
         # Aliases left by cancelled pairs, then the transposes nothing reads any more.
-        mod = relax.transform.CanonicalizeBindings()(mod)
-        return relax.transform.DeadCodeElimination()(mod)
+        out = relax.transform.CanonicalizeBindings()(out)
+        out = relax.transform.DeadCodeElimination()(out)
+        self._publish(mod, out, changes)
+        return out
+
+    def _publish(
+        self, before: tvm.IRModule, after: tvm.IRModule, changes: dict[str, list[str]]
+    ) -> None:
+        functions = function_results(before, after, changes)
+        publish(self, PassResult("SimplifyTransposes", functions, detail=self.report))
+
+
+def _changes(report: TransposeReport, counts: tuple[int, int, int]) -> list[str]:
+    """What one function's visit added to ``report``, which held ``counts`` (composed,
+    cancelled, fused) before it."""
+    composed = report.composed - counts[0]
+    cancelled = report.cancelled - counts[1]
+    fused = report.fused - counts[2]
+    out = []
+    if composed - cancelled:
+        out.append(f"{counted(composed - cancelled, 'transpose chain')} composed")
+    if cancelled:
+        out.append(f"{counted(cancelled, 'transpose pair')} cancelled")
+    if fused:
+        out.append(f"{counted(fused, 'matmul')} fused with a transpose")
+    return out

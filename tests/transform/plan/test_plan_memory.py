@@ -17,8 +17,9 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
-from blade_relax.transform import PlanMemory, PlanOptions
-from blade_relax.transform.plan._tir import inplace_verdict
+from blade_relax.analysis import memory_timeline
+from blade_relax.transform import PassFallbackWarning, PlanMemory, PlanOptions
+from blade_relax.transform.plan._tir import _free_prim_vars, inplace_verdict
 
 
 def _plan(mod: tvm.IRModule, options: PlanOptions | None = None) -> tvm.IRModule:
@@ -161,6 +162,16 @@ def test_inplace_verdict_refuses_pointer_access():
                 B[vi] = A[vi]
     # fmt: on
     assert not inplace_verdict(opaque, [0], 1)
+
+
+def test_extent_that_is_no_prim_expr_warns_and_binds_nothing():
+    # A block iterator's extent is always a PrimExpr in valid TIR, so the fallback is reached
+    # only by calling the helper with something else.
+    with pytest.warns(
+        PassFallbackWarning,
+        match=r"^PlanMemory: in-place placement left unchanged for block exp: InternalError: ",
+    ):
+        assert _free_prim_vars("not an expression", "exp") == []
 
 
 # ---------------------------------------------------------------------- in-place
@@ -403,6 +414,43 @@ def test_sharing_proven_by_greater_or_equal():
     assert plan.allocations == 3  # two storages and the result
 
 
+def test_last_result_reports_sharing_and_the_timeline_peaks():
+    pass_ = PlanMemory()
+    after = pass_(ShrinkingChain)
+    assert pass_.last_result.detail is pass_.plans
+    main = pass_.last_result["main"]
+    assert main.changed
+    assert main.changes == ("3 tensors placed in 2 storages", "2 buffers share storage")
+    # After planning, as the VM runs it: with the kills the next passes insert.
+    lower = [relax.transform.LowerAllocTensor(), relax.transform.KillAfterLastUse()]
+    killed = tvm.transform.Sequential(lower)(after)
+    for n in (1, 10, 1000):
+        dims = {"n": n}
+        assert main.evaluate(dims) == (
+            memory_timeline(ShrinkingChain["main"], mod=ShrinkingChain).evaluate(dims).peak,
+            memory_timeline(killed["main"], mod=killed).evaluate(dims).peak,
+        )
+
+    # fmt: off
+    @I.ir_module
+    class ResultOnly:
+        @T.prim_func(private=True, s_tir=True)
+        def exp(a: T.handle, b: T.handle):
+            T.evaluate(0)
+
+        @R.function
+        def main(x: R.Tensor(("n", 4), "float32")) -> R.Tensor(("n", 4), "float32"):
+            n = T.int64()
+            R.func_attr({"relax.force_pure": True})
+            cls = ResultOnly
+            a = R.builtin.alloc_tensor(R.shape([n, 4]), R.dtype("float32"), R.prim_value(0), R.str("global"))
+            _ = cls.exp(x, a)
+            return a
+    # fmt: on
+    pass_(ResultOnly)
+    assert not pass_.last_result.changed and not pass_.last_result["main"].changed
+
+
 def test_sharing_off_gives_one_storage_per_tensor():
     pass_ = PlanMemory(PlanOptions(share=False, inplace=False))
     pass_(ShrinkingChain)
@@ -521,6 +569,28 @@ def test_storage_grows_to_the_max_of_its_tensors():
     size = after["main"].body.blocks[0].bindings[0].value.args[0].values[0]
     assert isinstance(size, tvm.tirx.Max), size
     assert {str(size.a), str(size.b)} == {"n * T.int64(32)", "m * T.int64(16)"}
+
+
+@pytest.mark.parametrize(
+    "options", [PlanOptions(max_grid_points=16), PlanOptions(max_grid_cells=16)]
+)
+def test_smaller_grid_leaves_the_rest_of_the_range_to_symbolic_proofs(options):
+    # n, m <= 16: the 256 points are checked one by one by default (see above). A grid of 16
+    # points (or of 16 points x allocation points) covers n, m <= 4; the symbolic proofs over
+    # the rest of the range refuse the growth as well.
+    pass_ = PlanMemory(options)
+    pass_(TwoLengths)
+    plan = pass_.plans["main"]
+    assert not plan.exhaustive
+    assert [s.tensors for s in plan.storages] == [("a",), ("c",)]
+
+
+def test_sharing_that_adds_bytes_refused_without_proof_budget():
+    # `c` in `a`'s storage holds 32n bytes where `c` needs 16n: within the peak, but with n
+    # unbounded only a symbolic comparison proves it, and max_proofs=0 allows none.
+    pass_ = PlanMemory(PlanOptions(max_proofs=0))
+    pass_(ShrinkingChain)
+    assert [s.tensors for s in pass_.plans["main"].storages] == [("a",), ("b",), ("c",)]
 
 
 # ---------------------------------------------------------------------- refusals
@@ -652,6 +722,48 @@ def test_tensors_reaching_packed_calls_or_marked_keep_their_storage():
     assert ops.count("relax.builtin.alloc_tensor") == 3  # a, b and the result d
 
 
+def test_trusted_packed_functions_leave_their_arguments_plannable():
+    # fmt: off
+    @I.ir_module
+    class Before:
+        @T.prim_func(private=True, s_tir=True)
+        def exp(a: T.handle, b: T.handle):
+            n = T.int64()
+            A = T.match_buffer(a, (n, T.int64(4)), "float32")
+            B = T.match_buffer(b, (n, T.int64(4)), "float32")
+            for i, j in T.grid(n, T.int64(4)):
+                with T.sblock("exp"):
+                    vi, vj = T.axis.remap("SS", [i, j])
+                    B[vi, vj] = T.exp(A[vi, vj])
+
+        @R.function(pure=False)
+        def main(x: R.Tensor(("n", 4), "float32")) -> R.Tensor(("n", 4), "float32"):
+            n = T.int64()
+            cls = Before
+            a = R.builtin.alloc_tensor(R.shape([n, 4]), R.dtype("float32"), R.prim_value(0), R.str("global"))
+            _ = cls.exp(x, a)
+            _r = R.call_packed("test.read", a, ty_args=R.Object)
+            b = R.builtin.alloc_tensor(R.shape([n, 4]), R.dtype("float32"), R.prim_value(0), R.str("global"))
+            _1 = cls.exp(a, b)
+            c = R.builtin.alloc_tensor(R.shape([n, 4]), R.dtype("float32"), R.prim_value(0), R.str("global"))
+            _2 = cls.exp(b, c)
+            return c
+    # fmt: on
+    pass_ = PlanMemory()
+    pass_(Before)
+    plan = pass_.plans["main"]
+    assert plan.refusals["a"] == "passed to the packed function test.read"
+    assert [s.tensors for s in plan.storages] == [("b",)]
+
+    # Trusted to neither keep nor alias `a`: it is planned, and `b` is written over it.
+    pass_ = PlanMemory(PlanOptions(trusted_packed=("test.read",)))
+    pass_(Before)
+    plan = pass_.plans["main"]
+    assert "a" not in plan.refusals
+    assert [s.tensors for s in plan.storages] == [("a", "b")]
+    assert plan.inplace == (("a", "b"),)
+
+
 def test_evicted_tensors_keep_their_storage_and_regenerate_arguments_stay_planned():
     # The runtime rematerialization protocol: `x` handed to `evict` must own its storage; the
     # tensor `regenerate` returns extends `x`'s lifetime; `regenerate` only reads `y`.
@@ -730,6 +842,49 @@ def test_nothing_provable_is_left_to_stock_planner():
     tvm.ir.assert_structural_equal(after, relax.transform.StaticPlanBlockMemory()(Before))
 
 
+def test_stock_planning_at_the_upper_bound_only_when_asked():
+    # A dynamic function output is left to StaticPlanBlockMemory, which plans every storage of
+    # the function at `tir_var_upper_bound` when it sees it (n <= 16: 16 * 4 * 4 bytes).
+    # fmt: off
+    @I.ir_module
+    class Before:
+        @T.prim_func(private=True, s_tir=True)
+        def exp(a: T.handle, b: T.handle):
+            n = T.int64()
+            A = T.match_buffer(a, (n, T.int64(4)), "float32")
+            B = T.match_buffer(b, (n, T.int64(4)), "float32")
+            for i, j in T.grid(n, T.int64(4)):
+                with T.sblock("exp"):
+                    vi, vj = T.axis.remap("SS", [i, j])
+                    B[vi, vj] = T.exp(A[vi, vj])
+
+        @R.function
+        def main(x: R.Tensor(("n", 4), "float32")) -> R.Tensor(("n", 4), "float32"):
+            n = T.int64()
+            R.func_attr({"relax.force_pure": True, "relax.memory_plan_dynamic_func_output": True, "tir_var_upper_bound": {"n": 16}})
+            cls = Before
+            a = R.builtin.alloc_tensor(R.shape([n, 4]), R.dtype("float32"), R.prim_value(0), R.str("global"))
+            _ = cls.exp(x, a)
+            b = R.builtin.alloc_tensor(R.shape([n, 4]), R.dtype("float32"), R.prim_value(0), R.str("global"))
+            _1 = cls.exp(a, b)
+            return b
+    # fmt: on
+
+    def storage_sizes(options: PlanOptions) -> list:
+        pass_ = PlanMemory(options)
+        after = pass_(Before)
+        assert pass_.plans["main"].mode == "stock"
+        return [
+            b.value.args[0].values[0]
+            for b in after["main"].body.blocks[0].bindings
+            if b.value.op.same_as(tvm.ir.Op.get("relax.memory.alloc_storage"))
+        ]
+
+    sizes = storage_sizes(PlanOptions())
+    assert len(sizes) == 2 and not any(isinstance(s, tvm.tirx.IntImm) for s in sizes), sizes
+    assert [int(s) for s in storage_sizes(PlanOptions(plan_at_upper_bound=True))] == [256, 256]
+
+
 def test_release_of_tuples_read_only_through_items():
     # fmt: off
     @I.ir_module
@@ -781,6 +936,8 @@ def test_release_of_tuples_read_only_through_items():
             return b
     # fmt: on
     _assert_main_equal(PlanMemory()(Before), Expected)
+    kept = PlanMemory(PlanOptions(release_tuples=False))(Before)
+    assert "kill_object" not in kept["main"].script()
 
 
 def test_unsupported_ir_passes_through():
@@ -817,6 +974,24 @@ def test_unsupported_ir_passes_through():
     assert (
         "If" in pass_.plans["main"].refusals["a"] or "result" in pass_.plans["main"].refusals["a"]
     )
+
+
+def test_unreadable_shapes_warn_and_are_left_to_stock_planner():
+    # An empty range (lower bound above the upper bound): the shape graph refuses it.
+    before = ShrinkingChain.clone()
+    before["main"] = (
+        ShrinkingChain["main"]
+        .with_attr("tir_var_lower_bound", {"n": 8})
+        .with_attr("tir_var_upper_bound", {"n": 4})
+    )
+    pass_ = PlanMemory()
+    with pytest.warns(
+        PassFallbackWarning,
+        match=r"^PlanMemory: allocations left unchanged for main \(StaticPlanBlockMemory plans "
+        r"them\): ValueError: dim 'n': empty range \[8, 4\]",
+    ):
+        pass_(before)
+    assert pass_.plans["main"].mode == "stock"
 
 
 def test_pass_identity_and_option_errors():

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import tvm
 from tvm import relax
-from tvm.relax.backend.cpu_generic import pipeline as phases
 from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
 import blade_relax  # noqa: F401  (registers the runtime builtins)
+from blade_relax.analysis import memory_timeline
 from blade_relax.contract import EVICT, REGENERATE, REMAT_BEGIN, REMAT_COPY_ATTR, REMAT_META_ATTR
-from blade_relax.transform import Rematerialize, RematOptions
-from blade_relax.transform.remat import RematHazardError, RematTimeline
+from blade_relax.transform import PassFallbackWarning, Rematerialize, RematOptions, version_for
+from blade_relax.transform.remat import RematHazardError
 from blade_relax.transform.remat._timeline import simulate
 
 # The structure tests read the rewritten function in place (the budget dispatch has its own).
@@ -235,16 +236,13 @@ def test_metadata_symbolic_bytes_cost_and_timeline():
 
 
 def _lower_to_memory(mod: tvm.IRModule) -> tvm.IRModule:
-    target = tvm.target.Target("llvm")
-    passes = [Rematerialize(OPTIONS)]
-    for p in phases.finalize_passes(target):
-        if p.info.name == "VMShapeLower":
-            break
-        passes.append(p)
-        if p.info.name == "KillAfterLastUse":
-            passes.append(RematTimeline())
-    with target:
-        return tvm.transform.Sequential(passes)(mod)
+    """Rematerialize, then the stock finalize passes (RematTimeline after KillAfterLastUse) up
+    to the memory stage."""
+    from blade_relax.pipeline import lower_to_memory_stage
+
+    return lower_to_memory_stage(
+        mod, "llvm", start_at="finalize", remat=True, remat_options=OPTIONS
+    )
 
 
 def test_evictable_tensor_owns_its_storage_after_stock_planning():
@@ -550,6 +548,121 @@ def test_unchanged_with_no_candidate_allowed():
         min_bytes=0, min_fraction=0.0, max_candidates=0, plain_without_budget=False
     )
     tvm.ir.assert_structural_equal(Rematerialize(options)(before), before)
+
+
+def test_only_the_named_functions_are_transformed():
+    before = _chain_module()
+    other = dataclasses.replace(OPTIONS, functions=("other",))
+    tvm.ir.assert_structural_equal(Rematerialize(other)(before), before)
+    named = Rematerialize(dataclasses.replace(OPTIONS, functions=("main",)))(before)
+    assert _meta(named)["slots"][0]["name"] == "a"
+
+
+def test_gap_shorter_than_min_gap_is_not_a_candidate():
+    # One kernel (`c = add_one(b)`) runs between the eviction of `a` and its regeneration.
+    before = _chain_module()
+    assert len(_meta(Rematerialize(dataclasses.replace(OPTIONS, min_gap=1))(before))["slots"]) == 1
+    after = Rematerialize(dataclasses.replace(OPTIONS, min_gap=2))(before)
+    tvm.ir.assert_structural_equal(after, before)
+
+
+def test_recipe_longer_than_max_recipe_ops_is_not_a_candidate():
+    # `a0` is dead when `a` is read again: regenerating `a` replays both kernels.
+    @I.ir_module
+    class Before:
+        @T.prim_func(private=True, s_tir=True)
+        def add_one(var_x: T.handle, var_y: T.handle):
+            n = T.int64()
+            x = T.match_buffer(var_x, (n, 4))
+            y = T.match_buffer(var_y, (n, 4))
+            for i, j in T.grid(n, 4):
+                with T.sblock("y"):
+                    vi, vj = T.axis.remap("SS", [i, j])
+                    y[vi, vj] = x[vi, vj] + T.float32(1)
+
+        @T.prim_func(private=True, s_tir=True)
+        def add(var_x: T.handle, var_y: T.handle, var_z: T.handle):
+            n = T.int64()
+            x = T.match_buffer(var_x, (n, 4))
+            y = T.match_buffer(var_y, (n, 4))
+            z = T.match_buffer(var_z, (n, 4))
+            for i, j in T.grid(n, 4):
+                with T.sblock("z"):
+                    vi, vj = T.axis.remap("SS", [i, j])
+                    z[vi, vj] = x[vi, vj] + y[vi, vj]
+
+        @R.function
+        def main(x: R.Tensor(("n", 4), "float32")) -> R.Tensor(("n", 4), "float32"):
+            n = T.int64()
+            R.func_attr({"relax.force_pure": True})
+            cls = Before
+            a0 = R.builtin.alloc_tensor(
+                R.shape([n, 4]), R.dtype("float32"), R.prim_value(0), R.str("global")
+            )
+            cls.add_one(x, a0)
+            a = R.builtin.alloc_tensor(
+                R.shape([n, 4]), R.dtype("float32"), R.prim_value(0), R.str("global")
+            )
+            cls.add_one(a0, a)
+            b = R.builtin.alloc_tensor(
+                R.shape([n, 4]), R.dtype("float32"), R.prim_value(0), R.str("global")
+            )
+            cls.add_one(a, b)
+            c = R.builtin.alloc_tensor(
+                R.shape([n, 4]), R.dtype("float32"), R.prim_value(0), R.str("global")
+            )
+            cls.add_one(b, c)
+            d = R.builtin.alloc_tensor(
+                R.shape([n, 4]), R.dtype("float32"), R.prim_value(0), R.str("global")
+            )
+            cls.add(c, a, d)
+            return d
+
+    two = Rematerialize(dataclasses.replace(OPTIONS, max_recipe_ops=2))(Before)
+    assert [s["name"] for s in _meta(two)["slots"]] == ["a"]
+    assert _calls_in(two["main_remat0"]) == ["add_one", "add_one"]
+    one = Rematerialize(dataclasses.replace(OPTIONS, max_recipe_ops=1))(Before)
+    tvm.ir.assert_structural_equal(one, Before)
+
+
+def test_unreadable_shapes_warn_and_leave_the_function_unchanged():
+    # An empty range (lower bound above the upper bound): the timeline cannot be built.
+    before = _chain_module()
+    before["main"] = (
+        before["main"]
+        .with_attr("tir_var_lower_bound", {"n": 8})
+        .with_attr("tir_var_upper_bound", {"n": 4})
+    )
+    with pytest.warns(
+        PassFallbackWarning,
+        match=r"^Rematerialize: function left unchanged for main: ValueError: dim 'n': empty",
+    ):
+        after = Rematerialize(OPTIONS)(before)
+    tvm.ir.assert_structural_equal(after, before)
+
+
+def test_last_result_reports_evictable_tensors_and_the_timeline_peaks():
+    before = _chain_module()
+    pass_ = Rematerialize(RematOptions(min_bytes=0, min_fraction=0.0))
+    assert pass_.last_result is None
+    after = pass_(before)
+    main = pass_.last_result["main"]
+    assert main.changed
+    assert main.changes == (
+        "1 tensor evictable (a)",
+        "dispatches on a memory budget to the rewritten or the plain copy",
+    )
+    for n in (1, 10, 1000):
+        dims = {"n": n}
+        rewritten = after[version_for(after, "main", dims, budget=True)]
+        assert main.evaluate(dims) == (
+            memory_timeline(before["main"], mod=before).evaluate(dims).peak,
+            memory_timeline(rewritten, mod=after).evaluate(dims).peak,
+        )
+    nothing = Rematerialize(RematOptions(min_bytes=0, min_fraction=0.0, max_candidates=0))
+    nothing(before)
+    assert not nothing.last_result.changed
+    assert nothing.last_result["main"].notes == ("no tensor worth evicting",)
 
 
 def test_idempotent():

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import tvm
 from tvm import relax
-from tvm.relax.backend.cpu_generic import pipeline as cpu_phases
 from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
@@ -17,10 +16,21 @@ from tvm.script import tirx as T
 import blade_relax
 from blade_relax.analysis import memory_timeline
 from blade_relax.frontend.builtin import BUILTIN_MODELS
+from blade_relax.pipeline import (
+    PipelineFlags,
+    lower_to_memory_stage,
+    pipeline_phases,
+    stock_pipeline,
+)
 from blade_relax.symbolic import Ordering, ShapeGraph
 from blade_relax.testing.differential import ALL_VARIANTS
-from blade_relax.transform import MemoryAwareSchedule, ScheduleOptions, version_for
-from blade_relax.transform.schedule import schedule_module
+from blade_relax.transform import (
+    MemoryAwareSchedule,
+    PassFallbackWarning,
+    ScheduleOptions,
+    version_for,
+)
+from blade_relax.transform.schedule import memory_aware_schedule, schedule_module
 
 DEFAULT_VARIANT = next(v for v in ALL_VARIANTS if v.name == "all")
 
@@ -36,20 +46,15 @@ def _peaks(mod: tvm.IRModule, points: list[dict[str, int]]) -> list[int]:
 
 
 def _fused(mod: tvm.IRModule) -> tvm.IRModule:
-    target = tvm.target.Target("llvm")
-    with target:
-        return tvm.transform.Sequential(cpu_phases.legalize_passes(target))(mod)
+    """The stock pipeline's fused dataflow graph, where MemoryAwareSchedule runs."""
+    return lower_to_memory_stage(mod, "llvm", stop_before="fused")
 
 
 def _lowered_peaks(fused: tvm.IRModule, points: list[dict[str, int]]) -> list[int]:
     """Peaks of the function the VM runs: the stock passes after fusion, up to VMShapeLower,
     read by the memory-stage timeline (which equals the runtime accounting). The schedule
     model counts the VM's storages, so the kernels' workspaces are left out of both."""
-    target = tvm.target.Target("llvm")
-    passes = cpu_phases.dataflow_lower_passes(target) + cpu_phases.finalize_passes(target)
-    cut = [p.info.name for p in passes].index("VMShapeLower")
-    with target:
-        low = tvm.transform.Sequential(passes[:cut])(fused)
+    low = lower_to_memory_stage(fused, "llvm", start_at="dataflow_lower")
     timeline = memory_timeline(low["main"], mod=low, workspaces=False)
     assert timeline.stage == "memory"
     return [timeline.evaluate(p).peak for p in points]
@@ -254,6 +259,12 @@ def test_flip_versions_report_their_ranges():
     assert report.blocks[2].strategy == "single order kept"
 
 
+def test_versions_only_for_a_gain_of_version_gain():
+    # The copy for short lengths beats the single order, but not by a factor of two.
+    _, report = schedule_module(_flip_q_first({}), ScheduleOptions(version_gain=1.0))
+    assert report.versions == {}
+
+
 def test_balanced_search_alone_finds_the_provable_order():
     """The balanced search starts from the input order alone and reaches the order that
     reduces each temporary before the next one is computed."""
@@ -334,6 +345,48 @@ def test_reduce_late_is_reordered_provably():
     assert any(a < b for a, b in zip(block.peak_after, block.peak_before))
 
 
+def test_last_result_reports_moves_and_the_timeline_peaks():
+    pass_ = MemoryAwareSchedule()
+    after = pass_(ReduceLateBefore)
+    result = pass_.last_result
+    assert result.detail is pass_.report
+    main = result["main"]
+    assert main.changed
+    assert main.changes == ("3 bindings moved", "1 of 1 block reordered (proven)")
+    for s in (1, 64, 1000):
+        dims = {"s": s}
+        assert main.evaluate(dims) == (
+            memory_timeline(ReduceLateBefore["main"], mod=ReduceLateBefore).evaluate(dims).peak,
+            memory_timeline(after["main"], mod=after).evaluate(dims).peak,
+        )
+    before_bytes, after_bytes = main.evaluate({"s": 64})
+    assert after_bytes < before_bytes
+    assert "main: 3 bindings moved" in result.summary({"s": 64})
+    pass_(Chain)
+    assert not pass_.last_result.changed and not pass_.last_result["main"].changed
+
+
+def test_last_result_of_a_versioned_function_reports_each_copy():
+    before = _flip_q_first({})
+    pass_ = MemoryAwareSchedule()
+    after = pass_(before)
+    result = pass_.last_result
+    assert [f.function for f in result.functions] == ["main", "main__s1_1023", "main__s1024_inf"]
+    assert result["main"].changes == ("dispatches over 2 range copies",)
+    assert result["main"].peak_after is None  # the dispatch allocates nothing
+    assert result["main__s1_1023"].changes == (
+        "range copy for 1 <= s <= 1023",
+        "2 bindings moved",
+        "1 of 1 block reordered (proven)",
+    )
+    assert result["main__s1024_inf"].changes == ("range copy for s >= 1024",)
+    for name, s in (("main__s1_1023", 700), ("main__s1024_inf", 2000)):  # in each range
+        dims = {"s": s}
+        input_peak = memory_timeline(before["main"], mod=before).evaluate(dims).peak
+        copy_peak = memory_timeline(after[name], mod=after).evaluate(dims).peak
+        assert result[name].evaluate(dims) == (input_peak, copy_peak)
+
+
 # ---------------------------------------------------------------------------------------------
 # Unchanged cases.
 
@@ -388,6 +441,80 @@ def test_small_blocks_and_limits_skip():
     assert report.blocks[0].strategy.startswith("skipped")
     after, _ = schedule_module(ReduceLateBefore, ScheduleOptions(min_bindings=100))
     assert after.same_as(ReduceLateBefore)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        ScheduleOptions(strategies=("refine",), refine_evaluations=0),
+        ScheduleOptions(strategies=("balanced",), search_work=0),
+        ScheduleOptions(strategies=("balanced",), search_evaluations=0),
+    ],
+)
+def test_search_without_evaluations_keeps_the_input_order(options):
+    # The same strategies with their default budgets reorder this block (see above and below).
+    after, report = schedule_module(ReduceLateBefore, options)
+    assert after.same_as(ReduceLateBefore)
+    assert report.blocks[0].strategy == "input"
+
+
+def test_refine_tries_refine_moves_moves_at_each_peak():
+    # At each peak refine keeps the best of the moves it tries, those of the largest live
+    # buffers first. Trying only the largest (`a`: its reduction `ra` moves up to it) leads
+    # here to another order than the default eight moves, which move `a` itself down.
+    options = ScheduleOptions(strategies=("refine",))
+    after, report = schedule_module(ReduceLateBefore, options)
+    assert report.blocks[0].strategy == "refine"
+    assert _order(after) == ["b", "c", "rb", "rc", "a", "ra", "s1", "out"]
+    one = ScheduleOptions(strategies=("refine",), refine_moves=1)
+    after, report = schedule_module(ReduceLateBefore, one)
+    assert report.blocks[0].strategy == "refine"
+    assert _order(after) == ["a", "ra", "b", "rb", "c", "rc", "s1", "out"]
+
+
+@pytest.mark.parametrize("strategy", ["greedy-delta", "greedy-peak"])
+def test_point_variants_rerun_a_greedy_strategy_that_met_an_unknown(strategy):
+    # On s in [1, inf) the two branches compare UNKNOWN: each representative point decides.
+    before = _flip_q_first({})
+    _, report = schedule_module(before, ScheduleOptions(strategies=(strategy,), max_versions=1))
+    variants = [name for name in report.blocks[0].candidates if name.startswith(f"{strategy}@")]
+    assert len(variants) >= 2
+    off = ScheduleOptions(strategies=(strategy,), max_versions=1, point_variants=False)
+    _, report = schedule_module(before, off)
+    assert list(report.blocks[0].candidates) == [strategy]
+
+
+def test_unreadable_shapes_warn_and_leave_the_function_unchanged():
+    # An empty range (lower bound above the upper bound): the shape graph refuses it.
+    before = ReduceLateBefore.clone()
+    before["main"] = (
+        ReduceLateBefore["main"]
+        .with_attr("tir_var_lower_bound", {"s": 8})
+        .with_attr("tir_var_upper_bound", {"s": 4})
+    )
+    with pytest.warns(
+        PassFallbackWarning,
+        match=r"^MemoryAwareSchedule: dataflow blocks left unchanged for main: ValueError: dim "
+        r"'s': empty range \[8, 4\]",
+    ):
+        after = MemoryAwareSchedule()(before)
+    assert after.same_as(before)
+
+
+def test_range_the_graph_rejects_warns_and_keeps_one_order(monkeypatch):
+    # No range chosen from the pool is refused in practice: the graph of each is made to fail.
+    def refuse(func, rng):
+        raise ValueError(f"refused {rng}")
+
+    monkeypatch.setattr(memory_aware_schedule, "range_graph", refuse)
+    with pytest.warns(
+        PassFallbackWarning,
+        match=r"^MemoryAwareSchedule: range versions left unchanged for main \(one order for all "
+        r"shapes\): ValueError: refused ",
+    ):
+        after, report = schedule_module(_flip_q_first({}))
+    assert report.versions == {}
+    assert [gv.name_hint for gv in after.functions] == ["main"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -489,14 +616,7 @@ def test_planner_model_equals_lowered_function():
 
 def _plan_lowered_peaks(fused: tvm.IRModule, points: list[dict[str, int]]) -> list[int]:
     """Like ``_lowered_peaks`` with PlanMemory in place of StaticPlanBlockMemory."""
-    from blade_relax.transform import PlanMemory
-
-    target = tvm.target.Target("llvm")
-    passes = cpu_phases.dataflow_lower_passes(target) + cpu_phases.finalize_passes(target)
-    passes = [PlanMemory() if p.info.name == "StaticPlanBlockMemory" else p for p in passes]
-    cut = [p.info.name for p in passes].index("VMShapeLower")
-    with target:
-        low = tvm.transform.Sequential(passes[:cut])(fused)
+    low = lower_to_memory_stage(fused, "llvm", start_at="dataflow_lower", plan=True)
     timeline = memory_timeline(low["main"], mod=low, workspaces=False)
     return [timeline.evaluate(p).peak for p in points]
 
@@ -545,15 +665,10 @@ def test_pass_name_options_and_errors():
         ScheduleOptions(tie=-1.0)
     with pytest.raises(TypeError, match="ScheduleOptions"):
         MemoryAwareSchedule({"strategies": ()})
-    names = [p.info.name for p in _pipeline_passes()]
+    phases = pipeline_phases("llvm", schedule=True, remat=False, plan=False)
+    names = [p.info.name for passes in phases.values() for p in passes]
     assert names.index("FuseTIR") < names.index("MemoryAwareSchedule")
     assert names.index("MemoryAwareSchedule") < names.index("ToNonDataflow")
-
-
-def _pipeline_passes():
-    from blade_relax.pipeline import _pass_list, as_target
-
-    return _pass_list(as_target("llvm"), True, False, False, None, None, None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -649,7 +764,46 @@ def test_five_thousand_bindings_schedule_in_seconds():
         assert all(a <= b for a, b in zip(block.peak_after, block.peak_before))
 
 
+def _kernel_order(mod: tvm.IRModule) -> list[str]:
+    """The kernels ``main`` calls, in order (after CallTIRRewrite; without the shape
+    computation VMShapeLower adds)."""
+    return [
+        b.value.op.name_hint
+        for block in mod["main"].body.blocks
+        for b in block.bindings
+        if isinstance(b.value, relax.Call)
+        and isinstance(b.value.op, relax.GlobalVar)
+        and b.value.op.name_hint != "shape_func"
+    ]
+
+
 def test_registered_pipeline_runs_the_pass():
+    """The pipeline registered as "blade_relax" reorders the kernels as MemoryAwareSchedule
+    does: the reduction of the big matmul result runs right after the matmul, not after the
+    other two reductions as in the stock pipeline."""
+    target = tvm.target.Target("llvm")
+    only = dict.fromkeys(PipelineFlags.switches(), False)
+    registered = relax.get_pipeline("blade_relax", target=target, **{**only, "schedule": True})
+    unscheduled = relax.get_pipeline("blade_relax", target=target, **only)
+    with target:
+        scheduled_order = _kernel_order(registered(ReduceLateBefore))
+        unscheduled_order = _kernel_order(unscheduled(ReduceLateBefore))
+    stock_order = _kernel_order(stock_pipeline(target)(ReduceLateBefore))
+    assert unscheduled_order == stock_order
+    assert sorted(scheduled_order) == sorted(stock_order)
+    matmul = stock_order.index("matmul")
+    assert stock_order[matmul + 1] != "sum"
+    assert scheduled_order[scheduled_order.index("matmul") + 1] == "sum"
+    # The same order as the pass gives in the memory stage, with a lower predicted peak there.
+    schedule_low = lower_to_memory_stage(ReduceLateBefore, target, schedule=True)
+    stock_low = lower_to_memory_stage(ReduceLateBefore, target)
+    assert _kernel_order(schedule_low) == scheduled_order
+    peaks = [
+        memory_timeline(low["main"], mod=low, workspaces=False).evaluate({"s": 4096}).peak
+        for low in (schedule_low, stock_low)
+    ]
+    assert peaks[0] < peaks[1]
+
     pipe = blade_relax.get_pipeline("llvm", schedule=True, remat=False, plan=False)
     ex = tvm.compile(ReduceLateBefore, "llvm", relax_pipeline=pipe)
     vm = relax.VirtualMachine(ex, tvm.cpu())
@@ -667,7 +821,7 @@ def test_order_is_compared_again_after_recomputation():
     at short lengths nothing changes."""
     pytest.importorskip("transformers")
     from blade_relax.bench.workloads import SMALL, build_workload
-    from blade_relax.frontend.graph import drop_upper_bounds
+    from blade_relax.frontend.imported import drop_upper_bounds
     from blade_relax.pipeline import lower_to_memory_stage
 
     mod = drop_upper_bounds(build_workload("gpt2-train", SMALL).graph.mod)

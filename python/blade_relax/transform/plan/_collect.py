@@ -26,17 +26,9 @@ from dataclasses import dataclass, field
 import tvm
 from tvm import relax, tirx
 
-from ...analysis.timeline import VIEW_OPS, VIEW_PACKED
-from ...contract import EVICT, REGENERATE
+from ...analysis.effects import VIEW_OPS, Kind, classify
 
 __all__ = ["Allocation", "FunctionFacts", "KernelCall", "collect_facts"]
-
-_ALLOC_TENSOR = "relax.builtin.alloc_tensor"
-_ALLOC_STORAGE = frozenset({"relax.memory.alloc_storage", "relax.vm.alloc_storage"})
-_TENSOR_IN_STORAGE = frozenset({"relax.memory.alloc_tensor", "relax.vm.alloc_tensor"})
-_CALL_TIR_DYN = "relax.vm.call_tir_dyn"
-# Operators that read only the shape or type of their argument: no reference survives them.
-_SHAPE_ONLY_OPS = frozenset({"relax.shape_of", "relax.tensor_to_shape"})
 
 
 @dataclass
@@ -339,52 +331,42 @@ def _call_effect(
     aliases: dict[relax.Var, frozenset[int]],
     stash: dict[int, frozenset[int]],
 ) -> frozenset[int]:
-    op = call.op
-    args = list(call.args)
     remat = _remat_effect(call, allocs, aliases, stash)
     if remat is not None:
         return remat
-    if isinstance(op, tvm.ir.Op):
-        name = op.name
-        if name == _ALLOC_TENSOR:
-            allocs.append(_tensor_allocation(len(allocs), var, index, block_index, call))
-            return frozenset({len(allocs) - 1})
-        if name in _ALLOC_STORAGE:
-            alloc = Allocation(
-                id=len(allocs),
-                var=var,
-                index=index,
-                block=block_index,
-                kind="storage",
-                call=call,
-                size_prim=_storage_size(call),
-                refusal="already planned storage",
-            )
-            allocs.append(alloc)
-            return frozenset({alloc.id})
-        if name in _TENSOR_IN_STORAGE or name in VIEW_OPS:
-            return _used_allocs(args[0], aliases) if args else frozenset()
-        if name in _SHAPE_ONLY_OPS:
-            return frozenset()
-        if name == _CALL_TIR_DYN and len(args) == 2 and isinstance(args[1], relax.Tuple):
-            return _kernel_call(args[0], list(args[1].fields), index, mod, allocs, kernels, aliases)
-        if name.startswith("relax.memory.kill") or name == "relax.vm.kill_object":
-            return frozenset()
-        used = _used_allocs(call, aliases)
-        _refuse(allocs, used, f"passed to {name}, whose memory behaviour is not analysed")
-        return used
-    if isinstance(op, relax.ExternFunc):
-        symbol = str(op.global_symbol)
-        if symbol in VIEW_PACKED:
-            return _used_allocs(args[0], aliases) if args else frozenset()
-        used = _used_allocs(call, aliases)
-        if symbol not in trusted:
-            _refuse(allocs, used, f"passed to the packed function {symbol}", hazard=True)
+    inst = classify(call, mod)
+    kind = inst.kind
+    if kind is Kind.TENSOR_ALLOC:
+        allocs.append(_tensor_allocation(len(allocs), var, index, block_index, call))
+        return frozenset({len(allocs) - 1})
+    if kind is Kind.STORAGE_ALLOC:
+        alloc = Allocation(
+            id=len(allocs),
+            var=var,
+            index=index,
+            block=block_index,
+            kind="storage",
+            call=call,
+            size_prim=_storage_size(call),
+            refusal="already planned storage",
+        )
+        allocs.append(alloc)
+        return frozenset({alloc.id})
+    if kind in (Kind.TENSOR_IN_STORAGE, Kind.VIEW):
+        return _used_allocs(inst.source, aliases) if inst.args else frozenset()
+    if kind in (Kind.SHAPE_ONLY, Kind.KILL):
+        return frozenset()
+    if kind in (Kind.KERNEL, Kind.RELAX_CALL) and inst.callee is not None:
+        return _kernel_call(inst.callee, list(inst.args), index, mod, allocs, kernels, aliases)
+    used = _used_allocs(call, aliases)
+    if isinstance(call.op, relax.ExternFunc):
+        if inst.name not in trusted:
+            _refuse(allocs, used, f"passed to the packed function {inst.name}", hazard=True)
             return used
         return frozenset()
-    if isinstance(op, relax.GlobalVar):
-        return _kernel_call(op, args, index, mod, allocs, kernels, aliases)
-    used = _used_allocs(call, aliases)
+    if isinstance(call.op, tvm.ir.Op):
+        _refuse(allocs, used, f"passed to {call.op.name}, whose memory behaviour is not analysed")
+        return used
     _refuse(allocs, used, "passed to a call the planner does not analyse")
     return used
 
@@ -402,25 +384,22 @@ def _remat_effect(
     recomputed one of the same size), so ``x'`` extends ``x``'s lifetime. ``regenerate`` only
     reads its other arguments during the call: they stay plannable.
     """
-    op, args = call.op, list(call.args)
-    if (
-        isinstance(op, tvm.ir.Op)
-        and op.name == "relax.call_builtin_with_ctx"
-        and len(args) >= 2
-        and isinstance(args[0], relax.ExternFunc)
-        and str(args[0].global_symbol) == EVICT
-        and isinstance(args[1], relax.Tuple)
-        and len(args[1].fields) == 3
-    ):
-        slot = _int_value(args[1].fields[1])
-        held = _used_allocs(args[1].fields[2], aliases)
+    inst = classify(call)
+    args = inst.args
+    if inst.kind is Kind.EVICT and len(args) == 3:
+        slot = _int_value(args[1])
+        held = _used_allocs(args[2], aliases)
         _refuse(allocs, held, "handed to the runtime for eviction", hazard=True)
         if slot is None:
-            _refuse(allocs, _used_allocs(args[1], aliases), "evicted through an unknown slot")
+            _refuse(
+                allocs,
+                _used_allocs(relax.Tuple(list(args)), aliases),
+                "evicted through an unknown slot",
+            )
             return None
         stash[slot] = stash.get(slot, frozenset()) | held
         return frozenset()
-    if isinstance(op, relax.ExternFunc) and str(op.global_symbol) == REGENERATE and len(args) >= 2:
+    if inst.kind is Kind.REGENERATE and len(args) >= 2:
         slot = _int_value(args[1])
         if slot is None:
             return None
@@ -533,10 +512,12 @@ def _is_inexact(
         item = items[value.index]
         return isinstance(item, relax.Var) and item in inexact
     if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op):
-        if value.op.name == "relax.reshape":
+        if value.op.name not in VIEW_OPS:
+            return False
+        if value.op.name == "relax.reshape":  # the same bytes in the same order
             arg = value.args[0]
             return isinstance(arg, relax.Var) and arg in inexact
-        return value.op.name in ("relax.memory.view", "relax.memory.ensure_zero_offset")
+        return True  # memory.view / ensure_zero_offset: an offset or another layout
     return False
 
 

@@ -41,6 +41,8 @@ from typing import Any
 import tvm
 from tvm import tirx
 
+from .._warn import warn_fallback
+
 __all__ = ["InplaceVerdict", "inplace_verdict"]
 
 # Iterator type of a spatial (data-parallel) block iterator.
@@ -260,7 +262,7 @@ def _analyzer_for(blk: Any) -> Any:
     analyzer = tvm.sym.Analyzer()
     for iv in blk.iter_vars:
         dom = iv.dom
-        for var in _free_prim_vars(dom.extent):
+        for var in _free_prim_vars(dom.extent, blk.name_hint):
             # Shape dims are at least 1 (an empty tensor has no element to overwrite).
             analyzer.bind(var, tvm.ir.Range(1, 1 << 40))
         analyzer.bind(iv.var, dom)
@@ -396,12 +398,13 @@ def _vars_in(node: Any, targets: Sequence[Any]) -> list[Any]:
     return found
 
 
-def _free_prim_vars(e: Any) -> list[Any]:
+def _free_prim_vars(e: Any, block: str) -> list[Any]:
     if isinstance(e, tirx.IntImm):
         return []
     try:
         return list(tirx.analysis.undefined_vars(e))
-    except Exception:  # not a PrimExpr the helper accepts: nothing to bind
+    except (RuntimeError, TypeError) as err:  # not a PrimExpr (TVM's InternalError): no bounds
+        warn_fallback("PlanMemory", "in-place placement", f"block {block}", err)
         return []
 
 

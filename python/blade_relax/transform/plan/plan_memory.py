@@ -20,14 +20,14 @@ whose bodies can be read (their access pattern decides in-place reuse). Dims are
 
 How it plans
 ------------
-1. **Candidates** (``_plan_collect``): an allocation may be planned when every reader is visible
+1. **Candidates** (``_collect``): an allocation may be planned when every reader is visible
    in its binding block: kernel calls, views (``reshape``), re-bindings, tuples. Refused, like in
    ``StaticPlanBlockMemory``: function outputs, allocations used in another block or inside an
    ``If``; and, unlike it, allocations passed to packed functions (they may keep or hand out an
    alias, e.g. runtime eviction, so the storage must be the tensor's own) or named in the
-   function attribute ``"blade_relax.no_plan"`` (a list of variable names; ``Rematerialize``
+   function attribute ``contract.NO_PLAN_ATTR`` (a list of variable names; ``Rematerialize``
    lists evictable tensors there). Sizes are canonical ``SymbolicExpr`` byte counts.
-2. **In-place** (``_plan_tir``): when a kernel's input dies at that call, every value the
+2. **In-place** (``_tir``): when a kernel's input dies at that call, every value the
    kernel reads from it flows only into the output element at the same flat position (read
    from the TIR: elementwise blocks, reshapes, fused chains; not transposes, reductions or
    splits), and the input's storage is provably no smaller (``ShapeGraph.compare``), the output
@@ -37,7 +37,7 @@ How it plans
    tensor is dead may take a new tensor when its size is proven ``>=`` (best fit), or, when the
    new tensor's dims are available where the storage is allocated, by growing to the ``Max`` of
    the two (evaluated at run time from the concrete dims). A decision is accepted only if it is
-   proven not to raise the peak of the unshared program at any allocation point (``_plan_peak``):
+   proven not to raise the peak of the unshared program at any allocation point (``_peak``):
    sharing keeps a storage allocated between its tensors and by the difference of sizes, which
    the runtime counts. Among safe choices the one adding the fewest live bytes wins.
 4. **Tuples**: a tuple read only through ``t[i]`` is never killed by ``KillAfterLastUse`` (its
@@ -61,7 +61,8 @@ ignored unless ``PlanOptions.plan_at_upper_bound``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import tvm
@@ -69,6 +70,16 @@ from tvm import relax, tirx
 
 from ...contract import LOWER_BOUND_ATTR, NO_PLAN_ATTR, REGENERATE, UPPER_BOUND_ATTR
 from ...symbolic import ShapeGraph, SymbolicExpr
+from .._warn import warn_fallback
+from ..result import (
+    FunctionResult,
+    PassResult,
+    counted,
+    differs,
+    publish,
+    snapshot,
+    timeline_peak,
+)
 from ._collect import Allocation, FunctionFacts, collect_facts
 from ._peak import Interval, LiveModel, Region
 from ._tir import inplace_verdict
@@ -187,7 +198,14 @@ class PlanMemory:
     options
         A :class:`PlanOptions` (``None``: defaults).
 
-    After the pass ran, ``pass_obj.plans`` maps each function name to its :class:`FunctionPlan`.
+    After the pass ran, ``pass_obj.plans`` maps each function name to its :class:`FunctionPlan`,
+    and ``pass_obj.last_result`` is a :class:`~blade_relax.transform.result.PassResult` (its
+    ``detail`` is ``plans``): per planned function, the storages and in-place placements, and
+    the peaks of :func:`blade_relax.analysis.memory_timeline` before (``R.builtin.alloc_tensor``
+    each its own storage, freed after its last use) and after planning, read once
+    ``LowerAllocTensor`` and ``KillAfterLastUse`` (the passes that follow) have run on a copy
+    (when a figure is first read): without its kills the planned IR holds every storage until
+    the function returns.
     """
 
     def __init__(self, options: PlanOptions | None = None) -> None:
@@ -195,6 +213,7 @@ class PlanMemory:
             raise TypeError(f"PlanMemory expects PlanOptions, got {type(options).__name__}")
         self.options = options or PlanOptions()
         self.plans: dict[str, FunctionPlan] = {}
+        self.last_result: PassResult | None = None
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Plan every Relax function of ``mod``; hand the unplannable ones to the stock pass."""
@@ -213,11 +232,85 @@ class PlanMemory:
         if to_stock:
             planned.update(_stock_plan(mod, to_stock, self.options.plan_at_upper_bound))
         if not planned:
+            publish(self, _plan_result(mod, mod, self.plans, set()))
             return mod
         out = mod.clone()
         for gv, func in planned.items():
             out.update_func(gv, func)
+        publish(self, _plan_result(mod, out, self.plans, {gv.name_hint for gv in planned}))
         return out
+
+
+def _plan_result(
+    mod: tvm.IRModule, out: tvm.IRModule, plans: dict[str, FunctionPlan], planned: set[str]
+) -> PassResult:
+    """The :class:`PassResult` of one run; ``planned`` names the functions replaced."""
+    changed = {
+        gv.name_hint
+        for gv, func in mod.functions_items()
+        if gv.name_hint in planned and differs(func, out[gv])
+    }
+    if changed:  # the peaks are read later: from the modules as they are now
+        mod, out = snapshot(mod), snapshot(out)
+    killed = _with_kills(out)
+    results = []
+    for gv, func in mod.functions_items():
+        if not isinstance(func, relax.Function):
+            continue
+        name = gv.name_hint
+        plan = plans[name]
+        notes = _refusal_notes(plan)
+        if plan.mode == "stock":
+            notes = ("nothing to plan on symbolic sizes: left to StaticPlanBlockMemory", *notes)
+        if name not in changed:
+            results.append(FunctionResult(name, False, notes=notes))
+            continue
+        changes = _plan_changes(plan) if plan.mode == "planned" else ("storage planned",)
+        before = timeline_peak(func, mod)
+        after = timeline_peak(out[gv], out, lower=killed)
+        results.append(FunctionResult(name, True, changes, before, after, notes))
+    return PassResult("PlanMemory", tuple(results), detail=plans)
+
+
+def _with_kills(mod: tvm.IRModule) -> Callable[[], tvm.IRModule]:
+    """A function giving ``mod`` after ``LowerAllocTensor`` and ``KillAfterLastUse``, the
+    passes that follow this one, computed once on first call (when a figure is read), in a
+    context like the current one without its instruments (they are not the pipeline's)."""
+    current = tvm.transform.PassContext.current()
+    opt_level, config, disabled = current.opt_level, current.config, current.disabled_pass
+
+    @functools.cache
+    def lowered() -> tvm.IRModule:
+        lower = [relax.transform.LowerAllocTensor(), relax.transform.KillAfterLastUse()]
+        with tvm.transform.PassContext(opt_level=opt_level, config=config, disabled_pass=disabled):
+            return tvm.transform.Sequential(lower)(mod)
+
+    return lowered
+
+
+def _plan_changes(plan: FunctionPlan) -> tuple[str, ...]:
+    """A planned function's storages, sharing and in-place placements, in words."""
+    tensors = sum(len(s.tensors) for s in plan.storages)
+    shared = sum(len(s.tensors) for s in plan.storages if len(s.tensors) > 1)
+    out = [f"{counted(tensors, 'tensor')} placed in {counted(len(plan.storages), 'storage')}"]
+    if shared:
+        out.append(f"{counted(shared, 'buffer')} share storage")
+    if plan.inplace:
+        out.append(f"{counted(len(plan.inplace), 'kernel output')} written in place")
+    return tuple(out)
+
+
+def _refusal_notes(plan: FunctionPlan) -> tuple[str, ...]:
+    """The allocations left alone, counted by reason."""
+    reasons: dict[str, int] = {}
+    for reason in plan.refusals.values():
+        if reason != _STORAGE:
+            reasons[reason] = reasons.get(reason, 0) + 1
+    if not reasons:
+        return ()
+    total = sum(reasons.values())
+    text = ", ".join(f"{reason} ({n})" for reason, n in reasons.items())
+    return (f"{counted(total, 'allocation')} left alone: {text}",)
 
 
 # ====================================================================== planning
@@ -309,8 +402,11 @@ def plan_function(
     facts = collect_facts(func, mod, options.trusted_packed, no_plan)
     try:
         graph = ShapeGraph.from_function(func)
-    except Exception:  # an IR the shape graph cannot read: leave it to the stock planner
-        return None, _stock_or_unchanged(name, facts)
+    except Exception as err:  # user IR: reading its shapes and bounds may fail in any way
+        plan = _stock_or_unchanged(name, facts)
+        note = "StaticPlanBlockMemory plans them" if plan.mode == "stock" else ""
+        warn_fallback("PlanMemory", "allocations", name, err, note=note)
+        return None, plan
     sizes = _sizes(facts, graph)
     refusals = {a.var.name: a.refusal for a in facts.allocations if a.refusal is not None}
     candidates = [a for a in facts.allocations if a.plannable]

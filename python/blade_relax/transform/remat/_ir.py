@@ -28,11 +28,9 @@ from dataclasses import dataclass, field
 import tvm
 from tvm import relax
 
-from ...analysis.timeline import VIEW_OPS, VIEW_PACKED
+from ...analysis.effects import Kind, classify
 
 __all__ = ["FunctionModel", "Op", "RecipeError", "UnsupportedFunction", "build_model"]
-
-_ALLOC_TENSOR = "relax.builtin.alloc_tensor"
 
 
 class UnsupportedFunction(Exception):
@@ -97,11 +95,6 @@ class FunctionModel:
         """Position of the function's result (after the last binding)."""
         return len(self.ops)
 
-    def is_root(self, var: relax.Var) -> bool:
-        """Whether ``var`` is a fresh tensor (an ``alloc``)."""
-        op = self.op_of.get(var)
-        return op is not None and op.kind == "alloc"
-
     def last_use(self, var: relax.Var) -> int:
         """Last position reading ``var`` itself (its definition when never read)."""
         positions = self.var_uses.get(var)
@@ -119,19 +112,6 @@ class FunctionModel:
         """Position of the binding defining ``var`` (-1 for parameters)."""
         op = self.op_of.get(var)
         return op.index if op is not None else -1
-
-
-def _callee(call: relax.Call) -> str | None:
-    op = call.op
-    if isinstance(op, tvm.ir.Op):
-        if op.name in ("relax.call_pure_packed", "relax.call_packed") and call.args:
-            first = call.args[0]
-            if isinstance(first, relax.ExternFunc):
-                return first.global_symbol
-        return op.name
-    if isinstance(op, relax.ExternFunc):
-        return op.global_symbol
-    return None
 
 
 def _vars_in(expr: relax.Expr, defined: set[relax.Var]) -> tuple[relax.Var, ...]:
@@ -179,33 +159,24 @@ def _classify(
             return Op(index, var, value, "getitem", (source,), source=source)
         return Op(index, var, value, "opaque", _vars_in(value, defined))
     if isinstance(value, relax.Call):
-        name = _callee(value)
-        if name == _ALLOC_TENSOR:
+        inst = classify(value, mod)
+        if inst.kind is Kind.TENSOR_ALLOC:
             return Op(index, var, value, "alloc", _vars_in(value, defined))
-        if name in VIEW_OPS or name in VIEW_PACKED:
-            args = list(value.args)
-            if isinstance(value.op, tvm.ir.Op) and value.op.name in (
-                "relax.call_pure_packed",
-                "relax.call_packed",
-            ):
-                args = args[1:]
-            if args and isinstance(args[0], relax.Var):
-                return Op(index, var, value, "view", _vars_in(value, defined), source=args[0])
-        if isinstance(value.op, relax.GlobalVar) and value.op in mod.functions:
-            callee = mod[value.op]
-            if isinstance(callee, tvm.tirx.PrimFunc):
-                args = list(value.args)
-                outputs: list[relax.Var] = []
-                for arg in reversed(args):
-                    if isinstance(arg, relax.Var) and arg in allocs and arg not in written:
-                        outputs.append(arg)
-                    else:
-                        break
-                outputs.reverse()
-                inputs = args[: len(args) - len(outputs)]
-                if outputs and not any(isinstance(a, relax.Var) and a in outputs for a in inputs):
-                    reads = _vars_in(relax.Tuple(inputs), defined) if inputs else ()
-                    return Op(index, var, value, "kernel", reads, tuple(outputs))
+        if inst.kind is Kind.VIEW and isinstance(inst.source, relax.Var):
+            return Op(index, var, value, "view", _vars_in(value, defined), source=inst.source)
+        if inst.kind is Kind.KERNEL and inst.name is None:
+            args = list(inst.args)
+            outputs: list[relax.Var] = []
+            for arg in reversed(args):
+                if isinstance(arg, relax.Var) and arg in allocs and arg not in written:
+                    outputs.append(arg)
+                else:
+                    break
+            outputs.reverse()
+            inputs = args[: len(args) - len(outputs)]
+            if outputs and not any(isinstance(a, relax.Var) and a in outputs for a in inputs):
+                reads = _vars_in(relax.Tuple(inputs), defined) if inputs else ()
+                return Op(index, var, value, "kernel", reads, tuple(outputs))
         return Op(index, var, value, "opaque", _vars_in(value, defined))
     if isinstance(value, relax.Function):
         raise UnsupportedFunction("a nested function")

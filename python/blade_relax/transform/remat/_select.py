@@ -1,6 +1,6 @@
 """Candidates of ``Rematerialize`` and their regeneration recipes.
 
-A *candidate* is a tensor (a root of :mod:`._remat_ir`) computed by a kernel, never mutated,
+A *candidate* is a tensor (a root of :mod:`._ir`) computed by a kernel, never mutated,
 not returned, whose uses leave a gap (``evict_after`` < ``regen_before``) that spans a hot
 binding of the symbolic timeline: one whose live bytes reach a given fraction of the peak at
 some representative shape.

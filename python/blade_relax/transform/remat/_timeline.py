@@ -43,12 +43,9 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ...analysis.timeline import VIEW_OPS, VIEW_PACKED
+from ...analysis.effects import Kind, classify
 from ...analysis.workspace import call_reads
 from ...contract import (
-    EVICT,
-    REGENERATE,
-    REMAT_BEGIN,
     REMAT_FORMAT,
     REMAT_META_ATTR,
     REMAT_REGEN_ATTR,
@@ -66,12 +63,6 @@ __all__ = [
 
 # The VM builtin that calls a closure (the function inserts it to call ``release``).
 INVOKE_CLOSURE = "vm.builtin.invoke_closure"
-
-_STORAGE_ALLOCS = frozenset({"relax.memory.alloc_storage", "relax.vm.alloc_storage"})
-_TENSOR_IN_STORAGE = frozenset({"relax.memory.alloc_tensor", "relax.vm.alloc_tensor"})
-_KILLS = frozenset(
-    {"relax.memory.kill_tensor", "relax.memory.kill_storage", "relax.vm.kill_object"}
-)
 
 
 class RematHazardError(RuntimeError):
@@ -201,30 +192,6 @@ class Simulation:
                 terms.append(" + ".join(live) if live else "0")
         unique = list(dict.fromkeys(terms))
         return unique[0] if len(unique) == 1 else f"max({', '.join(unique)})"
-
-
-def _callee(call: relax.Call) -> tuple[str | None, list[Any]]:
-    op = call.op
-    args = list(call.args)
-    if isinstance(op, tvm.ir.Op):
-        if op.name in (
-            "relax.call_builtin_with_ctx",
-            "relax.call_pure_packed",
-            "relax.call_packed",
-        ):
-            if args and isinstance(args[0], relax.ExternFunc):
-                rest = args[1:]
-                if (
-                    op.name == "relax.call_builtin_with_ctx"
-                    and rest
-                    and isinstance(rest[0], relax.Tuple)
-                ):
-                    rest = list(rest[0].fields)
-                return args[0].global_symbol, rest
-        return op.name, args
-    if isinstance(op, relax.ExternFunc):
-        return op.global_symbol, args
-    return None, args
 
 
 def _last_uses(func: relax.Function) -> dict[int, list[relax.Var]]:
@@ -430,8 +397,9 @@ class _Walker:
         elif isinstance(value, relax.TupleGetItem):
             sources = [value.tuple_value]
         elif isinstance(value, relax.Call):
-            name, args = _callee(value)
-            if name in _STORAGE_ALLOCS:
+            inst = classify(value, self.mod)
+            kind, name, args = inst.kind, inst.name, list(inst.args)
+            if kind is Kind.STORAGE_ALLOC:
                 size = args[0]
                 values = size.values if isinstance(size, relax.ShapeExpr) else None
                 if values is None:
@@ -441,9 +409,9 @@ class _Walker:
                 if name == "relax.vm.alloc_storage":
                     itemsize = _itemsize(_dtype_of(args[2]))
                 self.allocate(var, f"({count} * {itemsize})" if itemsize != 1 else f"({count})")
-            elif name == "relax.builtin.alloc_tensor" and stage == "lowered":
+            elif kind is Kind.TENSOR_ALLOC and stage == "lowered":
                 self.allocate(var, tensor_bytes_py(var.ty, rename))
-            elif name in _TENSOR_IN_STORAGE:
+            elif kind is Kind.TENSOR_IN_STORAGE:
                 sids = self.holds.get(args[0], frozenset())
                 if sids & (self.tainted | set(self.stashed)):
                     raise RematHazardError(
@@ -451,12 +419,12 @@ class _Walker:
                         "regenerated tensor: the memory plan does not see that alias"
                     )
                 sources = [args[0]]
-            elif name in _KILLS:
+            elif kind is Kind.KILL:
                 if args and isinstance(args[0], relax.Var):
                     self.drop(args[0])
-            elif name in VIEW_OPS or name in VIEW_PACKED:
+            elif kind is Kind.VIEW:
                 sources = [a for a in args[:1] if isinstance(a, relax.Var)]
-            elif name == EVICT:
+            elif kind is Kind.EVICT:
                 slot = int(args[1].value)
                 sids = self.holds.get(args[2], frozenset())
                 window = sim.slots.setdefault(slot, SlotWindow())
@@ -464,7 +432,7 @@ class _Walker:
                 self.stash[slot] = sids
                 for sid in sids:
                     self.stashed[sid] = self.stashed.get(sid, 0) + 1
-            elif name == REGENERATE:
+            elif kind is Kind.REGENERATE:
                 slot = int(args[1].value)
                 window = sim.slots.setdefault(slot, SlotWindow())
                 window.site = sim.points
@@ -474,13 +442,13 @@ class _Walker:
                     self.stashed[sid] -= 1
                 self.tainted.update(sids)
                 self.hold(var, sids)
-            elif name == REMAT_BEGIN:
+            elif kind is Kind.REMAT_BEGIN:
                 pass  # no memory: the frame
-            elif _is_prim_func(value, self.mod):
+            elif kind is Kind.KERNEL and name is None:
                 # A kernel writes into its arguments; its workspace lives while it runs.
                 self.workspace(value, var, rename)
-            elif isinstance(value.op, relax.GlobalVar):
-                self.call(var, value.op, list(value.args), rename, chain)
+            elif kind is Kind.RELAX_CALL:
+                self.call(var, inst.callee, list(value.args), rename, chain)
             elif name == INVOKE_CLOSURE and args and isinstance(args[0], relax.GlobalVar):
                 self.call(var, args[0], list(args[1:]), rename, chain)
             elif (
@@ -579,15 +547,6 @@ class _Walker:
         return inner
 
 
-def _is_prim_func(call: relax.Call, mod: tvm.IRModule) -> bool:
-    op = call.op
-    return (
-        isinstance(op, relax.GlobalVar)
-        and op in mod.functions
-        and isinstance(mod[op], tvm.tirx.PrimFunc)
-    )
-
-
 # --------------------------------------------------------------------------- metadata
 def build_metadata(
     function: str,
@@ -672,8 +631,9 @@ def attach_metadata(func: relax.Function, meta: dict[str, Any]) -> relax.Functio
         for binding in block.bindings:
             value = binding.value
             if not replaced and isinstance(value, relax.Call):
-                name, args = _callee(value)
-                if name == REMAT_BEGIN:
+                inst = classify(value)
+                args = list(inst.args)
+                if inst.kind is Kind.REMAT_BEGIN:
                     new_args = relax.Tuple(
                         [tvm.ir.StringImm(key), metadata_constant(text), *args[2:]]
                     )

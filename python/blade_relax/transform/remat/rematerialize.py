@@ -6,7 +6,7 @@ After ``ToNonDataflow``, ``RemovePurityChecking`` and ``CallTIRRewrite`` (the im
 calls it inserts may not stand in a dataflow block, and the tensors are then explicit
 ``R.builtin.alloc_tensor`` written by PrimFunc kernels), and before memory planning
 (``StaticPlanBlockMemory`` / ``PlanMemory``) and ``KillAfterLastUse``. The pipeline also runs
-the private ``RematTimeline`` after ``KillAfterLastUse`` to replace the estimated timeline by
+the ``RematTimeline`` pass after ``KillAfterLastUse`` to replace the estimated timeline by
 the one read from the planned IR. Functions with dataflow blocks, control flow or nested
 functions pass through unchanged, and so do functions called by a function the pass can
 transform (a callee's own decision would run nested in its caller's, which already accounts
@@ -72,7 +72,7 @@ What it does
    ``blade_relax.remat_copy``); ``f`` keeps its name, parameters and attributes and asks
    ``blade_relax.remat_active()`` (is a budget set in this thread?) to call one of them. A
    call without a budget then costs one packed call and peaks where ``f`` did before the
-   pass; ``version_for`` (``memory_aware_schedule``) names the copy that runs.
+   pass; ``version_for`` (``blade_relax.transform.dispatch``) names the copy that runs.
 
 Assumptions: kernels are destination-passing PrimFuncs that write only their trailing fresh
 outputs; the function's symbolic dims are all defined by its parameters' shapes.
@@ -80,13 +80,14 @@ outputs; the function's symbolic dims are all defined by its parameters' shapes.
 
 from __future__ import annotations
 
-import warnings
+import json
 from dataclasses import dataclass
 from typing import Any
 
 import tvm
 from tvm import relax
 
+from ...analysis.effects import Kind, classify
 from ...contract import (
     EVICT,
     NO_PLAN_ATTR,
@@ -98,7 +99,9 @@ from ...contract import (
     REMAT_RELEASE_ATTR,
 )
 from ...runtime.remat import compile_expressions
+from .._warn import warn_fallback
 from ..dispatch import budget_dispatch
+from ..result import FunctionResult, PassResult, counted, publish, snapshot, timeline_peak
 from ._ir import FunctionModel, Op, RecipeError, UnsupportedFunction, build_model
 from ._select import Candidate, Recipe, build_recipe, classify_at, find_gaps
 from ._timeline import (
@@ -181,44 +184,87 @@ class Rematerialize:
     ----------
     options
         :class:`RematOptions`; defaults when ``None``.
+
+    After the pass ran, ``pass_obj.last_result`` is a
+    :class:`~blade_relax.transform.result.PassResult`: per rewritten function, the tensors made
+    evictable (its slots), the peak of :func:`blade_relax.analysis.memory_timeline` before the
+    pass and that of the rewritten function (the copy that runs under a budget) with nothing
+    evicted, both built when first read; evictions under a budget lower it at run time, as far
+    as the budget asks. Without a budget the dispatcher (``plain_without_budget``) runs the
+    function as it was.
     """
 
     def __init__(self, options: RematOptions | None = None) -> None:
         if options is not None and not isinstance(options, RematOptions):
             raise TypeError(f"Rematerialize takes RematOptions, got {type(options).__name__}")
         self.options = options or RematOptions()
+        self.last_result: PassResult | None = None
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         builder = relax.BlockBuilder(mod)
         changed = False
         called = _called_by_transformable(mod)
+        results: list[FunctionResult | tuple[relax.Function, relax.Function]] = []
         for gv, func in list(mod.functions.items()):
             if not isinstance(func, relax.Function):
                 continue
+            name = gv.name_hint
             if gv in called:
                 # A callee's own remat decision would run nested in its caller's, which
                 # accounts for the callee's bytes with no eviction: only the outermost
                 # function the pass can transform decides.
+                results.append(FunctionResult(name, False, notes=(_CALLED,)))
                 continue
             if func.attrs is not None and any(
                 a in func.attrs
                 for a in (REMAT_META_ATTR, REMAT_REGEN_ATTR, REMAT_RELEASE_ATTR, REMAT_COPY_ATTR)
             ):
+                results.append(FunctionResult(name, False))  # made by this pass
                 continue
             if self.options.functions is not None and gv.name_hint not in self.options.functions:
+                results.append(FunctionResult(name, False, notes=("not in options.functions",)))
                 continue
             try:
                 new_func = _rematerialize(gv.name_hint, func, mod, self.options, builder)
-            except UnsupportedFunction:
+            except UnsupportedFunction as err:
+                results.append(FunctionResult(name, False, notes=(f"not supported: {err}",)))
                 continue
             if new_func is None:
+                results.append(FunctionResult(name, False, notes=("no tensor worth evicting",)))
                 continue
             if self.options.plain_without_budget:
                 builder.update_func(gv, budget_dispatch(builder, gv, func, new_func))
             else:
                 builder.update_func(gv, new_func)
             changed = True
-        return builder.get() if changed else mod
+            results.append((func, new_func))
+        out = builder.get() if changed else mod
+        # The peaks are read later: from the modules as they are now.
+        frozen = (snapshot(mod), snapshot(out)) if changed else (mod, out)
+        functions = tuple(
+            r if isinstance(r, FunctionResult) else self._rewritten(*r, *frozen) for r in results
+        )
+        publish(self, PassResult("Rematerialize", functions))
+        return out
+
+    def _rewritten(
+        self, func: relax.Function, new_func: relax.Function, mod: tvm.IRModule, out: tvm.IRModule
+    ) -> FunctionResult:
+        """The result of a rewritten function, read from its metadata."""
+        meta = json.loads(str(new_func.attrs[REMAT_META_ATTR]))
+        names = [slot["name"] for slot in meta["slots"]]
+        shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+        changes = [f"{counted(len(names), 'tensor')} evictable ({shown})"]
+        notes = ["peak after: the rewritten function with nothing evicted"]
+        if self.options.plain_without_budget:
+            changes.append("dispatches on a memory budget to the rewritten or the plain copy")
+        if meta["notes"]:
+            notes.append("estimated timeline inexact: " + "; ".join(meta["notes"]))
+        before, after = timeline_peak(func, mod), timeline_peak(new_func, out)
+        return FunctionResult(meta["function"], True, tuple(changes), before, after, tuple(notes))
+
+
+_CALLED = "called by a function the pass can transform (that caller decides for it)"
 
 
 # --------------------------------------------------------------------------- helpers
@@ -329,7 +375,10 @@ def _kernel_cost(op: Op, mod: tvm.IRModule, dims: set[str]) -> str:
         text = " + ".join(prim_to_py(s, rename) for s in stores)
         compile_expressions(sorted(dims), [text])  # only the caller's dims may remain
         return text
-    except Exception:  # any kernel the estimate cannot read: fall back on its output bytes
+    except Exception:  # any kernel the estimate cannot read (user TIR): its output bytes
+        # Not warned: only the ranking estimate changes, never what the pass does. Taken today
+        # for every kernel with a non-buffer parameter (`tvm.ir.PrimExpr` is gone in TVM 0.27);
+        # fixing that changes the costs written in the remat metadata.
         return fallback
 
 
@@ -422,8 +471,8 @@ def _rematerialize(
     dim_names = {d.name for d in dims}
     try:
         hot, graph, points, peaks = _hot_bindings(func, mod, options.hot_fraction)
-    except Exception as err:  # the analysis cannot read this function: leave it unchanged
-        warnings.warn(f"Rematerialize: {name} left unchanged ({err})", stacklevel=2)
+    except Exception as err:  # user IR: the timeline may fail to read it in any way
+        warn_fallback("Rematerialize", "function", name, err)
         return None
     gaps = find_gaps(model, hot, options.min_gap)
     # Only tensors whose size the runtime can evaluate from the dims, and not provably tiny.
@@ -555,9 +604,7 @@ def _own_storage(func: relax.Function, tensors: set[relax.Var]) -> relax.Functio
             value = binding.value
             if (
                 binding.var in tensors
-                and isinstance(value, relax.Call)
-                and isinstance(value.op, tvm.ir.Op)
-                and value.op.name == "relax.builtin.alloc_tensor"
+                and classify(value).kind is Kind.TENSOR_ALLOC
                 and isinstance(value.args[0], relax.ShapeExpr)
             ):
                 shape, dtype, device, scope = value.args

@@ -3,7 +3,7 @@
 A dataflow block is read once into a :class:`Block`: the def-use edges (plus the edges that
 ``match_cast`` and in-place calls need), the buffers each binding allocates and reads, which
 buffers escape the block, and their byte counts as vectors of a
-:class:`~._schedule_cost.ByteSpace`. :func:`timeline` then scores any order of the bindings:
+:class:`~._cost.ByteSpace`. :func:`timeline` then scores any order of the bindings:
 the live bytes at every step, symbolic and at the acceptance points, under one of the memory
 models of :data:`PLANNERS` (see the docstring of :mod:`.memory_aware_schedule`).
 """
@@ -19,11 +19,10 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
-from ...analysis.timeline import PACKED_CALL_OPS, VIEW_OPS, VIEW_PACKED, callee_name
+from ...analysis.effects import PACKED_CALL_OPS, Kind, classify
 from ...symbolic import Ordering, ShapeGraph, SymbolicExpr
 from ._cost import ByteSpace, OrderProfile, pareto_front
 
-_INPLACE = frozenset({"relax.call_tir_inplace", "relax.call_inplace_packed"})
 # Values that read no variable and allocate nothing the VM counts (constants live in the
 # executable; prim values, strings and dtypes are constants in TVM 0.27's IR).
 _LEAVES = (
@@ -90,7 +89,7 @@ def tir_var_names(exprs: Sequence) -> set[str]:
     return names
 
 
-class BlockBuilder:
+class BlockReader:
     """Reads one dataflow block into a :class:`Block`."""
 
     def __init__(
@@ -240,20 +239,20 @@ class BlockBuilder:
         if isinstance(value, relax.Call):
             if relax.analysis.contains_impure_call(value):
                 raise UnsupportedBlock(f"impure call in binding {var.name}")
-            name, args = callee_name(value)
-            if name in VIEW_OPS or name in VIEW_PACKED:
+            inst = classify(value, self.mod)
+            if inst.kind is Kind.VIEW:
                 self.is_view = True
-                return self._refs_of_expr(args[0]) if args else ()
-            if name == "relax.call_tir":
+                return self._refs_of_expr(inst.source) if inst.args else ()
+            if inst.kind is Kind.CALL_TIR and inst.name == "relax.call_tir":
                 src = self._is_reshape_kernel(value, var)
                 if src is not None:
                     self.is_view = True
                     return self._refs_of(src)
             if self._discards(value):
-                for arg in args:
+                for arg in inst.args:
                     self.discarded.update(self._refs_of_expr(arg))
-            if name in _INPLACE:
-                return self._inplace_refs(value, name, args, var, inplace, i)
+            if inst.kind is Kind.INPLACE:
+                return self._inplace_refs(value, list(inst.args), var, inplace, i)
             before = len(self.size_exprs)
             refs = self._allocate_result(var)
             if isinstance(value.op, tvm.ir.Op) and value.op.name not in PACKED_CALL_OPS:
@@ -278,17 +277,13 @@ class BlockBuilder:
     def _inplace_refs(
         self,
         call: relax.Call,
-        name: str,
-        args: list[relax.Expr],
+        tensor_args: list[relax.Expr],
         var: relax.Var,
         inplace: list[tuple[int, tuple[int, ...]]],
         i: int,
     ) -> tuple[int, ...]:
         indices = [int(k) for k in call.attrs.inplace_indices]
-        if name == "relax.call_tir_inplace":
-            tensor_args = list(args[1].fields) if isinstance(args[1], relax.Tuple) else [args[1]]
-        else:
-            tensor_args = args
+        name = call.op.name
         written: list[tuple[int, ...]] = []
         for k in indices:
             if k >= 0:
@@ -404,7 +399,7 @@ class BlockBuilder:
         plannable = np.zeros(num_buffers, dtype=bool)
         plannable[sorted(self.plannable - self.discarded - set(self.external))] = True
         plannable &= ~escaping
-        # Values the lowered function never kills live until it returns (see BlockBuilder).
+        # Values the lowered function never kills live until it returns (see BlockReader).
         leaked = self.leaked if self.planner == "plan" else self.leaked | self.tuple_fields
         escaping[sorted(leaked)] = True
         size_keys = [tuple(row.tolist()) for row in sizes]

@@ -1,6 +1,6 @@
 """Candidate orders for :mod:`.memory_aware_schedule`: list schedulers and local search.
 
-Every strategy takes a :class:`~._schedule_model.Block` and returns an order of its bindings
+Every strategy takes a :class:`~._model.Block` and returns an order of its bindings
 (input positions) that respects the block's dependencies. None of them decides acceptance:
 the pass scores every candidate at the acceptance points and keeps one that is no worse than
 the input order (see :mod:`.memory_aware_schedule`).

@@ -80,7 +80,7 @@ several strategies (``ScheduleOptions.strategies``):
     replayed one by one under the planner's model, keeping those that leave no point above the
     input (``refine-liveness``).
 ``balanced``
-    Iterated local search (:mod:`._schedule_search`) on the pool of all orders above: with the
+    Iterated local search (:mod:`._search`) on the pool of all orders above: with the
     moves of ``refine`` but no monotonicity constraint, then random perturbations followed by
     the same descent, first for single acceptance points (spread over the range), then for all
     points at once, minimizing the worst ratio of the peak to the best peak met at each point
@@ -97,7 +97,7 @@ The input order is always a candidate, and a candidate replaces it only if its s
 is **proven** no higher than the input's for every admissible value of the dims, or (with
 ``accept_sampled``) if no proof is found but it is no higher at every *acceptance point* (the
 representative points, every power of two in the dims' ranges and the values half way between
-them, see :mod:`._schedule_cost`) and all byte counts can be evaluated. It must also be
+them, see :mod:`._cost`) and all byte counts can be evaluated. It must also be
 strictly lower at one of those points. Candidates are ranked by their worst ratio to the best
 peak met at each acceptance point (by any order), then by the mean ratio; the best accepted
 one is kept (a proven one on ties), so the result is never worse than the input order at any
@@ -112,7 +112,7 @@ parameters) on which one order of the pool is clearly better than the single ord
 than ``version_gain`` in worst ratio), schedules a copy of the function for each range (the
 search seeded with the pool, the acceptance points those of the range) and keeps the copies
 that beat the single order on their range. The function then dispatches on the dim
-(:mod:`._schedule_versions`: private copies, an ``If`` on ``R.prim_value(s <= k)`` in the
+(:mod:`._versions`: private copies, an ``If`` on ``R.prim_value(s <= k)`` in the
 original function). Each copy is never worse than the input order at its range's points.
 
 Cost: each strategy is a list scheduler whose steps cost ``O(#distinct ready keys)`` cached
@@ -123,8 +123,8 @@ schedule in seconds (a few times the single-order cost with versions).
 
 from __future__ import annotations
 
+import bisect
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -135,13 +135,23 @@ from tvm import relax
 from ...analysis import memory_timeline
 from ...contract import SCHEDULE_VERSION_ATTR
 from ...symbolic import ShapeGraph, SymbolicExpr
+from .._warn import warn_fallback
 from ..dispatch import DimRange, range_dispatch
 from ..recompute_cheap_values import RecomputeCheapValues
+from ..result import (
+    FunctionResult,
+    PassResult,
+    collect_results,
+    counted,
+    publish,
+    snapshot,
+    timeline_peak,
+)
 from ._cost import OrderProfile, UnsupportedBytes, acceptance_points, front_le
 from ._model import (
     PLANNERS,
     Block,
-    BlockBuilder,
+    BlockReader,
     UnsupportedBlock,
     profile,
     timeline,
@@ -467,12 +477,6 @@ def _choose(
     return prof.order
 
 
-def _schedule_block(
-    block: Block, options: ScheduleOptions, report: BlockReport
-) -> list[int] | None:
-    return _choose(block, _search(block, options, report), options, report)
-
-
 # ====================================================================== functions and modules
 
 
@@ -497,9 +501,9 @@ def _graph_of(func: relax.Function, name: str) -> ShapeGraph | None:
         return None
     try:
         return ShapeGraph.from_function(func)
-    except Exception as err:  # unusual shapes: leave the function as it is
-        warnings.warn(
-            f"MemoryAwareSchedule: {name or 'function'} left unchanged: {err}", stacklevel=3
+    except Exception as err:  # user IR: reading its shapes and bounds may fail in any way
+        warn_fallback(
+            "MemoryAwareSchedule", "dataflow blocks", name or "function", err, stacklevel=3
         )
         return None
 
@@ -628,7 +632,7 @@ def _schedule_one(
             entry.strategy = "skipped: too many bindings"
             return None
         try:
-            block = BlockBuilder(
+            block = BlockReader(
                 blk, graph, mod, params, used_after, tir_defined, options.planner
             ).build()
         except (UnsupportedBlock, UnsupportedBytes) as err:
@@ -664,7 +668,7 @@ def _versions(
     single: _Scheduled,
     report: ScheduleReport,
 ) -> list[tuple[DimRange, relax.Function]] | None:
-    """Range copies of ``func`` when they lower the peak (see :mod:`._schedule_versions`)."""
+    """Range copies of ``func`` when they lower the peak (see :mod:`._versions`)."""
     found = version_dim(func, graph)
     if found is None or not single.blocks:
         return None
@@ -700,7 +704,9 @@ def _versions(
     for rng in ranges:
         try:
             sub_graph = range_graph(func, rng)
-        except Exception:  # a range the graph rejects: no versions
+        except ValueError as err:  # the function's graph was read: only the range can fail
+            note = "one order for all shapes"
+            warn_fallback("MemoryAwareSchedule", "range versions", gv.name_hint, err, note=note)
             return None
         seeds = {k: list(p.orders.values()) for k, (_, p, _) in single.blocks.items()}
         sub = _schedule_function(func, mod, options, gv.name_hint, sub_graph, str(rng), seeds)
@@ -755,7 +761,7 @@ def schedule_module(
 
     Each function is scheduled with one order for all shapes (:func:`schedule_function`);
     with ``options.max_versions > 1`` it may instead become a dispatcher over range copies
-    (:mod:`._schedule_versions`). Returns the new module (``mod`` itself when nothing changed)
+    (:mod:`._versions`). Returns the new module (``mod`` itself when nothing changed)
     and the merged report.
     """
     options = options or ScheduleOptions()
@@ -871,13 +877,125 @@ class MemoryAwareSchedule:
     ----------
     options
         :class:`ScheduleOptions` (defaults when None).
+
+    After the pass ran, ``pass_obj.report`` is the :class:`ScheduleReport` of the last run and
+    ``pass_obj.last_result`` a :class:`~blade_relax.transform.result.PassResult` (its
+    ``detail`` is the same report). For every function it changed, the peaks before and after
+    are those of :func:`blade_relax.analysis.memory_timeline` (at the stage the pass runs:
+    before planning, so the plain liveness of the schedule's ``"none"`` model, kernel
+    workspaces included; built when first read); a function turned into a dispatcher has no
+    peak after (the dispatch allocates nothing), and each of its range copies reports its own.
     """
 
     def __init__(self, options: ScheduleOptions | None = None) -> None:
         if options is not None and not isinstance(options, ScheduleOptions):
             raise TypeError(f"options must be a ScheduleOptions, got {type(options).__name__}")
         self.options = options or ScheduleOptions()
+        self.report: ScheduleReport | None = None
+        self.last_result: PassResult | None = None
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        new_mod, _ = schedule_module(mod, self.options)
+        # The trial runs of RecomputeCheapValues (``recompute_after``) are not this run's.
+        with collect_results():
+            new_mod, report = schedule_module(mod, self.options)
+        self.report = report
+        publish(self, _schedule_result(mod, new_mod, report))
         return new_mod
+
+
+# ====================================================================== the result
+
+
+def _schedule_result(mod: tvm.IRModule, out: tvm.IRModule, report: ScheduleReport) -> PassResult:
+    """The :class:`PassResult` of one run: each Relax function of ``mod``, then the range
+    copies the run added to ``out``."""
+    out_functions = {gv.name_hint: f for gv, f in out.functions.items()}
+    if out is not mod:  # the peaks are read later: from the modules as they are now
+        mod, out = snapshot(mod), snapshot(out)
+    taken = {gv.name_hint for gv in mod.get_global_vars()}
+    results: list[FunctionResult] = []
+    copies: list[FunctionResult] = []
+    for gv, func in mod.functions.items():
+        if not isinstance(func, relax.Function):
+            continue
+        name = gv.name_hint
+        new = out_functions[name]
+        blocks = [b for b in report.blocks if b.function == name]
+        notes = tuple(
+            f"block {b.block}: {b.strategy}"
+            for b in blocks
+            if not b.version
+            and (b.strategy.startswith("skipped") or "after recomputation" in b.strategy)
+        )
+        if new.same_as(func):
+            results.append(FunctionResult(name, False, notes=notes))
+            continue
+        before = timeline_peak(func, mod)
+        if name not in report.versions:
+            after = timeline_peak(new, out)
+            changes = _order_changes(func, new, [b for b in blocks if not b.version])
+            results.append(FunctionResult(name, True, changes, before, after, notes))
+            continue
+        ranges = report.versions[name]
+        phrase = f"dispatches over {counted(len(ranges), 'range copy', 'range copies')}"
+        notes += ("ranges: " + ", ".join(ranges),)
+        results.append(FunctionResult(name, True, (phrase,), before, None, notes))
+        for copy_name, copy in out_functions.items():
+            info = _version_info(copy)
+            if copy_name in taken or info is None or info[0] != name:
+                continue
+            in_range = [b for b in blocks if b.version == info[1]]
+            changes = (f"range copy for {info[1]}", *_order_changes(func, copy, in_range))
+            after = timeline_peak(copy, out)
+            copies.append(FunctionResult(copy_name, True, changes, before, after))
+    return PassResult("MemoryAwareSchedule", (*results, *copies), detail=report)
+
+
+def _version_info(func: object) -> tuple[str, str] | None:
+    """``(of, range)`` of a range copy (``range`` as :class:`DimRange` writes it)."""
+    attrs = getattr(func, "attrs", None)
+    if not isinstance(func, relax.Function) or attrs is None or SCHEDULE_VERSION_ATTR not in attrs:
+        return None
+    info = attrs[SCHEDULE_VERSION_ATTR]
+    upper = int(info["upper"]) if "upper" in info else None
+    return str(info["of"]), str(DimRange(str(info["dim"]), int(info["lower"]), upper))
+
+
+def _order_changes(
+    before: relax.Function, after: relax.Function, blocks: Sequence[BlockReport]
+) -> tuple[str, ...]:
+    """What a new order changed: the bindings moved and the blocks reordered (with how the
+    order was accepted)."""
+    out = []
+    moved = _bindings_moved(before, after)
+    if moved:
+        out.append(f"{counted(moved, 'binding')} moved")
+    changed = [b for b in blocks if b.changed and b.strategy != "single order kept"]
+    if changed:
+        proven = sum(1 for b in changed if b.proven)
+        how = "proven" if proven == len(changed) else f"{proven} proven, rest sampled"
+        out.append(f"{len(changed)} of {counted(len(blocks), 'block')} reordered ({how})")
+    return tuple(out)
+
+
+def _bindings_moved(before: relax.Function, after: relax.Function) -> int | None:
+    """The fewest bindings that, moved, turn the blocks of ``before`` into those of ``after``
+    (bindings told apart by name: ``after`` may be a copy with fresh variables); ``None``
+    when the blocks do not correspond."""
+    old_blocks, new_blocks = before.body.blocks, after.body.blocks
+    if len(old_blocks) != len(new_blocks):
+        return None
+    moved = 0
+    for old, new in zip(old_blocks, new_blocks):
+        names = [b.var.name for b in old.bindings]
+        index = {n: i for i, n in enumerate(names)}
+        order = [index.get(b.var.name) for b in new.bindings]
+        if len(index) != len(names) or len(order) != len(names) or None in order:
+            return None
+        # Those outside a longest increasing subsequence of the old positions move.
+        tails: list[int] = []
+        for position in order:
+            at = bisect.bisect_left(tails, position)
+            tails[at : at + 1] = [position]
+        moved += len(order) - len(tails)
+    return moved

@@ -1,0 +1,277 @@
+"""The pipeline's structure: TVM's phases mirrored and checked, the flags, the stages."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+import tvm
+from tvm import relax
+from tvm.relax.backend.cpu_generic import pipeline as cpu_phases
+from tvm.relax.backend.cuda import pipeline as cuda_phases
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+from blade_relax.bench.configs import get_config
+from blade_relax.pipeline import (
+    PHASES,
+    PipelineFlags,
+    check_tvm_phases,
+    get_pipeline,
+    lower_to_memory_stage,
+    pipeline_phases,
+    stock_pipeline,
+)
+from blade_relax.testing.differential import STOCK, Variant
+
+CUDA = {"kind": "cuda", "arch": "sm_90"}
+
+
+@I.ir_module
+class Small:
+    @R.function
+    def main(x: R.Tensor(("s", 64), "float32"), w: R.Tensor((64, 32), "float32")):
+        with R.dataflow():
+            a = R.matmul(x, w)
+            b = R.nn.relu(a)
+            c = R.sum(b, axis=[1])
+            d = R.exp(x)
+            e = R.add(c, R.sum(d, axis=[1]))
+            R.output(e)
+        return e
+
+
+def _names(passes) -> list[str]:
+    return [p.info.name for p in passes]
+
+
+def _all_names(phases: dict) -> list[str]:
+    return [p.info.name for passes in phases.values() for p in passes]
+
+
+# ------------------------------------------------------------------------- the phase check
+@pytest.mark.parametrize("target", ["llvm", CUDA], ids=["llvm", "cuda"])
+def test_tvm_finalize_phase_is_the_one_mirrored(target):
+    check_tvm_phases(target)  # raises on a mismatch
+    phases = pipeline_phases(target, **dict.fromkeys(PipelineFlags.switches(), False))
+    tvm_phases = cpu_phases if target == "llvm" else cuda_phases
+    tgt = tvm.target.Target(target)
+    assert _names(phases["finalize"] + phases["vm_lower"]) == _names(
+        tvm_phases.finalize_passes(tgt)
+    )
+    assert _names(phases["vm_lower"])[0] == "VMShapeLower"
+
+
+def _without(name: str):
+    original = cpu_phases.finalize_passes
+
+    def finalize_passes(target):
+        return [p for p in original(target) if p.info.name != name]
+
+    return finalize_passes
+
+
+def _renamed(name: str, new_name: str):
+    original = cpu_phases.finalize_passes
+
+    @tvm.transform.module_pass(opt_level=0, name=new_name)
+    def renamed(mod, _ctx):
+        return mod
+
+    def finalize_passes(target):
+        return [renamed if p.info.name == name else p for p in original(target)]
+
+    return finalize_passes
+
+
+def test_check_fails_loudly_on_a_missing_pass(monkeypatch):
+    monkeypatch.setattr(cpu_phases, "finalize_passes", _without("StaticPlanBlockMemory"))
+    message = (
+        r"finalize phase for llvm targets \(tvm\.relax\.backend\.cpu_generic\.pipeline"
+        r"\.finalize_passes\).*: StaticPlanBlockMemory missing\. TVM: \['LowerAllocTensor'"
+    )
+    with pytest.raises(RuntimeError, match=message):
+        check_tvm_phases("llvm")
+    # Every entry point checks (the phase function changed since the last check).
+    with pytest.raises(RuntimeError, match="StaticPlanBlockMemory missing"):
+        get_pipeline("llvm")
+    with pytest.raises(RuntimeError, match="StaticPlanBlockMemory missing"):
+        stock_pipeline("llvm")
+    with pytest.raises(RuntimeError, match="StaticPlanBlockMemory missing"):
+        lower_to_memory_stage(Small, "llvm")
+    # The CUDA phase list is checked on its own.
+    check_tvm_phases(CUDA)
+
+
+def test_check_fails_loudly_on_a_renamed_pass(monkeypatch):
+    monkeypatch.setattr(
+        cpu_phases, "finalize_passes", _renamed("KillAfterLastUse", "KillAfterLastUse2")
+    )
+    with pytest.raises(RuntimeError, match="KillAfterLastUse became KillAfterLastUse2"):
+        get_pipeline("llvm", remat=True)
+
+
+def test_check_fails_loudly_on_an_added_pass(monkeypatch):
+    original = cpu_phases.finalize_passes
+    monkeypatch.setattr(
+        cpu_phases,
+        "finalize_passes",
+        lambda target: [*original(target), relax.transform.DeadCodeElimination()],
+    )
+    with pytest.raises(RuntimeError, match="DeadCodeElimination added"):
+        lower_to_memory_stage(Small, "llvm")
+
+
+def test_check_fails_loudly_on_a_cuda_mismatch(monkeypatch):
+    original = cuda_phases.finalize_passes
+    monkeypatch.setattr(
+        cuda_phases,
+        "finalize_passes",
+        lambda target: [p for p in original(target) if p.info.name != "RewriteCUDAGraph"],
+    )
+    with pytest.raises(RuntimeError, match="cuda targets .*RewriteCUDAGraph missing"):
+        get_pipeline(CUDA)
+    get_pipeline("llvm")
+
+
+def test_check_passes_again_once_tvm_phases_are_restored(monkeypatch):
+    monkeypatch.setattr(cpu_phases, "finalize_passes", _without("VMShapeLower"))
+    with pytest.raises(RuntimeError, match="VMShapeLower missing"):
+        get_pipeline("llvm")
+    monkeypatch.undo()
+    get_pipeline("llvm")
+
+
+# ------------------------------------------------------------------- equal to stock TVM
+def test_all_passes_off_is_tvm_default_pipeline_structurally():
+    target = tvm.target.Target("llvm")
+    off = dict.fromkeys(PipelineFlags.switches(), False)
+    tvm_passes = (
+        cpu_phases.library_dispatch_passes(target)
+        + cpu_phases.legalize_passes(target)
+        + cpu_phases.dataflow_lower_passes(target)
+        + cpu_phases.finalize_passes(target)
+    )
+    assert _all_names(pipeline_phases(target, **off)) == _names(tvm_passes)
+    expected = relax.get_default_pipeline(target)(Small)
+    tvm.ir.assert_structural_equal(stock_pipeline(target)(Small), expected)
+    with target:
+        ours = get_pipeline(target, **off)(Small)
+    tvm.ir.assert_structural_equal(ours, expected)
+    # The memory stage is TVM's pipeline stopped before VMShapeLower.
+    cut = _names(tvm_passes).index("VMShapeLower")
+    with target:
+        expected_memory = tvm.transform.Sequential(tvm_passes[:cut])(Small)
+    tvm.ir.assert_structural_equal(lower_to_memory_stage(Small, target), expected_memory)
+
+
+def test_unplanned_stock_pipeline_leaves_out_only_static_planning():
+    target = tvm.target.Target("llvm")
+    tvm_passes = (
+        cpu_phases.library_dispatch_passes(target)
+        + cpu_phases.legalize_passes(target)
+        + cpu_phases.dataflow_lower_passes(target)
+        + [p for p in cpu_phases.finalize_passes(target) if p.info.name != "StaticPlanBlockMemory"]
+    )
+    with target:
+        expected = tvm.transform.Sequential(tvm_passes)(Small)
+    tvm.ir.assert_structural_equal(stock_pipeline(target, plan_memory=False)(Small), expected)
+
+
+# ------------------------------------------------------------------------------ the phases
+def test_our_passes_are_placed_by_phase():
+    phases = pipeline_phases("llvm")
+    assert tuple(phases) == PHASES
+    assert _names(phases["graph"]) == [
+        "FuseAttention",
+        "SimplifyTransposes",
+        "FoldZeroScatter",
+        "CloneGeneratedTensors",
+    ]
+    assert _names(phases["legalize"])[-1] == "FuseTIR"
+    assert _names(phases["fused"]) == [
+        "InlineKernelIntermediates",
+        "MemoryAwareSchedule",
+        "RecomputeCheapValues",
+    ]
+    assert _names(phases["finalize"]) == [
+        "Rematerialize",
+        "CheckDimRanges",
+        "PlanMemory",
+        "LowerAllocTensor",
+        "KillAfterLastUse",
+        "RematTimeline",
+        "LowerRuntimeBuiltin",
+        "ComputePrimValue",
+    ]
+    assert _names(phases["vm_lower"]) == ["VMShapeLower", "AttachGlobalSymbol"]
+    # Every switch enables its pass, and only it.
+    off = dict.fromkeys(PipelineFlags.switches(), False)
+    stock = _all_names(pipeline_phases("llvm", **off))
+    for switch, pass_name in PipelineFlags.passes().items():
+        names = _all_names(pipeline_phases("llvm", **{**off, switch: True}))
+        added = [n for n in names if n not in stock]
+        assert added == [pass_name] + (["RematTimeline"] if switch == "remat" else [])
+    # On CUDA, FuseAttention and InlineKernelIntermediates are left to dlight.
+    cuda = _all_names(pipeline_phases(CUDA))
+    assert "FuseAttention" not in cuda and "InlineKernelIntermediates" not in cuda
+    assert cuda.index("PlanMemory") < cuda.index("RewriteCUDAGraph")
+
+
+def test_stages_compose_and_reject_bad_names():
+    fused = lower_to_memory_stage(Small, "llvm", stop_before="dataflow_lower", schedule=True)
+    assert any(isinstance(b, relax.DataflowBlock) for b in fused["main"].body.blocks)
+    rest = lower_to_memory_stage(fused, "llvm", start_at="dataflow_lower", schedule=True)
+    tvm.ir.assert_structural_equal(rest, lower_to_memory_stage(Small, "llvm", schedule=True))
+    with pytest.raises(ValueError, match="unknown pipeline phase 'fusion'"):
+        lower_to_memory_stage(Small, "llvm", stop_before="fusion")
+    with pytest.raises(ValueError, match="runs after"):
+        lower_to_memory_stage(Small, "llvm", start_at="finalize", stop_before="legalize")
+    with pytest.raises(TypeError, match=r"unknown pipeline options: \['schedul'\]"):
+        lower_to_memory_stage(Small, "llvm", schedul=True)
+    with pytest.raises(TypeError, match="unknown pipeline options"):
+        pipeline_phases("llvm", remat_option=None)
+    with pytest.raises(ValueError, match="llvm and cuda"):
+        get_pipeline("c")
+
+
+# ------------------------------------------------------------------------------- the flags
+def test_get_pipeline_keywords_are_the_pipeline_flags():
+    """The documented keyword signature and the dataclass list the same flags and defaults."""
+    params = inspect.signature(get_pipeline).parameters
+    keywords = {n: p.default for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    fields = {f.name: f.default for f in dataclasses.fields(PipelineFlags)}
+    assert keywords == fields
+    assert all(PipelineFlags.options_field(s) in fields for s in PipelineFlags.switches())
+    assert set(PipelineFlags.switches()) == {
+        "schedule",
+        "remat",
+        "plan",
+        "simplify",
+        "fold_scatter",
+        "inline_kernels",
+        "recompute",
+        "clone_generated",
+        "fuse_attention",
+        "check_dims",
+    }
+    assert PipelineFlags.stock(plan=True) == PipelineFlags(
+        **{**dict.fromkeys(PipelineFlags.switches(), False), "plan": True}
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        PipelineFlags().plan = False  # type: ignore[misc]
+
+
+def test_variants_and_configs_cover_every_switch():
+    variant_fields = {f.name for f in dataclasses.fields(Variant)}
+    switches = PipelineFlags.switches("memory") + PipelineFlags.switches("graph")
+    assert set(switches) <= variant_fields
+    assert tuple(Variant("v").flags) == switches
+    for switch in PipelineFlags.switches("graph"):
+        assert get_config(f"blade-relax-full-no-{switch.replace('_', '-')}")
+    # The differential reference is TVM's pipeline: no blade_relax pass, not even the check.
+    target = tvm.target.Target("llvm")
+    with target:
+        reference = STOCK.pipeline(target)(Small)
+    tvm.ir.assert_structural_equal(reference, stock_pipeline(target)(Small))
