@@ -1001,3 +1001,11 @@ def test_pass_identity_and_option_errors():
         PlanMemory({"share": False})
     with pytest.raises(dataclasses.FrozenInstanceError):
         PlanOptions().share = False  # type: ignore[misc]
+
+
+def test_unreadable_parameter_type_warns_and_is_left_unknown():
+    """A type TVM's shape-var helper rejects: a PlanMemory fallback warning, no shape vars."""
+    from blade_relax.transform.plan._collect import _tir_vars_in_type
+
+    with pytest.warns(PassFallbackWarning, match="PlanMemory: the shape vars of a parameter"):
+        assert _tir_vars_in_type("not a type") == []

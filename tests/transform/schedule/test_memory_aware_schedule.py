@@ -847,3 +847,42 @@ def test_order_is_compared_again_after_recomputation():
         assert bool(versions) == after
     assert peaks[True][20] == peaks[False][20]
     assert peaks[True][256] < peaks[False][256]
+
+
+def test_unreadable_reshape_check_warns_and_models_a_new_tensor(monkeypatch):
+    """When TVM's reshape-pattern check fails on a kernel, the block model warns and counts the
+    call as computing a new tensor (never as a view), and the pass still runs."""
+    from blade_relax.transform import PassFallbackWarning
+
+    @I.ir_module
+    class OneKernel:
+        @T.prim_func(private=True, s_tir=True)
+        def exp(x: T.handle, y: T.handle):
+            n = T.int64()
+            X = T.match_buffer(x, (n, 4), "float32")
+            Y = T.match_buffer(y, (n, 4), "float32")
+            for i, j in T.grid(n, 4):
+                with T.sblock("e"):
+                    vi, vj = T.axis.remap("SS", [i, j])
+                    Y[vi, vj] = T.exp(X[vi, vj])
+
+        @R.function
+        def main(x: R.Tensor(("n", 4), "float32")):
+            n = T.int64()
+            cls = OneKernel
+            with R.dataflow():
+                a = R.call_tir(cls.exp, (x,), R.Tensor((n, 4), "float32"))
+                b = R.call_tir(cls.exp, (x,), R.Tensor((n, 4), "float32"))
+                c = R.add(a, a)
+                d = R.add(b, b)
+                e = R.add(c, d)
+                R.output(e)
+            return e
+
+    def broken(func):
+        raise tvm.error.InternalError("unreadable kernel")
+
+    monkeypatch.setattr(relax.analysis, "has_reshape_pattern", broken)
+    with pytest.warns(PassFallbackWarning, match="MemoryAwareSchedule: the reshape check"):
+        out = MemoryAwareSchedule()(OneKernel)
+    relax.analysis.well_formed(out)

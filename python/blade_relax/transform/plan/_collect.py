@@ -27,6 +27,7 @@ import tvm
 from tvm import relax, tirx
 
 from ...analysis.effects import VIEW_OPS, Kind, classify
+from .._warn import warn_fallback
 
 __all__ = ["Allocation", "FunctionFacts", "KernelCall", "collect_facts"]
 
@@ -545,5 +546,8 @@ def _tir_vars(value: object) -> list[tirx.Var]:
 def _tir_vars_in_type(ty: object) -> list[tirx.Var]:
     try:
         return list(relax.analysis.tir_vars_in_type(ty))
-    except Exception:  # a type the helper does not accept holds no shape vars we need
+    except (RuntimeError, TypeError) as err:  # TVM raises InternalError (a RuntimeError)
+        # A type TVM's helper does not accept: its shape vars stay unknown, so an allocation
+        # whose shape reads them is refused (left to the stock planner), never misplanned.
+        warn_fallback("PlanMemory", "the shape vars of a parameter type", str(ty), err)
         return []

@@ -21,6 +21,7 @@ from tvm import relax
 
 from ...analysis.effects import PACKED_CALL_OPS, Kind, classify
 from ...symbolic import Ordering, ShapeGraph, SymbolicExpr
+from .._warn import warn_fallback
 from ._cost import ByteSpace, OrderProfile, pareto_front
 
 # Values that read no variable and allocate nothing the VM counts (constants live in the
@@ -211,7 +212,10 @@ class BlockReader:
         try:
             if not relax.analysis.has_reshape_pattern(func):
                 return None
-        except Exception:  # an unusual PrimFunc: treat the call as computing a new tensor
+        except (RuntimeError, ValueError) as err:  # TVM raises InternalError (a RuntimeError)
+            # A kernel TVM's pattern check cannot read: modelled as computing a new tensor
+            # (an over-estimate of the bytes, never an under-estimate).
+            warn_fallback("MemoryAwareSchedule", "the reshape check of a kernel", gv.name_hint, err)
             return None
         return src
 
