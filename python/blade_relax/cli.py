@@ -750,7 +750,7 @@ def function_label(mod: Any, name: str) -> str:
     entry function a copy stands for and when it runs: ``"main for s >= 110"``, ``"main"``
     (what runs without a budget), ``"main under a budget"``.
     """
-    from .contract import REMAT_COPY_ATTR, SCHEDULE_VERSION_ATTR
+    from .transform.dispatch import budget_copy_of, range_of
 
     ranges: list[str] = []
     budget = False
@@ -758,18 +758,12 @@ def function_label(mod: Any, name: str) -> str:
     for _ in range(8):  # copies of copies: a budget copy of a range copy, at most
         if current not in {gv.name_hint for gv in mod.get_global_vars()}:
             break
-        attrs = getattr(mod[current], "attrs", None)
-        if attrs is not None and REMAT_COPY_ATTR in attrs:
-            budget = budget or bool(int(attrs[REMAT_COPY_ATTR]["budget"]))
-            current = str(attrs[REMAT_COPY_ATTR]["of"])
-        elif attrs is not None and SCHEDULE_VERSION_ATTR in attrs:
-            info = attrs[SCHEDULE_VERSION_ATTR]
-            dim, lower = str(info["dim"]), int(info["lower"])
-            if "upper" in info:
-                ranges.append(f"{lower} <= {dim} <= {int(info['upper'])}")
-            else:
-                ranges.append(f"{dim} >= {lower}")
-            current = str(info["of"])
+        func = mod[current]
+        if (copy := budget_copy_of(func)) is not None:
+            current, budget = copy[0], budget or copy[1]
+        elif (version := range_of(func)) is not None:
+            current = version[0]
+            ranges.append(str(version[1]))
         else:
             break
     label = current

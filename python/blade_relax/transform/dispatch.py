@@ -37,11 +37,13 @@ from ..contract import LOWER_BOUND_ATTR, REMAT_ACTIVE, REMAT_COPY_ATTR, SCHEDULE
 
 __all__ = [
     "DimRange",
+    "budget_copy_of",
     "budget_dispatch",
     "build_dispatcher",
     "private_copy",
     "range_copy",
     "range_dispatch",
+    "range_of",
     "unique_name",
     "version_for",
 ]
@@ -110,6 +112,13 @@ class DimRange:
     def suffix(self) -> str:
         """A name suffix, e.g. ``s2_64`` or ``s65_inf``."""
         return f"{self.dim}{self.lower}_{'inf' if self.upper is None else self.upper}"
+
+    def holds(self, dims: Mapping[str, int]) -> bool:
+        """Whether ``dims`` gives the dim a value in the range (``False`` when it gives none)."""
+        if self.dim not in dims:
+            return False
+        value = int(dims[self.dim])
+        return self.lower <= value and (self.upper is None or value <= self.upper)
 
 
 def int_map(values: dict[str, int]) -> dict[str, tvm.tirx.IntImm]:
@@ -207,6 +216,32 @@ def budget_dispatch(
     return builder.normalize(dispatcher)
 
 
+def range_of(func: object) -> tuple[str, DimRange] | None:
+    """``(of, range)`` of a range copy (what :func:`range_copy` wrote); ``None`` for any other
+    function, including a budget copy of a range copy (which inherits the copy's attributes)."""
+    attrs = getattr(func, "attrs", None)
+    if (
+        not isinstance(func, relax.Function)
+        or attrs is None
+        or SCHEDULE_VERSION_ATTR not in attrs
+        or REMAT_COPY_ATTR in attrs
+    ):
+        return None
+    info = attrs[SCHEDULE_VERSION_ATTR]
+    upper = int(info["upper"]) if "upper" in info else None
+    return str(info["of"]), DimRange(str(info["dim"]), int(info["lower"]), upper)
+
+
+def budget_copy_of(func: object) -> tuple[str, bool] | None:
+    """``(of, budget)`` of a copy :func:`budget_dispatch` made (``budget``: the rewritten copy,
+    run under a memory budget); ``None`` for any other function."""
+    attrs = getattr(func, "attrs", None)
+    if not isinstance(func, relax.Function) or attrs is None or REMAT_COPY_ATTR not in attrs:
+        return None
+    info = attrs[REMAT_COPY_ATTR]
+    return str(info["of"]), bool(int(info["budget"]))
+
+
 def version_for(
     mod: tvm.IRModule, name: str, dims: Mapping[str, int], *, budget: bool = False
 ) -> str:
@@ -221,31 +256,17 @@ def version_for(
     nothing).
     """
 
-    def in_range(attrs) -> bool:
-        if REMAT_COPY_ATTR in attrs:
-            return False  # a budget copy of a range copy inherits its attributes
-        info = attrs[SCHEDULE_VERSION_ATTR]
-        if str(info["dim"]) not in dims:
-            return False
-        value = int(dims[str(info["dim"])])
-        upper = int(info["upper"]) if "upper" in info else None
-        return int(info["lower"]) <= value and (upper is None or value <= upper)
+    def in_range(func: object) -> bool:
+        copy = range_of(func)
+        return copy is not None and copy[0] == name and copy[1].holds(dims)
 
-    def budget_copy(attrs) -> bool:
-        return bool(int(attrs[REMAT_COPY_ATTR]["budget"])) == budget
-
-    current = _copy_of(mod, SCHEDULE_VERSION_ATTR, name, in_range) or name
-    return _copy_of(mod, REMAT_COPY_ATTR, current, budget_copy) or current
+    current = _first(mod, in_range) or name
+    return _first(mod, lambda func: budget_copy_of(func) == (current, budget)) or current
 
 
-def _copy_of(
-    mod: tvm.IRModule, attr: str, of: str, accept: Callable[[Mapping], bool]
-) -> str | None:
-    """The Relax function whose ``attr`` says it is a copy of ``of`` and that ``accept``s."""
+def _first(mod: tvm.IRModule, accept: Callable[[object], bool]) -> str | None:
+    """The name of the first function of ``mod`` that ``accept``s."""
     for gv, func in mod.functions.items():
-        attrs = getattr(func, "attrs", None)
-        if not isinstance(func, relax.Function) or attrs is None or attr not in attrs:
-            continue
-        if str(attrs[attr]["of"]) == of and accept(attrs):
+        if accept(func):
             return gv.name_hint
     return None

@@ -136,7 +136,7 @@ from ...analysis import memory_timeline
 from ...contract import SCHEDULE_VERSION_ATTR
 from ...symbolic import ShapeGraph, SymbolicExpr
 from .._warn import warn_fallback
-from ..dispatch import DimRange, range_dispatch
+from ..dispatch import DimRange, range_dispatch, range_of
 from ..recompute_cheap_values import RecomputeCheapValues
 from ..result import (
     FunctionResult,
@@ -941,24 +941,14 @@ def _schedule_result(mod: tvm.IRModule, out: tvm.IRModule, report: ScheduleRepor
         notes += ("ranges: " + ", ".join(ranges),)
         results.append(FunctionResult(name, True, (phrase,), before, None, notes))
         for copy_name, copy in out_functions.items():
-            info = _version_info(copy)
+            info = range_of(copy)
             if copy_name in taken or info is None or info[0] != name:
                 continue
-            in_range = [b for b in blocks if b.version == info[1]]
+            in_range = [b for b in blocks if b.version == str(info[1])]
             changes = (f"range copy for {info[1]}", *_order_changes(func, copy, in_range))
             after = timeline_peak(copy, out)
             copies.append(FunctionResult(copy_name, True, changes, before, after))
     return PassResult("MemoryAwareSchedule", (*results, *copies), detail=report)
-
-
-def _version_info(func: object) -> tuple[str, str] | None:
-    """``(of, range)`` of a range copy (``range`` as :class:`DimRange` writes it)."""
-    attrs = getattr(func, "attrs", None)
-    if not isinstance(func, relax.Function) or attrs is None or SCHEDULE_VERSION_ATTR not in attrs:
-        return None
-    info = attrs[SCHEDULE_VERSION_ATTR]
-    upper = int(info["upper"]) if "upper" in info else None
-    return str(info["of"]), str(DimRange(str(info["dim"]), int(info["lower"]), upper))
 
 
 def _order_changes(
