@@ -1,4 +1,4 @@
-"""The ``blade-relax`` command line: ``demo``, ``report`` and ``bench``.
+"""The ``blade-relax`` command line: ``demo``, ``report``, ``train`` and ``bench``.
 
 ``demo``
     Compiles a built-in model with a dynamic dimension three ways and runs it at several sizes:
@@ -12,6 +12,13 @@
     The :class:`blade_relax.analysis.MemoryReport` of one function of a module saved as
     TVMScript (``mod.script()``) or of a built-in model, before and after our passes, as a text
     table, JSON, a Chrome trace and a plot.
+``train``
+    Trains a bench model (Llama or GPT-2, random init) for ``--steps`` optimizer steps on
+    synthetic token batches of long-tailed lengths, with blade_relax's compiled step (optimizer
+    in the graph, one compilation) and with PyTorch's loop on the same init and batches
+    (:func:`blade_relax.bench.training.compare_training`); prints loss and peak bytes per length
+    against PyTorch's, writes a plot and JSON. Losses that differ from PyTorch's by more than
+    ``1e-4`` (relative) end the command with status 1.
 ``bench``
     The benchmark ruler, :func:`blade_relax.bench.main`, with its own flags.
 
@@ -987,19 +994,21 @@ def build_parser() -> argparse.ArgumentParser:
         prog="blade-relax",
         description="Peak-memory optimizations on symbolic shapes for Apache TVM Relax.\n"
         "See the story on a small model (demo), read the memory report of a module (report),\n"
+        "train a model with the optimizer in the compiled step against PyTorch (train),\n"
         "or measure configurations side by side (bench).",
         epilog="examples:\n"
         "  blade-relax demo --plot out/demo.png\n"
         "  blade-relax demo --model mlp-train --sizes 64,512 --budget 0.95 --no-plot\n"
         "  blade-relax report attention --dims s=256 --json out/report.json --plot out/r.png\n"
         "  blade-relax report my_module.py --function main --dims n=64 --pipeline stock\n"
+        "  blade-relax train --model llama --steps 50 --budget 0.8 --plot out/train.png\n"
         "  blade-relax bench --workload mlp-train --configs tvm-dynamic,blade-relax\n"
-        "exit status: 0 on success, 1 when the demo's check fails, 2 on bad input (one line\n"
+        "exit status: 0 on success, 1 when a check fails (demo, train), 2 on bad input (one line\n"
         "on stderr). Progress lines go to stderr, results to stdout; missing directories of\n"
         "output paths are created. TVM's native warnings are hidden unless --verbose.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,report,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,report,train,bench}")
 
     demo = sub.add_parser(
         "demo",
@@ -1104,6 +1113,41 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_verbose(report)
 
+    train = sub.add_parser(
+        "train",
+        help="train a model with the optimizer in the compiled step, against PyTorch's loop",
+        description="Train a bench model (random init) on synthetic token batches whose "
+        "lengths follow the bench's long-tailed trace, once with blade_relax (forward, backward "
+        "and the optimizer in one compiled step, updated in place, one compilation for every "
+        "length) and once with PyTorch's zero_grad/backward/step loop on the same init and "
+        "batches. Prints the peak bytes of the full step (parameters and optimizer state "
+        "counted once) per length and the ratio to PyTorch's, and checks the losses agree.",
+    )
+    train.add_argument("--model", choices=("llama", "gpt2"), default="llama")
+    train.add_argument(
+        "--size", choices=("small", "real"), default="small", help="model sizes (default: small)"
+    )
+    train.add_argument("--steps", type=int, default=50, metavar="N", help="steps (default: 50)")
+    train.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="run blade_relax's steps under a memory budget: this fraction in (0, 1] of each "
+        "step's own peak without evictions (default: no budget)",
+    )
+    train.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    train.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: 1e-3)")
+    train.add_argument("--seed", type=int, default=0, help="seed of init, trace and tokens")
+    train.add_argument(
+        "--torch-compile", action="store_true", help="also run PyTorch's loop with torch.compile"
+    )
+    train.add_argument("--plot", default="train.png", metavar="PATH", help="PNG (train.png)")
+    train.add_argument("--no-plot", action="store_true", help="do not write the plot")
+    train.add_argument("--json", metavar="PATH", help="write the runs as JSON here")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_verbose(train)
+
     sub.add_parser(
         "bench",
         help="the benchmark ruler; same flags as python -m blade_relax.bench "
@@ -1111,6 +1155,85 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     return parser
+
+
+# ------------------------------------------------------------------------------------- train
+#: Largest relative difference of a loss to PyTorch's that ``train`` accepts.
+TRAIN_LOSS_RTOL = 1e-4
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """``blade-relax train``: blade_relax's training loop against PyTorch's."""
+    if args.steps < 1:
+        raise CliError(f"--steps must be positive, not {args.steps}")
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        raise CliError(f"--lr must be a positive number, not {args.lr}")
+    budget = _parse_fraction(args.budget) if args.budget is not None else None
+    plot = None if args.no_plot else check_output_path(args.plot, "--plot")
+    json_path = check_output_path(args.json, "--json")
+    _load_package()
+    from .bench.training import compare_training, plot_training, summary_lines
+    from .training import SGD, AdamW
+
+    optimizer = AdamW(lr=args.lr) if args.optimizer == "adamw" else SGD(args.lr, momentum=0.9)
+    result = compare_training(
+        args.model,
+        size=args.size,
+        steps=args.steps,
+        optimizer=optimizer,
+        budget=budget,
+        seed=args.seed,
+        torch_compile=args.torch_compile,
+        progress=not args.no_progress,
+        log=_progress,
+    )
+    ours = result.ours
+    print(
+        f"model: {result.settings['workload']} ({args.size}), {args.steps} steps of "
+        f"{result.settings['optimizer']} (lr {args.lr:g}), seed {args.seed}"
+    )
+    print(f"lengths: {result.trace}")
+    print(
+        f"parameters: {result.param_bytes:,} bytes; blade_relax holds parameters, optimizer "
+        f"state and scalars: {ours.persistent_bytes:,} bytes"
+    )
+    print(
+        f"blade_relax: {ours.compilations} compilation ({ours.compile_time_s:.1f} s)"
+        + (f", budget {budget:g} x each step's own peak" if budget is not None else "")
+    )
+    print(
+        "peak bytes of the full step (parameters and optimizer state counted once), the "
+        "highest at each length:"
+    )
+    for line in summary_lines(result):
+        print("  " + line)
+    first, last = ours.records[0], ours.records[-1]
+    print(
+        f"loss: step 1 {first.loss:.5f}, step {last.step} {last.loss:.5f}; largest relative "
+        f"difference to torch-eager {result.max_loss_error:.2e} (loss), "
+        f"{result.max_param_error:.2e} (parameters after the run)"
+    )
+    evictions = sum(r.evictions for r in ours.records)
+    if budget is not None:
+        held = sum(1 for r in ours.records if r.budget_reachable)
+        print(
+            f"budget held at {held} of {len(ours.records)} steps (elsewhere tensors no "
+            f"eviction removes exceed it: those steps ran at their smallest reachable peak); "
+            f"evictions over the run: {evictions}"
+        )
+    if json_path is not None:
+        _write_text(json_path, json.dumps(result.as_dict(), indent=2) + "\n", "--json")
+    if plot is not None:
+        plot_training(result, plot)
+        _progress(f"wrote {plot}")
+    if result.max_loss_error > TRAIN_LOSS_RTOL:
+        print(
+            f"check failed: the losses differ from PyTorch's by {result.max_loss_error:.2e} "
+            f"(> {TRAIN_LOSS_RTOL:g})",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
 
 
 # --------------------------------------------------------------------------------------- main
@@ -1159,7 +1282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns
     -------
     int
-        The exit status: 0 on success, 1 when the demo's check fails, 2 on bad input.
+        The exit status: 0 on success, 1 when a check fails (demo, train), 2 on bad input.
     """
     from ._quiet import quiet_stderr
 
@@ -1172,7 +1295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args = parser.parse_args(args_list)
         except SystemExit as done:  # --help
             return int(done.code or 0)
-        handler = {"demo": run_demo, "report": run_report}.get(args.command)
+        handler = {"demo": run_demo, "report": run_report, "train": run_train}.get(args.command)
         if handler is None:
             raise CliError(f"unknown command {args.command!r}")
         with quiet_stderr(verbose=True if args.verbose else None):

@@ -54,7 +54,7 @@ def test_plain_pypi_users_get_the_cpu_build_of_torch():
 
 
 def test_examples_write_into_an_output_folder_not_the_checkout():
-    for title in ("Set up", "Command line"):
+    for title in ("Set up", "Command line", "Training end to end"):
         for command in _commands(title):
             for flag, value in zip(command, command[1:]):
                 if flag in OUTPUT_FLAGS:

@@ -43,13 +43,17 @@ __all__ = [
     "TENSOR_IN_STORAGE",
     "VIEW_OPS",
     "VIEW_PACKED",
+    "InPlaceWrites",
     "Instruction",
     "Kind",
     "ValueEffect",
     "binding_effect",
     "callee_name",
     "classify",
+    "in_place_writes",
+    "kernel_written_params",
     "register_timeline_rule",
+    "written_operands",
 ]
 
 #: Operators whose result shares its (first) argument's memory.
@@ -425,3 +429,189 @@ def binding_effect(
         return ValueEffect(allocates=graph.bytes_of(binding.var))
     # Constants live in the executable, shapes and primitive values are not tensors.
     return ValueEffect()
+
+
+# --------------------------------------------------------------------- in-place writes
+def kernel_written_params(func: tvm.tirx.PrimFunc) -> frozenset[int]:
+    """Positions of the parameters whose buffers ``func`` stores to.
+
+    For a destination-passing kernel these are its outputs; for the kernel of a
+    ``call_tir_inplace`` they include the inputs it updates in place.
+    """
+    cached = _WRITTEN_CACHE.get(func)
+    if cached is not None:
+        return cached
+    # In TVM 0.27 a buffer parameter is the buffer: stores name it directly.
+    position_of = {param: position for position, param in enumerate(func.params)}
+    written: set[int] = set()
+    for store in _buffer_stores(func.body):
+        position = position_of.get(store.buffer)
+        if position is not None:
+            written.add(position)
+    result = frozenset(written)
+    _WRITTEN_CACHE[func] = result
+    return result
+
+
+_WRITTEN_CACHE: dict[Any, frozenset[int]] = {}
+_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _buffer_stores(root: Any) -> list[Any]:
+    """Every ``BufferStore`` under a TIR statement (TVM 0.27 has no TIR visitor in Python)."""
+    found: list[Any] = []
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (list, tuple)) or type(node).__name__ in ("Array", "List"):
+            stack.extend(node)
+            continue
+        if not isinstance(node, tvm.runtime.Object):
+            continue
+        if isinstance(node, tvm.tirx.BufferStore):
+            found.append(node)
+            continue
+        cls = type(node)
+        names = _FIELDS.get(cls)
+        if names is None:
+            collected: list[str] = []
+            info = getattr(cls, "__tvm_ffi_type_info__", None)
+            while info is not None:
+                collected = [f.name for f in info.fields] + collected
+                info = getattr(info, "parent_type_info", None)
+            names = _FIELDS[cls] = tuple(n for n in collected if n not in ("span", "ty"))
+        for name in names:
+            child = getattr(node, name, None)
+            if child is not None:
+                stack.append(child)
+    return found
+
+
+def written_operands(value: relax.Expr, mod: tvm.IRModule | None) -> tuple[relax.Expr, ...]:
+    """The existing tensors a bound value writes into (not fresh results).
+
+    ``call_tir_inplace`` and ``call_inplace_packed`` write the arguments at their in-place
+    indices. A direct kernel call (after ``CallTIRRewrite``) writes every argument its PrimFunc
+    stores to; arguments that are fresh allocations are its outputs, which the caller tells
+    apart (see :class:`InPlaceWrites`).
+    """
+    if not isinstance(value, relax.Call):
+        return ()
+    op = value.op
+    if isinstance(op, tvm.ir.Op) and op.name in (
+        "relax.call_tir_inplace",
+        "relax.call_inplace_packed",
+    ):
+        inst = classify(value, mod)
+        indices = [int(k) for k in value.attrs.inplace_indices]
+        return tuple(inst.args[k] for k in indices if 0 <= k < len(inst.args))
+    inst = classify(value, mod)
+    if inst.kind is Kind.KERNEL and inst.callee is not None and mod is not None:
+        callee = mod[inst.callee] if inst.callee in mod.functions else None
+        if isinstance(callee, tvm.tirx.PrimFunc):
+            positions = kernel_written_params(callee)
+            return tuple(a for k, a in enumerate(inst.args) if k in positions)
+    return ()
+
+
+def _reshape_source(call: relax.Call, mod: tvm.IRModule | None) -> relax.Expr | None:
+    """The tensor a ``call_tir`` of a reshape-pattern kernel reshapes (else ``None``)."""
+    if mod is None or call.op.name != "relax.call_tir":
+        return None
+    callee, args = call.args[0], call.args[1]
+    fields = list(args.fields) if isinstance(args, relax.Tuple) else [args]
+    if len(fields) != 1 or not isinstance(callee, tvm.ir.GlobalVar) or callee not in mod.functions:
+        return None
+    func = mod[callee]
+    if not isinstance(func, tvm.tirx.PrimFunc):
+        return None
+    try:
+        return fields[0] if relax.analysis.has_reshape_pattern(func) else None
+    except (RuntimeError, ValueError):  # a kernel the pattern check cannot read
+        return None
+
+
+@dataclass
+class InPlaceWrites:
+    """Which bindings of a sequence write into memory that existed before them.
+
+    A *root* is a variable that owns memory: a parameter of the function (or a value from
+    outside the sequence), or the result of a binding that allocates. Aliases, views, tuple
+    items and the results of in-place calls refer to their sources' roots.
+
+    Attributes
+    ----------
+    roots
+        The roots of every variable defined in or read by the bindings.
+    writes
+        ``binding index -> roots it writes`` for every binding that updates existing memory
+        (an in-place call, or a kernel call writing an argument that is not a fresh
+        allocation).
+    """
+
+    roots: dict[relax.Var, frozenset[relax.Var]]
+    writes: dict[int, frozenset[relax.Var]]
+
+    def roots_of(self, var: relax.Var) -> frozenset[relax.Var]:
+        return self.roots.get(var, frozenset({var}))
+
+    def written_between(self, var: relax.Var, after: int, before: int) -> bool:
+        """Whether memory ``var`` refers to is written by a binding in ``(after, before)``."""
+        roots = self.roots_of(var)
+        return any(after < i < before and roots & w for i, w in self.writes.items())
+
+    @property
+    def written_roots(self) -> frozenset[relax.Var]:
+        return frozenset().union(*self.writes.values()) if self.writes else frozenset()
+
+
+def in_place_writes(bindings: Sequence[relax.Binding], mod: tvm.IRModule | None) -> InPlaceWrites:
+    """The in-place writes of ``bindings`` (one block, or a function's blocks in order)."""
+    roots: dict[relax.Var, frozenset[relax.Var]] = {}
+    writes: dict[int, frozenset[relax.Var]] = {}
+    fresh: set[relax.Var] = set()  # allocations not yet written by a kernel
+
+    def of(expr: relax.Expr) -> frozenset[relax.Var]:
+        if isinstance(expr, relax.Var):
+            return roots.get(expr, frozenset({expr}))
+        if isinstance(expr, relax.Tuple):
+            return frozenset().union(*(of(f) for f in expr.fields)) if expr.fields else frozenset()
+        return frozenset()
+
+    for i, binding in enumerate(bindings):
+        var, value = binding.var, binding.value
+        if isinstance(binding, relax.MatchCast) or isinstance(value, relax.Var | relax.Tuple):
+            roots[var] = of(value)
+            continue
+        if isinstance(value, relax.TupleGetItem):
+            roots[var] = of(value.tuple_value)
+            continue
+        if not isinstance(value, relax.Call):
+            continue
+        inst = classify(value, mod)
+        if inst.kind is Kind.VIEW and inst.args:
+            roots[var] = of(inst.args[0])
+            continue
+        reshaped = _reshape_source(value, mod) if inst.kind is Kind.CALL_TIR else None
+        if reshaped is not None:
+            # RewriteDataflowReshape turns it into a view later: the same memory.
+            roots[var] = of(reshaped)
+            continue
+        if inst.kind is Kind.TENSOR_IN_STORAGE or inst.kind is Kind.TENSOR_ALLOC:
+            fresh.add(var)
+            continue
+        written = written_operands(value, mod)
+        if inst.kind is Kind.INPLACE:
+            targets = frozenset().union(*(of(a) for a in written)) if written else frozenset()
+            roots[var] = targets
+            if targets:
+                writes[i] = targets
+            continue
+        if inst.kind is Kind.KERNEL:
+            outputs = [a for a in written if isinstance(a, relax.Var) and a in fresh]
+            fresh.difference_update(outputs)
+            existing = [a for a in written if not (isinstance(a, relax.Var) and a in outputs)]
+            targets = frozenset().union(*(of(a) for a in existing)) if existing else frozenset()
+            if targets:
+                writes[i] = targets
+    return InPlaceWrites(roots, writes)

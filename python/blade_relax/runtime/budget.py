@@ -15,15 +15,29 @@ Usage::
     with set_memory_budget(2**20):         # only inside the block
         vm["main"](x)
     set_memory_budget(None)                # no budget
+    with set_relative_budget(0.8):         # each call: 0.8 x its own peak without evictions
+        vm["main"](x)
+
+A relative budget is for callers that do not know a call's peak in advance (a training loop
+over varying lengths): each call that makes a remat decision allows itself ``fraction`` times
+the peak its timeline predicts without evictions, at its own sizes, on top of the bytes live
+when it starts. An absolute budget, when set too, takes precedence.
 """
 
 from __future__ import annotations
 
+import numbers
 import threading
 from types import TracebackType
 from typing import Any
 
-__all__ = ["BudgetScope", "get_memory_budget", "set_memory_budget"]
+__all__ = [
+    "BudgetScope",
+    "get_memory_budget",
+    "get_relative_budget",
+    "set_memory_budget",
+    "set_relative_budget",
+]
 
 _local = threading.local()
 
@@ -111,3 +125,51 @@ def set_memory_budget(nbytes: int | None) -> BudgetScope:
 def get_memory_budget() -> int | None:
     """This thread's memory budget in bytes, or None when there is none."""
     return getattr(_local, "budget", None)
+
+
+class _RelativeScope:
+    __slots__ = ("fraction", "previous")
+
+    def __init__(self, fraction: float | None, previous: float | None) -> None:
+        self.fraction = fraction
+        self.previous = previous
+
+    def __enter__(self) -> float | None:
+        return self.fraction
+
+    def __exit__(self, *exc: object) -> None:
+        _local.relative = self.previous
+
+
+def set_relative_budget(fraction: float | None) -> _RelativeScope:
+    """Set this thread's relative memory budget (see the module docstring).
+
+    Parameters
+    ----------
+    fraction : float or None
+        In ``(0, 1]``: each call may add ``fraction`` times its own unbudgeted peak; ``None``
+        removes it.
+
+    Returns
+    -------
+    A context manager restoring the previous relative budget on exit (may be ignored).
+
+    Raises
+    ------
+    TypeError, ValueError
+        For anything but ``None`` or a number in ``(0, 1]``.
+    """
+    if fraction is not None:
+        if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real):
+            raise TypeError(f"a relative budget is a number in (0, 1] or None, not {fraction!r}")
+        if not 0 < float(fraction) <= 1:
+            raise ValueError(f"a relative budget lies in (0, 1], got {fraction!r}")
+        fraction = float(fraction)
+    previous = get_relative_budget()
+    _local.relative = fraction
+    return _RelativeScope(fraction, previous)
+
+
+def get_relative_budget() -> float | None:
+    """This thread's relative memory budget, or None when there is none."""
+    return getattr(_local, "relative", None)

@@ -384,7 +384,8 @@ def _remat_begin(ctx: Any, key: Any, metadata: Any, dims: Any, release: Any, *fn
         program = _load_program(str(key), metadata)
     get_budget = getattr(_budget, "get_memory_budget", None)
     budget = get_budget() if get_budget is not None else None
-    if budget is None:
+    fraction = _budget.get_relative_budget() if budget is None else None
+    if budget is None and fraction is None:
         return _Frame(ctx, program, _NO_EVICTION, True, release, fns)
     values = tuple(dims)
     if release is not None:
@@ -392,6 +393,9 @@ def _remat_begin(ctx: Any, key: Any, metadata: Any, dims: Any, release: Any, *fn
         # now, so that it is not counted against the budget when nobody else holds it.
         _invoke_closure(ctx, release)
     live = current_live_bytes()
+    if fraction is not None:  # a share of this call's own peak without evictions
+        available = max(1, int(fraction * program.timeline(values).base_peak))
+        budget = live + available
     available = int(budget) - live
     start = time.perf_counter()
     decision = program._decisions.get((values, available))
@@ -495,7 +499,7 @@ def _remat_regenerate(frame: _Frame, slot: int, inputs: Any = ()) -> Any:
 
 def _remat_active() -> bool:
     """Whether this thread has a memory budget: the dispatcher's choice of copy (see above)."""
-    return _budget.get_memory_budget() is not None
+    return _budget.get_memory_budget() is not None or _budget.get_relative_budget() is not None
 
 
 tvm.register_global_func(REMAT_ACTIVE, _remat_active, override=True)

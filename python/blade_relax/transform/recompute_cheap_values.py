@@ -58,6 +58,7 @@ import tvm_ffi
 from tvm import relax, tirx
 
 from ..analysis import memory_timeline
+from ..analysis.effects import in_place_writes
 from ..symbolic import Ordering
 from ._block_edit import (
     copy_chain,
@@ -196,6 +197,7 @@ class _BlockFacts:
         self.position = {b.var: i for i, b in enumerate(self.bindings)}
         self.live_throughout = live_throughout
         self.options = options
+        self.writes = in_place_writes(self.bindings, mod)
         self.cheap = [
             isinstance(b, relax.VarBinding)
             and b.var not in live_throughout
@@ -265,9 +267,21 @@ def _candidates(facts: _BlockFacts) -> list[_Plan]:
         proven = found is not None and len(found[0]) == 1
         if found is None and facts.options.extend_inputs:
             found = facts.extended(position, late[-1])
+        if found is not None and _overwritten(facts, found[0], late[0]):
+            continue  # an input is updated in place before the copy would read it
         if found is not None:
             out.append(_Plan(tuple(found[0]), late, tuple(found[1]), proven))
     return out
+
+
+def _overwritten(facts: _BlockFacts, positions: Sequence[int], copy_at: int) -> bool:
+    """Whether a copy of ``positions`` placed before ``copy_at`` would read memory that a
+    binding in between writes in place (a parameter an optimizer updates)."""
+    return any(
+        facts.writes.written_between(v, q, copy_at)
+        for q in positions
+        for v in _tensor_inputs(facts.bindings[q].value) or ()
+    )
 
 
 def _compatible(plan: _Plan, accepted: list[_Plan], bindings) -> bool:

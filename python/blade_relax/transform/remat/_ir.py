@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import tvm
 from tvm import relax
 
-from ...analysis.effects import Kind, classify
+from ...analysis.effects import InPlaceWrites, Kind, classify, in_place_writes
 
 __all__ = ["FunctionModel", "Op", "RecipeError", "UnsupportedFunction", "build_model"]
 
@@ -89,6 +89,7 @@ class FunctionModel:
     writer: dict[relax.Var, int] = field(default_factory=dict)
     mutable: set[relax.Var] = field(default_factory=set)
     tuple_fields: dict[relax.Var, list[relax.Expr]] = field(default_factory=dict)
+    writes: InPlaceWrites | None = None
 
     @property
     def end(self) -> int:
@@ -217,6 +218,9 @@ def build_model(func: relax.Function, mod: tvm.IRModule) -> FunctionModel:
         raise UnsupportedFunction("a result that is not a plain expression")
     outputs = list(_vars_in(body.body, defined))
     model = FunctionModel(func=func, params=list(func.params), ops=ops, outputs=outputs)
+    # In-place writes into memory the kernels do not allocate (parameters updated by an
+    # optimizer): a recipe may not re-read such memory after it has been overwritten.
+    model.writes = in_place_writes([b for blk in body.blocks for b in blk.bindings], mod)
     for param in model.params:
         model.holds[param] = frozenset({param})
     for op in ops:

@@ -203,6 +203,10 @@ def build_recipe(
         if kernel_index is None:
             raise RecipeError(f"{root.name} is not computed by a kernel")
         kernel = model.ops[kernel_index]
+        if model.writes is not None:
+            for v in kernel.reads:
+                if model.writes.written_between(v, kernel_index, site):
+                    raise RecipeError(f"{v.name} is overwritten in place before {root.name}'s site")
         if kernel_index not in interior:
             kernels += 1
             if kernels > max_ops:

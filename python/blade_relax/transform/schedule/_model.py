@@ -19,7 +19,7 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
-from ...analysis.effects import PACKED_CALL_OPS, Kind, classify
+from ...analysis.effects import PACKED_CALL_OPS, Kind, classify, in_place_writes
 from ...symbolic import Ordering, ShapeGraph, SymbolicExpr
 from .._warn import warn_fallback
 from ._cost import ByteSpace, OrderProfile, pareto_front
@@ -311,6 +311,28 @@ class BlockReader:
             ]
         return tuple(dict.fromkeys(aliased + allocated))
 
+    def _param_write_edges(
+        self, bindings: list[relax.Binding], uses: list[list[relax.Var]], preds: list[set[int]]
+    ) -> None:
+        """Keep a write into memory the block does not allocate (a parameter updated by
+        ``call_tir_inplace``, which owns no buffer here) in place relative to every binding
+        that reads that memory, through any alias or view."""
+        writes = in_place_writes(bindings, self.mod)
+        if not writes.writes:
+            return
+        touched: dict[relax.Var, list[int]] = {}
+        for j, used in enumerate(uses):
+            for u in used:
+                for root in writes.roots_of(u):
+                    touched.setdefault(root, []).append(j)
+        for i, written in writes.writes.items():
+            for root in written:
+                for j in touched.get(root, ()):
+                    if j < i:
+                        preds[i].add(j)
+                    elif j > i:
+                        preds[j].add(i)
+
     # -------------------------------------------------------------- the graph
     def build(self) -> Block:
         bindings = list(self.block.bindings)
@@ -386,6 +408,7 @@ class BlockReader:
                         preds[i].add(j)
                     elif j > i:
                         preds[j].add(i)
+        self._param_write_edges(bindings, uses, preds)
         escaping = np.zeros(num_buffers, dtype=bool)
         for var, refs in self.refs.items():
             if var in self.used_after:

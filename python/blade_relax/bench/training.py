@@ -1,0 +1,223 @@
+"""The training-loop benchmark: blade_relax's compiled step against PyTorch's loop.
+
+:func:`compare_training` builds a model of a bench workload (same random init for both),
+synthetic batches whose lengths follow the bench's long-tailed trace, and runs the same number
+of optimizer steps with :class:`blade_relax.training.Trainer` (one compilation) and with
+PyTorch (``zero_grad; loss.backward(); opt.step()``, eager and optionally ``torch.compile``).
+Per step it records loss, length, the full step's peak bytes (parameters and optimizer state
+counted once, plus what the step allocated) and time; it checks the losses and the final
+parameters against PyTorch's. ``blade-relax train`` prints and plots the result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .trace import length_trace
+from .workloads import PRESETS, ModelSizes, build_workload
+
+__all__ = ["TRAIN_MODELS", "TrainingComparison", "compare_training", "plot_training"]
+
+#: ``--model`` of ``blade-relax train`` -> bench workload.
+TRAIN_MODELS = {"llama": "llama-train", "gpt2": "gpt2-train"}
+
+
+@dataclass
+class TrainingComparison:
+    """The runs of one comparison and what was checked.
+
+    Attributes
+    ----------
+    ours
+        blade_relax's :class:`~blade_relax.training.History`.
+    torch_runs
+        PyTorch's histories (``torch-eager``, and ``torch-compile`` when asked).
+    lengths
+        The trace, one length per step.
+    trace
+        How the lengths were drawn.
+    max_loss_error
+        Largest relative difference of the loss to torch-eager's over the steps.
+    max_param_error
+        Largest relative (Frobenius) difference of a parameter to torch-eager's after the run.
+    budget
+        The fractional memory budget blade_relax ran under (``None``: none).
+    param_bytes
+        Bytes of the parameters.
+    """
+
+    ours: Any
+    torch_runs: list[Any]
+    lengths: list[int]
+    trace: str
+    max_loss_error: float
+    max_param_error: float
+    budget: float | None
+    param_bytes: int
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def by_length(self) -> list[dict[str, Any]]:
+        """Per distinct length: blade_relax's peak, each torch peak and the ratios."""
+        rows: dict[int, dict[str, Any]] = {}
+        for i, record in enumerate(self.ours.records):
+            row = rows.setdefault(record.length, {"length": record.length, "blade_relax": 0})
+            row["blade_relax"] = max(row["blade_relax"], record.peak_bytes)
+            for run in self.torch_runs:
+                if i < len(run.records):
+                    row[run.label] = max(row.get(run.label, 0), run.records[i].peak_bytes)
+        out = []
+        for length in sorted(rows):
+            row = rows[length]
+            for run in self.torch_runs:
+                if run.label in row:
+                    row[f"ratio_{run.label}"] = row["blade_relax"] / row[run.label]
+            out.append(row)
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "settings": self.settings,
+            "trace": self.trace,
+            "lengths": self.lengths,
+            "budget": self.budget,
+            "param_bytes": self.param_bytes,
+            "max_loss_error": self.max_loss_error,
+            "max_param_error": self.max_param_error,
+            "by_length": self.by_length(),
+            "runs": [self.ours.as_dict(), *(r.as_dict() for r in self.torch_runs)],
+        }
+
+
+def compare_training(
+    model: str = "llama",
+    *,
+    size: str | ModelSizes = "small",
+    steps: int = 50,
+    optimizer: Any = None,
+    budget: float | None = None,
+    seed: int = 0,
+    torch_compile: bool = False,
+    progress: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> TrainingComparison:
+    """Run blade_relax's loop and PyTorch's on the same model, init and batches.
+
+    Parameters
+    ----------
+    model
+        A key of :data:`TRAIN_MODELS`.
+    size
+        ``"small"`` or ``"real"`` (:data:`blade_relax.bench.workloads.PRESETS`), or sizes.
+    steps
+        Optimizer steps (one batch each; the trace's last batch has the maximum length).
+    optimizer
+        A :class:`~blade_relax.training.InPlaceOptimizer` (default ``AdamW(lr=1e-3)``).
+    budget
+        A fractional memory budget for blade_relax's steps (``None``: none).
+    seed
+        Seed of the weights, the trace and the tokens.
+    torch_compile
+        Also run PyTorch's loop with ``torch.compile``.
+    """
+    from ..training import AdamW, Trainer, torch_fit
+    from ..training.data import synthetic_batches
+
+    say = log or (lambda _m: None)
+    if model not in TRAIN_MODELS:
+        raise ValueError(f"unknown model {model!r}; one of {sorted(TRAIN_MODELS)}")
+    sizes = PRESETS[size] if isinstance(size, str) else size
+    optimizer = optimizer if optimizer is not None else AdamW(lr=1e-3)
+    say(f"building {model} ({TRAIN_MODELS[model]}) and its training graph")
+    workload = build_workload(TRAIN_MODELS[model], sizes, seed=seed)
+    graph = workload.graph
+    trace = length_trace(steps, sizes.min_seq_len, sizes.max_seq_len, seed=seed)
+    batches = synthetic_batches(sizes.vocab, trace.lengths, batch=sizes.batch, seed=seed)
+    trainer = Trainer(graph, optimizer)
+    say("compiling the training step (once for every length)")
+    trainer.compile()
+    say(f"blade_relax: {steps} steps")
+    ours = trainer.fit(batches, steps, budget, progress=progress)
+    torch_runs = []
+    say(f"torch-eager: {steps} steps")
+    torch_runs.append(torch_fit(graph, optimizer, batches, steps))
+    if torch_compile:
+        say(f"torch-compile: {steps} steps")
+        torch_runs.append(torch_fit(graph, optimizer, batches, steps, compile=True))
+    eager = torch_runs[0]
+    loss_error = max(
+        abs(a.loss - b.loss) / max(abs(b.loss), 1e-12) for a, b in zip(ours.records, eager.records)
+    )
+    param_error = max(
+        float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+        for a, b in zip(trainer.parameters(), eager.parameters)
+    )
+    return TrainingComparison(
+        ours=ours,
+        torch_runs=torch_runs,
+        lengths=list(trace.lengths),
+        trace=trace.distribution,
+        max_loss_error=loss_error,
+        max_param_error=param_error,
+        budget=budget,
+        param_bytes=graph.param_bytes,
+        settings={
+            "model": model,
+            "workload": TRAIN_MODELS[model],
+            "sizes": {k: getattr(sizes, k) for k in sizes.__dataclass_fields__},
+            "steps": steps,
+            "optimizer": type(optimizer).__name__,
+            "lr": optimizer.lr,
+            "seed": seed,
+            "data": "first-order Markov chain, 4 likely successors per token, 5 % noise",
+        },
+    )
+
+
+def plot_training(result: TrainingComparison, path: str) -> None:
+    """Loss and peak bytes per step, blade_relax against PyTorch, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [result.ours, *result.torch_runs]
+    fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
+    steps = [r.step for r in result.ours.records]
+    for run in runs:
+        x = [r.step for r in run.records]
+        top.plot(x, run.losses, label=run.label, marker=".")
+        middle.plot(x, [p / 2**20 for p in run.peaks], label=run.label, marker=".")
+    bottom.bar(steps, result.lengths[: len(steps)], color="grey")
+    top.set_ylabel("loss")
+    middle.set_ylabel("peak of the step (MiB)")
+    bottom.set_ylabel("sequence length")
+    bottom.set_xlabel("step")
+    title = f"{result.settings.get('workload')}: {result.settings.get('optimizer')}"
+    if result.budget is not None:
+        title += f", blade_relax budget {result.budget:g} x its own peak"
+    top.set_title(title)
+    top.legend()
+    middle.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def summary_lines(result: TrainingComparison) -> Sequence[str]:
+    """The table ``blade-relax train`` prints: per length, peaks and ratios."""
+    labels = [r.label for r in result.torch_runs]
+    head = f"{'length':>7} {'blade_relax':>13} " + " ".join(
+        f"{label:>13} {'ratio':>6}" for label in labels
+    )
+    lines = [head]
+    for row in result.by_length():
+        cells = [f"{row['length']:>7} {row['blade_relax']:>13,}"]
+        for label in labels:
+            if label in row:
+                cells.append(f"{row[label]:>13,} {row[f'ratio_{label}']:>6.3f}")
+        lines.append(" ".join(cells))
+    return lines

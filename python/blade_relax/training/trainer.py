@@ -1,0 +1,465 @@
+"""A training loop over batches of varying length: one compilation, in-place updates, memory.
+
+:class:`Trainer` compiles a :class:`~blade_relax.training.TrainingStep` once (the blade_relax
+pipeline by default) and runs it on batches of any length inside the graph's declared range.
+Parameters and optimizer state live on the device for the whole run and are updated in place.
+Every batch is checked before any kernel runs (number of inputs, dtypes, shapes, the length
+range, token ids inside the vocabulary), so a bad batch raises and leaves the parameters as
+they were.
+
+Peak bytes per step are the full step's: the parameters, the optimizer state and the scalars
+(held across steps, counted once) plus the most bytes the step itself added, as the runtime
+accounting measures them (:func:`blade_relax.runtime.measure_call`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import tvm
+
+from ..frontend.imported import ImportedGraph
+from .optimizers import AdamW, InPlaceOptimizer
+from .step import TrainingStep, build_training_step
+
+__all__ = ["History", "StepRecord", "Trainer", "as_batch", "fit"]
+
+#: The label value Hugging Face's cross-entropy ignores.
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One training step.
+
+    Attributes
+    ----------
+    step
+        1-based step number.
+    length
+        Sequence length of the batch (the graph's ``s``).
+    loss
+        The loss the step computed (before its update).
+    peak_bytes
+        The full step's peak: persistent bytes (parameters, state, scalars) plus the most
+        bytes the step added.
+    step_peak_bytes
+        The most bytes the step added on top of what was live when it started.
+    time_s
+        Wall time of the step (the call and its measurement).
+    evictions, regenerations
+        Tensors the remat runtime evicted and regenerated (under a budget).
+    budget_reachable
+        Under a budget: whether the runtime could hold it (when not, it ran at the smallest
+        peak it can reach, which :meth:`Trainer.fit` reports instead of warning every step);
+        ``None`` without a budget.
+    """
+
+    step: int
+    length: int
+    loss: float
+    peak_bytes: int
+    step_peak_bytes: int
+    time_s: float
+    evictions: int = 0
+    regenerations: int = 0
+    budget_reachable: bool | None = None
+
+
+@dataclass
+class History:
+    """What a run did, step by step.
+
+    Attributes
+    ----------
+    records
+        One :class:`StepRecord` per step.
+    persistent_bytes
+        Bytes of parameters, optimizer state and scalars (held across steps).
+    compilations
+        How many times the step was compiled (one for the whole run).
+    compile_time_s
+        Time to compile it.
+    label
+        What ran (``"blade_relax"``, ``"torch"``).
+    """
+
+    records: list[StepRecord] = field(default_factory=list)
+    persistent_bytes: int = 0
+    compilations: int = 0
+    compile_time_s: float = 0.0
+    label: str = "blade_relax"
+
+    @property
+    def losses(self) -> list[float]:
+        return [r.loss for r in self.records]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [r.length for r in self.records]
+
+    @property
+    def peaks(self) -> list[int]:
+        return [r.peak_bytes for r in self.records]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "persistent_bytes": self.persistent_bytes,
+            "compilations": self.compilations,
+            "compile_time_s": self.compile_time_s,
+            "steps": [asdict(r) for r in self.records],
+        }
+
+
+def _to_numpy(value: Any) -> np.ndarray:
+    if hasattr(value, "detach") and hasattr(value, "numpy"):  # a torch tensor
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+def as_batch(graph: ImportedGraph, batch: Any) -> list[np.ndarray]:
+    """The arrays of one batch, in the graph's input order.
+
+    A batch is a sequence of arrays (one per input), a mapping from input names to arrays, or,
+    for a causal LM whose inputs are ``input_ids`` and ``labels``, the token ids alone (the
+    labels are the ids: the model shifts them).
+    """
+    names = graph.input_names
+    if isinstance(batch, Mapping):
+        missing = [n for n in names if n not in batch]
+        if names == ["input_ids", "labels"] and missing == ["labels"]:
+            batch = {**batch, "labels": batch["input_ids"]}
+            missing = []
+        if missing:
+            raise ValueError(f"the batch lacks {missing}; the step takes {names}")
+        extra = sorted(set(batch) - set(names))
+        if extra:
+            raise ValueError(f"the batch has unknown inputs {extra}; the step takes {names}")
+        return [_to_numpy(batch[n]) for n in names]
+    if isinstance(batch, (list, tuple)):
+        arrays = [_to_numpy(b) for b in batch]
+        if len(arrays) != len(names):
+            raise ValueError(
+                f"a batch has {len(names)} arrays ({', '.join(names)}), got {len(arrays)}"
+            )
+        return arrays
+    if names == ["input_ids", "labels"]:
+        ids = _to_numpy(batch)
+        return [ids, ids]
+    raise TypeError(
+        f"a batch is a sequence or a mapping of arrays for {names}, not {type(batch).__name__}"
+    )
+
+
+def check_batch(graph: ImportedGraph, arrays: Sequence[np.ndarray]) -> dict[str, int]:
+    """Check a batch against the graph (dtypes, shapes, dim ranges, token ids); its dims.
+
+    Raises
+    ------
+    TypeError
+        A wrong dtype.
+    ValueError, DimOutOfRangeError
+        A wrong shape, a length outside the declared range, a token id outside the vocabulary.
+    """
+    for name, array, dtype in zip(graph.input_names, arrays, graph.input_dtypes):
+        if str(array.dtype) != dtype:
+            raise TypeError(f"input {name!r} has dtype {array.dtype}, the step takes {dtype}")
+    dims = graph.bind_dims(arrays)
+    high = graph.int_input_high
+    if high is not None:
+        for name, array in zip(graph.input_names, arrays):
+            if array.dtype.kind not in "iu" or array.size == 0:
+                continue
+            low = IGNORE_INDEX if name == "labels" else 0
+            bad = (array >= high) | ((array < 0) & (array != low))
+            if bad.any():
+                value = int(array[bad].flat[0])
+                raise ValueError(
+                    f"input {name!r} holds {value}, outside [0, {high})"
+                    + (f" (or {IGNORE_INDEX}, ignored)" if name == "labels" else "")
+                )
+    return dims
+
+
+def _is_hf_model(source: Any) -> bool:
+    return hasattr(source, "named_parameters") and hasattr(source, "config")
+
+
+def _as_step(
+    source: Any, optimizer: InPlaceOptimizer | None, max_seq_len: int | None
+) -> TrainingStep:
+    if isinstance(source, TrainingStep):
+        if optimizer is not None and optimizer is not source.optimizer:
+            raise ValueError("the training step already has an optimizer")
+        return source
+    optimizer = optimizer if optimizer is not None else AdamW()
+    if isinstance(source, ImportedGraph):
+        return build_training_step(source, optimizer)
+    if _is_hf_model(source):
+        from ..frontend import import_training_step
+
+        limit = max_seq_len or getattr(source.config, "max_position_embeddings", None)
+        if not limit:
+            raise ValueError("give max_seq_len: the model's config has no position limit")
+        return build_training_step(import_training_step(source, max_seq_len=int(limit)), optimizer)
+    raise TypeError(
+        "train a TrainingStep, a training ImportedGraph or a Hugging Face causal LM, not "
+        f"{type(source).__name__}"
+    )
+
+
+class Trainer:
+    """Runs a training step, compiled once, over batches of varying length.
+
+    Parameters
+    ----------
+    source
+        A :class:`TrainingStep`, a training :class:`~blade_relax.frontend.ImportedGraph`, or a
+        Hugging Face causal LM (imported with ``max_seq_len``, default its position limit).
+    optimizer
+        The optimizer (default :class:`AdamW` with torch's defaults); not with a
+        :class:`TrainingStep`, which has one.
+    target
+        Where to compile and run (``"llvm"``, or a CUDA target).
+    pipeline
+        The Relax pipeline (default :func:`blade_relax.get_pipeline` for ``target``).
+    max_seq_len
+        For a Hugging Face model: the longest sequence the step accepts.
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        optimizer: InPlaceOptimizer | None = None,
+        *,
+        target: str | dict | tvm.target.Target = "llvm",
+        pipeline: tvm.transform.Pass | None = None,
+        max_seq_len: int | None = None,
+    ) -> None:
+        from ..pipeline import as_target
+        from ..runtime.devices import device_for_target
+
+        self.step_ir = _as_step(source, optimizer, max_seq_len)
+        self.graph = self.step_ir.graph
+        self.optimizer = self.step_ir.optimizer
+        self.target = as_target(target)
+        self.pipeline = pipeline
+        self.device = device_for_target(self.target)
+        self.executable: Any = None
+        self.compilations = 0
+        self.compile_time_s = 0.0
+        self.steps_done = 0
+        self.params = [tvm.runtime.tensor(np.array(p), self.device) for p in self.graph.params]
+        self.states = [tvm.runtime.tensor(s, self.device) for s in self.step_ir.initial_state()]
+        scalar_bytes = self.optimizer.num_scalars * 4
+        self.persistent_bytes = int(
+            sum(p.numpy().nbytes for p in self.params)
+            + sum(s.numpy().nbytes for s in self.states)
+            + scalar_bytes
+        )
+
+    # ------------------------------------------------------------------ compile
+    def compile(self) -> None:
+        """Compile the step (once; later calls do nothing)."""
+        if self.executable is not None:
+            return
+        from ..pipeline import get_pipeline
+
+        pipeline = self.pipeline if self.pipeline is not None else get_pipeline(self.target)
+        start = time.perf_counter()
+        executable = tvm.compile(self.step_ir.mod, self.target, relax_pipeline=pipeline)
+        self.compile_time_s = time.perf_counter() - start
+        self.compilations += 1
+        self.executable = executable
+
+    # ------------------------------------------------------------------ steps
+    def parameters(self) -> list[np.ndarray]:
+        """The current parameters, as numpy copies (in the graph's order)."""
+        return [p.numpy() for p in self.params]
+
+    def state(self) -> list[np.ndarray]:
+        """The current optimizer state, as numpy copies (``step_ir.state_names`` order)."""
+        return [s.numpy() for s in self.states]
+
+    def step(self, batch: Any, budget: int | float | None = None) -> StepRecord:
+        """Run one step on ``batch`` (checked first: a bad batch changes nothing).
+
+        Parameters
+        ----------
+        batch
+            See :func:`as_batch`.
+        budget
+            ``None``; an ``int``: bytes the step may add on top of what is live when it starts;
+            a ``float`` in ``(0, 1]``: that share of the step's peak without evictions, at its
+            length (the remat runtime decides what to evict). Under any budget the step runs
+            its rematerializing version, whose evictable tensors keep storage of their own: its
+            peak without evictions lies above the unbudgeted step's, and the fraction is of
+            that peak (so ``budget=1.0`` can exceed the unbudgeted peak).
+        """
+        from ..runtime import (
+            RematBudgetWarning,
+            last_remat_decision,
+            measure_call,
+            set_relative_budget,
+        )
+
+        arrays = as_batch(self.graph, batch)
+        dims = check_batch(self.graph, arrays)
+        absolute, relative = _split_budget(budget)
+        self.compile()
+        step = self.steps_done + 1
+        scalars = tvm.runtime.tensor(self.optimizer.scalars(step), self.device)
+        inputs = [tvm.runtime.tensor(np.ascontiguousarray(a), self.device) for a in arrays]
+        args = [*inputs, *self.params, *self.states, scalars]
+        scope = set_relative_budget(relative) if relative is not None else contextlib.nullcontext()
+        start = time.perf_counter()
+        with scope:
+            # On a fresh VM (measure_call's rule 2): nothing of the last step is live at entry.
+            measured = measure_call(
+                self.executable,
+                args,
+                budget=absolute,
+                device=self.device,
+                convert=lambda out: float(out[0].numpy()),
+                record_warnings=budget is not None,
+            )
+        elapsed = time.perf_counter() - start
+        for caught in measured.recorded_warnings:  # budget warnings are summed up by fit()
+            if not issubclass(caught.category, RematBudgetWarning):
+                warnings.warn_explicit(
+                    caught.message, caught.category, caught.filename, caught.lineno
+                )
+        decision = measured.decision
+        if decision is None and relative is not None:  # made for the call's own budget
+            decision = last_remat_decision()
+        self.steps_done = step
+        length = int(dims.get("s", arrays[0].shape[-1]))
+        return StepRecord(
+            step=step,
+            length=length,
+            loss=measured.outputs,
+            peak_bytes=self.persistent_bytes + measured.peak_bytes,
+            step_peak_bytes=measured.peak_bytes,
+            time_s=elapsed,
+            evictions=measured.evictions,
+            regenerations=measured.regenerations,
+            budget_reachable=None if decision is None else bool(decision["reachable"]),
+        )
+
+    def fit(
+        self,
+        batches: Iterable[Any],
+        steps: int | None = None,
+        budget: int | float | None = None,
+        *,
+        progress: bool = True,
+    ) -> History:
+        """Train on ``batches`` for ``steps`` steps (all of them when ``None``).
+
+        Raises
+        ------
+        ValueError
+            When ``batches`` is empty, or ``steps`` is not positive.
+        """
+        if steps is not None and steps < 1:
+            raise ValueError(f"steps must be positive, got {steps}")
+        _split_budget(budget)  # a bad budget fails before anything runs
+        iterator = iter(batches)
+        first = next(iterator, _EMPTY)
+        if first is _EMPTY:
+            raise ValueError("no batches to train on: the iterator is empty")
+        stream: Iterator[Any] = itertools.chain([first], iterator)
+        if steps is not None:
+            stream = itertools.islice(stream, steps)
+        history = History(persistent_bytes=self.persistent_bytes, label="blade_relax")
+        bar = _progress(steps, progress)
+        try:
+            for batch in stream:
+                record = self.step(batch, budget)
+                history.records.append(record)
+                if bar is not None:
+                    bar.set_postfix(
+                        loss=f"{record.loss:.4f}",
+                        len=record.length,
+                        peak=f"{record.peak_bytes / 2**20:.1f}MiB",
+                        ms=f"{record.time_s * 1e3:.0f}",
+                        refresh=False,
+                    )
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        history.compilations = self.compilations
+        history.compile_time_s = self.compile_time_s
+        missed = [r for r in history.records if r.budget_reachable is False]
+        if missed:
+            from ..runtime import RematBudgetWarning
+
+            lengths = sorted({r.length for r in missed})
+            warnings.warn(
+                RematBudgetWarning(
+                    f"{len(missed)} of {len(history.records)} steps could not stay within the "
+                    f"budget (lengths {lengths[:8]}{' ...' if len(lengths) > 8 else ''}): "
+                    "tensors no eviction removes exceed it there; those steps ran at the "
+                    "smallest peak the runtime can reach"
+                ),
+                stacklevel=2,
+            )
+        return history
+
+
+_EMPTY = object()
+
+
+def _split_budget(budget: int | float | None) -> tuple[int | None, float | None]:
+    if budget is None:
+        return None, None
+    if isinstance(budget, bool) or not isinstance(budget, int | float | np.integer | np.floating):
+        raise TypeError(f"a budget is bytes (int) or a fraction (float), not {budget!r}")
+    if isinstance(budget, int | np.integer):
+        if budget <= 0:
+            raise ValueError(f"a budget in bytes must be positive, got {budget}")
+        return int(budget), None
+    if not 0 < float(budget) <= 1:
+        raise ValueError(f"a fractional budget lies in (0, 1], got {budget}")
+    return None, float(budget)
+
+
+def _progress(total: int | None, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm is optional: no bar without it
+        return None
+    return tqdm(total=total, desc="train", unit="step")
+
+
+def fit(
+    source: Any,
+    batches: Iterable[Any],
+    steps: int | None = None,
+    budget: int | float | None = None,
+    *,
+    optimizer: InPlaceOptimizer | None = None,
+    target: str | dict | tvm.target.Target = "llvm",
+    progress: bool = True,
+    max_seq_len: int | None = None,
+) -> History:
+    """Train ``source`` on ``batches``: :class:`Trainer` then :meth:`Trainer.fit`.
+
+    Returns
+    -------
+    History
+        Per step: length, loss, peak bytes, time, evictions.
+    """
+    trainer = Trainer(source, optimizer, target=target, max_seq_len=max_seq_len)
+    return trainer.fit(batches, steps, budget, progress=progress)
