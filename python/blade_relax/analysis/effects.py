@@ -32,6 +32,7 @@ from tvm import relax
 from ..contract import EVICT, REGENERATE, REMAT_BEGIN
 from ..symbolic import ShapeGraph, SymbolicExpr
 from .liveness import BindingInfo
+from .tir_fields import field_names, type_key
 from .workspace import call_workspace
 
 __all__ = [
@@ -454,16 +455,17 @@ def kernel_written_params(func: tvm.tirx.PrimFunc) -> frozenset[int]:
 
 
 _WRITTEN_CACHE: dict[Any, frozenset[int]] = {}
-_FIELDS: dict[type, tuple[str, ...]] = {}
+_ARRAYS = ("ffi.Array", "ffi.List")
+_SKIPPED_FIELDS = ("span", "ty")
 
 
 def _buffer_stores(root: Any) -> list[Any]:
-    """Every ``BufferStore`` under a TIR statement (TVM 0.27 has no TIR visitor in Python)."""
+    """Every ``BufferStore`` under a TIR statement."""
     found: list[Any] = []
     stack = [root]
     while stack:
         node = stack.pop()
-        if isinstance(node, (list, tuple)) or type(node).__name__ in ("Array", "List"):
+        if isinstance(node, (list, tuple)) or type_key(node) in _ARRAYS:
             stack.extend(node)
             continue
         if not isinstance(node, tvm.runtime.Object):
@@ -471,17 +473,8 @@ def _buffer_stores(root: Any) -> list[Any]:
         if isinstance(node, tvm.tirx.BufferStore):
             found.append(node)
             continue
-        cls = type(node)
-        names = _FIELDS.get(cls)
-        if names is None:
-            collected: list[str] = []
-            info = getattr(cls, "__tvm_ffi_type_info__", None)
-            while info is not None:
-                collected = [f.name for f in info.fields] + collected
-                info = getattr(info, "parent_type_info", None)
-            names = _FIELDS[cls] = tuple(n for n in collected if n not in ("span", "ty"))
-        for name in names:
-            child = getattr(node, name, None)
+        for name in field_names(node):
+            child = getattr(node, name, None) if name not in _SKIPPED_FIELDS else None
             if child is not None:
                 stack.append(child)
     return found

@@ -58,6 +58,17 @@ def _check_budget(nbytes: Any) -> int | None:
     return value
 
 
+def _check_fraction(fraction: Any) -> float | None:
+    """A relative budget as a float in ``(0, 1]``, or None; a clear error for anything else."""
+    if fraction is None:
+        return None
+    if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real):
+        raise TypeError(f"a relative budget is a number in (0, 1] or None, not {fraction!r}")
+    if not 0 < float(fraction) <= 1:
+        raise ValueError(f"a relative budget lies in (0, 1], got {fraction!r}")
+    return float(fraction)
+
+
 class BudgetScope:
     """What :func:`set_memory_budget` returns: the budget is already set when it exists.
 
@@ -159,12 +170,7 @@ def set_relative_budget(fraction: float | None) -> _RelativeScope:
     TypeError, ValueError
         For anything but ``None`` or a number in ``(0, 1]``.
     """
-    if fraction is not None:
-        if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real):
-            raise TypeError(f"a relative budget is a number in (0, 1] or None, not {fraction!r}")
-        if not 0 < float(fraction) <= 1:
-            raise ValueError(f"a relative budget lies in (0, 1], got {fraction!r}")
-        fraction = float(fraction)
+    fraction = _check_fraction(fraction)
     previous = get_relative_budget()
     _local.relative = fraction
     return _RelativeScope(fraction, previous)

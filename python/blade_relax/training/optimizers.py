@@ -98,12 +98,14 @@ class InPlaceOptimizer(Optimizer):
         dtype = str(ty.dtype)
         if dtype not in _FLOAT_DTYPES:
             raise ValueError(f"an optimizer updates floating-point parameters, not {dtype}")
-        return update_kernel(self._rule(), ty.ndim, dtype)
+        cache = self.__dict__.setdefault("_kernels", {})
+        if (ty.ndim, dtype) not in cache:
+            cache[ty.ndim, dtype] = update_kernel(self._rule(), ty.ndim, dtype)
+        return cache[ty.ndim, dtype]
 
     def emit_update(
         self,
         bb: relax.BlockBuilder,
-        kernel: tvm.ir.GlobalVar,
         param: relax.Expr,
         grad: relax.Expr,
         states: Sequence[relax.Expr],
@@ -111,8 +113,10 @@ class InPlaceOptimizer(Optimizer):
         name: str,
     ) -> tuple[relax.Var, list[relax.Var]]:
         """Emit the in-place update of one parameter; the new parameter and state variables
-        (aliases of ``param`` and ``states``)."""
+        (aliases of ``param`` and ``states``). The kernel is added to ``bb``'s module once per
+        rank and dtype (``BlockBuilder.add_func`` returns the existing one)."""
         ty = param.ty
+        kernel = bb.add_func(self.kernel(ty), f"{self._rule().name}_update")
         args = [param, grad, *states, scalars]
         written = [0, *range(2, 2 + len(states))]
         call = relax.call_tir_inplace(kernel, args, written, [ty] * len(written))
@@ -167,23 +171,17 @@ class InPlaceOptimizer(Optimizer):
         state_var = relax.Var("optim_states", relax.TupleType(state_tys))
         scalars = relax.Var("scalars", relax.TensorType((self.num_scalars,), "float32"))
         bb = relax.BlockBuilder()
-        kernels: dict[tuple[int, str], tvm.ir.GlobalVar] = {}
         with bb.function("main", [param_var, grad_var, state_var, scalars]):
             with bb.dataflow():
                 new_params, new_states = [], []
                 for i, p in enumerate(plist):
-                    key = (p.ty.ndim, str(p.ty.dtype))
-                    if key not in kernels:
-                        kernels[key] = bb.add_func(self.kernel(p.ty), f"{self._rule().name}_update")
                     param = bb.emit(relax.TupleGetItem(param_var, i))
                     grad = bb.emit(relax.TupleGetItem(grad_var, i))
                     states = [
                         bb.emit(relax.TupleGetItem(state_var, i * n_state + k))
                         for k in range(n_state)
                     ]
-                    new_p, new_s = self.emit_update(
-                        bb, kernels[key], param, grad, states, scalars, p.name
-                    )
+                    new_p, new_s = self.emit_update(bb, param, grad, states, scalars, p.name)
                     new_params.append(new_p)
                     new_states.extend(new_s)
                 out = bb.emit_output(

@@ -160,86 +160,71 @@ def build_training_step(graph: ImportedGraph, optimizer: InPlaceOptimizer) -> Tr
     scalars = relax.Var("optimizer_scalars", relax.TensorType((optimizer.num_scalars,), "float32"))
     why = _mergeable(func)
     bb = relax.BlockBuilder()
-    kernels: dict[tuple[int, str], tvm.ir.GlobalVar] = {}
-
-    def kernel_for(ty: relax.TensorType) -> tvm.ir.GlobalVar:
-        key = (ty.ndim, str(ty.dtype))
-        if key not in kernels:
-            kernels[key] = bb.add_func(optimizer.kernel(ty), f"{optimizer._rule().name}_update")
-        return kernels[key]
-
-    n_state = len(optimizer.state_names)
     with bb.function("main", [*inputs, *params, *state_vars, scalars], pure=func.is_pure):
-        if why is None:
-            with bb.dataflow():
-                for block in func.body.blocks:
-                    for binding in block.bindings:
-                        bb.emit_normalized(binding)
-                loss, new_params, new_states = _emit_updates(
-                    bb, optimizer, kernel_for, fields, params, state_vars, scalars, n_state
-                )
-                out = bb.emit_output(relax.Tuple([loss, *new_params, *new_states]))
-        else:
+        if why is not None:
             warn_fallback(
                 "build_training_step",
                 "merging the gradients' blocks with the updates",
                 "main",
                 ValueError(why),
             )
-            for block in func.body.blocks:
-                if isinstance(block, relax.DataflowBlock):
-                    with bb.dataflow():
-                        for binding in block.bindings:
-                            bb.emit_normalized(binding)
-                        # DataflowVars cannot leave the block: export what the updates read.
-                        exported = _export(bb, block, fields)
-                    fields = [exported.get(f, f) for f in fields]
-                else:
+            fields = _emit_blocks(bb, func, fields)
+        with bb.dataflow():
+            if why is None:  # one block: each update can move next to its gradient
+                for block in func.body.blocks:
                     for binding in block.bindings:
                         bb.emit_normalized(binding)
-            with bb.dataflow():
-                loss, new_params, new_states = _emit_updates(
-                    bb, optimizer, kernel_for, fields, params, state_vars, scalars, n_state
-                )
-                out = bb.emit_output(relax.Tuple([loss, *new_params, *new_states]))
+            loss, new_params, new_states = _emit_updates(
+                bb, optimizer, fields, params, state_vars, scalars
+            )
+            out = bb.emit_output(relax.Tuple([loss, *new_params, *new_states]))
         bb.emit_func_output(out)
-    step = bb.get()["main"]
-    attrs = {k: v for k, v in (func.attrs or {}).items()}
-    attrs["num_input"] = n_in
-    for key, value in attrs.items():
-        step = step.with_attr(key, value)
     mod = bb.get()
+    step = mod["main"]
+    for key, value in {**(func.attrs or {}), "num_input": n_in}.items():
+        step = step.with_attr(key, value)
     mod["main"] = step  # with the graph's attributes: dim ranges, num_input
     return TrainingStep(mod, graph, optimizer, state_names, fused=why is None)
 
 
-def _export(
-    bb: relax.BlockBuilder, block: relax.DataflowBlock, fields: Sequence[relax.Expr]
-) -> dict[relax.Expr, relax.Expr]:
-    defined = {b.var for b in block.bindings}
-    out: dict[relax.Expr, relax.Expr] = {}
-    for f in fields:
-        if isinstance(f, relax.DataflowVar) and f in defined and f not in out:
-            out[f] = bb.emit_output(f)
-    return out
+def _emit_blocks(
+    bb: relax.BlockBuilder, func: relax.Function, fields: Sequence[relax.Expr]
+) -> list[relax.Expr]:
+    """Emit ``func``'s blocks as they are; the result fields, readable after the blocks
+    (DataflowVars cannot leave their block: those the updates read are exported)."""
+    fields = list(fields)
+    for block in func.body.blocks:
+        if not isinstance(block, relax.DataflowBlock):
+            for binding in block.bindings:
+                bb.emit_normalized(binding)
+            continue
+        with bb.dataflow():
+            for binding in block.bindings:
+                bb.emit_normalized(binding)
+            defined = {b.var for b in block.bindings}
+            exported: dict[relax.Expr, relax.Expr] = {}
+            for f in fields:
+                if isinstance(f, relax.DataflowVar) and f in defined and f not in exported:
+                    exported[f] = bb.emit_output(f)
+        fields = [exported.get(f, f) for f in fields]
+    return fields
 
 
 def _emit_updates(
     bb: relax.BlockBuilder,
     optimizer: InPlaceOptimizer,
-    kernel_for,
     fields: Sequence[relax.Expr],
     params: Sequence[relax.Var],
     state_vars: Sequence[relax.Var],
     scalars: relax.Var,
-    n_state: int,
 ) -> tuple[relax.Expr, list[relax.Var], list[relax.Var]]:
+    n_state = len(optimizer.state_names)
     new_params: list[relax.Var] = []
     new_states: list[relax.Var] = []
     for i, (param, grad) in enumerate(zip(params, fields[1:])):
         states = list(state_vars[i * n_state : (i + 1) * n_state])
         new_p, new_s = optimizer.emit_update(
-            bb, kernel_for(param.ty), param, grad, states, scalars, _identifier(param.name)
+            bb, param, grad, states, scalars, _identifier(param.name)
         )
         new_params.append(new_p)
         new_states.extend(new_s)

@@ -12,6 +12,7 @@ statistics). The gradients of the previous step are released before the step sta
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import time
@@ -122,7 +123,7 @@ def torch_fit(
         held = param_bytes + _state_bytes(opt)
         counter = LiveBytesCounter()
         start = time.perf_counter()
-        with visible_inductor_allocations() if compile else _null(), counter:
+        with visible_inductor_allocations() if compile else contextlib.nullcontext(), counter:
             (loss,) = step_fn(*tensors)
             loss.backward()
             opt.step()
@@ -146,11 +147,3 @@ def torch_fit(
     if compile:
         history.compilations = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     return history
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

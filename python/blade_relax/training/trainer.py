@@ -257,13 +257,14 @@ class Trainer:
         self.compilations = 0
         self.compile_time_s = 0.0
         self.steps_done = 0
-        self.params = [tvm.runtime.tensor(np.array(p), self.device) for p in self.graph.params]
-        self.states = [tvm.runtime.tensor(s, self.device) for s in self.step_ir.initial_state()]
-        scalar_bytes = self.optimizer.num_scalars * 4
+        # tvm.runtime.tensor copies: the graph's arrays stay the initial parameters.
+        params = [np.asarray(p) for p in self.graph.params]
+        states = self.step_ir.initial_state()
+        self.params = [tvm.runtime.tensor(p, self.device) for p in params]
+        self.states = [tvm.runtime.tensor(s, self.device) for s in states]
+        scalar_bytes = self.optimizer.num_scalars * 4  # float32
         self.persistent_bytes = int(
-            sum(p.numpy().nbytes for p in self.params)
-            + sum(s.numpy().nbytes for s in self.states)
-            + scalar_bytes
+            sum(a.nbytes for a in params) + sum(a.nbytes for a in states) + scalar_bytes
         )
 
     # ------------------------------------------------------------------ compile
@@ -420,17 +421,16 @@ _EMPTY = object()
 
 
 def _split_budget(budget: int | float | None) -> tuple[int | None, float | None]:
+    """An ``int`` budget is bytes, a ``float`` a fraction; each checked by the runtime's rule."""
+    from ..runtime.budget import _check_budget, _check_fraction
+
     if budget is None:
         return None, None
     if isinstance(budget, bool) or not isinstance(budget, int | float | np.integer | np.floating):
         raise TypeError(f"a budget is bytes (int) or a fraction (float), not {budget!r}")
     if isinstance(budget, int | np.integer):
-        if budget <= 0:
-            raise ValueError(f"a budget in bytes must be positive, got {budget}")
-        return int(budget), None
-    if not 0 < float(budget) <= 1:
-        raise ValueError(f"a fractional budget lies in (0, 1], got {budget}")
-    return None, float(budget)
+        return _check_budget(budget), None
+    return None, _check_fraction(budget)
 
 
 def _progress(total: int | None, enabled: bool) -> Any:

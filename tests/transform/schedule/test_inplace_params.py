@@ -196,9 +196,9 @@ def test_update_stays_after_a_read_through_a_reshape_view(strategy):
 @pytest.mark.parametrize("mod", [ParamUpdate, ViewUpdate], ids=["direct", "view"])
 def test_without_the_write_edges_the_update_would_run_first(mod, monkeypatch):
     """The blocks are built so that a peak-minimizing order runs the update early: with the
-    edges of ``_param_write_edges`` left out, the pass moves it before ``y`` (the wrong
+    edges of ``_write_edges`` left out, the pass moves it before ``y`` (the wrong
     program these tests guard against)."""
-    monkeypatch.setattr(_model.BlockReader, "_param_write_edges", lambda *args: None)
+    monkeypatch.setattr(_model.BlockReader, "_write_edges", lambda *args: None)
     pass_ = MemoryAwareSchedule()
     order = _order(pass_(mod))
     assert order.index("w2") < order.index("y")
@@ -220,7 +220,7 @@ def test_compiled_update_reads_the_weight_before_its_update():
 
 def test_compiled_program_differs_without_the_write_edges(monkeypatch):
     """The numeric check above fails when the schedule may move the update first."""
-    monkeypatch.setattr(_model.BlockReader, "_param_write_edges", lambda *args: None)
+    monkeypatch.setattr(_model.BlockReader, "_write_edges", lambda *args: None)
     with pytest.raises(AssertionError):
         _check_pipelines(ParamUpdate, view=False)
 

@@ -41,6 +41,7 @@ from typing import Any
 import tvm
 from tvm import tirx
 
+from ...analysis.tir_fields import field_names, type_key
 from .._warn import warn_fallback
 
 __all__ = ["InplaceVerdict", "inplace_verdict"]
@@ -94,17 +95,17 @@ class _Collector:
     def visit(self, node: Any, current: _Block | None, in_index: bool = False) -> None:
         if node is None or isinstance(node, (int, float, str, bool)):
             return
-        if isinstance(node, (list, tuple)) or _type_key(node) in ("ffi.Array", "ffi.List"):
+        if isinstance(node, (list, tuple)) or type_key(node) in ("ffi.Array", "ffi.List"):
             for item in node:
                 self.visit(item, current, in_index)
             return
-        if _type_key(node) in ("ffi.Map", "ffi.Dict"):
+        if type_key(node) in ("ffi.Map", "ffi.Dict"):
             for value in node.values():
                 self.visit(value, current, in_index)
             return
         if not isinstance(node, tvm.runtime.Object):
             return
-        key = _type_key(node)
+        key = type_key(node)
         if key == "s_tir.SBlock":
             self._visit_block(node)
             return
@@ -128,7 +129,7 @@ class _Collector:
             # A buffer used as a plain value (e.g. its data pointer handed to a call).
             self._record(current, _Access("opaque", node))
             return
-        for name in _field_names(node):
+        for name in field_names(node):
             if name not in _SKIPPED_FIELDS:
                 self.visit(getattr(node, name), current, in_index)
 
@@ -183,7 +184,7 @@ def inplace_verdict(
     buffers += _alloc_buffers(func.body)
     collector = _Collector(buffers)
     body = func.body
-    if _type_key(body) == "s_tir.SBlockRealize" and not body.block.iter_vars:
+    if type_key(body) == "s_tir.SBlockRealize" and not body.block.iter_vars:
         # The root block: its allocations are intermediates, its body the kernel.
         collector.visit(body.block.body, None)
     else:
@@ -290,7 +291,7 @@ def _tighten(analyzer: Any, e: Any) -> Any:
     Legalized reshapes index with ``(i // c + j) % n``; the analyzer does not use the bound
     ``j < n`` of a symbolic ``n`` by itself.
     """
-    key = _type_key(e)
+    key = type_key(e)
     if key in ("prim.FloorMod", "ir.FloorMod", "tirx.FloorMod"):
         a, m = _tighten(analyzer, e.a), _tighten(analyzer, e.b)
         if _in_range(analyzer, a, m):
@@ -316,7 +317,7 @@ def _in_range(analyzer: Any, a: Any, m: Any) -> bool:
     if analyzer.can_prove(a < m):
         return True
     # floordiv(x, c) < m  <=  x < m * c for a positive constant c.
-    if _type_key(a) in ("prim.FloorDiv", "ir.FloorDiv", "tirx.FloorDiv") and isinstance(
+    if type_key(a) in ("prim.FloorDiv", "ir.FloorDiv", "tirx.FloorDiv") and isinstance(
         a.b, tirx.IntImm
     ):
         c = int(a.b.value)
@@ -331,20 +332,20 @@ def _alloc_buffers(body: Any) -> list[Any]:
     def walk(node: Any) -> None:
         if node is None or isinstance(node, (int, float, str, bool)):
             return
-        if isinstance(node, (list, tuple)) or _type_key(node) in ("ffi.Array", "ffi.List"):
+        if isinstance(node, (list, tuple)) or type_key(node) in ("ffi.Array", "ffi.List"):
             for item in node:
                 walk(item)
             return
         if not isinstance(node, tvm.runtime.Object):
             return
-        key = _type_key(node)
+        key = type_key(node)
         if key == "s_tir.SBlock":
             found.extend(node.alloc_buffers)
         if key in ("tirx.AllocBuffer", "tirx.DeclBuffer") and hasattr(node, "buffer"):
             found.append(node.buffer)
         if key.startswith(("ir.", "prim.")) and key != "ir.Range":
             return  # expressions hold no allocations
-        for name in _field_names(node):
+        for name in field_names(node):
             if name not in _SKIPPED_FIELDS:
                 walk(getattr(node, name))
 
@@ -380,7 +381,7 @@ def _vars_in(node: Any, targets: Sequence[Any]) -> list[Any]:
     def walk(n: Any) -> None:
         if n is None or isinstance(n, (int, float, str, bool)):
             return
-        if isinstance(n, (list, tuple)) or _type_key(n) in ("ffi.Array", "ffi.List"):
+        if isinstance(n, (list, tuple)) or type_key(n) in ("ffi.Array", "ffi.List"):
             for item in n:
                 walk(item)
             return
@@ -390,7 +391,7 @@ def _vars_in(node: Any, targets: Sequence[Any]) -> list[Any]:
         if hit is not None:
             found.append(hit)
             return
-        for name in _field_names(n):
+        for name in field_names(n):
             if name not in _SKIPPED_FIELDS:
                 walk(getattr(n, name))
 
@@ -418,26 +419,3 @@ def _int64(e: Any) -> Any:
 
 def _dtype(e: Any) -> str:
     return str(getattr(getattr(e, "ty", None), "dtype", "int64"))
-
-
-def _type_key(node: Any) -> str:
-    info = getattr(type(node), "__tvm_ffi_type_info__", None)
-    return info.type_key if info is not None else ""
-
-
-_FIELD_CACHE: dict[type, tuple[str, ...]] = {}
-
-
-def _field_names(node: Any) -> tuple[str, ...]:
-    cls = type(node)
-    cached = _FIELD_CACHE.get(cls)
-    if cached is not None:
-        return cached
-    names: list[str] = []
-    info = getattr(cls, "__tvm_ffi_type_info__", None)
-    while info is not None:
-        names = [f.name for f in info.fields] + names
-        info = info.parent_type_info
-    result = tuple(names)
-    _FIELD_CACHE[cls] = result
-    return result

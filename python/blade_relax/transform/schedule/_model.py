@@ -219,9 +219,7 @@ class BlockReader:
             return None
         return src
 
-    def _value_refs(
-        self, var: relax.Var, value: relax.Expr, inplace: list[tuple[int, tuple[int, ...]]], i: int
-    ) -> tuple[int, ...]:
+    def _value_refs(self, var: relax.Var, value: relax.Expr) -> tuple[int, ...]:
         self.is_view = False
         if isinstance(value, relax.Var):
             if value in self.field_refs:
@@ -256,7 +254,7 @@ class BlockReader:
                 for arg in inst.args:
                     self.discarded.update(self._refs_of_expr(arg))
             if inst.kind is Kind.INPLACE:
-                return self._inplace_refs(value, list(inst.args), var, inplace, i)
+                return self._inplace_refs(value, list(inst.args), var)
             before = len(self.size_exprs)
             refs = self._allocate_result(var)
             if isinstance(value.op, tvm.ir.Op) and value.op.name not in PACKED_CALL_OPS:
@@ -283,8 +281,6 @@ class BlockReader:
         call: relax.Call,
         tensor_args: list[relax.Expr],
         var: relax.Var,
-        inplace: list[tuple[int, tuple[int, ...]]],
-        i: int,
     ) -> tuple[int, ...]:
         indices = [int(k) for k in call.attrs.inplace_indices]
         name = call.op.name
@@ -302,7 +298,6 @@ class BlockReader:
         if name == "relax.call_tir_inplace":
             self.plannable.update(range(before, len(self.size_exprs)))
         aliased = tuple(dict.fromkeys(b for w in written for b in w))
-        inplace.append((i, aliased))
         if isinstance(var.ty, relax.TupleType):
             fresh_fields = list(self.field_refs.get(var, [()] * len(indices)))
             self.field_refs[var] = [
@@ -311,12 +306,13 @@ class BlockReader:
             ]
         return tuple(dict.fromkeys(aliased + allocated))
 
-    def _param_write_edges(
+    def _write_edges(
         self, bindings: list[relax.Binding], uses: list[list[relax.Var]], preds: list[set[int]]
     ) -> None:
-        """Keep a write into memory the block does not allocate (a parameter updated by
-        ``call_tir_inplace``, which owns no buffer here) in place relative to every binding
-        that reads that memory, through any alias or view."""
+        """Keep a binding that writes into existing memory (``call_tir_inplace``,
+        ``call_inplace_packed``) in place relative to every binding that reads that memory,
+        through any alias, view or tuple: a value of the block or a parameter (which owns no
+        buffer here)."""
         writes = in_place_writes(bindings, self.mod)
         if not writes.writes:
             return
@@ -341,7 +337,6 @@ class BlockReader:
         uses: list[list[relax.Var]] = []
         creates: list[tuple[int, ...]] = []
         touch: list[list[int]] = []
-        inplace: list[tuple[int, tuple[int, ...]]] = []
         preds: list[set[int]] = [set() for _ in range(n)]
         match_defs: list[tuple[int, set[str]]] = []
         external_set: set[int] = set()
@@ -360,7 +355,7 @@ class BlockReader:
             if isinstance(binding, relax.MatchCast):
                 if not isinstance(value, (relax.Var, relax.Tuple, *_LEAVES)):
                     raise UnsupportedBlock(f"match_cast of a {type(value).__name__} in {var.name}")
-                refs = self._value_refs(var, value, inplace, i)
+                refs = self._value_refs(var, value)
                 defined = (
                     tir_var_names([relax.analysis.definable_tir_vars_in_type(binding.ty)])
                     - self.tir_defined_before
@@ -368,7 +363,7 @@ class BlockReader:
                 if defined:
                     match_defs.append((i, defined))
             else:
-                refs = self._value_refs(var, value, inplace, i)
+                refs = self._value_refs(var, value)
             is_call.append(
                 isinstance(value, relax.Call)
                 and not self.is_view
@@ -401,14 +396,7 @@ class BlockReader:
         for i, t in enumerate(touch):
             for b in t:
                 consumers[b].append(i)
-        for i, written in inplace:
-            for b in written:
-                for j in consumers[b]:
-                    if j < i:
-                        preds[i].add(j)
-                    elif j > i:
-                        preds[j].add(i)
-        self._param_write_edges(bindings, uses, preds)
+        self._write_edges(bindings, uses, preds)
         escaping = np.zeros(num_buffers, dtype=bool)
         for var, refs in self.refs.items():
             if var in self.used_after:

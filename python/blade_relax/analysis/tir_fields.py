@@ -1,0 +1,35 @@
+"""Reading TIR nodes generically: their type key and their fields.
+
+TVM 0.27 has no TIR visitor in Python; the walks over PrimFunc bodies (which parameters a
+kernel stores to, how a kernel reads its buffers) step through each node's reflected fields.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["field_names", "type_key"]
+
+_FIELD_CACHE: dict[type, tuple[str, ...]] = {}
+
+
+def type_key(node: Any) -> str:
+    """The FFI type key of ``node`` (``"tirx.BufferStore"``), ``""`` for non-objects."""
+    info = getattr(type(node), "__tvm_ffi_type_info__", None)
+    return info.type_key if info is not None else ""
+
+
+def field_names(node: Any) -> tuple[str, ...]:
+    """The reflected fields of ``node``'s class, base classes first (cached per class)."""
+    cls = type(node)
+    cached = _FIELD_CACHE.get(cls)
+    if cached is not None:
+        return cached
+    names: list[str] = []
+    info = getattr(cls, "__tvm_ffi_type_info__", None)
+    while info is not None:
+        names = [f.name for f in info.fields] + names
+        info = info.parent_type_info
+    result = tuple(names)
+    _FIELD_CACHE[cls] = result
+    return result
