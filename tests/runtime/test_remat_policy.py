@@ -200,6 +200,21 @@ def test_unevictable_bytes_of_a_small_timeline():
     assert ConcreteTimeline(base=np.array([], dtype=np.int64), slots=()).unevictable() == (0, 0)
 
 
+def test_unevictable_bytes_count_what_a_regeneration_brings_back():
+    # The 50-B tensor could go on points 1..2, but recomputing it at its site (point 2) takes
+    # 100 B on top of the 10 B left there: evicting it peaks at 110, keeping it at 60.
+    tl = ConcreteTimeline(base=np.array([20, 60, 60]), slots=(slot(0, 50, 1, 2, regen_peak=100),))
+    assert tl.unevictable() == (60, 1)
+    assert minimum_peak(tl).peak == 60
+    # A recomputation that reads another slot needs it at the site: it is not removable there.
+    tl = ConcreteTimeline(
+        base=np.array([10, 80, 80, 80, 40]),
+        slots=(slot(0, 30, 1, 4), slot(1, 40, 1, 3, deps=(0,))),
+    )
+    floor, _ = tl.unevictable()
+    assert floor == 50 and minimum_peak(tl).peak >= floor
+
+
 @settings(max_examples=60, deadline=None)
 @given(timelines(), st.floats(0.2, 1.1))
 def test_no_decision_goes_below_the_unevictable_bytes(tl, fraction):

@@ -20,7 +20,7 @@ __all__ = ["WORKLOAD_NAMES", "build_parser", "main"]
 DEFAULT_CONFIGS = "tvm-dynamic,tvm-bounded,tvm-static,torch-eager"
 DEFAULT_PROG = "python -m blade_relax.bench"
 #: The names of :data:`blade_relax.bench.workloads.WORKLOADS`, known without importing TVM.
-WORKLOAD_NAMES = ("gpt2-infer", "gpt2-train", "llama-train", "mlp-train")
+WORKLOAD_NAMES = ("gpt2-infer", "gpt2-train", "llama-train", "mlp-train", "tanh-mlp-train")
 
 
 def _progress(message: str) -> None:

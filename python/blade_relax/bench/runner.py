@@ -24,9 +24,10 @@ What is measured, per configuration and sequence length:
     length: parameters and inputs plus the largest single-operator working set. No schedule
     or rematerialization goes below it.
 ``unevictable_bytes`` (TVM under a budget)
-    The most bytes that no eviction set removes at one point of the step, parameters and
-    inputs included (``unevictable_peak`` of ``blade_relax.runtime.last_remat_decision()``):
-    a floor under every peak the runtime can reach for this function at this length.
+    What no eviction set removes at one point of the step, counting what regenerations bring
+    back, parameters and inputs included (``unevictable_peak`` of
+    ``blade_relax.runtime.last_remat_decision()``): a floor under every peak the runtime can
+    reach for this function at this length.
 ``step_time_s``
     Median wall time of ``repeat`` steps after a warm-up step (not counted).
 ``compile_time_s`` / ``compilations``

@@ -9,6 +9,12 @@
 ``mlp-train``
     A Relax-native MLP classifier over ``s`` tokens, differentiated by
     ``relax.transform.Gradient``; the same model in torch is its reference.
+``tanh-mlp-train``
+    The textbook case of checkpointing: a Relax-native regression MLP (4 hidden ``tanh``
+    layers of width 384, squared error on 10 outputs, a batch of ``s`` rows) written as a new
+    user would, differentiated by ``relax.transform.Gradient`` (which also copies the forward
+    pass into the adjoint). Its widths are fixed (:data:`TANH_MLP_WIDTHS`); of the sizes only
+    the range of ``s`` applies.
 
 Models are built from a config with seeded random weights (nothing is downloaded). Sizes come
 from :class:`ModelSizes`: ``SMALL`` finishes on a 2-core CPU in minutes, ``REAL`` is the
@@ -315,11 +321,91 @@ def _mlp_train(sizes: ModelSizes, seed: int) -> ImportedGraph:
     return dataclasses.replace(graph, torch_module=module, torch_params=list(module.weights))
 
 
+# The tanh MLP's widths: input, the hidden layers, output.
+TANH_MLP_WIDTHS = (384, 384, 384, 384, 384, 10)
+
+
+def tanh_mlp_forward_module(widths: Sequence[int] = TANH_MLP_WIDTHS) -> tvm.IRModule:
+    """``main(x, y, w0, b0, ..., w_out, b_out) -> sum((mlp(x) - y) ** 2)``, ``x: (s, widths[0])``.
+
+    Every layer but the last is ``Linear -> tanh``.
+    """
+    s = tvm.tirx.Var("s", "int64")
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((s, widths[0]), "float32"))
+    y = relax.Var("y", relax.TensorType((s, widths[-1]), "float32"))
+    weights: list[relax.Var] = []
+    for i, (fan_in, fan_out) in enumerate(zip(widths[:-1], widths[1:])):
+        weights.append(relax.Var(f"w{i}", relax.TensorType((fan_in, fan_out), "float32")))
+        weights.append(relax.Var(f"b{i}", relax.TensorType((fan_out,), "float32")))
+    op = relax.op
+    with bb.function("main", [x, y, *weights]):
+        with bb.dataflow():
+            h = x
+            for i in range(len(widths) - 1):
+                h = bb.emit(op.add(op.matmul(h, weights[2 * i]), weights[2 * i + 1]))
+                if i < len(widths) - 2:
+                    h = bb.emit(op.tanh(h))
+            diff = bb.emit(op.subtract(h, y))
+            loss = bb.emit_output(op.sum(op.multiply(diff, diff)))
+        bb.emit_func_output(loss)
+    return bb.get()
+
+
+def _tanh_mlp_train(sizes: ModelSizes, seed: int) -> ImportedGraph:
+    forward = tanh_mlp_forward_module()
+    rng = np.random.default_rng(seed)
+    params = []
+    for param in forward["main"].params[2:]:
+        shape = [int(v) for v in param.ty.shape.values]
+        scale = 1.0 / np.sqrt(shape[0]) if len(shape) == 2 else 0.1
+        params.append((rng.standard_normal(shape) * scale).astype("float32"))
+    names = [p.name for p in forward["main"].params[2:]]
+    dims = {"s": (sizes.min_seq_len, sizes.max_seq_len)}
+    try:
+        import torch
+    except ImportError:  # the Relax graph needs no torch: only its reference does
+        return relax_training_step(
+            forward, params=params, num_input=2, dims=dims, param_names=names
+        )
+
+    class TanhMlpStep(torch.nn.Module):
+        """The torch twin of :func:`tanh_mlp_forward_module`: ``(x, y) -> (loss,)``."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.weights = torch.nn.ParameterList(
+                [torch.nn.Parameter(torch.from_numpy(np.array(p))) for p in params]
+            )
+
+        def forward(self, x, y):
+            h = x
+            count = len(self.weights) // 2
+            for i in range(count):
+                h = h @ self.weights[2 * i] + self.weights[2 * i + 1]
+                if i < count - 1:
+                    h = torch.tanh(h)
+            return (((h - y) * (h - y)).sum(),)
+
+    module = TanhMlpStep()
+
+    def reference(inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+        (loss,) = module(*(torch.from_numpy(np.asarray(a)) for a in inputs))
+        grads = torch.autograd.grad(loss, list(module.weights))
+        return [loss.detach().numpy().copy(), *(g.numpy().copy() for g in grads)]
+
+    graph = relax_training_step(
+        forward, params=params, num_input=2, dims=dims, param_names=names, reference=reference
+    )
+    return dataclasses.replace(graph, torch_module=module, torch_params=list(module.weights))
+
+
 WORKLOADS: dict[str, Callable[[ModelSizes, int], ImportedGraph]] = {
     "llama-train": _llama_train,
     "gpt2-train": _gpt2_train,
     "gpt2-infer": _gpt2_infer,
     "mlp-train": _mlp_train,
+    "tanh-mlp-train": _tanh_mlp_train,
 }
 
 

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -172,27 +172,91 @@ class ConcreteTimeline:
         return int(self.base.max()) if len(self.base) else 0
 
     def unevictable(self) -> tuple[int, int]:
-        """The most bytes no eviction set removes at one point, and that point.
+        """A floor under every peak an eviction set reaches, and the point that sets it.
 
-        At every point, what stays live when every slot whose window covers it is evicted:
-        ``base[i]`` minus their bytes. No decision peaks below the largest of these values
-        (a regeneration only adds bytes), so it bounds :func:`minimum_peak` from below and
-        says what holds the minimum up: tensors that are not evictable there (a kernel's
-        inputs and outputs, a function's results, tensors with no recipe).
+        Two facts bound every decision from below, whatever it evicts:
+
+        * At a point ``i``, at most the slots whose window covers ``i`` are missing, and a
+          slot's bytes are back at its own ``regenerate`` call (kept, or recomputed into a
+          tensor at least as large): what stays is ``base[i]`` minus the bytes of the slots
+          with ``start <= i < site``.
+        * Evicting slot ``k`` materializes it at its own site or at the site of a slot whose
+          plan names it, and that regeneration peaks at no less than ``rise[k]``: the fewest
+          bytes live there (``base`` minus every window covering the point, except those of
+          the slots its recomputation reads, which are live or materialized before it) plus
+          ``regen_peak[k]``, at the better of those sites. A decision that peaks at ``P``
+          therefore evicts no slot with ``rise[k] > P``.
+
+        The floor is the least ``P`` consistent with both: with the slots sorted by ``rise``,
+        ``min over j of max(rise of the j-th, most bytes left at one point when only the
+        first j may go)``. Chained regenerations (more bytes at a site) are left out, so it
+        stays a bound; no decision peaks below it, and it says what holds the minimum up:
+        tensors that are not evictable there (a kernel's inputs and outputs, a function's
+        results, tensors with no recipe), or evictable ones whose regeneration would peak
+        higher than keeping them.
+
+        Returns
+        -------
+        tuple[int, int]
+            The floor in bytes, and the point where it is reached (the site of the slot whose
+            regeneration sets it, when that is what does).
         """
         found = self._unevictable
         if found is None:
-            if not len(self.base):
-                found = (0, 0)
-            else:
-                freed = (
-                    self.window_mask() * np.where(self._effective_mask, self._nbytes, 0)[:, None]
-                ).sum(axis=0)
-                rest = self.base - freed
-                point = int(np.argmax(rest))
-                found = (int(rest[point]), point)
+            found = self._floor()
             object.__setattr__(self, "_unevictable", found)
         return found
+
+    def _floor(self) -> tuple[int, int]:
+        npoints = len(self.base)
+        if not npoints:
+            return (0, 0)
+        effective = [int(k) for k in np.flatnonzero(self._effective_mask)]
+        points = np.arange(npoints)
+        window = (points[None, :] >= self._start[effective, None]) & (
+            points[None, :] <= self._site[effective, None]
+        )
+        covering = window * self._nbytes[effective, None]
+        fewest = self.base - covering.sum(axis=0)
+        position = {k: i for i, k in enumerate(effective)}
+        unique = np.bincount(self._site, minlength=npoints)
+
+        def lowest_event(k: int, site: int) -> int:
+            # Every window covering the site is missing, except those of the slots the
+            # recomputation reads (live, or materialized before it).
+            reads = [position[r] for r in self._refs[k][k] if r in position]
+            return int(fewest[site] + covering[reads, site].sum() + self._regen[k])
+
+        # Options (rise, slot, end): evicting the slot and materializing it at a site ``end``
+        # (its own, or that of a slot whose plan names it) removes its bytes on
+        # ``[start, end)`` and peaks at no less than ``rise`` there.
+        options = []
+        for k in effective:
+            options.append((lowest_event(k, int(self._site[k])), k, int(self._site[k])))
+            for x in self._plan_slots[k]:
+                if x != k and x in position and self._site[k] < self._site[x]:
+                    options.append((lowest_event(x, int(self._site[k])), x, int(self._site[k])))
+        options.sort()
+        left = self.base.copy()
+        reach = {k: int(self._start[k]) for k in effective}
+        best = (int(left.max()), int(np.argmax(left)))
+        for n, (rise, k, end) in enumerate(options):
+            if end > reach[k]:
+                left[reach[k] : end] -= self._nbytes[k]
+                reach[k] = end
+            if end == self._site[k] and unique[end] == 1:
+                # At its own site only a regeneration smaller than the tensor saves bytes.
+                left[end] -= max(0, int(self._nbytes[k]) - int(self._regen[k]))
+            elif end == self._site[k]:
+                # Sharing a site, the model counts one regeneration there: none is credited.
+                left[end] -= self._nbytes[k]
+            if n + 1 < len(options) and options[n + 1][0] == rise:
+                continue  # options of equal rise are allowed together
+            most = int(left.max())
+            bound = max(most, rise)
+            if bound < best[0]:
+                best = (bound, int(np.argmax(left)) if most >= rise else end)
+        return best
 
 
 @dataclass(frozen=True)
@@ -603,31 +667,8 @@ def _refine(
     return evicted, keep
 
 
-def minimum_peak(tl: ConcreteTimeline, budget: int | None = None) -> Decision:
-    """The smallest predicted peak the evictions can reach (a local search), at least cost.
-
-    Local searches, the best result wins. (1) In each regime, starting from no eviction,
-    repeatedly take the best of: evicting one of the slots whose window covers the current
-    peak (the most promising few, tried exactly), or, when a regeneration makes the peak,
-    keeping one of the slots it recomputes; stop when none lowers the peak. (2) In the cache
-    regime, starting from every eviction, keep one slot at a time (checkpoints) while the peak
-    does not rise. (2b) In each regime, the greedy of budget decisions aimed at 0.9 .. 0.5 of
-    the unevicted peak, so that the minimum is never above a peak a budget decision reaches.
-    (3) From the results of (1), (2) and the best two of (2b), a mixed regime: per chained
-    input, kept or a temporary (:func:`_refine`). Then put back every slot that the reached peak (or
-    ``budget``, if larger) does not need.
-
-    Parameters
-    ----------
-    tl
-        The concrete timeline.
-    budget
-        Recorded in the decision (its ``reachable`` compares against it).
-
-    Returns
-    -------
-    Decision
-    """
+def _minimum_once(tl: ConcreteTimeline, budget: int | None = None) -> Decision:
+    """One round of :func:`minimum_peak` (see there)."""
     results = []
     searches = [(_minimum, True), (_minimum, False), (_minimum_from_all, True)]
     assert len(searches) == _LOCAL_SEARCHES
@@ -663,6 +704,67 @@ def minimum_peak(tl: ConcreteTimeline, budget: int | None = None) -> Decision:
             keep = keep & frozenset(_chain_inputs(tl, evicted))
             return _decision(tl, evicted, keep, budget)
     return _decision(tl, chosen, cache, budget)
+
+
+# Rounds of the minimum search that keep the tensor whose regeneration made the last peak.
+_KEEP_ROUNDS = 2
+
+
+def _kept(tl: ConcreteTimeline, keep: frozenset[int]) -> ConcreteTimeline:
+    """``tl`` with the slots in ``keep`` never evicted (their eviction frees nothing)."""
+    slots = tuple(
+        replace(slot, start=slot.site + 1) if k in keep else slot for k, slot in enumerate(tl.slots)
+    )
+    return ConcreteTimeline(base=tl.base, slots=slots)
+
+
+def minimum_peak(tl: ConcreteTimeline, budget: int | None = None) -> Decision:
+    """The smallest predicted peak the evictions can reach (local searches), at least cost.
+
+    The searches of one round are described below. When the best result peaks at a
+    regeneration, the local searches all went through evicting that tensor, which may be a
+    trap: its regeneration (often several times its size, e.g. attention scores and
+    probabilities) costs more than what keeping it costs, but every step away from it raises
+    the peak first. Up to ``_KEEP_ROUNDS`` more rounds run with that tensor kept (and the ones
+    kept before), and the best result of all rounds wins.
+
+    One round: local searches, the best result wins. (1) In each regime, starting from no
+    eviction, repeatedly take the best of: evicting one of the slots whose window covers the
+    current peak (the most promising few, tried exactly), or, when a regeneration makes the
+    peak, keeping one of the slots it recomputes; stop when none lowers the peak. (2) In the
+    cache regime, starting from every eviction, keep one slot at a time (checkpoints) while
+    the peak does not rise. (2b) In each regime, the greedy of budget decisions aimed at 0.9 ..
+    0.5 of the unevicted peak, so that the minimum is never above a peak a budget decision
+    reaches. (3) From the results of (1), (2) and the best two of (2b), a mixed regime: per
+    chained input, kept or a temporary (:func:`_refine`). Then put back every slot that the
+    reached peak (or ``budget``, if larger) does not need.
+
+    Parameters
+    ----------
+    tl
+        The concrete timeline.
+    budget
+        Recorded in the decision (its ``reachable`` compares against it).
+
+    Returns
+    -------
+    Decision
+    """
+    best = _minimum_once(tl, budget)
+    keep: frozenset[int] = frozenset()
+    current = best
+    for _ in range(_KEEP_ROUNDS):
+        if budget is not None and best.peak <= budget:
+            break
+        _, making = _peak_event(_evaluate(tl, current.evicted, current.cache))
+        if making is None or making in keep:
+            break
+        keep = keep | {making}
+        found = _minimum_once(_kept(tl, keep), budget)
+        current = _decision(tl, found.evicted, found.cache, budget)
+        if (current.peak, current.cost) < (best.peak, best.cost):
+            best = current
+    return best
 
 
 def decide(tl: ConcreteTimeline, budget: int | None, *, exact_limit: int = EXACT_LIMIT) -> Decision:

@@ -421,9 +421,9 @@ def _remat_begin(ctx: Any, key: Any, metadata: Any, dims: Any, release: Any, *fn
                 f"blade_relax remat: `{program.function}` at {program.dims_of(values)} cannot "
                 f"stay within the memory budget of {int(budget)} bytes ({live} bytes were "
                 f"already live at the call): the smallest reachable peak is "
-                f"{decision.peak + live} bytes (at one point of the call, tensors that no "
-                f"eviction removes hold {program.timeline(values).unevictable()[0] + live} "
-                "bytes); running with that peak"
+                f"{decision.peak + live} bytes (no eviction set goes below "
+                f"{program.timeline(values).unevictable()[0] + live} bytes: what evictions "
+                "cannot remove, or regenerations bring back); running with that peak"
             ),
             stacklevel=2,
         )
@@ -519,8 +519,9 @@ def last_remat_decision() -> dict[str, Any] | None:
         ``no_remat_peak`` (bytes, the bytes live at entry included), ``reachable``,
         ``reason`` (why not reachable: ``"budget"``, below the smallest reachable peak, or
         ``"inexact"``, the timeline misses allocations; ``None`` when reachable),
-        ``unevictable_peak`` (bytes, the bytes live at entry included: the most bytes that no
-        eviction set removes at one point of the call, a floor under every reachable peak),
+        ``unevictable_peak`` (bytes, the bytes live at entry included: a floor under every
+        reachable peak, what no eviction set removes at one point of the call, counting what
+        regenerations bring back; see ``ConcreteTimeline.unevictable``),
         ``exact``
         (whether the function's timeline is exact), ``evicted`` (names), ``evictable`` (how
         many slots the function has), ``cache`` (the regime of chained inputs: ``True`` kept,

@@ -182,9 +182,7 @@ def test_evict_and_regenerate_inserted():
                 R.shape([n, 4]), R.dtype("float32"), R.prim_value(0), R.str("global")
             )
             cls.add_one(b, c)
-            d = R.builtin.alloc_tensor(
-                R.shape([n, 4]), R.dtype("float32"), R.prim_value(0), R.str("global")
-            )
+            # Regenerated before the reader's output is allocated: not on top of it.
             a_inputs = (x,)
             a_remat = R.call_packed(
                 "blade_relax.regenerate",
@@ -192,6 +190,9 @@ def test_evict_and_regenerate_inserted():
                 R.prim_value(0),
                 a_inputs,
                 ty_args=R.Tensor((n, 4), "float32"),
+            )
+            d = R.builtin.alloc_tensor(
+                R.shape([n, 4]), R.dtype("float32"), R.prim_value(0), R.str("global")
             )
             cls.add(c, a_remat, d)
             return d

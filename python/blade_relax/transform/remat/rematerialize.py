@@ -672,6 +672,27 @@ def _drop_unread_views(
         bindings = kept
 
 
+def _regen_position(model: FunctionModel, cand: Candidate) -> int:
+    """Where the ``regenerate`` call of ``cand`` goes: before its site's reader, and before the
+    allocations of that reader's outputs right in front of it.
+
+    The outputs are written only by the reader, so the recomputation may run first: its
+    temporaries are then gone before the outputs take memory, instead of on top of them.
+    """
+    site = cand.regen_before
+    reader = model.ops[site]
+    outputs = set(reader.outputs) if reader.kind == "kernel" else set()
+    position = site
+    while (
+        position - 1 > cand.evict_after
+        and model.ops[position - 1].kind == "alloc"
+        and model.ops[position - 1].var in outputs
+    ):
+        position -= 1
+    return position
+
+
+
 def _rewrite(
     func: relax.Function,
     model: FunctionModel,
@@ -696,7 +717,7 @@ def _rewrite(
     regen_before: dict[int, list[Candidate]] = {}
     for cand in ordered:
         evict_after.setdefault(cand.evict_after, []).append(cand)
-        regen_before.setdefault(cand.regen_before, []).append(cand)
+        regen_before.setdefault(_regen_position(model, cand), []).append(cand)
     regenerated: dict[int, relax.Var] = {}
     subst: dict[relax.Var, relax.Var] = {}
 
@@ -766,7 +787,8 @@ def _rewrite(
     ]
     bindings = [b for block in func.body.blocks for b in block.bindings]
     for op, binding in zip(model.ops, bindings):
-        for cand in sorted(regen_before.get(op.index, []), key=lambda c: model.writer[c.root]):
+        here = regen_before.get(op.index, [])
+        for cand in sorted(here, key=lambda c: (c.regen_before, model.writer[c.root])):
             nodes, args = plan_for(cand)
             plans[cand.slot] = nodes
             new = relax.Var(f"{cand.root.name}_remat", cand.root.ty)
