@@ -692,7 +692,6 @@ def _regen_position(model: FunctionModel, cand: Candidate) -> int:
     return position
 
 
-
 def _rewrite(
     func: relax.Function,
     model: FunctionModel,
