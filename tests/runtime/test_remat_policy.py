@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import pickle
 import warnings
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -23,9 +25,13 @@ from blade_relax.runtime import (
     reset_memory_stats,
     set_memory_budget,
 )
+from blade_relax.runtime import _remat_policy as policy
 from blade_relax.runtime._remat_policy import (
     ConcreteTimeline,
     SlotTimeline,
+    _evaluate,
+    _gains,
+    _peak_is_fixed,
     decide,
     minimum_peak,
     predict_peak,
@@ -480,3 +486,169 @@ def test_minimum_is_never_above_a_greedy_budget_decision(seed):
     for fraction in (0.9, 0.8, 0.7, 0.6, 0.5):
         decision = decide(tl, int(fraction * tl.base_peak), exact_limit=0)
         assert lowest.peak <= decision.peak, fraction
+
+
+# --------------------------------------------------------------------------- fast paths
+def _plain_evaluate(tl: ConcreteTimeline, evicted, cache=True):
+    """The model of the module docstring, written out plainly: (peak, cost, live, events)."""
+    slots = tl.slots
+    chosen = frozenset(evicted)
+    kept = (lambda _x: cache) if isinstance(cache, bool) else cache.__contains__
+    live = [int(b) for b in tl.base]
+    if not chosen:
+        return max(live, default=0), 0.0, live, []
+    materialized: dict[int, int] = {}
+    runs = []
+    cost = 0.0
+    for k in sorted(chosen, key=lambda s: (slots[s].site, s)):
+        if k in materialized:
+            continue
+        pending = frozenset(x for x, _ in slots[k].plan) & chosen
+        pending = pending.difference(materialized)
+        needed = {k}
+        for x, refs in reversed(slots[k].plan):
+            if x in needed:
+                needed.update(t for t in refs if t in pending)
+        sequence = tuple(x for x, _ in slots[k].plan if x in needed)
+        for x in sequence:
+            if x == k or kept(x):
+                materialized[x] = slots[k].site
+        cost += sum(slots[x].cost for x in sequence)
+        runs.append((slots[k].site, sequence))
+    for x, end in materialized.items():
+        # Gone on [start, end]; both copies live on [end + 1, start) when start > end + 1.
+        for i in range(len(live)):
+            if slots[x].start <= i <= end:
+                live[i] -= slots[x].nbytes
+            elif end < i < slots[x].start:
+                live[i] += slots[x].nbytes
+    peak = max(live, default=0)
+    events = []
+    for site, sequence in runs:
+        held = live[site]
+        refs = dict(slots[sequence[-1]].plan)
+        last_reader = {}
+        for i, x in enumerate(sequence):
+            for t in refs[x]:
+                if t in sequence[:-1] and not kept(t):
+                    last_reader[t] = i
+        for i, x in enumerate(sequence):
+            events.append((site, held + slots[x].regen_peak, x))
+            peak = max(peak, held + slots[x].regen_peak)
+            held += slots[x].nbytes
+            held -= sum(slots[t].nbytes for t, reader in last_reader.items() if reader == i)
+    return peak, cost, live, events
+
+
+def _plain_gains(tl: ConcreteTimeline, ev, budget: int) -> list[int]:
+    """Per slot: the bytes above ``budget`` that removing its bytes on its window would remove,
+    at every point and every regeneration, less what its own regeneration adds above it."""
+    gains = []
+    for s in tl.slots:
+        gain = 0
+        for i, value in enumerate(ev.live.tolist()):
+            if s.start <= i <= s.site:
+                gain += max(value - budget, 0) - max(value - s.nbytes - budget, 0)
+        for site, value, _ in ev.events:
+            if value > budget and s.start <= site <= s.site:
+                gain += min(value - budget, s.nbytes)
+        own = int(ev.live[s.site]) - s.nbytes + s.regen_peak
+        gains.append(gain - max(own - budget, 0))
+    return gains
+
+
+@st.composite
+def chained_timelines(draw):
+    """Plans whose entries read earlier entries (chains of chains), regenerations of any size,
+    and sometimes a last point that holds the peak outside every window."""
+    npoints = draw(st.integers(3, 14))
+    count = draw(st.integers(1, 7))
+    slots: list[SlotTimeline] = []
+    for k in range(count):
+        start = draw(st.integers(0, npoints))  # past the site: held past its copy
+        site = draw(st.integers(0, npoints - 1))
+        deps = [d for d in range(k) if slots[d].site > site and draw(st.booleans())]
+        plan = []
+        for j, d in enumerate(deps):
+            plan.append((d, tuple(e for e in deps[:j] if draw(st.booleans()))))
+        plan.append((k, tuple(d for d in deps if draw(st.booleans()))))
+        slots.append(
+            SlotTimeline(
+                name=f"t{k}",
+                nbytes=draw(st.integers(0, 30)),
+                cost=float(draw(st.integers(0, 9))),
+                start=start,
+                site=site,
+                regen_peak=draw(st.integers(0, 60)),
+                plan=tuple(plan),
+            )
+        )
+    base = np.array(draw(st.lists(st.integers(0, 100), min_size=npoints, max_size=npoints)))
+    for s in slots:
+        base[s.start : s.site + 1] += s.nbytes
+    if draw(st.booleans()):
+        # The results of a training step: the peak, at the end, outside every window.
+        base = np.append(base, base.max() + draw(st.integers(0, 20)))
+    return ConcreteTimeline(base=base, slots=tuple(slots))
+
+
+@settings(max_examples=80, deadline=None)
+@given(chained_timelines(), st.data())
+def test_evaluation_agrees_with_the_plain_model(tl, data):
+    """The evaluation reuses each regenerate call's materializations and peaks across sets and
+    builds events on demand; the numbers are the plain model's, in every regime."""
+    indices = st.sampled_from(range(len(tl.slots)))
+    for _ in range(6):
+        evicted = data.draw(st.frozensets(indices))
+        cache = data.draw(st.one_of(st.booleans(), st.frozensets(indices)))
+        ev = _evaluate(tl, evicted, cache)
+        peak, cost, live, events = _plain_evaluate(tl, evicted, cache)
+        assert (ev.peak, ev.cost, ev.live.tolist(), ev.events) == (peak, cost, live, events)
+        assert predict_peak(tl, evicted, cache) == peak
+        budget = data.draw(st.integers(0, max(peak, 1)))
+        assert _gains(tl, ev, budget).tolist() == _plain_gains(tl, ev, budget)
+
+
+@settings(max_examples=150, deadline=None)
+@given(chained_timelines(), st.floats(0.2, 1.1))
+def test_a_peak_no_eviction_lowers_ends_the_search_as_the_searches_would(tl, fraction):
+    """Where a point holding the unevicted peak lies in no window, the decisions evict nothing
+    at once: the same decisions as the searches' (run here with the check switched off)."""
+    budget = int(fraction * tl.base_peak)
+    fast = (decide(tl, budget), decide(tl, budget, exact_limit=0), minimum_peak(tl))
+    fresh = ConcreteTimeline(base=tl.base, slots=tl.slots)
+    with mock.patch.object(policy, "_peak_is_fixed", lambda _tl: False):
+        plain = (decide(fresh, budget), decide(fresh, budget, exact_limit=0), minimum_peak(fresh))
+    assert fast == plain
+    if _peak_is_fixed(tl):
+        assert plain[2].peak == tl.base_peak and plain[2].evicted == frozenset()
+
+
+def test_a_fixed_peak_needs_sizes_and_costs_that_are_not_negative():
+    base = np.array([10, 20, 10, 30])  # the peak, at point 3, lies in no window
+    tl = ConcreteTimeline(base=base, slots=(slot(0, 10, 1, 2),))
+    assert _peak_is_fixed(tl)
+    assert minimum_peak(tl).evicted == frozenset() and not decide(tl, 25).reachable
+    assert not _peak_is_fixed(ConcreteTimeline(base=base, slots=(slot(0, 10, 1, 2, cost=-1.0),)))
+    assert not _peak_is_fixed(ConcreteTimeline(base=base, slots=(slot(0, 10, 1, 3),)))
+
+
+def test_a_pickled_timeline_carries_its_value_only():
+    tl = _random_timeline(3)
+    decision = decide(tl, int(0.6 * tl.base_peak))
+    back = pickle.loads(pickle.dumps(tl))
+    assert back._sequences == {} and back._unevictable is None
+    assert back.base.tolist() == tl.base.tolist() and back.slots == tl.slots
+    assert decide(back, int(0.6 * tl.base_peak)) == decision
+
+
+def test_gains_of_a_negative_size_follow_the_plain_formula():
+    # Sizes are never negative in compiled timelines; the estimate still keeps its formula.
+    tl = ConcreteTimeline(
+        base=np.array([10, 40, 30, 50, 20]),
+        slots=(slot(0, -5, 1, 3), slot(1, 10, 0, 4, deps=(0,)), slot(2, 20, 2, 3, cost=2.0)),
+    )
+    for evicted in ([], [0], [1, 2], [0, 1, 2]):
+        ev = _evaluate(tl, evicted, False)
+        for budget in (0, 25, 45):
+            assert _gains(tl, ev, budget).tolist() == _plain_gains(tl, ev, budget)

@@ -52,9 +52,11 @@ decision says whether that reaches the budget.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -149,11 +151,30 @@ class ConcreteTimeline:
         object.__setattr__(self, "_plan_slots", [frozenset(x for x, _ in s.plan) for s in slots])
         object.__setattr__(self, "_refs", [dict(s.plan) for s in slots])
         object.__setattr__(self, "_sequences", {})
+        object.__setattr__(self, "_runs", {})
+        # Each slot's place in the order its regenerate call runs (site, then index).
+        order = sorted(range(len(slots)), key=lambda k: (slots[k].site, k))
+        rank = [0] * len(slots)
+        for place, k in enumerate(order):
+            rank[k] = place
+        object.__setattr__(self, "_rank", rank)
+        object.__setattr__(self, "_site_list", [x.site for x in slots])
+        object.__setattr__(self, "_sizes_nonnegative", bool((self._nbytes >= 0).all()))
+        object.__setattr__(self, "_peak_fixed", None)
         object.__setattr__(self, "_window_mask", None)
         object.__setattr__(self, "_unevictable", None)
         object.__setattr__(
             self, "_effective_mask", np.array([x.effective for x in slots], dtype=bool)
         )
+
+    def __getstate__(self) -> dict:
+        # The value only: the searches' arrays and caches are rebuilt on loading.
+        return {"base": self.base, "slots": self.slots}
+
+    def __setstate__(self, state: dict) -> None:
+        object.__setattr__(self, "base", state["base"])
+        object.__setattr__(self, "slots", state["slots"])
+        self.__post_init__()
 
     def window_mask(self) -> np.ndarray:
         """``mask[k, i]``: point ``i`` lies in slot ``k``'s window ``[start, site]``."""
@@ -212,11 +233,7 @@ class ConcreteTimeline:
         if not npoints:
             return (0, 0)
         effective = [int(k) for k in np.flatnonzero(self._effective_mask)]
-        points = np.arange(npoints)
-        window = (points[None, :] >= self._start[effective, None]) & (
-            points[None, :] <= self._site[effective, None]
-        )
-        covering = window * self._nbytes[effective, None]
+        covering = self.window_mask()[effective] * self._nbytes[effective, None]
         fewest = self.base - covering.sum(axis=0)
         position = {k: i for i, k in enumerate(effective)}
         unique = np.bincount(self._site, minlength=npoints)
@@ -301,8 +318,20 @@ class _Evaluation:
     peak: int
     cost: float
     live: np.ndarray
-    # (site, value, slot materialized) of every materialization, in program order.
-    events: list[tuple[int, int, int]] = field(default_factory=list)
+    # (site, live bytes there, run) of every regenerate call, in program order.
+    runs: list[tuple[int, int, _Run]] = field(default_factory=list)
+
+    @functools.cached_property
+    def events(self) -> list[tuple[int, int, int]]:
+        """(site, value, slot materialized) of every materialization, in program order.
+
+        Built on first use: most evaluations of a search are only compared by peak and cost.
+        """
+        return [
+            (site, held + offset, x)
+            for site, held, run in self.runs
+            for offset, x in zip(run.offsets, run.sequence)
+        ]
 
 
 def _needed(tl: ConcreteTimeline, k: int, pending: frozenset[int]) -> tuple[int, ...]:
@@ -330,34 +359,101 @@ def _keeper(cache: Regime):
     return cache.__contains__
 
 
+class _Run(NamedTuple):
+    """One ``regenerate`` call, apart from the live bytes at its site (which the other
+    evictions set): what :func:`_evaluate` needs of it, computed once per search."""
+
+    # The materializations, in order.
+    sequence: tuple[int, ...]
+    # Their recompute cost, summed in that order.
+    cost: float
+    # The slots whose windows close at the call: the slot, and its kept chained inputs.
+    closes: tuple[int, ...]
+    # Each materialization's peak above the live bytes at the site.
+    offsets: tuple[int, ...]
+    top: int
+
+
+def _run(tl: ConcreteTimeline, k: int, pending: frozenset[int], cache: Regime) -> _Run:
+    """The ``regenerate`` call of ``k`` with ``pending`` not available (see :func:`_needed`).
+
+    ``cache`` need only say which slots of ``pending`` are kept: the sequence lies in it.
+    """
+    key = (k, pending, cache)
+    found = tl._runs.get(key)
+    if found is not None:
+        return found
+    slots = tl.slots
+    kept = _keeper(cache)
+    sequence = _needed(tl, k, pending)
+    # A temporary (a chained input not kept) lives until its last reader in the run.
+    last_reader: dict[int, int] = {}
+    members = {x for x in sequence[:-1] if not kept(x)}
+    if members:
+        refs = tl._refs[sequence[-1]]
+        for i, x in enumerate(sequence):
+            for t in refs[x]:
+                if t in members:
+                    last_reader[t] = i
+    offsets = []
+    held = 0
+    for i, x in enumerate(sequence):
+        offsets.append(held + slots[x].regen_peak)
+        held += slots[x].nbytes
+        for t, reader in last_reader.items():
+            if reader == i:
+                held -= slots[t].nbytes
+    run = _Run(
+        sequence=sequence,
+        cost=sum(slots[x].cost for x in sequence),
+        closes=tuple(x for x in sequence if x == k or kept(x)),
+        offsets=tuple(offsets),
+        top=max(offsets),
+    )
+    tl._runs[key] = run
+    return run
+
+
 def _evaluate(tl: ConcreteTimeline, evicted: Iterable[int], cache: Regime = True) -> _Evaluation:
     """Predict the live bytes, the peak and the cost when ``evicted`` are evicted."""
-    slots = tl.slots
     chosen = frozenset(evicted)
+    if not chosen:
+        return _Evaluation(peak=tl.base_peak, cost=0.0, live=tl.base)
+    return _evaluate_once(tl, chosen, cache)
+
+
+def _evaluate_once(tl: ConcreteTimeline, chosen: frozenset[int], cache: Regime) -> _Evaluation:
+    """:func:`_evaluate` of a set that evicts something."""
     base = tl.base
     npoints = len(base)
-    if not chosen:
-        return _Evaluation(peak=tl.base_peak, cost=0.0, live=base)
-    kept = _keeper(cache)
+    mixed = not isinstance(cache, bool)
+    plan_slots = tl._plan_slots
+    sites = tl._site_list
+    known = tl._runs
     # The end of each evicted slot's window, and what each regenerate call runs.
     materialized: dict[int, int] = {}
-    runs: list[tuple[int, tuple[int, ...]]] = []
+    runs: list[tuple[int, _Run]] = []
     cost = 0.0
-    for k in sorted(chosen, key=lambda s: (slots[s].site, s)):
+    for k in sorted(chosen, key=tl._rank.__getitem__):
         if k in materialized:
             continue
-        site = slots[k].site
-        pending = tl._plan_slots[k] & chosen
-        if materialized:
-            # Kept materializations are in the stash; a plan never names a slot whose own
-            # regenerate call came earlier.
-            pending = pending.difference(materialized)
-        sequence = _needed(tl, k, pending)
-        for x in sequence:
-            if x == k or kept(x):
-                materialized[x] = site
-        cost += sum(slots[x].cost for x in sequence)
-        runs.append((site, sequence))
+        pending = plan_slots[k]
+        if len(pending) > 1:
+            pending = pending & chosen
+            if materialized:
+                # Kept materializations are in the stash; a plan never names a slot whose own
+                # regenerate call came earlier.
+                pending = pending.difference(materialized)
+        # (A plan of the slot alone leaves it pending: it is evicted and not materialized.)
+        regime = pending.intersection(cache) if mixed else cache
+        run = known.get((k, pending, regime))
+        if run is None:
+            run = _run(tl, k, pending, regime)
+        site = sites[k]
+        for x in run.closes:
+            materialized[x] = site
+        cost += run.cost
+        runs.append((site, run))
     index = np.fromiter(materialized, dtype=np.int64, count=len(materialized))
     ends = np.fromiter(materialized.values(), dtype=np.int64, count=len(materialized)) + 1
     starts = tl._start[index]
@@ -369,28 +465,13 @@ def _evaluate(tl: ConcreteTimeline, evicted: Iterable[int], cache: Regime = True
     np.add.at(delta, ends, nbytes)
     live = base + np.cumsum(delta[:-1])
     peak = int(live.max()) if npoints else 0
-    events: list[tuple[int, int, int]] = []
-    for site, sequence in runs:
-        held = int(live[site])
-        # A temporary (a chained input not kept) lives until its last reader in the run.
-        last_reader: dict[int, int] = {}
-        members = {x for x in sequence[:-1] if not kept(x)}
-        if members:
-            refs = tl._refs[sequence[-1]]
-            for i, x in enumerate(sequence):
-                for t in refs[x]:
-                    if t in members:
-                        last_reader[t] = i
-        for i, x in enumerate(sequence):
-            value = held + slots[x].regen_peak
-            events.append((site, value, x))
-            if value > peak:
-                peak = value
-            held += slots[x].nbytes
-            for t, reader in last_reader.items():
-                if reader == i:
-                    held -= slots[t].nbytes
-    return _Evaluation(peak=peak, cost=cost, live=live, events=events)
+    at_sites = live[[site for site, _ in runs]].tolist()
+    placed = []
+    for held, (site, run) in zip(at_sites, runs):
+        if held + run.top > peak:
+            peak = held + run.top
+        placed.append((site, held, run))
+    return _Evaluation(peak=peak, cost=cost, live=live, runs=placed)
 
 
 def predict_peak(tl: ConcreteTimeline, evicted: Iterable[int], cache: Regime = True) -> int:
@@ -414,6 +495,28 @@ def predict_peak(tl: ConcreteTimeline, evicted: Iterable[int], cache: Regime = T
 
 def _effective(tl: ConcreteTimeline) -> list[int]:
     return [k for k, slot in enumerate(tl.slots) if slot.effective]
+
+
+def _peak_is_fixed(tl: ConcreteTimeline) -> bool:
+    """Whether no eviction set lowers the peak, so that evicting nothing is every search's
+    answer (at short lengths, a training step peaks at its end: gradients and results, which
+    no window covers).
+
+    With no negative size, an eviction removes a slot's bytes from points of its window
+    ``[start, site]`` only; everything else it brings (regenerations, a storage held past its
+    copy) adds bytes. A point that holds the unevicted peak and lies in no window keeps it
+    whatever is evicted. With no negative cost either, evicting nothing (cache regime) is
+    then the first set every search tries and one none improves on by (peak, cost).
+    """
+    fixed = tl._peak_fixed
+    if fixed is None:
+        fixed = False
+        costs = [slot.cost for slot in tl.slots]
+        if len(tl.base) and tl._sizes_nonnegative and all(c >= 0 for c in costs):
+            covered = tl.window_mask()[tl._effective_mask].any(axis=0)
+            fixed = bool(((tl.base == tl.base_peak) & ~covered).any())
+        object.__setattr__(tl, "_peak_fixed", fixed)
+    return fixed
 
 
 def _decision(
@@ -458,13 +561,23 @@ def _exact(tl: ConcreteTimeline, candidates: Sequence[int], budget: int) -> Deci
 def _gains(tl: ConcreteTimeline, ev: _Evaluation, budget: int) -> np.ndarray:
     """For every slot, the bytes above ``budget`` its eviction would remove (chains ignored)."""
     mask = tl.window_mask()
-    over = np.maximum(ev.live - budget, 0)
-    after = np.maximum(ev.live[None, :] - tl._nbytes[:, None] - budget, 0)
-    gain = ((over[None, :] - after) * mask).sum(axis=1)
-    for site, value, _ in ev.events:
-        if value > budget:
-            gain += np.where(mask[:, site], np.minimum(value - budget, tl._nbytes), 0)
-    own = ev.live[tl._site] - tl._nbytes + tl._regen
+    nbytes = tl._nbytes
+    if tl._sizes_nonnegative:
+        # Only the points above the budget gain anything, at most the slot's bytes each.
+        above = np.flatnonzero(ev.live > budget)
+        over = ev.live[above] - budget
+        gain = (np.minimum(over[None, :], nbytes[:, None]) * mask[:, above]).sum(axis=1)
+    else:
+        over = np.maximum(ev.live - budget, 0)
+        after = np.maximum(ev.live[None, :] - nbytes[:, None] - budget, 0)
+        gain = ((over[None, :] - after) * mask).sum(axis=1)
+    # Each regeneration above the budget: a slot missing at its site lowers it.
+    events = [(site, value) for site, value, _ in ev.events if value > budget]
+    if events:
+        sites, values = np.array(events, dtype=np.int64).T
+        excess = np.minimum(values[None, :] - budget, nbytes[:, None])
+        gain = gain + np.where(mask[:, sites], excess, 0).sum(axis=1)
+    own = ev.live[tl._site] - nbytes + tl._regen
     return gain - np.maximum(own - budget, 0)
 
 
@@ -715,9 +828,29 @@ def _kept(tl: ConcreteTimeline, keep: frozenset[int]) -> ConcreteTimeline:
     slots = tuple(
         replace(slot, start=slot.site + 1) if k in keep else slot for k, slot in enumerate(tl.slots)
     )
-    return ConcreteTimeline(base=tl.base, slots=slots)
+    kept = ConcreteTimeline(base=tl.base, slots=slots)
+    # What a regenerate call materializes and its peaks depend on the plans, sizes and costs
+    # alone, which keeping a slot leaves as they are: the rounds share them.
+    object.__setattr__(kept, "_sequences", tl._sequences)
+    object.__setattr__(kept, "_runs", tl._runs)
+    return kept
 
 
+def _forgets_runs(search):
+    """Drop the regenerate calls ``search`` remembered (:func:`_run`) once it returns: they
+    are reused within a search, and a timeline stays cached per shape long after it."""
+
+    @functools.wraps(search)
+    def wrapper(tl: ConcreteTimeline, *args, **kwargs):
+        try:
+            return search(tl, *args, **kwargs)
+        finally:
+            tl._runs.clear()
+
+    return wrapper
+
+
+@_forgets_runs
 def minimum_peak(tl: ConcreteTimeline, budget: int | None = None) -> Decision:
     """The smallest predicted peak the evictions can reach (local searches), at least cost.
 
@@ -750,6 +883,8 @@ def minimum_peak(tl: ConcreteTimeline, budget: int | None = None) -> Decision:
     -------
     Decision
     """
+    if _peak_is_fixed(tl):
+        return _decision(tl, (), True, budget)
     best = _minimum_once(tl, budget)
     keep: frozenset[int] = frozenset()
     current = best
@@ -767,6 +902,7 @@ def minimum_peak(tl: ConcreteTimeline, budget: int | None = None) -> Decision:
     return best
 
 
+@_forgets_runs
 def decide(tl: ConcreteTimeline, budget: int | None, *, exact_limit: int = EXACT_LIMIT) -> Decision:
     """The evictions of least recompute cost that keep the predicted peak within ``budget``.
 
@@ -788,7 +924,7 @@ def decide(tl: ConcreteTimeline, budget: int | None, *, exact_limit: int = EXACT
     if budget is None or tl.base_peak <= budget:
         return _decision(tl, (), True, budget)
     candidates = _effective(tl)
-    if not candidates:
+    if not candidates or _peak_is_fixed(tl):
         return _decision(tl, (), True, budget)
     if len(candidates) <= exact_limit:
         found = _exact(tl, candidates, budget)
