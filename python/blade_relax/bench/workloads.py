@@ -281,8 +281,15 @@ def _mlp_torch(sizes: ModelSizes, params: Sequence[np.ndarray]) -> Any:
     return MlpStep()
 
 
-def _mlp_train(sizes: ModelSizes, seed: int) -> ImportedGraph:
-    forward = mlp_forward_module(sizes)
+def _relax_native_graph(
+    forward: tvm.IRModule, sizes: ModelSizes, seed: int, twin: Callable[[list], Any]
+) -> ImportedGraph:
+    """The training step of a Relax-native ``main(input_0, input_1, *params) -> loss``.
+
+    Parameters are seeded (weights ``N(0, 1/fan_in)``, vectors ``N(0, 0.01)``); ``twin(params)``
+    builds the same model in torch (a module whose ``weights`` are the parameters and whose
+    forward returns ``(loss,)``), which gives the reference loss and gradients.
+    """
     rng = np.random.default_rng(seed)
     params = []
     for param in forward["main"].params[2:]:
@@ -290,35 +297,30 @@ def _mlp_train(sizes: ModelSizes, seed: int) -> ImportedGraph:
         scale = 1.0 / np.sqrt(shape[0]) if len(shape) == 2 else 0.1
         params.append((rng.standard_normal(shape) * scale).astype("float32"))
     names = [p.name for p in forward["main"].params[2:]]
+    dims = {"s": (sizes.min_seq_len, sizes.max_seq_len)}
     try:
         import torch
     except ImportError:  # the Relax graph needs no torch: only its reference does
         return relax_training_step(
-            forward,
-            params=params,
-            num_input=2,
-            dims={"s": (sizes.min_seq_len, sizes.max_seq_len)},
-            param_names=names,
+            forward, params=params, num_input=2, dims=dims, param_names=names
         )
-    module = _mlp_torch(sizes, params)
+    module = twin(params)
 
     def reference(inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
-        module.zero_grad(set_to_none=True)
         (loss,) = module(*(torch.from_numpy(np.asarray(a)) for a in inputs))
-        loss.backward()
-        grads = [p.grad.numpy().copy() for p in module.weights]
-        module.zero_grad(set_to_none=True)
-        return [loss.detach().numpy().copy(), *grads]
+        grads = torch.autograd.grad(loss, list(module.weights))
+        return [loss.detach().numpy().copy(), *(g.numpy().copy() for g in grads)]
 
     graph = relax_training_step(
-        forward,
-        params=params,
-        num_input=2,
-        dims={"s": (sizes.min_seq_len, sizes.max_seq_len)},
-        param_names=names,
-        reference=reference,
+        forward, params=params, num_input=2, dims=dims, param_names=names, reference=reference
     )
     return dataclasses.replace(graph, torch_module=module, torch_params=list(module.weights))
+
+
+def _mlp_train(sizes: ModelSizes, seed: int) -> ImportedGraph:
+    return _relax_native_graph(
+        mlp_forward_module(sizes), sizes, seed, lambda params: _mlp_torch(sizes, params)
+    )
 
 
 # The tanh MLP's widths: input, the hidden layers, output.
@@ -352,22 +354,8 @@ def tanh_mlp_forward_module(widths: Sequence[int] = TANH_MLP_WIDTHS) -> tvm.IRMo
     return bb.get()
 
 
-def _tanh_mlp_train(sizes: ModelSizes, seed: int) -> ImportedGraph:
-    forward = tanh_mlp_forward_module()
-    rng = np.random.default_rng(seed)
-    params = []
-    for param in forward["main"].params[2:]:
-        shape = [int(v) for v in param.ty.shape.values]
-        scale = 1.0 / np.sqrt(shape[0]) if len(shape) == 2 else 0.1
-        params.append((rng.standard_normal(shape) * scale).astype("float32"))
-    names = [p.name for p in forward["main"].params[2:]]
-    dims = {"s": (sizes.min_seq_len, sizes.max_seq_len)}
-    try:
-        import torch
-    except ImportError:  # the Relax graph needs no torch: only its reference does
-        return relax_training_step(
-            forward, params=params, num_input=2, dims=dims, param_names=names
-        )
+def _tanh_mlp_torch(params: Sequence[np.ndarray]) -> Any:
+    import torch
 
     class TanhMlpStep(torch.nn.Module):
         """The torch twin of :func:`tanh_mlp_forward_module`: ``(x, y) -> (loss,)``."""
@@ -387,17 +375,11 @@ def _tanh_mlp_train(sizes: ModelSizes, seed: int) -> ImportedGraph:
                     h = torch.tanh(h)
             return (((h - y) * (h - y)).sum(),)
 
-    module = TanhMlpStep()
+    return TanhMlpStep()
 
-    def reference(inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
-        (loss,) = module(*(torch.from_numpy(np.asarray(a)) for a in inputs))
-        grads = torch.autograd.grad(loss, list(module.weights))
-        return [loss.detach().numpy().copy(), *(g.numpy().copy() for g in grads)]
 
-    graph = relax_training_step(
-        forward, params=params, num_input=2, dims=dims, param_names=names, reference=reference
-    )
-    return dataclasses.replace(graph, torch_module=module, torch_params=list(module.weights))
+def _tanh_mlp_train(sizes: ModelSizes, seed: int) -> ImportedGraph:
+    return _relax_native_graph(tanh_mlp_forward_module(), sizes, seed, _tanh_mlp_torch)
 
 
 WORKLOADS: dict[str, Callable[[ModelSizes, int], ImportedGraph]] = {
