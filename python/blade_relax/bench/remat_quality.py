@@ -1,7 +1,8 @@
 """How close rematerialization gets to what is possible: floor, minimum, budgets and the optimum.
 
-``python -m blade_relax.bench.remat_quality`` compiles each training workload once with the
-default pipeline (``blade_relax.get_pipeline``) and, at each length:
+``python -m blade_relax.bench.remat_quality`` compiles each training workload once as the
+bench's ``blade-relax-full`` configuration does (the default pipeline, upper bounds dropped) and,
+at each length:
 
 1. runs the step without a budget (the reference outputs and the unbudgeted peak);
 2. runs it under a budget of one byte: the runtime runs at the smallest peak it can reach and
@@ -133,17 +134,24 @@ def measure_workload(
     """Measure one workload at ``lengths`` (see the module docstring)."""
     import tvm
 
-    import blade_relax
     from blade_relax.runtime import last_remat_decision, measure_call
     from blade_relax.runtime._remat_policy import ConcreteTimeline, decide
     from blade_relax.runtime.remat import remat_programs
 
+    from .configs import get_config
     from .remat_optimum import optimal_decision, optimal_minimum_peak
     from .workloads import build_workload
 
     workload = build_workload(name, _sizes(name, lengths))
     say(f"... {name}: compiling")
-    exe = tvm.compile(workload.graph.mod, "llvm", relax_pipeline=blade_relax.get_pipeline("llvm"))
+    # What the bench measures as blade-relax-full, so that the figures match its tables.
+    config = get_config("blade-relax-full")
+    target = tvm.target.Target("llvm")
+    exe = tvm.compile(
+        workload.graph.with_upper_bounds(config.keep_bounds).mod,
+        target,
+        relax_pipeline=config.pipeline(target),
+    )
     device = tvm.cpu()
     reports = []
     for length in lengths:
