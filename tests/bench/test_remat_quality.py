@@ -47,3 +47,27 @@ def test_mlp_train_report(tmp_path, capsys):
             assert o["optimum_peak"] <= o["budget"]
         else:  # nothing fits: the runtime cannot call the budget reachable either
             assert not o["runtime_reachable"]
+
+
+def test_each_workload_reads_its_own_program(monkeypatch):
+    # Every workload's function may be called `main`: another executable's `main`, registered
+    # earlier in the process (here a one-slot program), must not stand in for this one's.
+    from blade_relax.contract import REMAT_FORMAT
+    from blade_relax.runtime import remat
+
+    other = remat.RematProgram(
+        {
+            "format": REMAT_FORMAT,
+            "function": "main",
+            "dims": ["s"],
+            "exact": True,
+            "points": 2,
+            "exprs": ["(4 * s)"],
+            "storages": [[0, 0, 2]],
+            "slots": [],
+        }
+    )
+    monkeypatch.setitem(remat._programs, "main:another-executable", other)
+    (report,) = remat_quality.measure_workload("tanh-mlp-train", [512], say=lambda _m: None)
+    assert report.slots == 8
+    assert report.floor <= report.minimum <= report.unbudgeted

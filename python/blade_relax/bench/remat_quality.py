@@ -153,6 +153,9 @@ def measure_workload(
         relax_pipeline=config.pipeline(target),
     )
     device = tvm.cpu()
+    # Programs are registered per process under their metadata key, and every workload has a
+    # `main`: the ones this executable registers are its own.
+    earlier = set(remat_programs())
     reports = []
     for length in lengths:
         say(f"... {name}: s={length}")
@@ -163,7 +166,11 @@ def measure_workload(
             lowest = measure_call(exe, args, device=device, budget=1)
         decision = lowest.decision or last_remat_decision()
         live = decision["live_at_entry"]
-        program = next(p for p in remat_programs().values() if p.function == decision["function"])
+        # (A program met before under the same key has the same metadata: either will do.)
+        mine = [p for key, p in remat_programs().items() if key not in earlier] or list(
+            remat_programs().values()
+        )
+        program = next(p for p in mine if p.function == decision["function"])
         dims = tuple(decision["dims"][d] for d in program.dims)
         report = LengthReport(
             workload=name,
