@@ -18,8 +18,8 @@ from tvm.script import relax as R
 from tvm.script import tirx as T
 
 from blade_relax.analysis import memory_timeline
+from blade_relax.analysis.effects import _free_prim_vars, inplace_verdict
 from blade_relax.transform import PassFallbackWarning, PlanMemory, PlanOptions
-from blade_relax.transform.plan._tir import _free_prim_vars, inplace_verdict
 
 
 def _plan(mod: tvm.IRModule, options: PlanOptions | None = None) -> tvm.IRModule:
@@ -168,8 +168,9 @@ def test_extent_that_is_no_prim_expr_warns_and_binds_nothing():
     # A block iterator's extent is always a PrimExpr in valid TIR, so the fallback is reached
     # only by calling the helper with something else.
     with pytest.warns(
-        PassFallbackWarning,
-        match=r"^PlanMemory: in-place placement left unchanged for block exp: InternalError: ",
+        UserWarning,
+        match=r"^in-place analysis: the extents of block exp are read without bounds: "
+        r"InternalError: ",
     ):
         assert _free_prim_vars("not an expression", "exp") == []
 
@@ -766,7 +767,8 @@ def test_trusted_packed_functions_leave_their_arguments_plannable():
 
 def test_evicted_tensors_keep_their_storage_and_regenerate_arguments_stay_planned():
     # The runtime rematerialization protocol: `x` handed to `evict` must own its storage; the
-    # tensor `regenerate` returns extends `x`'s lifetime; `regenerate` only reads `y`.
+    # tensor `regenerate` returns extends `x`'s lifetime; `regenerate` only reads `y`. Once
+    # `regenerate` returned, only the VM holds `x1`: `w` is written over it where it dies.
     # fmt: off
     @I.ir_module
     class Before:
@@ -799,11 +801,18 @@ def test_evicted_tensors_keep_their_storage_and_regenerate_arguments_stay_planne
             return out
     # fmt: on
     pass_ = PlanMemory()
-    pass_(Before)
+    after = pass_(Before)
     plan = pass_.plans["main"]
     assert plan.refusals["x"] == "handed to the runtime for eviction"
     placed = {t for s in plan.storages for t in s.tensors}
-    assert {"y", "z", "w"} <= placed and "x" not in placed
+    assert {"y", "z"} <= placed and not {"x", "w"} & placed
+    assert ("x1", "w") in plan.inplace
+    values = {b.var.name: b.value for blk in after["main"].body.blocks for b in blk.bindings}
+    assert isinstance(values["w"], relax.Var) and values["w"].name == "x1"
+    # Without in-place placements `w` gets a storage of its own like any other tensor.
+    pass_ = PlanMemory(PlanOptions(inplace=False))
+    pass_(Before)
+    assert "w" in {t for s in pass_.plans["main"].storages for t in s.tensors}
 
 
 def test_nothing_provable_is_left_to_stock_planner():

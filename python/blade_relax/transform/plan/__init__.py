@@ -1,8 +1,9 @@
 """Memory planning on symbolic sizes: :class:`PlanMemory`.
 
-``plan_memory`` is the pass; ``_collect`` (the allocations and who reads them), ``_peak`` (the
-live-byte model its sharing decisions are proven on) and ``_tir`` (in-place verdicts read from
-the kernels) are its private parts.
+``plan_memory`` is the pass; ``_collect`` (the allocations and who reads them) and ``_peak`` (the
+live-byte model its sharing decisions are proven on) are its private parts. In-place verdicts
+(which input a kernel's output may overwrite) are read from the kernels by
+:func:`blade_relax.analysis.effects.inplace_verdict`, shared with ``MemoryAwareSchedule``.
 """
 
 from .plan_memory import FunctionPlan, PlanMemory, PlanOptions, StoragePlan, plan_function

@@ -141,6 +141,10 @@ class FunctionFacts:
         return list(self.pinning_tuples)
 
     _tuple_items: dict[relax.Var, frozenset[int]] = field(default_factory=dict)
+    # Tensors ``blade_relax.regenerate`` hands back: var -> (binding index, the evicted
+    # allocation whose memory it stands for). The runtime holds no reference to such a tensor
+    # once the call returns, so a kernel output may take its memory where it dies.
+    regenerated: dict[relax.Var, tuple[int, int]] = field(default_factory=dict)
 
     def shape_ready_at(self, alloc: Allocation) -> int:
         """The first binding index at which every dim of ``alloc``'s size is defined."""
@@ -193,6 +197,7 @@ def collect_facts(
     tuple_items: dict[relax.Var, list[relax.Expr]] = {}
     # Runtime rematerialization: slot -> allocations handed to ``evict`` under that slot.
     stash: dict[int, frozenset[int]] = {}
+    regenerated: dict[relax.Var, tuple[int, int]] = {}
     for param in func.params:
         for var in _tir_vars_in_type(param.ty):
             var_defined_at.setdefault(var, -1)
@@ -232,6 +237,9 @@ def collect_facts(
                 binding, index, block_index, mod, trusted, allocs, kernels, aliases, fields, stash
             )
             aliases[var] = result
+            if len(result) == 1 and isinstance(value, relax.Call):
+                if classify(value).kind is Kind.REGENERATE:
+                    regenerated[var] = (index, next(iter(result)))
             if _is_inexact(binding, value, inexact, tuple_items):
                 inexact.add(var)
             if isinstance(value, relax.Tuple):
@@ -274,6 +282,7 @@ def collect_facts(
         var_defined_at=var_defined_at,
         pinning_tuples=pinning,
         _tuple_items=pinned_items,
+        regenerated=regenerated,
     )
 
 

@@ -25,9 +25,10 @@ questions about a decision, given as binding ranges with a symbolic byte delta e
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import sympy
@@ -48,11 +49,21 @@ class Interval:
 
 @dataclass(frozen=True)
 class Region:
-    """A decision's effect: ``delta`` bytes more at every moment in ``[lo, hi]``."""
+    """A decision's effect: ``delta`` bytes more at every moment in ``[lo, hi]``.
+
+    The delta is kept as signed parts and summed symbolically only when a proof reads it: the
+    planner screens many placements at sample points for each one it proves, and the
+    screen adds the parts' values there.
+    """
 
     lo: int
     hi: int
-    delta: SymbolicExpr
+    parts: tuple[tuple[int, SymbolicExpr], ...]  # (sign, bytes): delta = sum(sign * bytes)
+
+    @functools.cached_property
+    def delta(self) -> SymbolicExpr:
+        total = sympy.Add(*(sign * size.expr for sign, size in self.parts))
+        return SymbolicExpr(total)
 
 
 class Unevaluable(Exception):
@@ -151,6 +162,53 @@ class PointSet:
         raise Unevaluable(f"unsupported node {type(e).__name__} in {e}")
 
 
+class _BlockMax:
+    """Column-wise maxima of row ranges of a (moments x points) array, by blocks of rows.
+
+    The planner screens every storage for every tensor it places, each against the live bytes
+    over the storage's span, which grows with the function; block maxima make a range query
+    cost the block size plus the number of blocks instead of the span. The caller updates the
+    array in place and calls :meth:`refresh` for the rows it changed.
+    """
+
+    def __init__(self, live: np.ndarray, block: int = 32) -> None:
+        self.live = live
+        self.block = block
+        n = live.shape[0]
+        self.maxima = (
+            np.stack([live[i : i + block].max(axis=0) for i in range(0, n, block)])
+            if n
+            else np.zeros((0,) + live.shape[1:], dtype=live.dtype)
+        )
+
+    def refresh(self, a: int, b: int) -> None:
+        """Recompute the blocks of rows ``[a, b)``."""
+        k = self.block
+        for j in range(a // k, (b - 1) // k + 1):
+            self.maxima[j] = self.live[j * k : (j + 1) * k].max(axis=0)
+
+    def max(self, a: int, b: int) -> np.ndarray:
+        """``live[a:b].max(axis=0)`` for ``a < b``."""
+        k = self.block
+        first, last = -(-a // k), b // k  # the blocks wholly inside [a, b)
+        if first >= last:
+            return self.live[a:b].max(axis=0)
+        out = self.maxima[first:last].max(axis=0)
+        if a < first * k:
+            out = np.maximum(out, self.live[a : first * k].max(axis=0))
+        if last * k < b:
+            out = np.maximum(out, self.live[last * k : b].max(axis=0))
+        return out
+
+
+def _region_values(points: PointSet, region: Region) -> np.ndarray:
+    """A region's delta at every point: the sum of its parts' (cached) values."""
+    total = np.zeros(points.size, dtype=np.int64)
+    for sign, size in region.parts:
+        total += sign * points.eval(size)
+    return total
+
+
 def _reduce(num: np.ndarray, den: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     g = np.gcd(num, den)
     g[g == 0] = 1
@@ -192,6 +250,7 @@ class LiveModel:
         self.screen_points = PointSet.from_points(symbols, _sample_points(graph, symbols))
         self._base_screen = self._accumulate(self.screen_points)
         self._live_screen = self._base_screen.copy()
+        self._screen_blocks = _BlockMax(self._live_screen)
         self.bound_screen = self._base_screen.max(axis=0) if len(self.moments) else None
         # The admissible box is split into a head, checked point by point, and tails (one per
         # dim whose range goes beyond the head), checked symbolically on their own ranges,
@@ -218,12 +277,14 @@ class LiveModel:
         self._base_sym: dict[int, sympy.Expr] = {}
 
     # ------------------------------------------------------------------ queries
-    def evaluable(self, expr: SymbolicExpr) -> bool:
-        """Whether ``expr`` can be evaluated exactly by this model."""
+    def evaluable(self, expr: SymbolicExpr | Region) -> bool:
+        """Whether ``expr`` (or every part of a region's delta) can be evaluated exactly."""
+        exprs = [size for _, size in expr.parts] if isinstance(expr, Region) else [expr]
         try:
-            self.screen_points.eval(expr)
-            if self.grid is not None:
-                self.grid.eval(expr)
+            for e in exprs:
+                self.screen_points.eval(e)
+                if self.grid is not None:
+                    self.grid.eval(e)
         except (Unevaluable, OverflowError, ZeroDivisionError):
             return False
         return True
@@ -236,8 +297,12 @@ class LiveModel:
         for region, (a, b) in zip(regions, self._slices(regions)):
             if a >= b:
                 continue
-            delta = self.screen_points.eval(region.delta)
-            if np.any(self._live_screen[a:b].max(axis=0) + delta > self.bound_screen):
+            delta = _region_values(self.screen_points, region)
+            # The live bytes never exceed the bound (every applied decision passed this
+            # screen), so a region that adds nothing anywhere cannot fail it.
+            if np.any(delta > 0) and np.any(
+                self._screen_blocks.max(a, b) + delta > self.bound_screen
+            ):
                 return False, float("inf")
             cost += float(delta.mean()) * (b - a)
         return True, cost
@@ -251,7 +316,7 @@ class LiveModel:
             for region, (a, b) in zip(regions, slices):
                 if a >= b:
                     continue
-                delta = self.grid.eval(region.delta)
+                delta = _region_values(self.grid, region)
                 if np.any(self._live_grid[a:b].max(axis=0) + delta > self.bound_grid):
                     return False
         for tail in self.tails:
@@ -271,9 +336,10 @@ class LiveModel:
         for region, (a, b) in zip(regions, self._slices(regions)):
             if a >= b:
                 continue
-            self._live_screen[a:b] += self.screen_points.eval(region.delta)
+            self._live_screen[a:b] += _region_values(self.screen_points, region)
+            self._screen_blocks.refresh(a, b)
             if self.grid is not None:
-                self._live_grid[a:b] += self.grid.eval(region.delta)
+                self._live_grid[a:b] += _region_values(self.grid, region)
             for m in range(a, b):
                 self._extra[m].append(region.delta.expr)
 
@@ -346,9 +412,17 @@ class _Tail:
     graph: ShapeGraph
     mapping: dict
     candidates: list[int]
+    #: ``map``'s results: the same base sums are mapped for every decision proven, and
+    #: ``xreplace`` re-evaluates every ``Max`` it rebuilds (sympy compares their arguments).
+    _mapped: dict = field(default_factory=dict, repr=False)
 
     def map(self, expr: sympy.Expr) -> sympy.Expr:
-        return expr.xreplace(self.mapping) if self.mapping else expr
+        if not self.mapping:
+            return expr
+        out = self._mapped.get(expr)
+        if out is None:
+            out = self._mapped[expr] = expr.xreplace(self.mapping)
+        return out
 
 
 def _head_box(

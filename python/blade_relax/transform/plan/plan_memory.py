@@ -27,7 +27,7 @@ How it plans
    alias, e.g. runtime eviction, so the storage must be the tensor's own) or named in the
    function attribute ``contract.NO_PLAN_ATTR`` (a list of variable names; ``Rematerialize``
    lists evictable tensors there). Sizes are canonical ``SymbolicExpr`` byte counts.
-2. **In-place** (``_tir``): when a kernel's input dies at that call, every value the
+2. **In-place** (``analysis.effects.inplace_verdict``): when a kernel's input dies at that call, every value the
    kernel reads from it flows only into the output element at the same flat position (read
    from the TIR: elementwise blocks, reshapes, fused chains; not transposes, reductions or
    splits), and the input's storage is provably no smaller (``ShapeGraph.compare``), the output
@@ -66,8 +66,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import tvm
+import tvm_ffi
 from tvm import relax, tirx
 
+from ...analysis.effects import inplace_verdict
 from ...contract import LOWER_BOUND_ATTR, NO_PLAN_ATTR, REGENERATE, UPPER_BOUND_ATTR
 from ...symbolic import ShapeGraph, SymbolicExpr
 from .._warn import warn_fallback
@@ -82,7 +84,6 @@ from ..result import (
 )
 from ._collect import Allocation, FunctionFacts, collect_facts
 from ._peak import Interval, LiveModel, Region
-from ._tir import inplace_verdict
 
 __all__ = [
     "FunctionPlan",
@@ -350,20 +351,24 @@ class _Storage:
     groups: list[_Group]
     size: SymbolicExpr
     size_prim: object
+    #: The last binding that reads data held in the storage (kept up to date by ``add``: the
+    #: planner asks every storage for it once per tensor placed).
+    last: int = field(init=False)
+    #: The last binding during which the storage is allocated.
+    mem_end: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.last = max(g.end for g in self.groups)
+        self.mem_end = max(g.mem_end for g in self.groups)
+
+    def add(self, group: _Group) -> None:
+        self.groups.append(group)
+        self.last = max(self.last, group.end)
+        self.mem_end = max(self.mem_end, group.mem_end)
 
     @property
     def first(self) -> int:
         return self.groups[0].start
-
-    @property
-    def last(self) -> int:
-        """The last binding that reads data held in the storage."""
-        return max(g.end for g in self.groups)
-
-    @property
-    def mem_end(self) -> int:
-        """The last binding during which the storage is allocated."""
-        return max(g.mem_end for g in self.groups)
 
     @property
     def head(self) -> Allocation:
@@ -415,9 +420,14 @@ def plan_function(
 
     released = facts.release_pins() if options.release_tuples else []
     groups, inplace_pairs, group_of, ge_inplace = _inplace_equal(facts, sizes, graph, options)
+    into_regenerated = _inplace_regenerated(facts, sizes, graph, options, groups, group_of)
+    for out_id, (source, index) in into_regenerated.items():
+        ge_inplace.pop(out_id, None)
+        inplace_pairs.append((source.name, facts.allocations[out_id].var.name, index))
     storages = _share(facts, graph, sizes, groups, group_of, ge_inplace, options, inplace_pairs)
     model_exhaustive = storages.exhaustive
-    new_func = _rewrite(func, facts, storages.storages, released)
+    aliases = {facts.allocations[a].index: source for a, (source, _) in into_regenerated.items()}
+    new_func = _rewrite(func, facts, storages.storages, released, aliases)
     plan = FunctionPlan(
         function=name,
         mode="planned",
@@ -537,6 +547,76 @@ def _inplace_equal(
     return groups, pairs, group_of, ge_candidates
 
 
+_IN_REGENERATED = "in_regenerated"  # Allocation.kind of an output written into a regenerated tensor
+
+
+def _inplace_regenerated(
+    facts: FunctionFacts,
+    sizes: dict[int, SymbolicExpr],
+    graph: ShapeGraph,
+    options: PlanOptions,
+    groups: list[_Group],
+    group_of: dict[int, _Group],
+) -> dict[int, tuple[relax.Var, int]]:
+    """Kernel outputs written into a tensor ``blade_relax.regenerate`` handed back.
+
+    The runtime's ``regenerate`` (:mod:`blade_relax.runtime.remat`) returns the tensor it kept
+    (popped from the frame's stash) or one its closures recomputed into storage of its own; in
+    either case, once it returns, only the VM's registers refer to the tensor. Where that tensor
+    dies at a kernel call that may write its output over it (the verdict of
+    :func:`~blade_relax.analysis.effects.inplace_verdict`, equal type), the output *is* the
+    tensor: its allocation becomes ``out = regenerated`` and no storage is planned for it. Such
+    an output dying at a later kernel passes the memory on in the same way. Outputs already
+    placed in a planned input of equal size are left where they are.
+
+    Returns ``output allocation id -> (the variable it aliases, call index)``; the outputs are
+    removed from ``groups`` and marked :data:`_IN_REGENERATED`.
+    """
+    allocs = facts.allocations
+    placed: dict[int, tuple[relax.Var, int]] = {}
+    if not options.inplace or not facts.regenerated:
+        return placed
+    # Variables whose memory is a regenerated tensor: var -> (defined at, allocation id).
+    memory = dict(facts.regenerated)
+    for index in sorted(facts.kernels):
+        call = facts.kernels[index]
+        for out_pos, ids in enumerate(call.arg_allocs):
+            if len(ids) != 1:
+                continue
+            out = allocs[next(iter(ids))]
+            group = group_of.get(out.id)
+            if (
+                not out.plannable
+                or out.first_use != index
+                or group is None
+                or len(group.members) != 1
+                or group not in groups
+            ):
+                continue
+            for arg in call.args:
+                if not isinstance(arg, relax.Var) or arg not in memory:
+                    continue
+                defined, source_id = memory[arg]
+                source = allocs[source_id]
+                positions = [p for p, a in enumerate(call.args) if a.same_as(arg)]
+                if (
+                    defined >= out.index
+                    or source.last_use != index
+                    or any(not call.arg_exact[p] for p in positions)
+                    or not tvm_ffi.structural_equal(arg.ty, out.var.ty)
+                    or not inplace_verdict(call.func, positions, out_pos)
+                ):
+                    continue
+                placed[out.id] = (arg, index)
+                groups.remove(group)
+                del group_of[out.id]
+                out.kind = _IN_REGENERATED
+                memory[out.var] = (out.index, out.id)
+                del memory[arg]
+                break
+    return placed
+
+
 @dataclass
 class _SharingResult:
     storages: list[_Storage]
@@ -559,6 +639,11 @@ def _share(
     for alloc in allocs:
         if not alloc.plannable and alloc.id in sizes and not sizes[alloc.id].is_unknown:
             end = alloc.mem_end(facts.num_bindings)
+            if alloc.kind == _IN_REGENERATED:
+                # The regenerated tensor's memory (counted until the call that writes this
+                # tensor into it), from the call on.
+                base.append(Interval(alloc.first_use + 1, end, sizes[alloc.id]))
+                continue
             base.append(Interval(alloc.index, end, sizes[alloc.id]))
             moments.append(alloc.index)
     model = LiveModel(
@@ -585,7 +670,7 @@ def _share(
         storage, new_size, new_prim, regions, inplace_from = choice
         if options.peak_safe:
             model.apply(regions)
-        storage.groups.append(group)
+        storage.add(group)
         storage.size, storage.size_prim = new_size, new_prim
         storage_of[id(group)] = storage
         if inplace_from is not None:
@@ -646,7 +731,7 @@ def _choose(
         return best[1], best[2], best[3], best[4], best[5]
     screened = []
     for key, storage, new_size, new_prim, regions, inplace_from in ranked:
-        if not all(model.evaluable(r.delta) for r in regions):
+        if not all(model.evaluable(r) for r in regions):
             continue
         ok, cost = model.screen(regions)
         if ok:
@@ -671,20 +756,20 @@ def _merge_delta(storage: _Storage, group: _Group, new_size: SymbolicExpr) -> li
     """
     end = max(storage.mem_end, group.mem_end)
     terms = [
-        (storage.first, end, new_size),
-        (storage.first, storage.mem_end, SymbolicExpr.constant(0) - storage.size),
-        (group.start, group.mem_end, SymbolicExpr.constant(0) - group.size),
+        (storage.first, end, 1, new_size),
+        (storage.first, storage.mem_end, -1, storage.size),
+        (group.start, group.mem_end, -1, group.size),
     ]
-    points = sorted({p for lo, hi, _ in terms for p in (lo, hi + 1)})
+    points = sorted({p for lo, hi, _, _ in terms for p in (lo, hi + 1)})
     regions: list[Region] = []
     for lo, nxt in zip(points, points[1:]):
         hi = nxt - 1
-        delta = SymbolicExpr.constant(0)
-        for t_lo, t_hi, size in terms:
-            if t_lo <= lo and hi <= t_hi:
-                delta = delta + size
-        if not (delta.is_constant and delta.expr == 0):
-            regions.append(Region(lo, hi, delta))
+        parts = [(sign, size) for t_lo, t_hi, sign, size in terms if t_lo <= lo and hi <= t_hi]
+        # +new_size - storage.size cancels where the storage keeps its size.
+        if len(parts) == 2 and parts[0][0] != parts[1][0] and parts[0][1] == parts[1][1]:
+            continue
+        if parts:
+            regions.append(Region(lo, hi, tuple(parts)))
     return regions
 
 
@@ -706,8 +791,10 @@ def _rewrite(
     facts: FunctionFacts,
     storages: Sequence[_Storage],
     released: Sequence[tuple[relax.Var, int]] = (),
+    aliases: dict[int, relax.Var] | None = None,
 ) -> relax.Function | None:
-    if not storages and not released:
+    aliases = aliases or {}
+    if not storages and not released and not aliases:
         return None
     kills: dict[int, list[relax.Var]] = {}
     for var, last in released:
@@ -753,6 +840,8 @@ def _rewrite(
                     )
                 )
                 bindings.append(relax.VarBinding(binding.var, call))
+            elif index in aliases:
+                bindings.append(relax.VarBinding(binding.var, aliases[index]))
             else:
                 bindings.append(binding)
             for var in kills.get(index, ()):

@@ -19,7 +19,15 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
-from ...analysis.effects import PACKED_CALL_OPS, Kind, classify, in_place_writes
+from ...analysis.effects import (
+    PACKED_CALL_OPS,
+    SHAPE_ONLY_OPS,
+    Kind,
+    classify,
+    in_place_writes,
+    inplace_inputs,
+)
+from ...analysis.workspace import call_workspace
 from ...symbolic import Ordering, ShapeGraph, SymbolicExpr
 from .._warn import warn_fallback
 from ._cost import ByteSpace, OrderProfile, pareto_front
@@ -69,6 +77,15 @@ class Block:
     cons_buffer: np.ndarray  # buffers with consumers, ascending
     cons_start: np.ndarray  # start of each of those buffers' runs in cons_node
     cons_node: np.ndarray  # consumers, grouped by buffer
+    # In-place placements PlanMemory may make (``planner="plan"``), in the order it tries
+    # them: binding, input buffer whose storage the binding's output takes when the binding
+    # is the input's last reader, and output buffer (see :func:`inplace_ends`).
+    inplace_binding: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    inplace_input: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    inplace_output: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    # n x M: bytes each binding's kernel holds only while it runs (its workspace, as
+    # :func:`blade_relax.analysis.memory_timeline` counts it); None when no binding has one.
+    workspace: np.ndarray | None = None
     cache: dict = field(default_factory=dict)  # order-independent tables (see _plan_tables)
 
     @property
@@ -127,6 +144,12 @@ class BlockReader:
         # Fields of multi-output kernels: leaked under the stock lowering, released by
         # PlanMemory (it kills such tuples after their last item access).
         self.tuple_fields: set[int] = set()
+        # Buffers read by a call other than a kernel's (PlanMemory never places an output in
+        # them), and the in-place candidates (binding, input buffer, output buffer).
+        self.opaque: set[int] = set()
+        self.inplace: list[tuple[int, int, int]] = []
+        # Kernel workspaces: (binding, bytes), for the bindings whose kernel allocates one.
+        self.workspaces: list[tuple[int, SymbolicExpr]] = []
 
     # -------------------------------------------------------------- buffers
     def _bytes(self, ty: tvm.ir.Type, var: relax.Var | None = None) -> SymbolicExpr:
@@ -329,6 +352,63 @@ class BlockReader:
                     elif j > i:
                         preds[j].add(i)
 
+    def _note_inplace(
+        self, i: int, call: relax.Call, own: tuple[int, ...], touched: list[int]
+    ) -> None:
+        """Record where PlanMemory may place the outputs of binding ``i`` in place.
+
+        As in ``PlanMemory``: a kernel's output takes the storage of an input of provably equal
+        size that dies at the call, when the kernel's access pattern allows it
+        (:func:`blade_relax.analysis.effects.inplace_inputs`). Inputs read by anything but
+        kernels (packed functions, Relax functions, operators) are never taken.
+        """
+        callee = call.args[0] if call.args else None
+        func = (
+            self.mod[callee]
+            if self.mod is not None
+            and isinstance(call.op, tvm.ir.Op)
+            and call.op.name == "relax.call_tir"
+            and isinstance(callee, tvm.ir.GlobalVar)
+            and callee in self.mod.functions
+            else None
+        )
+        if not isinstance(func, tvm.tirx.PrimFunc):
+            if not isinstance(call.op, tvm.ir.Op) or call.op.name not in SHAPE_ONLY_OPS:
+                self.opaque.update(b for b in touched if b not in own)
+            return
+        packed = call.args[1]
+        args = list(packed.fields) if isinstance(packed, relax.Tuple) else [packed]
+        outputs = [b for b in own if b in self.plannable]
+        for j, out in enumerate(outputs):
+            for var, _ in inplace_inputs(func, args, len(args) + j):
+                refs = self.refs.get(var, ())
+                if len(refs) != 1:
+                    continue
+                size_in, size_out = self.size_exprs[refs[0]], self.size_exprs[out]
+                if size_in.expr == size_out.expr or (
+                    self.graph.compare(size_in, size_out) == Ordering.EQ
+                ):
+                    self.inplace.append((i, refs[0], out))
+
+    def _note_workspace(self, i: int, call: relax.Call, var: relax.Var) -> None:
+        """Record the workspace binding ``i``'s kernel holds while it runs.
+
+        The lowered function's peak includes it (:func:`blade_relax.analysis.memory_timeline`
+        and the runtime count it): an order whose peak step runs a kernel with scratch memory
+        peaks that much higher than its tensors alone. A workspace the call's shapes cannot
+        give (UNKNOWN) is left out, as is any a kernel's TIR does not let us read.
+        """
+        if self.mod is None:
+            return
+        try:
+            nbytes = call_workspace(call, var, self.mod, self.graph)
+        except Exception as err:  # reading a kernel's lowered TIR may fail in any way
+            warn_fallback("MemoryAwareSchedule", "the workspace of a kernel", var.name, err)
+            return
+        if nbytes is None or nbytes.is_unknown or (nbytes.is_constant and nbytes.expr == 0):
+            return
+        self.workspaces.append((i, nbytes))
+
     # -------------------------------------------------------------- the graph
     def build(self) -> Block:
         bindings = list(self.block.bindings)
@@ -381,6 +461,9 @@ class BlockReader:
                 t.extend(self._refs_of(u))
             t.extend(own)
             touch.append(list(dict.fromkeys(t)))
+            if isinstance(value, relax.Call) and not self.is_view:
+                self._note_inplace(i, value, own, t)
+                self._note_workspace(i, value, var)
 
         read: set[relax.Var] = {u for used in uses for u in used}
         for i, binding in enumerate(bindings):
@@ -402,8 +485,13 @@ class BlockReader:
             if var in self.used_after:
                 escaping[list(refs)] = True
 
-        space = ByteSpace(self.graph, self.size_exprs)
-        sizes = space.vectors
+        space = ByteSpace(self.graph, self.size_exprs + [w for _, w in self.workspaces])
+        sizes = space.vectors[:num_buffers]
+        workspace = None
+        if self.workspaces:
+            workspace = np.zeros((n, space.size), dtype=space.dtype)
+            for k, (i, _) in enumerate(self.workspaces):
+                workspace[i] += space.vectors[num_buffers + k]
         alloc = np.zeros((n, space.size), dtype=space.dtype)
         for i, own in enumerate(creates):
             for b in own:
@@ -445,7 +533,17 @@ class BlockReader:
         runs = [len(consumers[b]) for b in cons_buffer]
         cons_start = np.concatenate([[0], np.cumsum(runs)[:-1]]).astype(np.int64)
         cons_node = np.array([j for b in cons_buffer for j in consumers[b]], dtype=np.int64)
+        candidates = [
+            (i, u, t)
+            for i, u, t in self.inplace
+            if plannable[u] and plannable[t] and u not in self.opaque
+        ]
+        inplace = np.array(candidates, dtype=np.int64).reshape(-1, 3)
         return Block(
+            inplace_binding=inplace[:, 0].copy(),
+            inplace_input=inplace[:, 1].copy(),
+            inplace_output=inplace[:, 2].copy(),
+            workspace=workspace,
             planner=self.planner,
             plannable=plannable,
             dtypes=self.dtypes,
@@ -564,8 +662,13 @@ def timeline(block: Block, order: Sequence[int], planner: str | None = None) -> 
         end_sizes = np.concatenate([block.sizes[gone], token_sizes[freed_tokens]])
     else:
         starts, start_sizes = pos[block.created_by[own]], block.sizes[own]
-        ends, end_sizes = free_step[freeable], block.sizes[freeable]
+        end_step = free_step
+        if planner == "plan" and block.inplace_binding.size:
+            end_step = inplace_ends(block, pos, free_step)
+        ends, end_sizes = end_step[freeable], block.sizes[freeable]
     during = _rows(block, starts, start_sizes, ends, end_sizes)
+    if block.workspace is not None:
+        during = during + block.workspace[order_arr]
     values = block.space.at_acceptance_points(during)
     return Timeline(
         order=list(order),
@@ -575,6 +678,39 @@ def timeline(block: Block, order: Sequence[int], planner: str | None = None) -> 
         values=values,
         peaks=values.max(axis=0),
     )
+
+
+def inplace_ends(block: Block, pos: np.ndarray, free_step: np.ndarray) -> np.ndarray:
+    """``free_step`` with PlanMemory's in-place placements of an order applied.
+
+    A binding whose output PlanMemory places in the storage of a dying input allocates
+    nothing: the input's bytes become the output's. Modelled by ending the input one step
+    earlier (its last reader runs with the output in its place). A placement applies when the
+    binding is the input's last reader and the input is freed in the block; each output takes
+    the first such input in PlanMemory's order, each input goes to one output.
+    """
+    binding, inputs = block.inplace_binding, block.inplace_input
+    at = pos[binding]
+    active = np.flatnonzero((free_step[inputs] == at) & ~block.escaping[inputs])
+    if not active.size:
+        return free_step
+    outputs = block.inplace_output[active]
+    if np.unique(outputs).size == active.size and np.unique(inputs[active]).size == active.size:
+        chosen = active
+    else:
+        taken_in: set[int] = set()
+        taken_out: set[int] = set()
+        picks = []
+        for c, t in zip(active.tolist(), outputs.tolist()):
+            u = int(inputs[c])
+            if u not in taken_in and t not in taken_out:
+                taken_in.add(u)
+                taken_out.add(t)
+                picks.append(c)
+        chosen = np.asarray(picks, dtype=np.int64)
+    ends = free_step.copy()
+    ends[inputs[chosen]] = at[chosen] - 1
+    return ends
 
 
 _NEVER = -2  # token end of a storage that lives until the function returns
@@ -740,7 +876,10 @@ def plan_storage(
 
 def profile(block: Block, order: Sequence[int]) -> OrderProfile:
     tl = timeline(block, order)
-    allocating = block.alloc[np.asarray(order, dtype=np.int64)].any(axis=1)
+    order_arr = np.asarray(order, dtype=np.int64)
+    allocating = block.alloc[order_arr].any(axis=1)
+    if block.workspace is not None:
+        allocating |= block.workspace[order_arr].any(axis=1)
     allocating[0] = True
     return OrderProfile(
         order=list(order), peaks=tl.peaks, front=pareto_front(block.space, tl.during[allocating])

@@ -30,7 +30,10 @@ per field of a tuple result); views (``reshape``, a ``call_tir`` of a reshape ke
 their source alive. A buffer is freed after the last binding that reads a variable referring
 to it, unless one of those variables is used after the block. Parameters belong to the caller
 and are never counted; values of earlier blocks are live on entry and freed after their last
-use in the block. At a binding, live bytes are ``live_before + allocated``.
+use in the block. At a binding, live bytes are ``live_before + allocated``, plus the
+workspace its kernel holds while it runs (:mod:`blade_relax.analysis.workspace`; the measured
+peak includes it, so an order whose peak step runs a kernel with scratch memory peaks that much
+higher).
 
 Facts of the lowering that decide the measured peak are modelled on top, per
 ``ScheduleOptions.planner`` (the memory planner that will run after the pass):
@@ -47,7 +50,9 @@ Facts of the lowering that decide the measured peak are modelled on top, per
 * ``"none"``: plain liveness, each buffer in its own storage.
 * ``"plan"``: plain liveness with the fields of multi-output kernels freed after their last
   use, which is what ``PlanMemory`` gives: it kills such tuples after their last item access,
-  and its sharing is proven never to raise the peak of the unshared program. Use it when
+  and its sharing is proven never to raise the peak of the unshared program. A kernel output
+  that ``PlanMemory`` writes over an input of equal size dying at the call
+  (:func:`blade_relax.analysis.effects.inplace_verdict`) allocates nothing. Use it when
   ``PlanMemory`` replaces ``StaticPlanBlockMemory`` (``get_pipeline(plan=True)``).
 
 On fused graphs these figures equal the memory-stage timeline
@@ -125,7 +130,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -240,10 +245,12 @@ class ScheduleOptions:
         ``RecomputeCheapValues`` follows the pass (as in :func:`blade_relax.get_pipeline`).
         Orders are scored before recomputation, which removes different values from different
         orders; so a function that gets one order (no range versions) is compared once more,
-        recomputed, with its input order: the input order is kept where it is then no higher
-        at every acceptance point and lower at one; where it is lower only from some length
-        on, the function dispatches (with ``max_versions`` of 2 or more) to the scheduled order
-        below that length and to the input order above it (the crossover found as for range
+        recomputed, with its input order, both scored with the block model of ``planner``
+        (for ``"plan"``, PlanMemory's in-place placements included, which the relax-stage
+        timeline does not see): the input order is kept where it is then no higher at every
+        acceptance point and lower at one; where it is lower only on some ranges of lengths,
+        the function dispatches (with at most ``max_versions`` ranges) to the input order on
+        those ranges and to the scheduled order elsewhere (the crossovers found as for range
         versions).
     """
 
@@ -508,15 +515,11 @@ def _graph_of(func: relax.Function, name: str) -> ShapeGraph | None:
         return None
 
 
-def _schedule_function(
+def _dataflow_blocks(
     func: relax.Function,
-    mod: tvm.IRModule | None,
-    options: ScheduleOptions,
-    name: str,
-    graph: ShapeGraph,
-    version: str = "",
-    seeds: dict[int, list[list[int]]] | None = None,
-) -> _Scheduled:
+) -> Iterator[tuple[int, relax.DataflowBlock, set[relax.Var], set[relax.Var], set[str]]]:
+    """Each dataflow block of ``func`` with what :class:`BlockReader` needs: its index, the
+    variables used after it, the function's parameters and the dims defined before it."""
     body = func.body
     blocks = list(body.blocks)
     # Variables used after each block: by later blocks or by the result.
@@ -530,13 +533,36 @@ def _schedule_function(
     tir_defined: set[str] = set()
     for p in func.params:
         tir_defined |= tir_var_names([relax.analysis.definable_tir_vars_in_type(p.ty)])
+    for k, blk in enumerate(blocks):
+        if isinstance(blk, relax.DataflowBlock):
+            yield k, blk, used_after[k], params, set(tir_defined)
+        for binding in blk.bindings:
+            if isinstance(binding, relax.MatchCast):
+                tir_defined |= tir_var_names(
+                    [relax.analysis.definable_tir_vars_in_type(binding.ty)]
+                )
+
+
+def _schedule_function(
+    func: relax.Function,
+    mod: tvm.IRModule | None,
+    options: ScheduleOptions,
+    name: str,
+    graph: ShapeGraph,
+    version: str = "",
+    seeds: dict[int, list[list[int]]] | None = None,
+) -> _Scheduled:
+    body = func.body
+    blocks = list(body.blocks)
+    dataflow = {k: rest for k, *rest in _dataflow_blocks(func)}
 
     result = _Scheduled(func, {}, [])
     new_blocks = []
     changed = False
     for k, blk in enumerate(blocks):
         new_blocks.append(blk)
-        if isinstance(blk, relax.DataflowBlock):
+        if k in dataflow:
+            _, used_after, params, tir_defined = dataflow[k]
             entry = BlockReport(
                 function=name, block=k, bindings=len(blk.bindings), strategy="input"
             )
@@ -547,7 +573,7 @@ def _schedule_function(
                 graph,
                 mod,
                 params,
-                used_after[k],
+                used_after,
                 tir_defined,
                 options,
                 entry,
@@ -560,11 +586,6 @@ def _schedule_function(
                     bindings = list(blk.bindings)
                     new_blocks[-1] = relax.DataflowBlock([bindings[i] for i in order], blk.span)
                     changed = True
-        for binding in blk.bindings:
-            if isinstance(binding, relax.MatchCast):
-                tir_defined |= tir_var_names(
-                    [relax.analysis.definable_tir_vars_in_type(binding.ty)]
-                )
     if changed:
         new_body = relax.SeqExpr(new_blocks, body.body, body.span)
         new_func = relax.Function(
@@ -824,47 +845,100 @@ def _after_recompute(
     Returns ``("input order kept",)``, ``("split", dim_var, versions)`` (the scheduled order
     up to the crossover, the input order above it) or None (keep the scheduled order).
     """
-    timelines = {}
+    trials = {}
     for name, func in (("input", original), ("scheduled", scheduled)):
         trial = tvm.IRModule(dict(mod.functions), attrs=mod.attrs, global_infos=mod.global_infos)
         trial[gv] = func
         trial = RecomputeCheapValues()(trial)
-        timelines[name] = memory_timeline(trial[gv], mod=trial)
+        trials[name] = (trial[gv], trial)
     found = version_dim(original, graph)
     points = acceptance_points(graph)
     if found is not None:
         var = found[0]
         points = sorted(points, key=lambda p: p[var.name])
+    scorers = {name: _planned_peaks(f, m, options.planner) for name, (f, m) in trials.items()}
+    if any(scorer is None for scorer in scorers.values()):
+        # A block the model does not read: plain liveness of the recomputed functions.
+        timelines = {name: memory_timeline(f, mod=m) for name, (f, m) in trials.items()}
+
+        def evaluate(name: str, p: dict[str, int]) -> int:
+            return timelines[name].evaluate(p).peak
+
+        def scored(name: str, ps: list[dict[str, int]]) -> list[int]:
+            return [evaluate(name, p) for p in ps]
+    else:
+
+        def scored(name: str, ps: list[dict[str, int]]) -> list[int]:
+            return scorers[name](ps)
 
     def peaks_at(name: str, values: list[int]) -> np.ndarray:
-        return np.array([timelines[name].evaluate({var.name: v}).peak for v in values])
+        return np.array(scored(name, [{var.name: v} for v in values]))
 
     try:
-        kept = [timelines["input"].evaluate(p).peak for p in points]
-        chosen = [timelines["scheduled"].evaluate(p).peak for p in points]
+        kept = scored("input", points)
+        chosen = scored("scheduled", points)
     except (ValueError, KeyError):  # a size a point cannot evaluate: keep the scheduled order
         return None
     if all(a <= b for a, b in zip(kept, chosen)):
         return ("input order kept",) if any(a < b for a, b in zip(kept, chosen)) else None
     if found is None or options.max_versions < 2:
         return None
-    # The input order wins from some point on: the last point where the scheduled order is
-    # no higher, with the input order no higher at every point after it and lower at one.
+    # Each point goes to the order that is lower there (the scheduled one on ties); runs of
+    # points with the same order become ranges, which meet where the order of the run below
+    # stops being no higher (found as for range versions).
     _, lower, upper = found
-    for i in range(len(points) - 1):
-        before = all(b <= a for a, b in zip(kept[: i + 1], chosen[: i + 1]))
-        after = all(a <= b for a, b in zip(kept[i + 1 :], chosen[i + 1 :]))
-        if before and after and any(a < b for a, b in zip(kept[i + 1 :], chosen[i + 1 :])):
-            t, nxt = points[i][var.name], points[i + 1][var.name]
-            cut = _crossover(peaks_at, "scheduled", "input", t, nxt)
-            if upper is not None and cut >= upper:
+    winners = ["input" if a < b else "scheduled" for a, b in zip(kept, chosen)]
+    runs = [(0, winners[0])]
+    for i in range(1, len(points)):
+        if winners[i] != runs[-1][1]:
+            runs.append((i, winners[i]))
+    if len(runs) < 2 or len(runs) > options.max_versions:
+        return None
+    functions = {"input": original, "scheduled": scheduled}
+    versions = []
+    start = lower
+    for (_, name), (nxt_first, other) in zip(runs, runs[1:]):
+        t, nxt = points[nxt_first - 1][var.name], points[nxt_first][var.name]
+        cut = _crossover(peaks_at, name, other, t, nxt)
+        if (upper is not None and cut >= upper) or cut < start:
+            return None
+        versions.append((DimRange(var.name, start, cut), functions[name]))
+        start = cut + 1
+    versions.append((DimRange(var.name, start, upper), functions[runs[-1][1]]))
+    return ("split", var, versions)
+
+
+def _planned_peaks(
+    func: relax.Function, mod: tvm.IRModule, planner: str
+) -> Callable[[list[dict[str, int]]], list[int]] | None:
+    """Peaks of ``func`` as its bindings stand, under the block model of ``planner``: for
+    ``"plan"`` the in-place placements and kernel workspaces of the lowered function, which
+    the relax-stage timeline does not see. The function's peak at each point is the largest of
+    its dataflow blocks'. None when a block cannot be read or its sizes have no exact value."""
+    graph = _graph_of(func, "")
+    if graph is None:
+        return None
+    blocks = []
+    try:
+        for _, blk, used_after, params, tir_defined in _dataflow_blocks(func):
+            block = BlockReader(blk, graph, mod, params, used_after, tir_defined, planner).build()
+            if not block.space.exact:
                 return None
-            versions = [
-                (DimRange(var.name, lower, cut), scheduled),
-                (DimRange(var.name, cut + 1, upper), original),
-            ]
-            return ("split", var, versions)
-    return None
+            blocks.append(block)
+    except (UnsupportedBlock, UnsupportedBytes):
+        return None
+    if not blocks:
+        return None
+    rows = [timeline(b, list(range(b.n))).during for b in blocks]
+
+    def peaks(points: list[dict[str, int]]) -> list[int]:
+        values = [
+            np.asarray(b.space.at_points(r, points)).reshape(-1, len(points)).max(axis=0)
+            for b, r in zip(blocks, rows)
+        ]
+        return [int(v) for v in np.max(np.array(values, dtype=object), axis=0)]
+
+    return peaks
 
 
 @tvm.transform.module_pass(opt_level=0, name="MemoryAwareSchedule")
