@@ -208,3 +208,26 @@ def test_a_formulation_bug_is_reported(monkeypatch):
     monkeypatch.setattr(remat_optimum, "_window", doubled)
     with pytest.raises(RuntimeError, match="_evaluate"):
         optimal_decision(tl, tl.base_peak - 1)
+
+
+def _random_timeline(seed: int) -> ConcreteTimeline:
+    """The synthetic timelines of tests/runtime/test_remat_policy.py (16 slots, 40 points)."""
+    from tests.runtime.test_remat_policy import _random_timeline as build
+
+    return build(seed, npoints=40, nslots=16)
+
+
+@pytest.mark.parametrize(
+    "seed, fraction, least",
+    [(21, 0.8, 11.0), (26, 0.7, 16.0), (4, 0.7, 15.0), (12, 0.6, 22.0), (112, 0.65, 17.0)],
+)
+def test_the_runtime_decision_reaches_the_optimal_work(seed, fraction, least):
+    """The least costs that tests/runtime/test_remat_policy.py expects are the optimum's; the
+    budget greedy (and, for seed 112, the minimum search) alone spent 1.3-1.8x that."""
+    tl = _random_timeline(seed)
+    budget = int(fraction * tl.base_peak)
+    best = optimal_decision(tl, budget)
+    assert best is not None and best.optimal
+    assert best.cost == pytest.approx(least)
+    decision = decide(tl, budget)
+    assert decision.peak <= budget and decision.cost <= best.cost + 1e-9

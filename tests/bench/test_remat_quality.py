@@ -69,5 +69,7 @@ def test_each_workload_reads_its_own_program(monkeypatch):
     )
     monkeypatch.setitem(remat._programs, "main:another-executable", other)
     (report,) = remat_quality.measure_workload("tanh-mlp-train", [512], say=lambda _m: None)
-    assert report.slots == 8
+    # The foreign program has no slot; how many the tanh MLP's has depends on the passes
+    # (8 before the graph passes changed, 4 since): any is its own.
+    assert report.slots > 0
     assert report.floor <= report.minimum <= report.unbudgeted

@@ -488,6 +488,91 @@ def test_minimum_is_never_above_a_greedy_budget_decision(seed):
         assert lowest.peak <= decision.peak, fraction
 
 
+# --------------------------------------------------------------------------- least work
+def _plain_greedy_cost(tl: ConcreteTimeline, budget: int) -> float | None:
+    """What the budget greedy alone (pruned, not made cheaper) costs, or ``None``."""
+    found = [policy._greedy(tl, policy._effective(tl), budget, c) for c in (True, False)]
+    return min((d.cost for d in found if d is not None), default=None)
+
+
+# (seed, fraction of the peak, least cost that fits): 16 slots over 40 points, more than the
+# exhaustive path takes; the least cost is that of every subset in both pure regimes
+# (decide(..., exact_limit=16), six seconds each) and of the integer program
+# (tests/bench/test_remat_optimum.py checks it).
+_LEAST_WORK_GREEDY = [
+    (21, 0.8, 11.0),
+    (26, 0.7, 16.0),
+    # These two need a slot swapped in for what it makes unnecessary (putting back and
+    # repairing alone stops at 20 and 36).
+    (4, 0.7, 15.0),
+    (12, 0.6, 22.0),
+]
+
+
+@pytest.mark.parametrize("seed, fraction, least", _LEAST_WORK_GREEDY)
+def test_a_greedy_decision_is_made_as_cheap_as_the_optimum(seed, fraction, least):
+    """The greedy's choices by bytes per unit of cost keep evictions a later one made
+    unnecessary, or an expensive slot where a cheaper pair fits (19 vs 11 for seed 21): the
+    decision puts back, repairs and swaps until its work is the least that fits."""
+    tl = _random_timeline(seed, npoints=40, nslots=16)
+    budget = int(fraction * tl.base_peak)
+    assert _plain_greedy_cost(tl, budget) > 1.3 * least
+    decision = decide(tl, budget)
+    assert decision.reachable and decision.peak <= budget
+    assert decision.peak == predict_peak(tl, decision.evicted, decision.cache)
+    assert decision.cost == least
+
+
+def test_a_fallback_that_fits_keeps_the_cheapest_set():
+    """No greedy fits, the minimum search does: the decision used to keep the set of least
+    peak (cost 31, 1.8x the least); any set within the budget will do, the cheapest wins."""
+    tl = _random_timeline(112, npoints=40, nslots=16)
+    budget = int(0.65 * tl.base_peak)
+    assert _plain_greedy_cost(tl, budget) is None
+    decision = decide(tl, budget)
+    assert decision.reachable and decision.peak <= budget
+    assert decision.cost == 17.0
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), fraction=st.sampled_from([0.9, 0.8, 0.7, 0.6]))
+def test_made_cheaper_never_costs_more_or_breaks_the_budget(seed, fraction):
+    tl = _random_timeline(seed, npoints=30, nslots=14)
+    budget = int(fraction * tl.base_peak)
+    for cache in (True, False):
+        start = policy._greedy(tl, policy._effective(tl), budget, cache)
+        if start is None:
+            continue
+        cheaper = policy._cheapen(tl, start.evicted, cache, budget)
+        assert predict_peak(tl, cheaper, cache) <= budget
+        assert _evaluate(tl, cheaper, cache).cost <= start.cost
+        for move in (policy._put_back, policy._swap_in):
+            effective = np.zeros(len(tl.slots), dtype=bool)
+            effective[policy._effective(tl)] = True
+            for x in range(len(tl.slots)):
+                if (x in start.evicted) != (move is policy._put_back) or not effective[x]:
+                    continue
+                moved = move(tl, set(start.evicted), x, effective, cache, budget)
+                assert moved is None or predict_peak(tl, moved, cache) <= budget
+
+
+def test_putting_back_skips_only_what_surely_breaks_the_limit():
+    """The bound behind the skipped evaluations of _prune and _minimum_from_all: putting a
+    slot back never peaks below what is live on its window plus its bytes."""
+    for seed in range(30):
+        tl = _random_timeline(seed)
+        chosen = set(policy._effective(tl))
+        lowest = policy._lowest_live(tl, chosen)
+        for k in chosen:
+            for cache in (True, False):
+                peak = predict_peak(tl, chosen - {k}, cache)
+                window = lowest[tl.slots[k].start : tl.slots[k].site + 1]
+                assert peak >= int(window.max()) + tl.slots[k].nbytes
+    negative = ConcreteTimeline(base=np.array([5, 5]), slots=(slot(0, -1, 0, 1),))
+    assert policy._lowest_live(negative, {0}) is None
+    assert not policy._returns_above(negative, None, 0, 0)
+
+
 # --------------------------------------------------------------------------- fast paths
 def _plain_evaluate(tl: ConcreteTimeline, evicted, cache=True):
     """The model of the module docstring, written out plainly: (peak, cost, live, events)."""

@@ -45,9 +45,14 @@ Decision
 predicted peak fits the budget: exact (every subset) when few slots can free memory, greedy
 otherwise (repeatedly the slot that removes the most bytes above the budget per unit of cost,
 then a pruning pass that puts back every slot the budget does not need, dearest first). When
-no set fits, :func:`minimum_peak` finds the smallest peak it can reach, also in a *mixed*
-regime (each chained input kept or recomputed as a temporary, chosen per slot), and the
-decision says whether that reaches the budget.
+no greedy set fits, :func:`minimum_peak` searches for the smallest peak, also in a *mixed*
+regime (each chained input kept or recomputed as a temporary, chosen per slot); when one of
+its results fits the budget, the cheapest of those is the decision, else the decision runs at
+the smallest peak found and says the budget is not reachable. A set that fits, from either
+path, is then made cheaper while it still fits (:func:`_cheapen`: put back one of its dearest
+evictions, repair with cheaper ones evaluated exactly, put back what is not needed), since
+the greedy's choices one at a time and the minimum search's choices by peak leave work that
+the budget does not need.
 """
 
 from __future__ import annotations
@@ -146,6 +151,8 @@ class ConcreteTimeline:
         slots = self.slots
         object.__setattr__(self, "_nbytes", np.array([x.nbytes for x in slots], dtype=np.int64))
         object.__setattr__(self, "_regen", np.array([x.regen_peak for x in slots], dtype=np.int64))
+        # Costs as the greedy searches divide by them (never zero).
+        object.__setattr__(self, "_costs", np.array([max(x.cost, 1e-9) for x in slots]))
         object.__setattr__(self, "_start", np.array([x.start for x in slots], dtype=np.int64))
         object.__setattr__(self, "_site", np.array([x.site for x in slots], dtype=np.int64))
         object.__setattr__(self, "_plan_slots", [frozenset(x for x, _ in s.plan) for s in slots])
@@ -384,8 +391,15 @@ def _run(tl: ConcreteTimeline, k: int, pending: frozenset[int], cache: Regime) -
     if found is not None:
         return found
     slots = tl.slots
-    kept = _keeper(cache)
     sequence = _needed(tl, k, pending)
+    # Many pending sets lead to the same sequence (a search's sets differ in slots the plan
+    # does not read): the call is the same when the sequence and what it keeps are.
+    same = (sequence, cache if isinstance(cache, bool) else cache.intersection(sequence))
+    found = tl._runs.get(same)
+    if found is not None:
+        tl._runs[key] = found
+        return found
+    kept = _keeper(cache)
     # A temporary (a chained input not kept) lives until its last reader in the run.
     last_reader: dict[int, int] = {}
     members = {x for x in sequence[:-1] if not kept(x)}
@@ -411,6 +425,7 @@ def _run(tl: ConcreteTimeline, k: int, pending: frozenset[int], cache: Regime) -
         top=max(offsets),
     )
     tl._runs[key] = run
+    tl._runs[same] = run
     return run
 
 
@@ -581,12 +596,42 @@ def _gains(tl: ConcreteTimeline, ev: _Evaluation, budget: int) -> np.ndarray:
     return gain - np.maximum(own - budget, 0)
 
 
+def _lowest_live(tl: ConcreteTimeline, chosen: Iterable[int]) -> np.ndarray | None:
+    """Live bytes per point that no regime of ``chosen`` goes below, or ``None``.
+
+    An eviction removes its bytes from points of its window only, and everything else it
+    brings (regenerations, a storage held past its copy) adds bytes, when no size is
+    negative (``None`` otherwise). Putting back slot ``k`` of ``chosen`` therefore leaves a
+    peak of at least ``max(lowest[start:site + 1]) + nbytes[k]``: the searches that put
+    slots back skip, unevaluated, those that this bound already rules out.
+    """
+    if not tl._sizes_nonnegative:
+        return None
+    index = [k for k in chosen if tl._effective_mask[k]]
+    if not index:
+        return tl.base.copy()
+    return tl.base - (tl.window_mask()[index] * tl._nbytes[index, None]).sum(axis=0)
+
+
+def _returns_above(tl: ConcreteTimeline, lowest: np.ndarray | None, k: int, limit: int) -> bool:
+    """Whether putting back slot ``k`` surely peaks above ``limit`` (see :func:`_lowest_live`)."""
+    if lowest is None or not tl._effective_mask[k]:
+        return False
+    slot = tl.slots[k]
+    return int(lowest[slot.start : slot.site + 1].max()) + slot.nbytes > limit
+
+
 def _prune(tl: ConcreteTimeline, chosen: set[int], cache: Regime, limit: int) -> set[int]:
     """Put back every slot (dearest first) whose eviction the limit does not need."""
+    lowest = _lowest_live(tl, chosen)
     for x in sorted(chosen, key=lambda s: (-tl.slots[s].cost, s)):
+        if _returns_above(tl, lowest, x, limit):
+            continue
         trial = chosen - {x}
         if predict_peak(tl, trial, cache) <= limit:
             chosen = trial
+            if lowest is not None and tl._effective_mask[x]:
+                lowest[tl.slots[x].start : tl.slots[x].site + 1] += tl.slots[x].nbytes
     return chosen
 
 
@@ -597,18 +642,180 @@ def _greedy_toward(
     unit of cost, until the peak is within ``target`` or no eviction removes any."""
     allowed = np.zeros(len(tl.slots), dtype=bool)
     allowed[list(candidates)] = True
-    costs = np.array([max(x.cost, 1e-9) for x in tl.slots])
     chosen: set[int] = set()
     ev = _evaluate(tl, chosen, cache)
     while ev.peak > target:
         gains = np.where(allowed, _gains(tl, ev, target), 0)
         if gains.max() <= 0:
             break
-        best = int(np.argmax(gains / costs))
+        best = int(np.argmax(gains / tl._costs))
         chosen.add(best)
         allowed[best] = False
         ev = _evaluate(tl, chosen, cache)
     return chosen, ev
+
+
+# Most improvements :func:`_cheapen` makes to one decision (each lowers its cost), the moves
+# of each kind a round tries, and the additions a step of its repair evaluates exactly (the
+# best by the estimate of :func:`_gains`).
+_CHEAPEN_ROUNDS = 8
+_CHEAPEN_TRIES = 2
+_SWAP_TRIES = 4
+_REPAIR_TRIALS = 2
+
+
+def _excess(ev: _Evaluation, budget: int) -> int:
+    """Bytes above ``budget``, summed over the points and the materializations."""
+    over = ev.live - budget
+    events = sum(value - budget for _, value, _ in ev.events if value > budget)
+    return int(over[over > 0].sum()) + events
+
+
+def _repair(
+    tl: ConcreteTimeline,
+    chosen: set[int],
+    allowed: np.ndarray,
+    budget: int,
+    cache: Regime,
+    cost_limit: float,
+) -> set[int] | None:
+    """Add evictions from ``allowed`` to ``chosen`` until it fits ``budget``, or ``None``.
+
+    Each step evaluates the few most promising additions (bytes above the budget removed per
+    unit of cost, as estimated by :func:`_gains`) exactly: the cheapest that fits ends the
+    repair, else the one that removes the most bytes above the budget per unit of cost is
+    taken. The estimate ignores chains (an eviction whose regeneration recomputes another
+    evicted slot may raise a peak elsewhere), the exact evaluation does not. The repair
+    gives up when nothing removes bytes above the budget, or at ``cost_limit``.
+    """
+    allowed = allowed.copy()
+    allowed[list(chosen)] = False
+    costs = tl._costs
+    ev = _evaluate(tl, chosen, cache)
+    while ev.peak > budget:
+        if ev.cost >= cost_limit:
+            return None
+        gains = np.where(allowed, _gains(tl, ev, budget), 0)
+        order = [int(x) for x in np.argsort(-gains / costs, kind="stable")[:_REPAIR_TRIALS]]
+        order = [x for x in order if gains[x] > 0]
+        if not order:
+            return None
+        excess = _excess(ev, budget)
+        fits: tuple[float, int] | None = None
+        best: tuple[float, int, _Evaluation] | None = None
+        for x in order:
+            result = _evaluate(tl, chosen | {x}, cache)
+            if result.peak <= budget:
+                if fits is None or result.cost < fits[0]:
+                    fits = (result.cost, x)
+                continue
+            score = (excess - _excess(result, budget)) / costs[x]
+            if score > 0 and (best is None or score > best[0]):
+                best = (score, x, result)
+        if fits is not None:
+            chosen = chosen | {fits[1]}
+            break
+        if best is None:
+            return None
+        chosen = chosen | {best[1]}
+        allowed[best[1]] = False
+        ev = best[2]
+    return chosen
+
+
+def _put_back(
+    tl: ConcreteTimeline,
+    chosen: set[int],
+    x: int,
+    effective: np.ndarray,
+    cache: Regime,
+    budget: int,
+) -> set[int] | None:
+    """``chosen`` with slot ``x`` put back and other evictions in its place, or ``None``."""
+    allowed = effective.copy()
+    allowed[x] = False
+    cost_limit = _evaluate(tl, chosen, cache).cost
+    repaired = _repair(tl, chosen - {x}, allowed, budget, cache, cost_limit)
+    return None if repaired is None else _prune(tl, repaired, cache, budget)
+
+
+def _swap_in(
+    tl: ConcreteTimeline,
+    chosen: set[int],
+    y: int,
+    effective: np.ndarray,
+    cache: Regime,
+    budget: int,
+) -> set[int] | None:
+    """``chosen`` with slot ``y`` evicted in place of what it makes unnecessary, or ``None``.
+
+    ``y``'s chained inputs are put back first: evicted with it, a regeneration of ``y``
+    materializes them early (kept from its site to theirs, in the cache regime), which is
+    what makes a large tensor look useless to evict one slot at a time. Evictions that the
+    set then misses are repaired (:func:`_repair`), and the old evictions that are not
+    needed any more are put back (dearest first) before ``y`` itself may be.
+    """
+    inputs = tl._plan_slots[y] - {y}
+    trial = (chosen | {y}) - inputs
+    allowed = effective.copy()
+    allowed[list(inputs | {y})] = False
+    cost_limit = _evaluate(tl, chosen, cache).cost
+    repaired = _repair(tl, trial, allowed, budget, cache, cost_limit)
+    if repaired is None:
+        return None
+    for x in sorted(repaired & chosen, key=lambda s: (-tl.slots[s].cost, s)):
+        if predict_peak(tl, repaired - {x}, cache) <= budget:
+            repaired = repaired - {x}
+    return _prune(tl, repaired, cache, budget)
+
+
+def _cheapen(tl: ConcreteTimeline, chosen: Iterable[int], cache: Regime, budget: int) -> set[int]:
+    """Lower the recompute cost of an eviction set that fits ``budget``, keeping it within.
+
+    The searches that find a fitting set choose evictions by bytes removed per unit of cost,
+    one at a time, or by peak: an early choice that a later one made unnecessary stays, and
+    an expensive tensor may hold the place of a cheaper pair; a large tensor whose eviction
+    would replace several small ones is never chosen when, evicted alongside its own chained
+    inputs, its regeneration raises a peak. Each round tries two kinds of moves and takes the
+    first that fits and costs less: put back one of the evictions whose return saves the most
+    work and repair (:func:`_put_back`), then evict one of the slots that free the most bytes
+    over their window in place of what it makes unnecessary (:func:`_swap_in`). Every move is
+    evaluated exactly, and ties go to the lower index: the result is deterministic.
+    """
+    chosen = set(chosen)
+    ev = _evaluate(tl, chosen, cache)
+    if ev.peak > budget:
+        return chosen
+    effective = np.zeros(len(tl.slots), dtype=bool)
+    effective[_effective(tl)] = True
+    # Slots that free the most bytes over their window first (ties: the lower index).
+    volume = [
+        (-(tl.slots[y].nbytes * (tl.slots[y].site - tl.slots[y].start + 1)), y)
+        for y in _effective(tl)
+    ]
+    largest = [y for _, y in sorted(volume)]
+    for _ in range(_CHEAPEN_ROUNDS):
+        # Dearest by the work putting it back saves: a chained input recomputed as a
+        # temporary costs once per regeneration that reads it, not its own cost once.
+        saving = {x: ev.cost - _evaluate(tl, chosen - {x}, cache).cost for x in chosen}
+        dearest = sorted(chosen, key=lambda s: (-saving[s], s))[:_CHEAPEN_TRIES]
+        moves = [(_put_back, x) for x in dearest]
+        # (A slot that alone costs what the set costs cannot take the place of anything.)
+        swaps = [y for y in largest if y not in chosen][:_SWAP_TRIES]
+        moves += [(_swap_in, y) for y in swaps if tl.slots[y].cost < ev.cost]
+        found = None
+        for move, x in moves:
+            trial = move(tl, chosen, x, effective, cache, budget)
+            if trial is None:
+                continue
+            result = _evaluate(tl, trial, cache)
+            if result.peak <= budget and result.cost < ev.cost:
+                found = (trial, result)
+                break
+        if found is None:
+            break
+        chosen, ev = found
+    return chosen
 
 
 def _greedy(
@@ -678,9 +885,12 @@ def _minimum_from_all(tl: ConcreteTimeline, cache: bool) -> tuple[set[int], int]
     while chosen:
         # Rank every return once, then apply them in that order while each still helps: one
         # pass applies many returns for about the evaluations of one greedy step.
+        # A return that surely peaks above the current peak is never applied: not evaluated.
+        lowest = _lowest_live(tl, chosen)
         ranked = sorted(
             (result.peak, result.cost, x)
             for x in chosen
+            if not _returns_above(tl, lowest, x, ev.peak)
             for result in (_evaluate(tl, chosen - {x}, cache),)
         )
         changed = False
@@ -798,24 +1008,28 @@ def _minimum_once(tl: ConcreteTimeline, budget: int | None = None) -> Decision:
         chosen = _prune(tl, chosen, cache, limit)
         ev = _evaluate(tl, chosen, cache)
         results.append((ev.peak, ev.cost, not cache, chosen, cache))
+    fitting = [r for r in results if budget is not None and r[0] <= budget]
+    if fitting:
+        # Any set that fits will do: the least work wins (see decide), not the least peak.
+        _, _, _, chosen, cache = min(fitting, key=lambda r: (r[1], r[0], r[2], sorted(r[3])))
+        return _decision(tl, chosen, cache, budget)
     peak, cost, _, chosen, cache = min(results, key=lambda r: r[:3])
-    if budget is None or peak > budget:
-        # The searches end in different places: refine each local search's result and the
-        # best few greedy ones, keep the best.
-        refined = []
-        local, greedy = results[:_LOCAL_SEARCHES], results[_LOCAL_SEARCHES:]
-        greedy.sort(key=lambda r: (r[0], r[1], r[2], sorted(r[3])))
-        for _, _, _, start, regime in local + greedy[:_REFINED_GREEDY]:
-            evicted, keep = _refine(tl, start, regime)
-            ev = _evaluate(tl, evicted, keep)
-            refined.append((ev.peak, ev.cost, evicted, keep))
-        best_peak, _, evicted, keep = min(refined, key=lambda r: r[:2])
-        if best_peak < peak:
-            limit = best_peak if budget is None else max(best_peak, budget)
-            evicted = frozenset(_prune(tl, set(evicted), keep, limit))
-            # A kept slot that is no chained input any more keeps nothing: normalize.
-            keep = keep & frozenset(_chain_inputs(tl, evicted))
-            return _decision(tl, evicted, keep, budget)
+    # The searches end in different places: refine each local search's result and the
+    # best few greedy ones, keep the best.
+    refined = []
+    local, greedy = results[:_LOCAL_SEARCHES], results[_LOCAL_SEARCHES:]
+    greedy.sort(key=lambda r: (r[0], r[1], r[2], sorted(r[3])))
+    for _, _, _, start, regime in local + greedy[:_REFINED_GREEDY]:
+        evicted, keep = _refine(tl, start, regime)
+        ev = _evaluate(tl, evicted, keep)
+        refined.append((ev.peak, ev.cost, evicted, keep))
+    best_peak, _, evicted, keep = min(refined, key=lambda r: r[:2])
+    if best_peak < peak:
+        limit = best_peak if budget is None else max(best_peak, budget)
+        evicted = frozenset(_prune(tl, set(evicted), keep, limit))
+        # A kept slot that is no chained input any more keeps nothing: normalize.
+        keep = keep & frozenset(_chain_inputs(tl, evicted))
+        return _decision(tl, evicted, keep, budget)
     return _decision(tl, chosen, cache, budget)
 
 
@@ -877,7 +1091,10 @@ def minimum_peak(tl: ConcreteTimeline, budget: int | None = None) -> Decision:
     tl
         The concrete timeline.
     budget
-        Recorded in the decision (its ``reachable`` compares against it).
+        Recorded in the decision (its ``reachable`` compares against it). When results of
+        a round fit it, the refinement and the further rounds are skipped: the cheapest
+        result that fits is the answer, made cheaper by :func:`_cheapen` (a budget decision
+        wants the least work within the budget, not the least peak).
 
     Returns
     -------
@@ -899,7 +1116,28 @@ def minimum_peak(tl: ConcreteTimeline, budget: int | None = None) -> Decision:
         current = _decision(tl, found.evicted, found.cache, budget)
         if (current.peak, current.cost) < (best.peak, best.cost):
             best = current
+    if best.reachable and best.evicted and budget is not None:
+        # A search for the least peak that ends within the budget: now lower its work, in
+        # every regime the set fits in (the regime of least peak is seldom that of least
+        # work: temporaries cost a recomputation per reader, kept inputs cost bytes).
+        made = []
+        for regime in _unique([best.cache, True, False]):
+            if predict_peak(tl, best.evicted, regime) <= budget:
+                evicted = frozenset(_cheapen(tl, best.evicted, regime, budget))
+                if not isinstance(regime, bool):
+                    regime = regime & frozenset(_chain_inputs(tl, evicted))
+                made.append(_decision(tl, evicted, regime, budget))
+        best = min(made, key=lambda d: d.cost)
     return best
+
+
+def _unique(regimes: list[Regime]) -> list[Regime]:
+    """``regimes`` without repeats, in order (``True == 1``: compared with their type)."""
+    out: list[Regime] = []
+    for regime in regimes:
+        if not any(type(r) is type(regime) and r == regime for r in out):
+            out.append(regime)
+    return out
 
 
 @_forgets_runs
@@ -937,5 +1175,6 @@ def decide(tl: ConcreteTimeline, budget: int | None, *, exact_limit: int = EXACT
         d for d in (_greedy(tl, candidates, budget, c) for c in (True, False)) if d is not None
     ]
     if found:
-        return min(found, key=lambda d: (d.cost, d.peak, not d.cache))
+        best = min(found, key=lambda d: (d.cost, d.peak, not d.cache))
+        return _decision(tl, _cheapen(tl, best.evicted, best.cache, budget), best.cache, budget)
     return minimum_peak(tl, budget)
