@@ -100,3 +100,25 @@ def test_static_twins_compile_their_base_pipeline_per_length(twin, base):
     twin_config, base_config = get_config(twin), get_config(base)
     assert twin_config.static and not base_config.static
     assert twin_config.pipeline is base_config.pipeline
+
+
+def test_registered_tvm_pipelines_say_which_flags_they_compile_with():
+    from blade_relax.bench.configs import FlagsPipeline
+    from blade_relax.pipeline import PipelineFlags
+
+    for name in ("tvm-dynamic", "tvm-static", "tvm-bucketed@64", "blade-relax-full"):
+        assert isinstance(get_config(name).pipeline, FlagsPipeline), name
+    assert get_config("tvm-static").pipeline.flags == PipelineFlags.stock()
+    full = get_config("blade-relax-full").pipeline.keywords()
+    assert full["schedule"] and full["remat"] and full["plan"] and full["simplify"]
+    schedule = get_config("blade-relax-schedule").pipeline.keywords()
+    assert schedule["schedule"] and not schedule["remat"] and not schedule["simplify"]
+    # A budget variant keeps its reference's pipeline (the predicted mode shares the lowering).
+    assert get_config("blade-relax-full@0.8").pipeline == get_config("blade-relax-full").pipeline
+
+
+def test_a_bucketed_config_is_neither_static_nor_bounded():
+    with pytest.raises(ValueError, match="neither static nor bounded"):
+        TvmConfig("x", pipeline=stock_pipeline_factory, bucket=64, static=True)
+    with pytest.raises(ValueError, match="neither static nor bounded"):
+        TvmConfig("x", pipeline=stock_pipeline_factory, bucket="pow2", keep_bounds=True)

@@ -23,7 +23,8 @@ RESULT_KEYS = {
     "config", "seq_len", "peak_bytes", "step_peak_bytes", "caller_bytes", "lower_bound_bytes",
     "step_time_s", "step_times_s", "compile_time_s", "compilations", "loss", "max_rel_error",
     "correct", "budget_bytes", "evictions", "regenerations", "unevictable_bytes",
-    "workspace_bytes", "allocations", "driver_peak_bytes", "driver_agrees", "error",
+    "workspace_bytes", "allocations", "driver_peak_bytes", "driver_agrees", "padded_to",
+    "source", "error",
 }  # fmt: skip
 
 
@@ -79,6 +80,7 @@ def test_json_schema(run_json):
         else:
             assert row["workspace_bytes"] is None, row
         assert len(row["step_times_s"]) == 1, row
+        assert row["source"] == "measured" and row["padded_to"] is None, row
 
 
 def test_measured_facts(run_json):

@@ -55,3 +55,32 @@ def test_compiled_code_runs_compiled_and_is_counted():
     with LiveBytesCounter() as eager:
         fn(x)
     assert eager.peak_bytes > counter.peak_bytes
+
+
+def test_meta_tensors_are_counted_only_when_asked():
+    x = torch.empty(1000, device="meta")
+    with LiveBytesCounter() as plain:
+        y = x * 2
+    with LiveBytesCounter(meta=True) as meta:
+        z = x * 2
+        view = z.view(10, 100)
+        z.add_(1)
+    assert plain.peak_bytes == 0
+    assert meta.peak_bytes == 4000 and meta.allocations == 1  # the view and in-place add: none
+    del y, view
+
+
+def test_a_training_step_on_meta_tensors_counts_what_the_cpu_step_allocates():
+    # PyTorch eager's peak at 1.1B parameters is predicted this way: same ops, same storages.
+    pytest.importorskip("transformers")
+    from blade_relax.bench import ModelSizes, build_workload, run_benchmark
+    from blade_relax.bench.predict import predict_torch_peak
+
+    sizes = ModelSizes(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=96, vocab=100)
+    workload = build_workload("llama-train", sizes)
+    lengths = [7, 50]
+    measured = run_benchmark(workload, ["torch-eager"], lengths, repeat=1)
+    for row in measured.measurements:
+        assert row.correct and row.step_peak_bytes > 0
+        shapes = [(1, row.seq_len), (1, row.seq_len)]
+        assert predict_torch_peak(workload.graph, shapes) == row.step_peak_bytes, row.seq_len

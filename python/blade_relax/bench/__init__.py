@@ -2,8 +2,9 @@
 
 ``python -m blade_relax.bench --workload llama-train --configs tvm-dynamic,torch-eager`` (also
 ``blade-relax bench``) prints a markdown table and writes JSON (``--out``) and a plot
-(``--plot``). Configurations live in a registry (:mod:`.configs`); each memory pass adds its own
-``blade-relax*`` configurations there.
+(``--plot``); ``--predict`` computes the peaks instead of measuring them, for sizes too large
+to run (:mod:`.predict`). Configurations live in a registry (:mod:`.configs`); each memory
+pass adds its own ``blade-relax*`` configurations there.
 
 The names below are imported on first use, so that the command line answers ``--help`` and
 rejects bad input without importing TVM.
@@ -29,7 +30,9 @@ _LAZY = {
     "BenchResult": "runner",
     "Measurement": "runner",
     "run_benchmark": "runner",
+    "predict_benchmark": "predict",
     "length_trace": "trace",
+    "LLAMA_1B": "workloads",
     "REAL": "workloads",
     "SMALL": "workloads",
     "WORKLOADS": "workloads",
@@ -39,6 +42,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "LLAMA_1B",
     "REAL",
     "SMALL",
     "WORKLOADS",
@@ -54,6 +58,7 @@ __all__ = [
     "get_config",
     "length_trace",
     "main",
+    "predict_benchmark",
     "register_budget_family",
     "register_config",
     "register_config_family",

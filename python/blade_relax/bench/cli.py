@@ -49,8 +49,19 @@ def build_parser(prog: str = DEFAULT_PROG) -> argparse.ArgumentParser:
     parser.add_argument(
         "--size",
         default="small",
-        choices=["small", "real"],
-        help="size preset; the flags below override single sizes (default: small)",
+        choices=["small", "real", "1b"],
+        help="size preset: small (CPU, minutes), real (a GPU), 1b (Llama-2 architecture at "
+        "1.1B parameters: 22 layers, hidden 2048, 32 heads / 4 KV heads, MLP 5632, vocabulary "
+        "32000, s <= 2048; run it with --predict on a CPU); the flags below override single "
+        "sizes (default: small)",
+    )
+    parser.add_argument(
+        "--predict",
+        action="store_true",
+        help="predict instead of measuring: TVM peaks from the symbolic timeline of the IR "
+        "each config compiles (lowered to the memory stage, no kernel built or run), PyTorch "
+        "eager's from the same counter on meta tensors; the weights are not drawn "
+        "(torch.compile is not predicted)",
     )
     for flag, help_text in (
         ("layers", "decoder layers (hidden layers for mlp-train)"),
@@ -232,13 +243,17 @@ def _run(args: argparse.Namespace, prog: str) -> int:
     from .runner import run_benchmark
     from .workloads import build_workload
 
-    say(f"building {args.workload} ({sizes})")
+    # The predicted mode reads no weight: they are allocated, not drawn.
+    weights = "empty" if args.predict else "random"
+    say(f"building {args.workload} ({sizes}, {weights} weights)")
     try:
-        workload = build_workload(args.workload, sizes, seed=args.seed)
+        workload = build_workload(args.workload, sizes, seed=args.seed, weights=weights)
     except ImportError as err:
         raise CliError(
             f"{args.workload} needs PyTorch and transformers: {first_line(err)}"
         ) from None
+    if args.predict:
+        return _predict(args, workload, names, lengths, trace, say)
     if workload.graph.reference is None:
         print(
             f"warning: torch is not installed, so {args.workload}'s outputs are checked against "
@@ -258,6 +273,7 @@ def _run(args: argparse.Namespace, prog: str) -> int:
     )
     print(f"## {args.workload} on {args.target}: trace {trace.get('lengths')}\n")
     print(markdown_table(result))
+    _print_over_trace(result)
     sweep = budget_table(result)
     if sweep:
         print("\n### Peak and step time against the budget (medians over the trace)\n")
@@ -272,3 +288,51 @@ def _run(args: argparse.Namespace, prog: str) -> int:
         else:
             say("no budgeted configuration was run: --budget-plot skipped")
     return 0 if result.all_correct else 1
+
+
+def _print_over_trace(result) -> None:
+    """The trace's summary per configuration and the acceptance check, when they say more
+    than the table above (several lengths)."""
+    from .report import acceptance_lines, trace_summary_table
+
+    if len(result.lengths) < 2:
+        return
+    print("\n### Over the trace\n")
+    print(trace_summary_table(result))
+    lines = acceptance_lines(result)
+    if lines:
+        print()
+        print("\n".join(lines))
+
+
+def _predict(args: argparse.Namespace, workload, names, lengths, trace, say) -> int:
+    """The predicted mode (:mod:`.predict`): 0 unless a prediction failed."""
+    from .predict import NOT_PREDICTED, predict_benchmark
+    from .report import budget_table, peak_grid, write_json, write_plot
+
+    result = predict_benchmark(
+        workload, names, lengths, target=args.target, trace=trace, progress=say
+    )
+    print(f"## {args.workload} on {args.target}, predicted: trace {trace.get('lengths')}\n")
+    print(peak_grid(result))
+    _print_over_trace(result)
+    sweep = budget_table(result)
+    if sweep:
+        print("\n### Peak against the budget (medians over the trace)\n")
+        print(sweep)
+    requested = {c.name for c in result.configs if c.requested}
+    failed = [
+        m
+        for m in result.measurements
+        if m.config in requested and m.error and not m.error.startswith(NOT_PREDICTED)
+    ]
+    notes = {m.config: m.error for m in result.measurements if m.error and m not in failed}
+    for config, note in notes.items():
+        print(f"\n- {config}: {note}")
+    for m in failed:
+        print(f"\n- {m.config} at s={m.seq_len}: {m.error}")
+    if args.out:
+        say(f"wrote {write_json(result, args.out)}")
+    if args.plot:
+        say(f"wrote {write_plot(result, args.plot)}")
+    return 1 if failed else 0

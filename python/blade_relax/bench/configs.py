@@ -12,6 +12,11 @@ A configuration says how one system runs a workload. Two kinds exist:
     PyTorch eager, or ``torch.compile(dynamic=True)`` with an optional
     ``torch._functorch.config.activation_memory_budget``.
 
+A TVM configuration whose pipeline is a :class:`FlagsPipeline` (every one registered here) says
+which :class:`~blade_relax.pipeline.PipelineFlags` it compiles with, so that the predicted mode
+(:mod:`.predict`) can lower the module through the same passes to the memory stage and read
+its timeline, without building or running a kernel.
+
 Names are either fixed (``register_config``) or parametrized as ``family@argument``
 (``register_config_family``): ``torch-compile@0.5`` asks the ``torch-compile`` family for a
 configuration with argument ``"0.5"``; ``blade-relax@0.5`` is a budget of half the
@@ -44,6 +49,7 @@ from ..pipeline import PipelineFlags
 __all__ = [
     "BenchConfig",
     "ConfigFamily",
+    "FlagsPipeline",
     "TorchConfig",
     "TvmConfig",
     "available_configs",
@@ -58,6 +64,33 @@ __all__ = [
 
 PipelineFactory = Callable[[Any], Any]
 """``target (tvm.target.Target) -> tvm.transform.Pass`` usable as ``relax_pipeline=``."""
+
+
+@dataclass(frozen=True)
+class FlagsPipeline:
+    """A pipeline factory that knows its flags: ``get_pipeline(target, **flags)``.
+
+    With :meth:`PipelineFlags.stock` flags it is TVM's default pipeline for the target
+    (:func:`blade_relax.pipeline.stock_pipeline`).
+
+    Attributes
+    ----------
+    flags
+        The passes and options of the pipeline.
+    """
+
+    flags: PipelineFlags
+
+    def __call__(self, target: Any) -> Any:
+        from ..pipeline import get_pipeline, stock_pipeline
+
+        if self.flags == PipelineFlags.stock():
+            return stock_pipeline(target)
+        return get_pipeline(target, **self.keywords())
+
+    def keywords(self) -> dict[str, Any]:
+        """The flags as the keywords of ``get_pipeline`` / ``lower_to_memory_stage``."""
+        return {f.name: getattr(self.flags, f.name) for f in dataclasses.fields(self.flags)}
 
 
 @dataclass(frozen=True)
@@ -81,6 +114,10 @@ class TvmConfig:
         ``budget_of`` measured at the same length; ``None`` for no budget.
     budget_of
         The configuration whose peak defines ``budget`` (run first, added if not requested).
+    bucket
+        Compile one static graph per bucket of lengths and pad the inputs to the bucket
+        (:mod:`.bucketing`): a number of tokens per bucket, or ``"pow2"``; ``None``: no
+        bucketing.
     description
         One line for the README and ``--list-configs``.
     """
@@ -91,6 +128,7 @@ class TvmConfig:
     keep_bounds: bool = False
     budget: float | None = None
     budget_of: str | None = None
+    bucket: int | str | None = None
     description: str = ""
 
     kind = "tvm"
@@ -103,6 +141,8 @@ class TvmConfig:
                 raise ValueError(f"{self.name}: a budget needs budget_of (the reference config)")
         if self.static and self.keep_bounds:
             raise ValueError(f"{self.name}: a static config has no symbolic bounds to keep")
+        if self.bucket is not None and (self.static or self.keep_bounds):
+            raise ValueError(f"{self.name}: a bucketed config is neither static nor bounded")
 
 
 @dataclass(frozen=True)
@@ -278,12 +318,15 @@ def stock_pipeline_factory(target: Any) -> Any:
     return stock_pipeline(target)
 
 
+_STOCK = FlagsPipeline(PipelineFlags.stock())
+
+
 # ---------------------------------------------------------------------------------------------
 # Stock baselines.
 register_config(
     TvmConfig(
         "tvm-dynamic",
-        pipeline=stock_pipeline_factory,
+        pipeline=_STOCK,
         description="stock TVM pipeline, compiled once, upper bounds dropped "
         "(buffers sized by the actual length)",
     )
@@ -291,7 +334,7 @@ register_config(
 register_config(
     TvmConfig(
         "tvm-bounded",
-        pipeline=stock_pipeline_factory,
+        pipeline=_STOCK,
         keep_bounds=True,
         description="stock TVM pipeline, compiled once, planned at the upper bound "
         "(tir_var_upper_bound kept)",
@@ -300,7 +343,7 @@ register_config(
 register_config(
     TvmConfig(
         "tvm-static",
-        pipeline=stock_pipeline_factory,
+        pipeline=_STOCK,
         static=True,
         description="stock TVM pipeline recompiled for every exact length (the static oracle)",
     )
@@ -335,13 +378,9 @@ register_config_family(
 _NO_GRAPH_PASSES = dict.fromkeys(PipelineFlags.switches("graph"), False)
 
 
-def _blade_factory(**flags: bool) -> PipelineFactory:
-    def factory(target: Any) -> Any:
-        from ..pipeline import get_pipeline
-
-        return get_pipeline(target, **{**_NO_GRAPH_PASSES, **flags})
-
-    return factory
+def _blade_factory(**flags: bool) -> FlagsPipeline:
+    """``get_pipeline`` with ``flags`` (its defaults otherwise), the graph passes off unless named."""
+    return FlagsPipeline(PipelineFlags.of({**_NO_GRAPH_PASSES, **flags}))
 
 
 def _toposort_factory(target: Any) -> Any:
@@ -470,3 +509,25 @@ register_config(
 _register_static_twin("blade-relax-static", "blade-relax-full")
 _register_static_twin("blade-relax-schedule-static", "blade-relax-schedule")
 _register_static_twin("blade-relax-schedule-plan-static", "blade-relax-schedule-plan")
+
+
+def _bucketed(argument: str) -> TvmConfig:
+    from .bucketing import parse_bucket
+
+    bucket = parse_bucket(argument)
+    what = "powers of two" if bucket == "pow2" else f"multiples of {bucket} tokens"
+    return TvmConfig(
+        f"tvm-bucketed@{argument}",
+        pipeline=_STOCK,
+        bucket=bucket,
+        description=f"stock TVM compiled once per bucket ({what}), inputs padded to the "
+        "bucket, padded labels ignored",
+    )
+
+
+register_config_family(
+    "tvm-bucketed",
+    _bucketed,
+    description="stock TVM compiled once per bucket of K tokens (or pow2: powers of two), "
+    "inputs padded to the bucket, padded labels ignored",
+)

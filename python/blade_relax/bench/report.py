@@ -21,12 +21,19 @@ from .runner import BenchResult, Measurement
 
 __all__ = [
     "SCHEMA",
+    "Acceptance",
     "BudgetPoint",
+    "ConfigOverTrace",
+    "acceptance",
+    "acceptance_lines",
     "budget_points",
     "budget_table",
     "format_bytes",
     "markdown_table",
+    "over_trace",
+    "peak_grid",
     "result_to_json",
+    "trace_summary_table",
     "write_budget_plot",
     "write_json",
     "write_plot",
@@ -160,32 +167,57 @@ def _finish(fig: Any, ax: Any, path: str | os.PathLike) -> Path:
     return out
 
 
+def _unit(result: BenchResult) -> tuple[str, int]:
+    """GiB when some peak reaches 4 GiB, MiB otherwise."""
+    top = max((m.peak_bytes or 0 for m in result.measurements), default=0)
+    return ("GiB", 2**30) if top >= 4 * 2**30 else ("MiB", 2**20)
+
+
+def _sources(result: BenchResult) -> dict[str, str]:
+    """Per configuration: ``measured``, ``predicted`` or ``not predicted`` (no figure)."""
+    out: dict[str, str] = {}
+    for m in result.measurements:
+        if m.peak_bytes is not None:
+            out[m.config] = m.source
+        else:
+            out.setdefault(m.config, "not predicted" if m.source == "predicted" else "error")
+    return out
+
+
 def write_plot(result: BenchResult, path: str | os.PathLike) -> Path:
-    """Peak bytes vs sequence length, one line per requested configuration (PNG)."""
+    """Peak bytes vs sequence length, one line per requested configuration (PNG).
+
+    Predicted configurations are drawn dashed and labelled ``(predicted)``.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     requested = [c.name for c in result.configs if c.requested]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    unit, scale = _unit(result)
+    sources = _sources(result)
+    fig, ax = plt.subplots(figsize=(8, 5))
     for name in requested:
         points = sorted(
-            (m.seq_len, m.peak_bytes / 2**20)
+            (m.seq_len, m.peak_bytes / scale)
             for m in result.measurements
             if m.config == name and m.peak_bytes is not None
         )
         if points:
             xs, ys = zip(*points)
-            ax.plot(xs, ys, marker="o", label=name)
+            predicted = sources.get(name) == "predicted"
+            label = f"{name} (predicted)" if predicted else name
+            style = "--" if predicted else "-"
+            ax.plot(xs, ys, style, marker="o", markersize=3, label=label)
     bounds = sorted(
         {(m.seq_len, m.lower_bound_bytes) for m in result.measurements if m.lower_bound_bytes}
     )
     if bounds:
         xs, ys = zip(*bounds)
-        ax.plot(xs, [y / 2**20 for y in ys], "k--", label="lower bound")
+        ax.plot(xs, [y / scale for y in ys], "k:", label="lower bound")
     ax.set_xlabel("sequence length s")
-    ax.set_ylabel("peak memory (MiB)")
+    ax.set_ylabel(f"peak memory ({unit})")
     ax.set_title(f"{result.workload.name}: peak bytes per step ({result.target})")
     return _finish(fig, ax, path)
 
@@ -367,3 +399,198 @@ def write_budget_plot(result: BenchResult, path: str | os.PathLike) -> Path:
     ax.set_ylabel("step time / same system without a budget")
     ax.set_title(f"{result.workload.name}: peak and step time against the budget")
     return _finish(fig, ax, path)
+
+
+# --------------------------------------------------------------------------------------------
+# Over the whole trace: peaks per length side by side, maximum and mean, compilations
+
+
+def _trace_lengths(result: BenchResult) -> list[int]:
+    """The trace's entries (repeats included), or the measured lengths without a trace."""
+    lengths = result.trace.get("lengths") if result.trace else None
+    return [int(n) for n in lengths] if lengths else list(result.lengths)
+
+
+def _requested(result: BenchResult) -> list[str]:
+    return [c.name for c in result.configs if c.requested]
+
+
+def _peaks(result: BenchResult) -> dict[tuple[str, int], int]:
+    return {
+        (m.config, m.seq_len): m.peak_bytes
+        for m in result.measurements
+        if m.peak_bytes is not None and m.error is None
+    }
+
+
+def peak_grid(result: BenchResult) -> str:
+    """Markdown: one row per length, the lower bound and each requested configuration's peak.
+
+    Sizes in GiB when some peak reaches 4 GiB (MiB otherwise); ``-`` where a configuration has
+    no figure.
+    """
+    unit, scale = _unit(result)
+    names = _requested(result)
+    peaks = _peaks(result)
+    lower = {m.seq_len: m.lower_bound_bytes for m in result.measurements}
+    lines = [
+        f"| s | lower bound | {' | '.join(names)} |",
+        "|---:|" + "---:|" * (len(names) + 1),
+    ]
+    for n in result.lengths:
+        cells = [f"{lower[n] / scale:.2f}" if lower.get(n) else "-"]
+        for name in names:
+            value = peaks.get((name, n))
+            cells.append("-" if value is None else f"{value / scale:.2f}")
+        lines.append(f"| {n} | {' | '.join(cells)} |")
+    lines.append(f"\nPeaks in {unit}.")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class ConfigOverTrace:
+    """One configuration over the trace's entries (repeated lengths count once per entry).
+
+    Attributes
+    ----------
+    config, source
+        The name, and ``measured`` / ``predicted`` / ``not predicted`` / ``error``.
+    max_peak, mean_peak
+        Largest and mean ``peak_bytes`` over the trace's entries (``None`` without figures).
+    compilations, compile_time_s
+        Compilations over the trace and their total time (for predicted TVM rows: lowerings
+        to the memory stage).
+    """
+
+    config: str
+    source: str
+    max_peak: int | None
+    mean_peak: float | None
+    compilations: int
+    compile_time_s: float
+
+
+def over_trace(result: BenchResult) -> list[ConfigOverTrace]:
+    """:class:`ConfigOverTrace` of every requested configuration, in run order."""
+    trace = _trace_lengths(result)
+    peaks = _peaks(result)
+    sources = _sources(result)
+    out = []
+    for config in result.configs:
+        if not config.requested:
+            continue
+        values = [peaks.get((config.name, n)) for n in trace]
+        known = [v for v in values if v is not None]
+        complete = bool(known) and len(known) == len(values)
+        out.append(
+            ConfigOverTrace(
+                config=config.name,
+                source=sources.get(config.name, "error"),
+                max_peak=max(known) if complete else None,
+                mean_peak=statistics.fmean(known) if complete else None,
+                compilations=config.compilations,
+                compile_time_s=config.compile_time_s,
+            )
+        )
+    return out
+
+
+def trace_summary_table(result: BenchResult) -> str:
+    """Markdown: per configuration, the trace's maximum and mean peak, compilations, time."""
+    unit, scale = _unit(result)
+    predicted = any(m.source == "predicted" for m in result.measurements)
+    time_label = "lowering (s)" if predicted else "compile (s)"
+    lines = [
+        f"| config | max peak ({unit}) | mean peak ({unit}) | compilations | {time_label} "
+        "| figures |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for row in over_trace(result):
+        top = "-" if row.max_peak is None else f"{row.max_peak / scale:.2f}"
+        mean = "-" if row.mean_peak is None else f"{row.mean_peak / scale:.2f}"
+        lines.append(
+            f"| {row.config} | {top} | {mean} | {row.compilations} "
+            f"| {row.compile_time_s:.1f} | {row.source} |"
+        )
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """How ``ours`` compares with the static oracle and the bucketed configurations.
+
+    Attributes
+    ----------
+    ours, static
+        The configurations compared.
+    at_or_below_static
+        Trace entries where ``ours``'s peak is at most ``static``'s, and the entries that have
+        both figures.
+    above_buckets
+        Per bucketed configuration of the run, the lengths where ``ours`` is above it.
+    """
+
+    ours: str
+    static: str
+    at_or_below_static: tuple[int, int]
+    above_buckets: dict[str, list[int]]
+
+    @property
+    def static_share(self) -> float:
+        met, total = self.at_or_below_static
+        return met / total if total else 0.0
+
+
+def acceptance(
+    result: BenchResult,
+    ours: str = "blade-relax-full",
+    static: str = "tvm-static",
+    bucket_prefix: str = "tvm-bucketed@",
+) -> Acceptance | None:
+    """Compare ``ours`` with ``static`` over the trace's entries and with every bucketed
+    configuration at every length; ``None`` when the run lacks ``ours``."""
+    peaks = _peaks(result)
+    names = _requested(result)
+    if ours not in names:
+        return None
+    pairs = [
+        (peaks[(ours, n)], peaks[(static, n)])
+        for n in _trace_lengths(result)
+        if (ours, n) in peaks and (static, n) in peaks
+    ]
+    above = {
+        name: [
+            n
+            for n in result.lengths
+            if (ours, n) in peaks and (name, n) in peaks and peaks[(ours, n)] > peaks[(name, n)]
+        ]
+        for name in names
+        if name.startswith(bucket_prefix)
+    }
+    return Acceptance(
+        ours=ours,
+        static=static,
+        at_or_below_static=(sum(a <= b for a, b in pairs), len(pairs)),
+        above_buckets=above,
+    )
+
+
+def acceptance_lines(result: BenchResult) -> list[str]:
+    """The acceptance check in words (empty when the run lacks ``blade-relax-full``)."""
+    check = acceptance(result)
+    if check is None:
+        return []
+    met, total = check.at_or_below_static
+    lines = []
+    if total:
+        verdict = "met" if check.static_share >= 0.95 else "NOT met"
+        lines.append(
+            f"- {check.ours} <= {check.static} at {met}/{total} trace entries "
+            f"({100 * check.static_share:.0f} %; target >= 95 %: {verdict})"
+        )
+    for name, lengths in check.above_buckets.items():
+        if lengths:
+            lines.append(f"- {check.ours} > {name} at s = {', '.join(map(str, lengths))}")
+        else:
+            lines.append(f"- {check.ours} <= {name} at every length")
+    return lines

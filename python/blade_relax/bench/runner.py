@@ -43,6 +43,11 @@ On CUDA, PyTorch runs on the same GPU and its ``step_peak_bytes`` is
 ``torch.cuda.max_memory_allocated()`` over one step minus ``torch.cuda.memory_allocated()``
 before it (Inductor's CUDA buffers bypass the dispatcher, so the CPU counter cannot see them);
 step times include a device synchronisation for both systems.
+``padded_to`` (bucketed TVM configs)
+    The length the step ran at: the bucket's, the inputs padded to it (:mod:`.bucketing`).
+    ``caller_bytes`` then counts the padded inputs.
+``source``
+    ``"measured"`` here; ``"predicted"`` for the rows of :mod:`.predict` (no kernel ran).
 ``max_rel_error``
     Largest normwise relative error ``||out - ref|| / ||ref||`` over the outputs (loss and every
     gradient, or the logits) against the torch reference; ``correct`` when ``<= tolerance``.
@@ -67,7 +72,14 @@ from ..frontend import ImportedGraph, flatten_outputs, specialize
 from .configs import BenchConfig, TorchConfig, TvmConfig, resolve_configs
 from .workloads import Workload
 
-__all__ = ["BenchResult", "ConfigSummary", "Measurement", "relative_error", "run_benchmark"]
+__all__ = [
+    "BenchResult",
+    "ConfigSummary",
+    "Measurement",
+    "pad_for_bucket",
+    "relative_error",
+    "run_benchmark",
+]
 
 
 @dataclass
@@ -95,6 +107,8 @@ class Measurement:
     allocations: int | None = None
     driver_peak_bytes: int | None = None
     driver_agrees: bool | None = None
+    padded_to: int | None = None
+    source: str = "measured"
     error: str | None = None
 
 
@@ -164,6 +178,12 @@ class _TvmRunner:
         self._vm: Any = None
         self._params = [tvm.runtime.tensor(p, device) for p in graph.params]
         self._workspaces: dict[str, Any] = {}
+        # Bucketed configs: bucket length -> (VM, executable, workspaces).
+        self._buckets: dict[int, tuple[Any, Any, Any]] = {}
+        if config.bucket is not None:
+            from .bucketing import check_paddable
+
+            check_paddable(graph.input_names)
 
     def _compile(self, mod: tvm.IRModule) -> tuple[Any, float]:
         from ..analysis.workspace import compile_keeping_module
@@ -182,11 +202,28 @@ class _TvmRunner:
     def _vm_for(self, dims: dict[str, int]) -> tuple[Any, float]:
         if self.config.static:
             return self._compile(specialize(tvm.IRModule({"main": self.graph.main}), dims))
+        if self.config.bucket is not None:
+            # One static graph per bucket, compiled when the bucket is first met.
+            built = self._buckets.get(dims["s"])
+            if built is None:
+                vm, elapsed = self._compile(
+                    specialize(tvm.IRModule({"main": self.graph.main}), dims)
+                )
+                self._buckets[dims["s"]] = (vm, self._exe, self._workspaces)
+                return vm, elapsed
+            vm, self._exe, self._workspaces = built
+            return vm, 0.0
         if self._vm is None:
             variant = self.graph.with_upper_bounds(self.config.keep_bounds)
             self._vm, elapsed = self._compile(variant.mod)
             return self._vm, elapsed
         return self._vm, 0.0
+
+    def padded(
+        self, inputs: Sequence[np.ndarray], dims: dict[str, int]
+    ) -> tuple[list[np.ndarray], dict[str, int]]:
+        """The inputs padded to the bucket of ``dims["s"]``, and the bucket's dims."""
+        return pad_for_bucket(self.config, self.graph, inputs, dims)
 
     def measure(
         self,
@@ -198,6 +235,9 @@ class _TvmRunner:
     ) -> list[np.ndarray]:
         from ..runtime import measure_call, set_memory_budget
 
+        if self.config.bucket is not None:
+            inputs, dims = self.padded(inputs, dims)
+            row.padded_to = dims["s"]
         vm, row.compile_time_s = self._vm_for(dims)
         row.compilations = self.compilations
         main = vm["main"]
@@ -229,6 +269,20 @@ class _TvmRunner:
                     self._exe, args, self.device, self._workspaces
                 )
         return outputs
+
+
+def pad_for_bucket(
+    config: TvmConfig,
+    graph: ImportedGraph,
+    inputs: Sequence[np.ndarray],
+    dims: dict[str, int],
+) -> tuple[list[np.ndarray], dict[str, int]]:
+    """``inputs`` padded to the bucket ``config`` runs length ``dims["s"]`` in, and its dims."""
+    from .bucketing import bucket_length, pad_to_bucket
+
+    assert config.bucket is not None
+    length = bucket_length(dims["s"], config.bucket, graph.dims["s"].upper or dims["s"])
+    return pad_to_bucket(graph.input_names, inputs, length), {**dims, "s": length}
 
 
 def _driver_view(exe: Any, args: Sequence[Any], device: Any, workspaces: Any) -> tuple[int, bool]:
@@ -486,6 +540,9 @@ def run_benchmark(
             continue
         for n in lengths:
             row = Measurement(config.name, n, caller_bytes=caller[n], lower_bound_bytes=lower[n])
+            if isinstance(config, TvmConfig) and config.bucket is not None:
+                padded, _ = pad_for_bucket(config, graph, inputs[n], dims[n])
+                row.caller_bytes = graph.param_bytes + int(sum(a.nbytes for a in padded))
             budget = None
             if isinstance(config, TvmConfig) and config.budget is not None:
                 reference_peak = step_peaks.get((config.budget_of, n))
@@ -498,7 +555,7 @@ def run_benchmark(
             say(f"{config.name}: s={n}")
             try:
                 outputs = runner.measure(row, inputs[n], dims[n], repeat, budget)
-                row.peak_bytes = row.step_peak_bytes + caller[n]
+                row.peak_bytes = row.step_peak_bytes + row.caller_bytes
                 row.step_time_s = statistics.median(row.step_times_s)
                 _check(row, outputs, references[n], graph, tolerance)
             except Exception as err:
@@ -551,6 +608,7 @@ def _summary(config: BenchConfig, requested: bool) -> ConfigSummary:
             "keep_bounds": config.keep_bounds,
             "budget": config.budget,
             "budget_of": config.budget_of,
+            "bucket": config.bucket,
         }
     else:
         settings = {

@@ -5,7 +5,8 @@ while it is active and records each storage an op *creates* (an output whose sto
 of the op's inputs: views, in-place and ``out=`` ops allocate nothing), with a weak-reference
 finalizer that subtracts its bytes when the storage dies. ``peak_bytes`` is the highest total of
 live recorded storage: what a step allocates on top of what existed before (parameters,
-inputs), outputs and gradients included.
+inputs), outputs and gradients included. With ``meta=True`` it counts a step run on the
+``meta`` device the same way (sizes without data: a prediction of the CPU peak, no compute).
 
 ``torch.compile`` needs two things to be measured the same way:
 
@@ -33,15 +34,21 @@ def _mode_base() -> type:
     return TorchDispatchMode
 
 
-def _storages(tree: Any) -> list[Any]:
+def _storages(tree: Any, meta: bool = False) -> list[Any]:
     import torch
     from torch.utils._pytree import tree_flatten
 
     found = []
     for leaf in tree_flatten(tree)[0]:
-        if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
+        if isinstance(leaf, torch.Tensor) and (meta or leaf.device.type != "meta"):
             found.append(leaf.untyped_storage())
     return found
+
+
+def _identity(storage: Any) -> int:
+    """What tells two storages apart: the data pointer, or on ``meta`` (where every data
+    pointer is 0) the storage object itself."""
+    return storage._cdata if storage.device.type == "meta" else storage.data_ptr()
 
 
 def _make_counter_class() -> type:
@@ -52,8 +59,9 @@ def _make_counter_class() -> type:
         def ignore_compile_internals(cls) -> bool:
             return True
 
-        def __init__(self) -> None:
+        def __init__(self, meta: bool = False) -> None:
             super().__init__()
+            self.meta = meta
             self.live_bytes = 0
             self.peak_bytes = 0
             self.allocations = 0
@@ -66,11 +74,12 @@ def _make_counter_class() -> type:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
-            inputs = {st.data_ptr() for st in _storages((args, kwargs)) if st.nbytes()}
-            for storage in _storages(out):
+            meta = self.meta
+            inputs = {_identity(st) for st in _storages((args, kwargs), meta) if st.nbytes()}
+            for storage in _storages(out, meta):
                 nbytes = storage.nbytes()
                 key = id(storage)
-                if nbytes == 0 or key in self._tracked or storage.data_ptr() in inputs:
+                if nbytes == 0 or key in self._tracked or _identity(storage) in inputs:
                     continue
                 self._tracked[key] = weakref.finalize(storage, self._release, key, nbytes)
                 self.live_bytes += nbytes
@@ -90,15 +99,25 @@ def _make_counter_class() -> type:
 _COUNTER_CLASS: type | None = None
 
 
-def LiveBytesCounter() -> Any:  # noqa: N802  (a factory that reads as a class)
+def LiveBytesCounter(*, meta: bool = False) -> Any:  # noqa: N802  (a factory that reads as a class)
     """A fresh counter: ``with LiveBytesCounter() as c: step(); c.peak_bytes``.
+
+    Parameters
+    ----------
+    meta
+        Count tensors on the ``meta`` device too (by default they are skipped). A step run on
+        meta tensors allocates nothing and computes nothing, yet every ATen op still creates
+        its outputs' storages with their sizes: the counter sees the same storages, so the
+        same peak, as on the CPU (``tests/bench/test_torch_memory.py`` checks the equality on
+        the Llama training step). :mod:`.predict` counts PyTorch eager at sizes too large to
+        run this way.
 
     Attributes of the returned mode: ``peak_bytes``, ``live_bytes`` and ``allocations``.
     """
     global _COUNTER_CLASS
     if _COUNTER_CLASS is None:
         _COUNTER_CLASS = _make_counter_class()
-    return _COUNTER_CLASS()
+    return _COUNTER_CLASS(meta)
 
 
 @contextlib.contextmanager

@@ -18,7 +18,15 @@
 
 Models are built from a config with seeded random weights (nothing is downloaded). Sizes come
 from :class:`ModelSizes`: ``SMALL`` finishes on a 2-core CPU in minutes, ``REAL`` is the
-size to run on a GPU.
+size to run on a GPU, ``LLAMA_1B`` the Llama-2 architecture at 1.1B parameters (the size of
+BladeDISC++'s evaluation, TinyLlama's shape), for the predicted mode (:mod:`.predict`) on a CPU
+and for measuring on a GPU.
+
+``weights="empty"`` builds the Hugging Face models without drawing their weights (storage
+allocated, never written: the pages stay unmapped until read): the import still runs the real
+loading code (``torch.export``, the joint graph, ``from_exported_program``), which copies the
+parameters once, but nothing spends time on 1.1B random numbers. Use it only where no kernel
+reads the weights (the predicted mode); the torch reference of such a graph is meaningless.
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ from tvm import relax
 from ..frontend import ImportedGraph, import_inference, import_training_step, relax_training_step
 
 __all__ = [
+    "LLAMA_1B",
+    "PRESETS",
     "REAL",
     "SMALL",
     "WORKLOADS",
@@ -82,7 +92,17 @@ REAL = ModelSizes(
     vocab=32000,
     max_seq_len=2048,
 )
-PRESETS = {"small": SMALL, "real": REAL}
+LLAMA_1B = ModelSizes(
+    layers=22,
+    hidden=2048,
+    heads=32,
+    kv_heads=4,
+    intermediate=5632,
+    vocab=32000,
+    max_seq_len=2048,
+)
+PRESETS = {"small": SMALL, "real": REAL, "1b": LLAMA_1B}
+WEIGHTS = ("random", "empty")
 
 
 @dataclass
@@ -122,11 +142,25 @@ def _seed_torch(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _weights_context(weights: str) -> Any:
+    """Where a model is built: drawing its weights (``"random"``) or not (``"empty"``)."""
+    import contextlib
+
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, not {weights!r}")
+    if weights == "random":
+        return contextlib.nullcontext()
+    from transformers.initialization import no_init_weights
+
+    return no_init_weights()
+
+
 def llama_model(
     sizes: ModelSizes,
     *,
     seed: int = 0,
     attn_implementation: str | None = "eager",
+    weights: str = "random",
 ) -> Any:
     """A ``LlamaForCausalLM`` of ``sizes`` with seeded random weights (nothing downloaded).
 
@@ -138,6 +172,8 @@ def llama_model(
         ``torch.manual_seed`` before the weights are drawn.
     attn_implementation
         Passed to the config; ``None`` keeps the library's default (``sdpa``).
+    weights
+        ``"random"``, or ``"empty"``: allocated, not drawn (see the module docstring).
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -154,7 +190,8 @@ def llama_model(
         tie_word_embeddings=False,
         **extra,
     )
-    return LlamaForCausalLM(config).float()
+    with _weights_context(weights):
+        return LlamaForCausalLM(config).float()
 
 
 def gpt2_model(
@@ -163,6 +200,7 @@ def gpt2_model(
     seed: int = 0,
     tied: bool = False,
     attn_implementation: str | None = "eager",
+    weights: str = "random",
 ) -> Any:
     """A ``GPT2LMHeadModel`` of ``sizes`` with seeded random weights and no dropout.
 
@@ -176,6 +214,8 @@ def gpt2_model(
         Tie the output projection to the token embedding (GPT-2's own default).
     attn_implementation
         Passed to the config; ``None`` keeps the library's default (``sdpa``).
+    weights
+        ``"random"``, or ``"empty"``: allocated, not drawn (see the module docstring).
     """
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -194,30 +234,31 @@ def gpt2_model(
         attn_pdrop=0.0,
         **extra,
     )
-    return GPT2LMHeadModel(config).float()
+    with _weights_context(weights):
+        return GPT2LMHeadModel(config).float()
 
 
-def _llama_train(sizes: ModelSizes, seed: int) -> ImportedGraph:
+def _llama_train(sizes: ModelSizes, seed: int, weights: str = "random") -> ImportedGraph:
     return import_training_step(
-        llama_model(sizes, seed=seed),
+        llama_model(sizes, seed=seed, weights=weights),
         max_seq_len=sizes.max_seq_len,
         min_seq_len=sizes.min_seq_len,
         batch_size=sizes.batch,
     )
 
 
-def _gpt2_train(sizes: ModelSizes, seed: int) -> ImportedGraph:
+def _gpt2_train(sizes: ModelSizes, seed: int, weights: str = "random") -> ImportedGraph:
     return import_training_step(
-        gpt2_model(sizes, seed=seed),
+        gpt2_model(sizes, seed=seed, weights=weights),
         max_seq_len=sizes.max_seq_len,
         min_seq_len=sizes.min_seq_len,
         batch_size=sizes.batch,
     )
 
 
-def _gpt2_infer(sizes: ModelSizes, seed: int) -> ImportedGraph:
+def _gpt2_infer(sizes: ModelSizes, seed: int, weights: str = "random") -> ImportedGraph:
     return import_inference(
-        gpt2_model(sizes, seed=seed),
+        gpt2_model(sizes, seed=seed, weights=weights),
         max_seq_len=sizes.max_seq_len,
         min_seq_len=sizes.min_seq_len,
         batch_size=sizes.batch,
@@ -317,7 +358,7 @@ def _relax_native_graph(
     return dataclasses.replace(graph, torch_module=module, torch_params=list(module.weights))
 
 
-def _mlp_train(sizes: ModelSizes, seed: int) -> ImportedGraph:
+def _mlp_train(sizes: ModelSizes, seed: int, weights: str = "random") -> ImportedGraph:
     return _relax_native_graph(
         mlp_forward_module(sizes), sizes, seed, lambda params: _mlp_torch(sizes, params)
     )
@@ -378,11 +419,12 @@ def _tanh_mlp_torch(params: Sequence[np.ndarray]) -> Any:
     return TanhMlpStep()
 
 
-def _tanh_mlp_train(sizes: ModelSizes, seed: int) -> ImportedGraph:
+def _tanh_mlp_train(sizes: ModelSizes, seed: int, weights: str = "random") -> ImportedGraph:
     return _relax_native_graph(tanh_mlp_forward_module(), sizes, seed, _tanh_mlp_torch)
 
 
-WORKLOADS: dict[str, Callable[[ModelSizes, int], ImportedGraph]] = {
+# name -> builder(sizes, seed, weights); the Relax-native MLPs are small and always drawn.
+WORKLOADS: dict[str, Callable[[ModelSizes, int, str], ImportedGraph]] = {
     "llama-train": _llama_train,
     "gpt2-train": _gpt2_train,
     "gpt2-infer": _gpt2_infer,
@@ -391,8 +433,16 @@ WORKLOADS: dict[str, Callable[[ModelSizes, int], ImportedGraph]] = {
 }
 
 
-def build_workload(name: str, sizes: ModelSizes = SMALL, seed: int = 0) -> Workload:
-    """Build the model (seeded random weights) and import its graph."""
+def build_workload(
+    name: str, sizes: ModelSizes = SMALL, seed: int = 0, *, weights: str = "random"
+) -> Workload:
+    """Build the model (seeded random weights) and import its graph.
+
+    ``weights="empty"`` leaves the weights of the Hugging Face models undrawn (see the module
+    docstring): for the predicted mode, where no kernel runs.
+    """
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, not {weights!r}")
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
     if sizes.hidden % sizes.heads or sizes.heads % max(sizes.kv_heads, 1):
@@ -400,4 +450,4 @@ def build_workload(name: str, sizes: ModelSizes = SMALL, seed: int = 0) -> Workl
             f"hidden ({sizes.hidden}) must be a multiple of heads ({sizes.heads}), and heads "
             f"a multiple of kv_heads ({sizes.kv_heads})"
         )
-    return Workload(name=name, sizes=sizes, graph=WORKLOADS[name](sizes, seed))
+    return Workload(name=name, sizes=sizes, graph=WORKLOADS[name](sizes, seed, weights))

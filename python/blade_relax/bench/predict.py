@@ -1,0 +1,371 @@
+"""Predicted peaks: every configuration at sizes too large to run, without running a kernel.
+
+``python -m blade_relax.bench --predict`` fills the same table as the measuring ruler
+(:mod:`.runner`) with figures computed instead of measured, each row marked
+``source="predicted"``:
+
+TVM configurations
+    The module each configuration compiles (dynamic, bounded, specialized per length or per
+    bucket) goes through the same passes (the configuration's :class:`~.configs.FlagsPipeline`)
+    up to the memory stage (:func:`blade_relax.pipeline.lower_to_memory_stage`, which stops
+    before ``VMShapeLower``: allocations, kills and kernel calls are still readable; no TIR is
+    compiled). ``step_peak_bytes`` is the peak of the symbolic timeline of the function that
+    runs at the length (:func:`blade_relax.analysis.memory_timeline` of
+    :func:`blade_relax.transform.version_for`'s choice), kernel workspaces included: the figure
+    the runtime accounting measures for the same executable (``blade-relax demo`` prints both
+    side by side; ``tests/bench/test_predict.py`` asserts the equality for every configuration
+    at a size where running is affordable). ``CheckDimRanges`` is left out of the lowering: its
+    assertions allocate nothing.
+Runtime budgets (``blade-relax-full@0.8``)
+    The budget is the fraction of the reference's predicted step peak; the decision is the
+    remat runtime's own (:meth:`blade_relax.runtime.remat.RematProgram.decision`, the code
+    ``remat_begin`` runs) on the concrete timeline of the rewritten copy's metadata, and its
+    ``peak`` is the step peak the runtime plans for and reaches. ``unevictable_bytes`` is the
+    floor of that timeline.
+``torch-eager``
+    The same step on a twin of the module built on the ``meta`` device (sizes, no data, no
+    compute), its storages counted by :class:`~.torch_memory.LiveBytesCounter` with
+    ``meta=True``: the counter sees the same ATen ops and storages as on the CPU.
+``torch-compile``
+    Not predicted: Inductor cannot compile for the ``meta`` device. The row carries an error
+    that starts with :data:`NOT_PREDICTED`.
+
+``compile_time_s`` is the time of the lowering to the memory stage (the Relax passes; not the
+TIR code generation that a real compilation adds), ``compilations`` the number of lowerings the
+configuration needs over the trace. Nothing checks correctness: ``loss``, ``max_rel_error``
+and ``correct`` stay ``None``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tvm
+
+from ..frontend import ImportedGraph, specialize
+from .configs import BenchConfig, FlagsPipeline, TorchConfig, TvmConfig, resolve_configs
+from .runner import BenchResult, Measurement, _lower_bounds, _summary, pad_for_bucket
+from .workloads import Workload
+
+__all__ = ["NOT_PREDICTED", "meta_twin", "predict_benchmark", "predict_torch_peak"]
+
+#: How the ``error`` of a configuration the predicted mode cannot predict begins.
+NOT_PREDICTED = "not predicted"
+
+
+@dataclass(frozen=True)
+class _Lowered:
+    """One module lowered to the memory stage, and how long the lowering took."""
+
+    mod: tvm.IRModule
+    seconds: float
+
+
+class _Lowerings:
+    """Lowerings shared by the configurations of one run (``blade-relax-full@0.8`` reads the
+    module ``blade-relax-full`` lowered), with the timelines read from them."""
+
+    def __init__(self, target: tvm.target.Target) -> None:
+        self.target = target
+        self._mods: dict[tuple, _Lowered] = {}
+        self._timelines: dict[tuple[int, str], Any] = {}
+
+    def get(self, key: tuple, pipeline: FlagsPipeline, mod: tvm.IRModule) -> _Lowered:
+        """The lowering of ``mod`` through ``pipeline``, cached under ``key``."""
+        from ..pipeline import lower_to_memory_stage
+
+        full_key = (pipeline, *key)
+        found = self._mods.get(full_key)
+        if found is not None:
+            return found
+        # CheckDimRanges allocates nothing; its lowered condition would read as a dim.
+        flags = {**pipeline.keywords(), "check_dims": False}
+        start = time.perf_counter()
+        lowered = lower_to_memory_stage(mod, self.target, **flags)
+        made = self._mods[full_key] = _Lowered(lowered, time.perf_counter() - start)
+        return made
+
+    def timeline(self, lowered: _Lowered, function: str) -> Any:
+        """The symbolic memory timeline of ``function`` in ``lowered`` (cached)."""
+        from ..analysis import memory_timeline
+
+        key = (id(lowered), function)
+        found = self._timelines.get(key)
+        if found is None:
+            found = memory_timeline(lowered.mod[function], mod=lowered.mod, target=self.target)
+            self._timelines[key] = found
+        return found
+
+
+class _TvmPredictor:
+    """What one TVM configuration would allocate, read from its lowered IR."""
+
+    def __init__(self, config: TvmConfig, graph: ImportedGraph, lowerings: _Lowerings) -> None:
+        if not isinstance(config.pipeline, FlagsPipeline):
+            raise ValueError(
+                f"{NOT_PREDICTED}: the pipeline of {config.name} is no FlagsPipeline, so the "
+                "passes to lower it with are unknown"
+            )
+        self.config = config
+        self.graph = graph
+        self.lowerings = lowerings
+        self.compilations = 0
+        self.compile_time_s = 0.0
+        self._seen: set[tuple] = set()
+
+    def _module(self, dims: dict[str, int]) -> tuple[tuple, tvm.IRModule]:
+        config, graph = self.config, self.graph
+        if config.static or config.bucket is not None:
+            key = ("specialized", tuple(sorted(dims.items())))
+            return key, specialize(tvm.IRModule({"main": graph.main}), dims)
+        return ("dynamic", config.keep_bounds), graph.with_upper_bounds(config.keep_bounds).mod
+
+    def predict(self, row: Measurement, dims: dict[str, int], budget: int | None) -> None:
+        from ..transform import version_for
+
+        key, mod = self._module(dims)
+        lowered = self.lowerings.get(key, self.config.pipeline, mod)
+        if key not in self._seen:  # a lowering this configuration needs: count it as its own
+            self._seen.add(key)
+            self.compilations += 1
+            self.compile_time_s += lowered.seconds
+            row.compile_time_s = lowered.seconds
+        row.compilations = self.compilations
+        function = version_for(lowered.mod, "main", dims)
+        timeline = self.lowerings.timeline(lowered, function)
+        evaluated = timeline.evaluate(dims)
+        row.step_peak_bytes = int(evaluated.peak)
+        row.workspace_bytes = int(evaluated.peak_workspace)
+        if budget is not None:
+            self._decide(row, lowered.mod, dims, budget)
+
+    def _decide(
+        self, row: Measurement, mod: tvm.IRModule, dims: dict[str, int], budget: int
+    ) -> None:
+        """The remat runtime's decision for ``budget`` bytes: its step peak and its floor."""
+        from ..contract import REMAT_META_ATTR
+        from ..runtime.remat import RematProgram
+        from ..transform import version_for
+
+        function = version_for(mod, "main", dims, budget=True)
+        attrs = mod[function].attrs
+        if attrs is None or REMAT_META_ATTR not in attrs:
+            raise ValueError(f"{self.config.name}: {function} carries no remat metadata")
+        program = RematProgram.from_json(str(attrs[REMAT_META_ATTR]))
+        values = tuple(dims[name] for name in program.dims)
+        decision = program.decision(values, budget)
+        row.step_peak_bytes = int(decision.peak)
+        row.unevictable_bytes = int(program.timeline(values).unevictable()[0] + row.caller_bytes)
+
+
+# --------------------------------------------------------------------------------------------
+# PyTorch on the meta device
+
+
+def meta_twin(graph: ImportedGraph) -> tuple[Any, list[Any]]:
+    """A copy of ``graph.torch_module`` on the ``meta`` device and its parameters in the order
+    of ``graph.param_names``.
+
+    A Hugging Face wrapper (``module.model`` with a ``config``) is rebuilt from the config on
+    the meta device, so that nothing of the size of the model is allocated; other modules are
+    copied and moved.
+    """
+    import copy
+
+    import torch
+
+    module = graph.torch_module
+    if module is None:
+        raise ValueError("the workload has no torch module")
+    model = getattr(module, "model", None)
+    if model is not None and hasattr(model, "config"):
+        with torch.device("meta"):
+            twin_model = type(model)(model.config)
+        twin_model.train(model.training)
+        twin = type(module)(twin_model)
+        named = dict(twin_model.named_parameters())
+        return twin, [named[name] for name in graph.param_names]
+    twin = copy.deepcopy(module).to("meta")
+    positions = {id(p): i for i, p in enumerate(module.parameters())}
+    moved = list(twin.parameters())
+    return twin, [moved[positions[id(p)]] for p in graph.torch_params or []]
+
+
+def predict_torch_peak(graph: ImportedGraph, shapes: Sequence[tuple[int, ...]]) -> int:
+    """The step peak PyTorch eager allocates for inputs of ``shapes``, counted on meta tensors.
+
+    The step is the runner's: gradients reset to ``None``, the module's forward, and for a
+    training graph ``loss.backward()``; the peak is what :class:`~.torch_memory.
+    LiveBytesCounter` counts on top of the parameters and inputs.
+    """
+    import torch
+
+    from .torch_memory import LiveBytesCounter
+
+    twin, params = meta_twin(graph)
+    tensors = [
+        torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+        for shape, dtype in zip(shapes, graph.input_dtypes)
+    ]
+    for param in params:
+        param.grad = None
+    counter = LiveBytesCounter(meta=True)
+    context = torch.enable_grad() if graph.kind == "training" else torch.no_grad()
+    with context, counter:
+        result = twin(*tensors)
+        if graph.kind == "training":
+            (loss,) = result
+            loss.backward()
+    peak = int(counter.peak_bytes)
+    counter.detach_all()
+    return peak
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def predict_benchmark(
+    workload: Workload,
+    config_names: Sequence[str],
+    lengths: Sequence[int],
+    *,
+    target: str | dict | tvm.target.Target = "llvm",
+    trace: dict[str, Any] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> BenchResult:
+    """Predict every configuration at every length (see the module docstring).
+
+    Parameters
+    ----------
+    workload
+        What to predict (:func:`~.workloads.build_workload`; its weights are never read).
+    config_names
+        Registry names; budget references are added (and predicted first) when missing.
+    lengths
+        Sequence lengths, checked against the exported range.
+    target
+        The TVM target whose kernels' workspaces count.
+    trace
+        Description of the trace, copied into the result.
+    progress
+        Called with one line per step of the run.
+
+    Returns
+    -------
+    BenchResult
+        Rows with ``source="predicted"``; ``repeat`` is 0 (nothing is timed).
+    """
+    from ..pipeline import as_target
+
+    say = progress or (lambda _msg: None)
+    tgt = as_target(target)
+    graph = workload.graph
+    lengths = sorted(set(int(n) for n in lengths))
+    inputs = {n: workload.inputs(n) for n in lengths}
+    dims = {n: graph.bind_dims(inputs[n]) for n in lengths}
+    caller = {n: graph.param_bytes + int(sum(a.nbytes for a in inputs[n])) for n in lengths}
+    say("computing lower bounds")
+    lower = _lower_bounds(graph, lengths, say)
+
+    lowerings = _Lowerings(tgt)
+    summaries = []
+    rows: list[Measurement] = []
+    step_peaks: dict[tuple[str, int], int | None] = {}
+    for config, requested in resolve_configs(list(config_names)):
+        summary = _summary(config, requested)
+        summaries.append(summary)
+        predictor = _predictor(config, graph, lowerings)
+        for n in lengths:
+            row = Measurement(
+                config.name,
+                n,
+                caller_bytes=caller[n],
+                lower_bound_bytes=lower[n],
+                source="predicted",
+            )
+            rows.append(row)
+            if isinstance(predictor, str):
+                row.error = predictor
+                continue
+            say(f"{config.name}: s={n}")
+            try:
+                _predict_row(row, config, predictor, graph, inputs[n], dims[n], step_peaks)
+            except Exception as err:
+                row.error = _describe(err)
+                say(f"{config.name}: s={n}: {row.error}")
+            step_peaks[(config.name, n)] = row.step_peak_bytes
+        if not isinstance(predictor, str):
+            summary.compile_time_s = predictor.compile_time_s
+            summary.compilations = predictor.compilations
+    return BenchResult(
+        workload=workload,
+        target=str(tgt.kind.name) if not isinstance(target, str) else target,
+        lengths=lengths,
+        trace=trace or {},
+        repeat=0,
+        tolerance=0.0,
+        configs=summaries,
+        measurements=rows,
+    )
+
+
+class _EagerPredictor:
+    """PyTorch eager, counted on the meta device (:func:`predict_torch_peak`)."""
+
+    compilations = 0
+    compile_time_s = 0.0
+
+
+def _predictor(config: BenchConfig, graph: ImportedGraph, lowerings: _Lowerings) -> Any:
+    """A predictor for ``config``, or (a string) why it cannot be predicted."""
+    if isinstance(config, TorchConfig):
+        if config.compile:
+            return (
+                f"{NOT_PREDICTED}: torch.compile cannot compile for the meta device "
+                "(Inductor fails on meta tensors)"
+            )
+        if graph.torch_module is None:
+            return f"{NOT_PREDICTED}: the workload has no torch module"
+        return _EagerPredictor()
+    try:
+        return _TvmPredictor(config, graph, lowerings)
+    except ValueError as err:
+        return str(err)
+
+
+def _predict_row(
+    row: Measurement,
+    config: BenchConfig,
+    predictor: Any,
+    graph: ImportedGraph,
+    inputs: list[np.ndarray],
+    dims: dict[str, int],
+    step_peaks: dict[tuple[str, int], int | None],
+) -> None:
+    if isinstance(predictor, _EagerPredictor):
+        row.step_peak_bytes = predict_torch_peak(graph, [a.shape for a in inputs])
+        row.peak_bytes = row.step_peak_bytes + row.caller_bytes
+        return
+    assert isinstance(config, TvmConfig)
+    if config.bucket is not None:
+        padded, dims = pad_for_bucket(config, graph, inputs, dims)
+        row.padded_to = dims["s"]
+        row.caller_bytes = graph.param_bytes + int(sum(a.nbytes for a in padded))
+    budget = None
+    if config.budget is not None:
+        reference = step_peaks.get((config.budget_of, row.seq_len))
+        if reference is None:
+            raise ValueError(f"no predicted peak of {config.budget_of} to take the budget from")
+        budget = row.budget_bytes = max(1, int(config.budget * reference))
+    predictor.predict(row, dims, budget)
+    row.peak_bytes = row.step_peak_bytes + row.caller_bytes
+
+
+def _describe(err: BaseException) -> str:
+    from .runner import _describe as describe
+
+    return describe(err)

@@ -1,0 +1,169 @@
+"""The predicted mode: every predicted peak is the peak the ruler measures, byte for byte."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from blade_relax.bench import main, run_benchmark
+from blade_relax.bench.predict import NOT_PREDICTED, predict_benchmark
+
+pytest.importorskip("transformers")
+
+# Each kind of module a config compiles: bounded (dynamic), one bucket (specialized), the
+# default pipeline with its range copies, the remat runtime's budget, and PyTorch eager.
+CONFIGS = [
+    "tvm-bounded",
+    "tvm-bucketed@64",
+    "blade-relax-full",
+    "blade-relax-full@0.8",
+    "torch-eager",
+]
+LENGTHS = [12, 40]
+# The command line on the Relax-native MLP: no export to wait for.
+TINY_MLP = ["--workload", "mlp-train", "--hidden", "16", "--intermediate", "32", "--vocab", "8",
+            "--layers", "1", "--max-seq-len", "48", "--quiet"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    from blade_relax.bench.workloads import ModelSizes, build_workload
+
+    sizes = ModelSizes(
+        layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64, vocab=64, max_seq_len=64
+    )
+    return build_workload("llama-train", sizes)
+
+
+@pytest.fixture(scope="module")
+def both(tiny_llama):
+    predicted = predict_benchmark(tiny_llama, CONFIGS, LENGTHS)
+    measured = run_benchmark(tiny_llama, CONFIGS, LENGTHS, repeat=1)
+    return predicted, measured
+
+
+def test_every_predicted_peak_is_the_measured_one(both):
+    predicted, measured = both
+    guess = {(m.config, m.seq_len): m for m in predicted.measurements}
+    assert len(guess) == len(measured.measurements) == len(CONFIGS) * len(LENGTHS)
+    for real in measured.measurements:
+        assert real.error is None and real.correct, real
+        row = guess[(real.config, real.seq_len)]
+        assert row.error is None and row.source == "predicted" and real.source == "measured"
+        at = (real.config, real.seq_len)
+        assert row.step_peak_bytes == real.step_peak_bytes, at
+        assert row.peak_bytes == real.peak_bytes, at
+        assert row.caller_bytes == real.caller_bytes, at
+        assert row.lower_bound_bytes == real.lower_bound_bytes, at
+        assert row.budget_bytes == real.budget_bytes, at
+        assert row.unevictable_bytes == real.unevictable_bytes, at
+        assert row.padded_to == real.padded_to, at
+        assert row.compilations == real.compilations, at
+        assert row.loss is None and row.correct is None
+
+
+def test_the_budget_is_predicted_where_the_runtime_evicts(both):
+    predicted, measured = both
+    rows = {(m.config, m.seq_len): m for m in measured.measurements}
+    guess = {(m.config, m.seq_len): m for m in predicted.measurements}
+    # At s=40 the runtime evicts to meet the budget: the prediction follows it there.
+    real = rows[("blade-relax-full@0.8", 40)]
+    assert real.evictions > 0
+    assert (
+        real.step_peak_bytes <= real.budget_bytes < rows[("blade-relax-full", 40)].step_peak_bytes
+    )
+    assert guess[("blade-relax-full@0.8", 40)].step_peak_bytes == real.step_peak_bytes
+
+
+def test_lowerings_are_counted_per_configuration(both):
+    predicted, _ = both
+    summary = {c.name: c for c in predicted.configs}
+    assert summary["tvm-bounded"].compilations == 1
+    assert summary["tvm-bucketed@64"].compilations == 1  # 12 and 40 share the bucket
+    # The budgeted config reads the lowering of its reference, but needs it as its own.
+    assert summary["blade-relax-full@0.8"].compilations == 1
+    assert summary["blade-relax-full"].compile_time_s > 0
+    assert summary["torch-eager"].compilations == 0
+
+
+def test_the_command_line_predicts_and_says_what_it_could_not(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    plot = tmp_path / "p.png"
+    code = main(
+        [*TINY_MLP, "--predict", "--lengths", "12,40", "--out", str(out), "--plot", str(plot),
+         "--configs", "tvm-dynamic,tvm-static,torch-eager,torch-compile"]
+    )  # fmt: skip
+    text = capsys.readouterr().out
+    assert code == 0, text
+    doc = json.loads(out.read_text())
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+    rows = {(r["config"], r["seq_len"]): r for r in doc["results"]}
+    assert all(r["source"] == "predicted" for r in rows.values())
+    assert rows[("torch-compile", 12)]["peak_bytes"] is None
+    assert rows[("torch-compile", 12)]["error"].startswith(NOT_PREDICTED)
+    for config in ("tvm-dynamic", "tvm-static", "torch-eager"):
+        assert rows[(config, 40)]["peak_bytes"] > rows[(config, 12)]["peak_bytes"], config
+    assert "| torch-compile | - | - | 0 | 0.0 | not predicted |" in text
+    assert "| tvm-static | " in text and "| 2 | " in text  # two lowerings, one per length
+    assert "- torch-compile: not predicted" in text
+
+
+def _result(peaks: dict[str, list[int]], trace: list[int]):
+    from blade_relax.bench.runner import BenchResult, ConfigSummary, Measurement
+
+    lengths = sorted(set(trace))
+    return BenchResult(
+        workload=None,
+        target="llvm",
+        lengths=lengths,
+        trace={"lengths": trace},
+        repeat=0,
+        tolerance=0.0,
+        configs=[ConfigSummary(name, "tvm", "", True) for name in peaks],
+        measurements=[
+            Measurement(name, n, peak_bytes=p, source="predicted")
+            for name, values in peaks.items()
+            for n, p in zip(lengths, values)
+        ],
+    )
+
+
+def test_the_acceptance_check_counts_trace_entries_and_every_bucket():
+    from blade_relax.bench.report import acceptance, acceptance_lines, over_trace
+
+    # s = 10 appears 3 times in the trace: ours is above static there (3 of 5 entries).
+    result = _result(
+        {
+            "blade-relax-full": [5, 9, 7],
+            "tvm-static": [4, 9, 8],
+            "tvm-bucketed@64": [6, 8, 9],
+        },
+        trace=[10, 10, 10, 20, 30],
+    )
+    check = acceptance(result)
+    assert check.at_or_below_static == (2, 5) and check.static_share == 0.4
+    assert check.above_buckets == {"tvm-bucketed@64": [20]}
+    lines = acceptance_lines(result)
+    assert lines[0].endswith("(40 %; target >= 95 %: NOT met)")
+    assert lines[1] == "- blade-relax-full > tvm-bucketed@64 at s = 20"
+    ours = over_trace(result)[0]
+    assert ours.max_peak == 9 and ours.mean_peak == (5 * 3 + 9 + 7) / 5
+    assert acceptance(_result({"tvm-static": [1]}, [10])) is None
+
+
+def test_the_1b_preset_is_the_llama_2_architecture_at_1_1b_parameters():
+    from blade_relax.bench.cli import _sizes, build_parser
+    from blade_relax.bench.workloads import LLAMA_1B, llama_model
+
+    sizes = _sizes(build_parser().parse_args(["--size", "1b", "--layers", "2"]))
+    assert sizes == dataclasses.replace(LLAMA_1B, layers=2)
+    assert (LLAMA_1B.hidden, LLAMA_1B.heads, LLAMA_1B.kv_heads) == (2048, 32, 4)
+    # Counted on the meta device: the parameters of the whole model, nothing allocated.
+    import torch
+
+    with torch.device("meta"):
+        model = llama_model(LLAMA_1B, weights="empty")
+    count = sum(p.numel() for p in model.parameters())
+    assert count == 1_100_048_384
