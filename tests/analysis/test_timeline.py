@@ -243,3 +243,49 @@ def test_remat_regenerate_without_kept_tensor_allocates():
 
     at = memory_timeline(Regenerate["main"]).evaluate({"n": 10})
     assert at.live_during == [0, 40]
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_MODELS))
+def test_memo_gives_the_same_timeline(name):
+    """A TimelineMemo shares the graph, the bindings' effects and the running sums between
+    timelines; every figure equals the timeline built without it, also for a rewrite of the
+    function (blocks rebuilt, bindings kept)."""
+    from blade_relax.analysis import TimelineMemo
+
+    lowered = lower_to_memory_stage(BUILTIN_MODELS[name]())
+    func = lowered["main"]
+    memo = TimelineMemo.for_function(func, mod=lowered)
+    rebuilt = relax.Function(func.params, func.body, func.ret_ty, func.is_pure, func.attrs)
+    plain = memory_timeline(func, mod=lowered)
+    for variant in (func, rebuilt, func):
+        shared = memory_timeline(variant, memo=memo)
+        assert [s.live_during for s in shared.steps] == [s.live_during for s in plain.steps]
+        assert [s.live_after for s in shared.steps] == [s.live_after for s in plain.steps]
+        assert shared.working_sets == plain.working_sets
+        assert shared.lower_bound == plain.lower_bound
+        assert plain.graph.compare(shared.peak, plain.peak) is Ordering.EQ
+    with pytest.raises(ValueError, match="through the memo"):
+        memory_timeline(func, mod=BUILTIN_MODELS[name](), memo=memo)
+
+
+def test_symbolic_max_keeps_exactly_the_undominated_candidates():
+    """The sample screen only skips comparisons that cannot succeed: the Max keeps s*s and
+    4096 - s*... (each the largest somewhere) and drops what one of them covers."""
+    from blade_relax.analysis.timeline import _symbolic_max
+    from blade_relax.symbolic import ShapeGraph, SymbolicExpr
+
+    graph = ShapeGraph.from_ranges({"s": (1, 64)})
+    s = SymbolicExpr.dim("s")
+    cands = [
+        s * s,
+        s * 2,
+        SymbolicExpr.constant(4096) - s * 60,
+        s * s - 1,
+        SymbolicExpr.constant(7),
+    ]
+    peak = _symbolic_max(graph, cands)
+    kept = set(peak.expr.args) if peak.expr.func.__name__ == "Max" else {peak.expr}
+    assert kept == {(s * s).expr, (SymbolicExpr.constant(4096) - s * 60).expr}
+    for v in (1, 30, 64):
+        expected = max(graph.evaluate(c, {"s": v}) for c in cands)
+        assert graph.evaluate(peak, {"s": v}) == expected

@@ -297,3 +297,24 @@ def test_large_max_is_decomposed_and_bounded():
     other = E.max([s * k + b * (k % 7) * 3 for k in range(1, 400)])
     assert graph.compare(other, E.max([s * k + b * (k % 5) for k in range(1, 400, 2)])) == UNK
     assert time.perf_counter() - start < 30
+
+
+def test_univariate_minimum_in_closed_form_equals_brute_force():
+    """Degrees up to 3 are minimised with exact square roots, the rest with sympy's root
+    isolation; both equal the minimum over every integer of the range."""
+    import random
+    from fractions import Fraction
+
+    from blade_relax.symbolic.compare import _univariate_integer_min_uncached
+
+    rng = random.Random(7)
+    for _ in range(3000):
+        degree = rng.randint(1, 4)
+        coeffs = {k: rng.randint(-60, 60) for k in range(degree + 1)}
+        coeffs[degree] = coeffs[degree] or 1
+        if rng.random() < 0.3:
+            coeffs = {k: Fraction(c, rng.randint(1, 9)) for k, c in coeffs.items()}
+        lo = rng.randint(-30, 30)
+        hi = lo + rng.randint(0, 50)
+        brute = min(sum(c * x**k for k, c in coeffs.items()) for x in range(lo, hi + 1))
+        assert _univariate_integer_min_uncached(coeffs, (lo, hi)) == brute, (coeffs, lo, hi)

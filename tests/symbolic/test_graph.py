@@ -328,3 +328,11 @@ def test_add_equality_and_linear_solution():
     graph.add_equality(p * 2, s * 2 + 2)  # the content is divided out: p == s + 1
     assert graph.compare(p, s) == Ordering.GT
     assert graph.canonical(p) == s + 1
+
+
+def test_sample_is_the_value_at_every_representative_point():
+    graph = ShapeGraph.from_ranges({"s": (2, 100)})
+    s = SymbolicExpr.dim("s")
+    points = graph.representative_points()
+    assert graph.sample(s * s + 3) == tuple(p["s"] ** 2 + 3 for p in points)
+    assert graph.sample(SymbolicExpr.unknown("k") + s) is None

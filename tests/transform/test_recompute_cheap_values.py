@@ -215,3 +215,29 @@ def test_live_bytes_never_rise_and_results_are_equal(s):
         vm = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())
         outs.append(vm["main"](tvm.runtime.tensor(x)).numpy())
     np.testing.assert_array_equal(outs[1], outs[0])
+
+
+def test_a_second_run_on_an_equal_function_replays_the_decision(monkeypatch):
+    """MemoryAwareSchedule runs the pass on the order it picks and the pipeline runs it again
+    on the same function: the second run replays the plans (no timeline trials), with the same
+    result; other options, or another function, decide afresh."""
+    from blade_relax.transform import recompute_cheap_values as rcv
+
+    calls = []
+
+    class Counting(rcv._DecisionMemo):
+        def store(self, *args):  # called for every decision made afresh
+            calls.append(1)
+            super().store(*args)
+
+    monkeypatch.setattr(rcv, "_DECISIONS", Counting())
+    first = RecomputeCheapValues()(InputDiesEarly)
+    assert len(calls) == 1
+    copy = tvm.IRModule(dict(InputDiesEarly.functions))
+    again = RecomputeCheapValues()(copy)
+    assert len(calls) == 1
+    tvm.ir.assert_structural_equal(again, first)
+    RecomputeCheapValues(RecomputeOptions(max_chain=1, extend_inputs=False))(InputDiesEarly)
+    assert len(calls) == 2
+    RecomputeCheapValues()(LateRead)
+    assert len(calls) == 3

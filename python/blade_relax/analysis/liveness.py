@@ -8,7 +8,9 @@ last binding" (index ``len(bindings)``).
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from tvm import relax
 
@@ -88,6 +90,15 @@ def _free_vars_in_order(expr: relax.Expr) -> tuple[relax.Var, ...]:
     return tuple(seen)
 
 
+def _uses(value: relax.Expr, memo: MutableMapping[Any, tuple[relax.Var, ...]] | None):
+    if memo is None:
+        return _free_vars_in_order(value)
+    out = memo.get(value)
+    if out is None:
+        out = memo[value] = _free_vars_in_order(value)
+    return out
+
+
 def function_outputs(func: relax.Function) -> list[relax.Var]:
     """Variables that occur in the result expression of ``func``'s body."""
     body = func.body
@@ -95,13 +106,19 @@ def function_outputs(func: relax.Function) -> list[relax.Var]:
     return list(_free_vars_in_order(result))
 
 
-def liveness(func: relax.Function) -> Liveness:
+def liveness(
+    func: relax.Function, *, uses_memo: MutableMapping[Any, tuple[relax.Var, ...]] | None = None
+) -> Liveness:
     """Compute definition and use positions for the variables of ``func``.
 
     Parameters
     ----------
     func
         A normalized Relax function (its body a ``SeqExpr``).
+    uses_memo
+        The variables each binding value reads, remembered across calls, by value node: an
+        analysis that builds the liveness of many rewrites of one function (which keep most
+        value nodes) walks each value once.
 
     Returns
     -------
@@ -119,7 +136,7 @@ def liveness(func: relax.Function) -> Liveness:
                     index=len(bindings),
                     var=binding.var,
                     value=binding.value,
-                    uses=_free_vars_in_order(binding.value),
+                    uses=_uses(binding.value, uses_memo),
                     block_index=block_index,
                     is_dataflow=is_dataflow,
                     is_match_cast=isinstance(binding, relax.MatchCast),

@@ -35,17 +35,21 @@ does not know. This module simulates those effects over the function.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import sympy
 import tvm
 from tvm import relax
 
-from ..symbolic import Ordering, ShapeGraph, SymbolicExpr
+from ..symbolic import ShapeGraph, SymbolicExpr
 from .effects import (
     KILLS,
     STORAGE_ALLOCS,
+    ValueEffect,
     binding_effect,
     callee_name,
     returns_nothing,
@@ -56,6 +60,7 @@ __all__ = [
     "Allocation",
     "EvaluatedTimeline",
     "MemoryTimeline",
+    "TimelineMemo",
     "TimelineStep",
     "memory_timeline",
 ]
@@ -130,8 +135,21 @@ class MemoryTimeline:
     allocations: list[Allocation]
     persistent: SymbolicExpr
     output_bytes: SymbolicExpr
-    working_sets: list[SymbolicExpr]
+    #: Per binding, the allocations it touches (its result and what its inputs keep alive) and
+    #: its workspace; summed only when :attr:`working_sets` is read.
+    touched: list[tuple[tuple[int, ...], SymbolicExpr]] = field(repr=False)
     _peak: SymbolicExpr | None = field(default=None, repr=False)
+    _working_sets: list[SymbolicExpr] | None = field(default=None, repr=False)
+
+    @property
+    def working_sets(self) -> list[SymbolicExpr]:
+        """Per binding, the bytes it needs at once: its inputs, its result, its workspace."""
+        if self._working_sets is None:
+            self._working_sets = [
+                _sum([*(self.allocations[a].nbytes for a in ids), workspace])
+                for ids, workspace in self.touched
+            ]
+        return self._working_sets
 
     @property
     def peak(self) -> SymbolicExpr:
@@ -213,26 +231,48 @@ def _is_zero(expr: SymbolicExpr) -> bool:
 
 
 def _symbolic_max(graph: ShapeGraph, candidates: Sequence[SymbolicExpr]) -> SymbolicExpr:
-    maxima: list[SymbolicExpr] = []
-    seen: set = set()
+    # The candidates' values at the graph's sample points screen the proofs: a candidate can
+    # only be proven no larger than another if it is no larger at every sample point, so most
+    # comparisons are skipped, and visiting the largest first keeps the list of maxima short.
+    unique: dict[Any, SymbolicExpr] = {}
     for cand in candidates:
-        key = cand.expr
-        if key in seen:
+        unique.setdefault(cand.expr, cand)
+    samples = {key: graph.sample(cand) for key, cand in unique.items()}
+
+    def largest(key: Any) -> tuple[int, int]:
+        values = samples[key]
+        return (0, 0) if values is None else (1, -max(values, default=0))
+
+    maxima: list[SymbolicExpr] = []
+    # Samples of the maxima, one row each (a row of +inf for a maximum without samples, which
+    # may cover anything; -inf in ``low`` likewise may be covered by anything).
+    width = len(graph.representative_points())
+    high = np.empty((0, width))
+    low = np.empty((0, width))
+    for key in sorted(unique, key=largest):
+        cand = unique[key]
+        values = samples[key]
+        if values is None:
+            covering = range(len(maxima))
+            covered = np.ones(len(maxima), dtype=bool)
+        else:
+            row = np.asarray(values, dtype=float)
+            covering = np.nonzero((high >= row).all(axis=1))[0]
+            covered = (low <= row).all(axis=1)
+        if any(graph.compare(maxima[int(i)], cand).holds_ge for i in covering):
             continue
-        seen.add(key)
-        dominated = False
-        for kept in maxima:
-            if graph.compare(kept, cand) in (Ordering.GE, Ordering.GT, Ordering.EQ):
-                dominated = True
-                break
-        if dominated:
-            continue
-        maxima = [
-            kept
-            for kept in maxima
-            if graph.compare(cand, kept) not in (Ordering.GE, Ordering.GT, Ordering.EQ)
+        keep = [
+            i
+            for i, kept in enumerate(maxima)
+            if not (covered[i] and graph.compare(cand, kept).holds_ge)
         ]
-        maxima.append(cand)
+        maxima = [maxima[i] for i in keep] + [cand]
+        if values is None:
+            new_high, new_low = np.full(width, np.inf), np.full(width, -np.inf)
+        else:
+            new_high = new_low = np.asarray(values, dtype=float)
+        high = np.vstack([high[keep], new_high])
+        low = np.vstack([low[keep], new_low])
     if not maxima:
         return SymbolicExpr.constant(0)
     return maxima[0] if len(maxima) == 1 else SymbolicExpr.max(*maxima)
@@ -252,6 +292,84 @@ def _stage(info: Liveness, mod: tvm.IRModule | None) -> str:
     return stage
 
 
+@dataclass
+class TimelineMemo:
+    """What :func:`memory_timeline` derives per binding, shared by the timelines of the
+    variants of one function.
+
+    A pass that compares many rewrites of one function (each a copy with one block changed)
+    would otherwise rebuild the shape graph and re-derive the effect of every unchanged
+    binding, kernel workspaces included, for every trial. A binding's effect depends only on
+    the binding (its variable and value, which an unchanged block keeps as the same nodes),
+    the graph its sizes are canonical in, the module and the target, so the memo fixes those
+    and is keyed by the binding's nodes.
+
+    Attributes
+    ----------
+    graph
+        The shape graph of the function; every variant must have the same dims (rewrites that
+        copy or reorder bindings keep them).
+    mod, workspaces, target
+        As for :func:`memory_timeline`; every timeline built with the memo uses these.
+    """
+
+    graph: ShapeGraph
+    mod: tvm.IRModule | None = None
+    workspaces: bool = True
+    target: Any = None
+    effects: dict[tuple[Any, Any, bool], ValueEffect] = field(default_factory=dict, repr=False)
+    sums: dict[tuple, SymbolicExpr] = field(default_factory=dict, repr=False)
+    uses: dict[Any, tuple] = field(default_factory=dict, repr=False)
+    stage: str | None = None
+
+    @classmethod
+    def for_function(
+        cls,
+        func: relax.Function,
+        *,
+        mod: tvm.IRModule | None = None,
+        workspaces: bool = True,
+        target: Any = None,
+    ) -> TimelineMemo:
+        """A memo whose graph is built from ``func``."""
+        return cls(ShapeGraph.from_function(func), mod, workspaces, target)
+
+    def plus(self, a: SymbolicExpr, b: SymbolicExpr) -> SymbolicExpr:
+        """``a + b``, remembered: trials share the running sums of the bindings before the
+        first one they change."""
+        key = ("+", a.expr, b.expr)
+        out = self.sums.get(key)
+        if out is None:
+            out = self.sums[key] = a + b
+        return out
+
+    def minus(self, a: SymbolicExpr, b: SymbolicExpr) -> SymbolicExpr:
+        """``a - b``, remembered (see :meth:`plus`)."""
+        key = ("-", a.expr, b.expr)
+        out = self.sums.get(key)
+        if out is None:
+            out = self.sums[key] = a - b
+        return out
+
+    def total(self, exprs: list[SymbolicExpr]) -> SymbolicExpr:
+        """The sum of ``exprs``, remembered (see :meth:`plus`)."""
+        if len(exprs) < 2:
+            return _sum(exprs)
+        key = ("sum", *(e.expr for e in exprs))
+        out = self.sums.get(key)
+        if out is None:
+            out = self.sums[key] = _sum(exprs)
+        return out
+
+    def effect_of(self, binding: Any) -> ValueEffect:
+        key = (binding.var, binding.value, binding.is_match_cast)
+        effect = self.effects.get(key)
+        if effect is None:
+            effect = binding_effect(binding, self.graph, self.mod, self.workspaces, self.target)
+            self.effects[key] = effect
+        return effect
+
+
 def memory_timeline(
     func: relax.Function,
     graph: ShapeGraph | None = None,
@@ -259,6 +377,7 @@ def memory_timeline(
     mod: tvm.IRModule | None = None,
     workspaces: bool = True,
     target: Any = None,
+    memo: TimelineMemo | None = None,
 ) -> MemoryTimeline:
     """The symbolic memory timeline of ``func``.
 
@@ -278,14 +397,38 @@ def memory_timeline(
         The target the kernels are built for, which decides their workspaces (see
         :func:`blade_relax.analysis.workspace.kernel_workspace`: by default the current target
         scope, else ``llvm``).
+    memo
+        Shares the graph and the bindings' effects with other timelines of variants of
+        ``func`` (see :class:`TimelineMemo`); ``graph``, ``mod``, ``workspaces`` and
+        ``target`` then come from the memo and must not be passed differently.
 
     Returns
     -------
     MemoryTimeline
     """
-    graph = graph if graph is not None else ShapeGraph.from_function(func)
-    info = liveness(func)
-    stage = _stage(info, mod)
+    if memo is not None:
+        if (graph is not None and graph is not memo.graph) or (
+            mod is not None and (memo.mod is None or not mod.same_as(memo.mod))
+        ):
+            raise ValueError("memory_timeline: pass the graph and module through the memo only")
+        graph, mod = memo.graph, memo.mod
+        effect_of, plus, minus, total = memo.effect_of, memo.plus, memo.minus, memo.total
+    else:
+        graph = graph if graph is not None else ShapeGraph.from_function(func)
+
+        def effect_of(binding: Any) -> ValueEffect:
+            return binding_effect(binding, graph, mod, workspaces, target)
+
+        plus, minus, total = operator.add, operator.sub, _sum
+
+    info = liveness(func, uses_memo=None if memo is None else memo.uses)
+    if memo is None:
+        stage = _stage(info, mod)
+    else:
+        # Rewrites of one function stay at its stage.
+        if memo.stage is None:
+            memo.stage = _stage(info, mod)
+        stage = memo.stage
     explicit_kills = stage == "memory"
     n = len(info.bindings)
 
@@ -299,7 +442,7 @@ def memory_timeline(
     ends: list[int | None] = []
     allocated_at: list[list[int]] = [[] for _ in range(n)]
     freed_at: list[list[int]] = [[] for _ in range(n)]
-    working_sets: list[SymbolicExpr] = []
+    touched_at: list[tuple[tuple[int, ...], SymbolicExpr]] = []
 
     # When a variable's register is dropped, in the liveness-based stages.
     death: dict[int, list[relax.Var]] = {}
@@ -332,7 +475,7 @@ def memory_timeline(
     workspace_at: list[SymbolicExpr] = [SymbolicExpr.constant(0)] * n
     for binding in info.bindings:
         i = binding.index
-        effect = binding_effect(binding, graph, mod, workspaces, target)
+        effect = effect_of(binding)
         if effect.workspace is not None:
             workspace_at[i] = effect.workspace
         own: set[int] = set()
@@ -382,7 +525,7 @@ def memory_timeline(
         touched: set[int] = set(own)
         for used in binding.uses:
             touched |= refs.get(used, frozenset())
-        working_sets.append(_sum(sizes[a] for a in sorted(touched)) + workspace_at[i])
+        touched_at.append((tuple(sorted(touched)), workspace_at[i]))
 
         if explicit_kills:
             if effect.kills is not None:
@@ -396,11 +539,14 @@ def memory_timeline(
     steps: list[TimelineStep] = []
     live = SymbolicExpr.constant(0)
     for i, binding in enumerate(info.bindings):
-        allocated = _sum(sizes[a] for a in allocated_at[i])
-        freed = _sum(sizes[a] for a in freed_at[i])
-        live = live + allocated
-        during = live + workspace_at[i]
-        live = live - freed
+        allocated = total([sizes[a] for a in allocated_at[i]])
+        freed = total([sizes[a] for a in freed_at[i]])
+        # Most bindings allocate and free nothing: skip sympy's arithmetic for them.
+        if allocated_at[i]:
+            live = plus(live, allocated)
+        during = plus(live, workspace_at[i]) if not _is_zero(workspace_at[i]) else live
+        if freed_at[i]:
+            live = minus(live, freed)
         steps.append(
             TimelineStep(
                 index=i,
@@ -427,12 +573,16 @@ def memory_timeline(
         allocations=allocations,
         persistent=persistent,
         output_bytes=_sum(sizes[a] for a in sorted(output_ids)),
-        working_sets=working_sets,
+        touched=touched_at,
     )
 
 
 def _sum(exprs) -> SymbolicExpr:
-    total = SymbolicExpr.constant(0)
-    for expr in exprs:
-        total = total + expr
-    return total
+    # One sympy Add over all terms: pairwise sums would re-flatten the partial sum each time.
+    terms = [e.expr for e in exprs if not _is_zero(e)]
+    if not terms:
+        return _ZERO
+    return SymbolicExpr(terms[0]) if len(terms) == 1 else SymbolicExpr(sympy.Add(*terms))
+
+
+_ZERO = SymbolicExpr.constant(0)

@@ -525,7 +525,27 @@ def _shift_once(terms: dict, ranges: list, from_upper: tuple[bool, ...]) -> Boun
 
 
 def _univariate_integer_min(coeffs: dict[int, Bound], rng: tuple[int, int | None]) -> Bound:
-    """Exact minimum of ``sum c * x^k`` (``coeffs`` maps k -> c) over the integers of a range."""
+    """Exact minimum of ``sum c * x^k`` (``coeffs`` maps k -> c) over the integers of a range.
+
+    Memoized: the same differences of byte sizes recur across the timelines a pass builds.
+    """
+    key = (tuple(sorted(coeffs.items())), rng)
+    cached = _UNIVARIATE_CACHE.get(key)
+    if cached is None:
+        cached = _univariate_integer_min_uncached(coeffs, rng)
+        if len(_UNIVARIATE_CACHE) >= _UNIVARIATE_CACHE_SIZE:
+            _UNIVARIATE_CACHE.clear()
+        _UNIVARIATE_CACHE[key] = cached
+    return cached
+
+
+_UNIVARIATE_CACHE: dict[tuple, Bound] = {}
+_UNIVARIATE_CACHE_SIZE = 1 << 16
+
+
+def _univariate_integer_min_uncached(
+    coeffs: dict[int, Bound], rng: tuple[int, int | None]
+) -> Bound:
     lo, hi = rng
     degree = max(coeffs)
 
@@ -539,17 +559,55 @@ def _univariate_integer_min(coeffs: dict[int, Bound], rng: tuple[int, int | None
     candidates = {lo} if hi is None else {lo, hi}
     if degree >= 2:
         # Between consecutive real roots of p' the polynomial is monotone, so the integer minimum
-        # is at a range end or at an integer next to a root; isolate the roots to width < 1.
-        x = _X
-        deriv = sympy.Poly(
-            sum(sympy.Rational(c) * k * x ** (k - 1) for k, c in coeffs.items() if k), x
-        )
-        if not deriv.is_zero:
-            for (a, b), _mult in deriv.intervals(eps=sympy.Rational(1, 4)):
-                start, stop = math.floor(_to_fraction(a)), math.ceil(_to_fraction(b))
-                for r in range(max(start, lo), (stop if hi is None else min(stop, hi)) + 1):
-                    candidates.add(r)
+        # is at a range end or at an integer next to a root. Every root is enclosed in a
+        # rational interval; the integers from its floor to its ceiling are candidates.
+        for a, b in _derivative_root_intervals(coeffs, degree):
+            start, stop = math.floor(a), math.ceil(b)
+            for r in range(max(start, lo), (stop if hi is None else min(stop, hi)) + 1):
+                candidates.add(r)
     return min(value(x) for x in candidates)
+
+
+def _derivative_root_intervals(
+    coeffs: dict[int, Bound], degree: int
+) -> list[tuple[Fraction, Fraction]]:
+    """Rational intervals enclosing every real root of the derivative of ``sum c * x^k``.
+
+    Degrees 2 and 3 (derivatives of degree 1 and 2, the byte sizes of matmuls and attention)
+    are solved in closed form with exact integer square roots; sympy's real-root isolation,
+    correct for any degree but ~1 ms a call, serves the rest.
+    """
+    if degree <= 3:
+        # p'(x) = a x^2 + b x + c
+        a = Fraction(3 * coeffs.get(3, 0))
+        b = Fraction(2 * coeffs.get(2, 0))
+        c = Fraction(coeffs.get(1, 0))
+        if a == 0:
+            if b == 0:
+                return []
+            root = -c / b
+            return [(root, root)]
+        disc = b * b - 4 * a * c
+        if disc < 0:
+            return []
+        # sqrt(p/q) = sqrt(p*q)/q, bracketed by the integer square root of p*q.
+        num, den = disc.numerator * disc.denominator, disc.denominator
+        low = math.isqrt(num)
+        high = low if low * low == num else low + 1
+        sqrt_lo, sqrt_hi = Fraction(low, den), Fraction(high, den)
+        out = []
+        for sign in (1, -1):
+            ends = [(-b + sign * r) / (2 * a) for r in (sqrt_lo, sqrt_hi)]
+            out.append((min(ends), max(ends)))
+        return out
+    x = _X
+    deriv = sympy.Poly(sum(sympy.Rational(c) * k * x ** (k - 1) for k, c in coeffs.items() if k), x)
+    if deriv.is_zero:
+        return []
+    return [
+        (_to_fraction(a), _to_fraction(b))
+        for (a, b), _mult in deriv.intervals(eps=sympy.Rational(1, 4))
+    ]
 
 
 _X = sympy.Symbol("x")

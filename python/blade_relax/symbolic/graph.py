@@ -148,6 +148,8 @@ class ShapeGraph:
         self._symbol_of: dict[str, sympy.Symbol] = {}
         self._canon_cache: dict[sympy.Expr, sympy.Expr] = {}
         self._compare_cache: dict[tuple[sympy.Expr, sympy.Expr], Ordering] = {}
+        self._sample_cache: dict[sympy.Expr, tuple[int, ...] | None] = {}
+        self._sample_points: list[dict[str, int]] | None = None
         self._engine = BoundEngine(self._range_of_symbol)
         self._dims_cache: dict[str, SymbolicDim] | None = None
         self._bind_cache: dict[tuple, dict[str, int]] = {}
@@ -408,6 +410,8 @@ class ShapeGraph:
         self._dirty = True
         self._canon_cache.clear()
         self._compare_cache.clear()
+        self._sample_cache.clear()
+        self._sample_points = None
         self._dims_cache = None
         self._bind_cache.clear()
         self._engine = BoundEngine(self._range_of_symbol)
@@ -787,6 +791,26 @@ class ShapeGraph:
             seen.add(key)
             points.append(self._all_values(env))
         return points
+
+    def sample(self, expr: SymbolicExpr | int | Any) -> tuple[int, ...] | None:
+        """The values of ``expr`` at :meth:`representative_points`, or None where one of them
+        cannot be evaluated (an UNKNOWN part).
+
+        A screen for proofs, never a proof: ``compare(a, b)`` can prove ``a >= b`` only if
+        ``a``'s sample is at least ``b``'s at every point (the points are admissible), so a
+        caller may skip a comparison the samples already refute.
+        """
+        e = self._canon(_to_sympy(expr))
+        if e in self._sample_cache:
+            return self._sample_cache[e]
+        if self._sample_points is None:
+            self._sample_points = self.representative_points()
+        try:
+            values = tuple(evaluate_sympy(e, point) for point in self._sample_points)
+        except ValueError:
+            values = None
+        self._sample_cache[e] = values
+        return values
 
     def bind_arguments(self, shapes: Sequence[Sequence[int] | None]) -> dict[str, int]:
         """Concrete dims from the concrete shapes of the function's parameters.

@@ -50,6 +50,7 @@ they are.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,7 +58,7 @@ import tvm
 import tvm_ffi
 from tvm import relax, tirx
 
-from ..analysis import memory_timeline
+from ..analysis import TimelineMemo, memory_timeline
 from ..analysis.effects import in_place_writes
 from ..symbolic import Ordering
 from ._block_edit import (
@@ -341,10 +342,13 @@ class RecomputeCheapValues:
         recomputed: dict[str, int] = {}
 
         def rewrite(func, index, block, blocks):
-            # Values read after the block (its outputs) and parameters live throughout it.
-            live = set(func.params) | vars_read_after(func, index)
-            facts = _BlockFacts(mod, patterns, block, live, self.options)
-            accepted = self._accept(mod, func, blocks, index, facts)
+            accepted = _DECISIONS.lookup(mod, func, index, self.options)
+            if accepted is None:
+                # Values read after the block (its outputs) and parameters live throughout it.
+                live = set(func.params) | vars_read_after(func, index)
+                facts = _BlockFacts(mod, patterns, block, live, self.options)
+                accepted = self._accept(mod, func, blocks, index, facts)
+                _DECISIONS.store(mod, func, index, self.options, accepted)
             if not accepted:
                 return None
             self.report.recomputed += len(accepted)
@@ -385,11 +389,14 @@ class RecomputeCheapValues:
         if not chains:
             return accepted
         block = blocks[index]
+        # Every trial is ``func`` with this block rewritten: one graph, and the effects of the
+        # bindings the trials share are derived once.
+        memo = TimelineMemo.for_function(func, mod=mod)
 
         def peak(plans: list[_Plan]):
             trial = list(blocks)
             trial[index] = _rewrite_block(block, plans) if plans else block
-            return memory_timeline(with_blocks(func, trial), mod=mod)
+            return memory_timeline(with_blocks(func, trial), memo=memo)
 
         base = peak(accepted)
         for plan in chains:
@@ -403,6 +410,62 @@ class RecomputeCheapValues:
                 accepted.append(plan)
                 base = trial
         return accepted
+
+
+class _DecisionMemo:
+    """The plans accepted for a block, remembered for a structurally equal function.
+
+    ``MemoryAwareSchedule`` runs this pass on the order it picks (``recompute_after``), and
+    the pipeline runs it on the same function right after; the trials of ``_accept`` (one
+    symbolic timeline of the whole function each) are most of the pass's time, so the second
+    run replays the first one's decision. Plans name bindings by position, so they apply to any
+    structurally equal function; the kernels it calls must be the same objects (the pipeline
+    keeps them), since the plans depend on their op patterns and in-place writes.
+    """
+
+    def __init__(self, size: int = 8) -> None:
+        self._size = size
+        self._entries: OrderedDict[tuple, tuple[relax.Function, tuple, list[_Plan]]] = OrderedDict()
+
+    @staticmethod
+    def _key(func: relax.Function, index: int, options: RecomputeOptions) -> tuple:
+        return (tvm_ffi.structural_hash(func), index, options)
+
+    @staticmethod
+    def _callees(mod: tvm.IRModule, func: relax.Function) -> tuple:
+        return tuple(
+            (gv.name_hint, mod[gv])
+            for gv in relax.analysis.all_global_vars(func)
+            if gv in mod.functions
+        )
+
+    def lookup(self, mod, func, index, options) -> list[_Plan] | None:
+        key = self._key(func, index, options)
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        known, callees, plans = entry
+        now = self._callees(mod, func)
+        same_kernels = len(now) == len(callees) and all(
+            name == other and kernel.same_as(other_kernel)
+            for (name, kernel), (other, other_kernel) in zip(now, callees)
+        )
+        if not same_kernels or not tvm_ffi.structural_equal(known, func):
+            return None
+        self._entries.move_to_end(key)
+        return list(plans)
+
+    def store(self, mod, func, index, options, plans: list[_Plan]) -> None:
+        self._entries[self._key(func, index, options)] = (
+            func,
+            self._callees(mod, func),
+            list(plans),
+        )
+        while len(self._entries) > self._size:
+            self._entries.popitem(last=False)
+
+
+_DECISIONS = _DecisionMemo()
 
 
 def _lowers_somewhere(trial, base) -> bool:

@@ -1018,3 +1018,22 @@ def test_unreadable_parameter_type_warns_and_is_left_unknown():
 
     with pytest.warns(PassFallbackWarning, match="PlanMemory: the shape vars of a parameter"):
         assert _tir_vars_in_type("not a type") == []
+
+
+def test_block_maxima_answer_range_maxima_after_updates():
+    """The placement screen's range maxima (by blocks of rows) equal numpy's on the updated
+    array, for ranges inside one block, across blocks, and on block edges."""
+    import numpy as np
+
+    from blade_relax.transform.plan._peak import _BlockMax
+
+    rng = np.random.default_rng(3)
+    live = rng.integers(0, 1000, (101, 4))
+    blocks = _BlockMax(live, block=8)
+    for step in range(2000):
+        a = int(rng.integers(0, 100))
+        b = int(rng.integers(a + 1, 102))
+        if step % 3 == 0:
+            live[a:b] += rng.integers(-9, 9, 4)
+            blocks.refresh(a, b)
+        np.testing.assert_array_equal(blocks.max(a, b), live[a:b].max(axis=0))

@@ -1,0 +1,39 @@
+"""The compile-time bench: both pipelines lowered in child processes, one row per layer count."""
+
+import dataclasses
+
+import pytest
+
+from blade_relax.bench import compile_time
+from blade_relax.bench.workloads import SMALL
+
+
+@pytest.fixture(scope="module")
+def rows():
+    sizes = dataclasses.replace(SMALL, hidden=32, heads=2, kv_heads=1, intermediate=64, vocab=64)
+    return compile_time.measure("llama-train", sizes, [1])
+
+
+def test_rows_time_both_pipelines(rows):
+    (row,) = rows
+    assert row.layers == 1 and row.workload == "llama-train"
+    for run in (row.stock, row.default):
+        assert run.seconds > 0
+        assert run.peak_rss >= run.start_rss > 0
+    # The default pipeline adds passes, and the schedule/remat copies add bindings.
+    assert row.default.bindings >= row.stock.bindings > 0
+    assert row.ratio == row.default.seconds / row.stock.seconds
+
+
+def test_table_has_a_row_per_layer_count(rows):
+    text = compile_time.table(rows)
+    lines = text.splitlines()
+    assert len(lines) == 2 + len(rows)
+    assert lines[2].startswith("| 1 | ")
+    assert lines[2].split("|")[6].strip() == "1.00"  # growth against itself
+
+
+def test_cli_rejects_bad_layers(capsys):
+    assert compile_time.main(["--layers", "0"]) == 2
+    assert "--layers" in capsys.readouterr().err
+    assert compile_time.main(["--size", "huge"]) == 2
