@@ -628,7 +628,7 @@ def test_plan_model_equals_function_lowered_with_plan_memory(case):
     multi-output kernel's fields are released after their last use, not at the return)."""
     mod = SplitTuple if case == "split" else _random_graph(int(case[-1]), 40)
     fused = _fused(mod)
-    after, report = schedule_module(fused, ScheduleOptions(planner="plan"))
+    after, report = schedule_module(fused, ScheduleOptions(planner="plan", model_inplace=True))
     block = report.blocks[0]
     assert _plan_lowered_peaks(fused, block.points) == block.peak_before
     assert _plan_lowered_peaks(after, block.points) == block.peak_after
@@ -663,7 +663,7 @@ def test_plan_model_counts_in_place_outputs():
     (``analysis.effects.inplace_verdict``), so reducing ``g`` first leaves one buffer where the
     input order holds two."""
     fused = _fused(InplaceLate)
-    after, report = schedule_module(fused, ScheduleOptions(planner="plan"))
+    after, report = schedule_module(fused, ScheduleOptions(planner="plan", model_inplace=True))
     (block,) = report.blocks
     assert _order(after) == ["g", "sg", "h", "hv", "rh"]
     assert all(a <= b for a, b in zip(block.peak_after, block.peak_before))

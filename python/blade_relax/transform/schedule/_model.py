@@ -119,8 +119,12 @@ class BlockReader:
         used_after: set[relax.Var],
         tir_defined_before: set[str],
         planner: str = "static",
+        inplace: bool = False,
     ) -> None:
         self.planner = planner
+        # Model PlanMemory's in-place placements (``planner="plan"``); see
+        # ``ScheduleOptions.model_inplace``.
+        self.model_inplace = inplace
         self.block = block
         self.graph = graph
         self.mod = mod
@@ -462,7 +466,8 @@ class BlockReader:
             t.extend(own)
             touch.append(list(dict.fromkeys(t)))
             if isinstance(value, relax.Call) and not self.is_view:
-                self._note_inplace(i, value, own, t)
+                if self.model_inplace:
+                    self._note_inplace(i, value, own, t)
                 self._note_workspace(i, value, var)
 
         read: set[relax.Var] = {u for used in uses for u in used}

@@ -245,13 +245,21 @@ class ScheduleOptions:
         ``RecomputeCheapValues`` follows the pass (as in :func:`blade_relax.get_pipeline`).
         Orders are scored before recomputation, which removes different values from different
         orders; so a function that gets one order (no range versions) is compared once more,
-        recomputed, with its input order, both scored with the block model of ``planner``
-        (for ``"plan"``, PlanMemory's in-place placements included, which the relax-stage
-        timeline does not see): the input order is kept where it is then no higher at every
-        acceptance point and lower at one; where it is lower only on some ranges of lengths,
-        the function dispatches (with at most ``max_versions`` ranges) to the input order on
-        those ranges and to the scheduled order elsewhere (the crossovers found as for range
-        versions).
+        recomputed, with its input order (scored by the plain liveness of the recomputed
+        functions; with ``model_inplace``, by the block model of ``planner``, PlanMemory's
+        in-place placements included, and split into up to ``max_versions`` ranges by which
+        order is lower): the input order is kept where it is then no higher at every
+        acceptance point and lower at one; where it is lower only from some length on, the
+        function dispatches (with ``max_versions`` of 2 or more) to the scheduled order below
+        that length and to the input order above it (the crossover found as for range
+        versions). Range versions are checked the same way: a range where the input order,
+        recomputed, is no higher at every acceptance point takes the input order.
+    model_inplace
+        With ``planner="plan"``, count a kernel output that ``PlanMemory`` writes over a dying
+        input of equal size as allocating nothing. Off by default: it lowers the Relax-Gradient
+        tanh MLP (``tanh-mlp-train``, 7.49 -> 6.90 MB at s = 1024) but makes the model misjudge
+        other steps, where it picks orders that peak higher once lowered (the README
+        quickstart's MLP, 7.54 -> 8.98 MB at s = 1024).
     """
 
     strategies: tuple[str, ...] = STRATEGIES
@@ -269,6 +277,7 @@ class ScheduleOptions:
     min_bindings: int = 3
     max_bindings: int | None = None
     recompute_after: bool = False
+    model_inplace: bool = False
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.strategies if s not in STRATEGIES]
@@ -654,7 +663,14 @@ def _schedule_one(
             return None
         try:
             block = BlockReader(
-                blk, graph, mod, params, used_after, tir_defined, options.planner
+                blk,
+                graph,
+                mod,
+                params,
+                used_after,
+                tir_defined,
+                options.planner,
+                inplace=options.model_inplace,
             ).build()
         except (UnsupportedBlock, UnsupportedBytes) as err:
             entry.strategy = f"skipped: {err}"
@@ -804,6 +820,13 @@ def schedule_module(
         versions = None
         if options.max_versions > 1:
             versions = _versions(gv, func, mod, options, graph, single, report)
+        if versions and options.recompute_after:
+            versions = _versions_after_recompute(mod, gv, func, versions, graph, options)
+            if versions is None:
+                continue  # the input order is no higher anywhere once recomputed
+            if len(versions) == 1:
+                updates[gv] = versions[0][1]  # one order left for the whole range
+                continue
         if versions:
             var = version_dim(func, graph)[0]
             dispatcher, copies = range_dispatch(mod, gv, func, var, versions)
@@ -811,7 +834,10 @@ def schedule_module(
             added.extend(copies)
         elif single.func is not func:
             if options.recompute_after:
-                choice = _after_recompute(mod, gv, func, single.func, graph, options)
+                # With the in-place model the orders are scored as PlanMemory lowers them;
+                # without it, by the plain liveness of the recomputed functions.
+                compare = _after_recompute_planned if options.model_inplace else _after_recompute
+                choice = compare(mod, gv, func, single.func, graph, options)
                 if choice is not None:
                     for entry in single.reports:
                         entry.strategy += f" ({choice[0]} after recomputation)"
@@ -845,6 +871,61 @@ def _after_recompute(
     Returns ``("input order kept",)``, ``("split", dim_var, versions)`` (the scheduled order
     up to the crossover, the input order above it) or None (keep the scheduled order).
     """
+    timelines = {}
+    for name, func in (("input", original), ("scheduled", scheduled)):
+        trial = tvm.IRModule(dict(mod.functions), attrs=mod.attrs, global_infos=mod.global_infos)
+        trial[gv] = func
+        trial = RecomputeCheapValues()(trial)
+        timelines[name] = memory_timeline(trial[gv], mod=trial)
+    found = version_dim(original, graph)
+    points = acceptance_points(graph)
+    if found is not None:
+        var = found[0]
+        points = sorted(points, key=lambda p: p[var.name])
+
+    def peaks_at(name: str, values: list[int]) -> np.ndarray:
+        return np.array([timelines[name].evaluate({var.name: v}).peak for v in values])
+
+    try:
+        kept = [timelines["input"].evaluate(p).peak for p in points]
+        chosen = [timelines["scheduled"].evaluate(p).peak for p in points]
+    except (ValueError, KeyError):  # a size a point cannot evaluate: keep the scheduled order
+        return None
+    if all(a <= b for a, b in zip(kept, chosen)):
+        return ("input order kept",) if any(a < b for a, b in zip(kept, chosen)) else None
+    if found is None or options.max_versions < 2:
+        return None
+    # The input order wins from some point on: the last point where the scheduled order is
+    # no higher, with the input order no higher at every point after it and lower at one.
+    _, lower, upper = found
+    for i in range(len(points) - 1):
+        before = all(b <= a for a, b in zip(kept[: i + 1], chosen[: i + 1]))
+        after = all(a <= b for a, b in zip(kept[i + 1 :], chosen[i + 1 :]))
+        if before and after and any(a < b for a, b in zip(kept[i + 1 :], chosen[i + 1 :])):
+            t, nxt = points[i][var.name], points[i + 1][var.name]
+            cut = _crossover(peaks_at, "scheduled", "input", t, nxt)
+            if upper is not None and cut >= upper:
+                return None
+            versions = [
+                (DimRange(var.name, lower, cut), scheduled),
+                (DimRange(var.name, cut + 1, upper), original),
+            ]
+            return ("split", var, versions)
+    return None
+
+
+def _after_recompute_planned(
+    mod: tvm.IRModule,
+    gv: tvm.ir.GlobalVar,
+    original: relax.Function,
+    scheduled: relax.Function,
+    graph: ShapeGraph,
+    options: ScheduleOptions,
+) -> tuple | None:
+    """:func:`_after_recompute` with both orders scored by the block model of
+    ``options.planner`` (``ScheduleOptions.model_inplace``: PlanMemory's in-place placements
+    included, which the relax-stage timeline does not see); each acceptance point goes to the
+    lower order, and runs of points become ranges (up to ``max_versions``)."""
     trials = {}
     for name, func in (("input", original), ("scheduled", scheduled)):
         trial = tvm.IRModule(dict(mod.functions), attrs=mod.attrs, global_infos=mod.global_infos)
@@ -856,7 +937,10 @@ def _after_recompute(
     if found is not None:
         var = found[0]
         points = sorted(points, key=lambda p: p[var.name])
-    scorers = {name: _planned_peaks(f, m, options.planner) for name, (f, m) in trials.items()}
+    scorers = {
+        name: _planned_peaks(f, m, options.planner, options.model_inplace)
+        for name, (f, m) in trials.items()
+    }
     if any(scorer is None for scorer in scorers.values()):
         # A block the model does not read: plain liveness of the recomputed functions.
         timelines = {name: memory_timeline(f, mod=m) for name, (f, m) in trials.items()}
@@ -908,8 +992,70 @@ def _after_recompute(
     return ("split", var, versions)
 
 
+def _recomputed_peaks(
+    mod: tvm.IRModule,
+    gv: tvm.ir.GlobalVar,
+    func: relax.Function,
+    planner: str,
+    inplace: bool = False,
+) -> Callable[[list[dict[str, int]]], list[int]]:
+    """Peaks of ``func`` once ``RecomputeCheapValues`` ran on it, under the block model of
+    ``planner`` (plain liveness where the model cannot read a block)."""
+    trial = tvm.IRModule(dict(mod.functions), attrs=mod.attrs, global_infos=mod.global_infos)
+    trial[gv] = func
+    trial = RecomputeCheapValues()(trial)
+    scorer = _planned_peaks(trial[gv], trial, planner, inplace)
+    if scorer is not None:
+        return scorer
+    timeline_ = memory_timeline(trial[gv], mod=trial)
+    return lambda points: [timeline_.evaluate(p).peak for p in points]
+
+
+def _versions_after_recompute(
+    mod: tvm.IRModule,
+    gv: tvm.ir.GlobalVar,
+    original: relax.Function,
+    versions: list,
+    graph: ShapeGraph,
+    options: ScheduleOptions,
+) -> list | None:
+    """Range versions checked once more after ``RecomputeCheapValues``, as a single order is
+    (``ScheduleOptions.recompute_after``): a version whose range the input order, recomputed,
+    is no higher at every acceptance point of takes the input order; adjacent ranges of the
+    same function merge. None when the input order is left everywhere."""
+    var = version_dim(original, graph)[0]
+    points = acceptance_points(graph)
+    try:
+        base = _recomputed_peaks(mod, gv, original, options.planner, options.model_inplace)
+        out: list = []
+        for dim_range, func in versions:
+            hi = dim_range.upper
+            inside = [
+                p
+                for p in points
+                if dim_range.lower <= p[var.name] and (hi is None or p[var.name] <= hi)
+            ]
+            if func is not original and inside:
+                kept = base(inside)
+                chosen = _recomputed_peaks(mod, gv, func, options.planner, options.model_inplace)(
+                    inside
+                )
+                if all(a <= b for a, b in zip(kept, chosen)):
+                    func = original
+            if out and out[-1][1] is func:
+                merged = DimRange(var.name, out[-1][0].lower, dim_range.upper)
+                out[-1] = (merged, func)
+            else:
+                out.append((dim_range, func))
+    except (ValueError, KeyError):  # a size a point cannot evaluate: keep the versions
+        return versions
+    if len(out) == 1 and out[0][1] is original:
+        return None
+    return out
+
+
 def _planned_peaks(
-    func: relax.Function, mod: tvm.IRModule, planner: str
+    func: relax.Function, mod: tvm.IRModule, planner: str, inplace: bool = False
 ) -> Callable[[list[dict[str, int]]], list[int]] | None:
     """Peaks of ``func`` as its bindings stand, under the block model of ``planner``: for
     ``"plan"`` the in-place placements and kernel workspaces of the lowered function, which
@@ -921,7 +1067,9 @@ def _planned_peaks(
     blocks = []
     try:
         for _, blk, used_after, params, tir_defined in _dataflow_blocks(func):
-            block = BlockReader(blk, graph, mod, params, used_after, tir_defined, planner).build()
+            block = BlockReader(
+                blk, graph, mod, params, used_after, tir_defined, planner, inplace=inplace
+            ).build()
             if not block.space.exact:
                 return None
             blocks.append(block)
