@@ -50,13 +50,15 @@ def _fused(mod: tvm.IRModule) -> tvm.IRModule:
     return lower_to_memory_stage(mod, "llvm", stop_before="fused")
 
 
-def _lowered_peaks(fused: tvm.IRModule, points: list[dict[str, int]]) -> list[int]:
+def _lowered_peaks(
+    fused: tvm.IRModule, points: list[dict[str, int]], workspaces: bool = False
+) -> list[int]:
     """Peaks of the function the VM runs: the stock passes after fusion, up to VMShapeLower,
     read by the memory-stage timeline (which equals the runtime accounting). The schedule
-    model counts the VM's storages and the workspace each kernel holds while it runs, as the
-    timeline does."""
+    model counts the VM's storages, so the kernels' workspaces are left out of both (unless
+    ``workspaces``: ``ScheduleOptions.model_workspaces``)."""
     low = lower_to_memory_stage(fused, "llvm", start_at="dataflow_lower")
-    timeline = memory_timeline(low["main"], mod=low)
+    timeline = memory_timeline(low["main"], mod=low, workspaces=workspaces)
     assert timeline.stage == "memory"
     return [timeline.evaluate(p).peak for p in points]
 
@@ -615,10 +617,12 @@ def test_planner_model_equals_lowered_function():
     assert _lowered_peaks(after, block.points) == block.peak_after
 
 
-def _plan_lowered_peaks(fused: tvm.IRModule, points: list[dict[str, int]]) -> list[int]:
+def _plan_lowered_peaks(
+    fused: tvm.IRModule, points: list[dict[str, int]], workspaces: bool = False
+) -> list[int]:
     """Like ``_lowered_peaks`` with PlanMemory in place of StaticPlanBlockMemory."""
     low = lower_to_memory_stage(fused, "llvm", start_at="dataflow_lower", plan=True)
-    timeline = memory_timeline(low["main"], mod=low)
+    timeline = memory_timeline(low["main"], mod=low, workspaces=workspaces)
     return [timeline.evaluate(p).peak for p in points]
 
 
@@ -628,10 +632,12 @@ def test_plan_model_equals_function_lowered_with_plan_memory(case):
     multi-output kernel's fields are released after their last use, not at the return)."""
     mod = SplitTuple if case == "split" else _random_graph(int(case[-1]), 40)
     fused = _fused(mod)
-    after, report = schedule_module(fused, ScheduleOptions(planner="plan", model_inplace=True))
+    after, report = schedule_module(
+        fused, ScheduleOptions(planner="plan", model_inplace=True, model_workspaces=True)
+    )
     block = report.blocks[0]
-    assert _plan_lowered_peaks(fused, block.points) == block.peak_before
-    assert _plan_lowered_peaks(after, block.points) == block.peak_after
+    assert _plan_lowered_peaks(fused, block.points, True) == block.peak_before
+    assert _plan_lowered_peaks(after, block.points, True) == block.peak_after
     # The stock model differs exactly where the tuple is held to the end.
     if case == "split":
         _, stock = schedule_module(fused, ScheduleOptions(planner="none"))
@@ -663,13 +669,15 @@ def test_plan_model_counts_in_place_outputs():
     (``analysis.effects.inplace_verdict``), so reducing ``g`` first leaves one buffer where the
     input order holds two."""
     fused = _fused(InplaceLate)
-    after, report = schedule_module(fused, ScheduleOptions(planner="plan", model_inplace=True))
+    after, report = schedule_module(
+        fused, ScheduleOptions(planner="plan", model_inplace=True, model_workspaces=True)
+    )
     (block,) = report.blocks
     assert _order(after) == ["g", "sg", "h", "hv", "rh"]
     assert all(a <= b for a, b in zip(block.peak_after, block.peak_before))
     assert sum(a < b for a, b in zip(block.peak_after, block.peak_before)) > len(block.points) // 2
-    assert _plan_lowered_peaks(fused, block.points) == block.peak_before
-    assert _plan_lowered_peaks(after, block.points) == block.peak_after
+    assert _plan_lowered_peaks(fused, block.points, True) == block.peak_before
+    assert _plan_lowered_peaks(after, block.points, True) == block.peak_after
 
 
 @pytest.mark.parametrize("name", sorted(BUILTIN_MODELS))

@@ -120,8 +120,11 @@ class BlockReader:
         tir_defined_before: set[str],
         planner: str = "static",
         inplace: bool = False,
+        workspaces: bool = False,
     ) -> None:
         self.planner = planner
+        # Add each kernel's workspace to its step; see ``ScheduleOptions.model_workspaces``.
+        self.model_workspaces = workspaces
         # Model PlanMemory's in-place placements (``planner="plan"``); see
         # ``ScheduleOptions.model_inplace``.
         self.model_inplace = inplace
@@ -468,7 +471,8 @@ class BlockReader:
             if isinstance(value, relax.Call) and not self.is_view:
                 if self.model_inplace:
                     self._note_inplace(i, value, own, t)
-                self._note_workspace(i, value, var)
+                if self.model_workspaces:
+                    self._note_workspace(i, value, var)
 
         read: set[relax.Var] = {u for used in uses for u in used}
         for i, binding in enumerate(bindings):
