@@ -865,6 +865,17 @@ def schedule_module(
     return out, report
 
 
+def _recomputed(
+    mod: tvm.IRModule, gv: tvm.ir.GlobalVar, func: relax.Function
+) -> tuple[relax.Function, tvm.IRModule]:
+    """``func`` in place of ``gv`` in a copy of ``mod``, after ``RecomputeCheapValues``: the
+    function and the module it runs in."""
+    trial = tvm.IRModule(dict(mod.functions), attrs=mod.attrs, global_infos=mod.global_infos)
+    trial[gv] = func
+    trial = RecomputeCheapValues()(trial)
+    return trial[gv], trial
+
+
 def _after_recompute(
     mod: tvm.IRModule,
     gv: tvm.ir.GlobalVar,
@@ -881,10 +892,8 @@ def _after_recompute(
     """
     timelines = {}
     for name, func in (("input", original), ("scheduled", scheduled)):
-        trial = tvm.IRModule(dict(mod.functions), attrs=mod.attrs, global_infos=mod.global_infos)
-        trial[gv] = func
-        trial = RecomputeCheapValues()(trial)
-        timelines[name] = memory_timeline(trial[gv], mod=trial)
+        recomputed, trial = _recomputed(mod, gv, func)
+        timelines[name] = memory_timeline(recomputed, mod=trial)
     found = version_dim(original, graph)
     points = acceptance_points(graph)
     if found is not None:
@@ -936,10 +945,7 @@ def _after_recompute_planned(
     lower order, and runs of points become ranges (up to ``max_versions``)."""
     trials = {}
     for name, func in (("input", original), ("scheduled", scheduled)):
-        trial = tvm.IRModule(dict(mod.functions), attrs=mod.attrs, global_infos=mod.global_infos)
-        trial[gv] = func
-        trial = RecomputeCheapValues()(trial)
-        trials[name] = (trial[gv], trial)
+        trials[name] = _recomputed(mod, gv, func)
     found = version_dim(original, graph)
     points = acceptance_points(graph)
     if found is not None:
@@ -1009,13 +1015,11 @@ def _recomputed_peaks(
 ) -> Callable[[list[dict[str, int]]], list[int]]:
     """Peaks of ``func`` once ``RecomputeCheapValues`` ran on it, under the block model of
     ``planner`` (plain liveness where the model cannot read a block)."""
-    trial = tvm.IRModule(dict(mod.functions), attrs=mod.attrs, global_infos=mod.global_infos)
-    trial[gv] = func
-    trial = RecomputeCheapValues()(trial)
-    scorer = _planned_peaks(trial[gv], trial, planner, inplace)
+    recomputed, trial = _recomputed(mod, gv, func)
+    scorer = _planned_peaks(recomputed, trial, planner, inplace)
     if scorer is not None:
         return scorer
-    timeline_ = memory_timeline(trial[gv], mod=trial)
+    timeline_ = memory_timeline(recomputed, mod=trial)
     return lambda points: [timeline_.evaluate(p).peak for p in points]
 
 
