@@ -1,7 +1,8 @@
 """Memory planning on symbolic sizes: :class:`PlanMemory`.
 
-``plan_memory`` is the pass; ``_collect`` (the allocations and who reads them) and ``_peak`` (the
-live-byte model its sharing decisions are proven on) are its private parts. In-place verdicts
+``plan_memory`` is the pass; ``_collect`` (the allocations and who reads them), ``_peak`` (the
+live-byte model its sharing decisions are proven on) and ``_index`` (the storages by where they
+end, searched for free ones) are its private parts. In-place verdicts
 (which input a kernel's output may overwrite) are read from the kernels by
 :func:`blade_relax.analysis.effects.inplace_verdict`, shared with ``MemoryAwareSchedule``.
 """

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import tvm
 from tvm import relax, tirx
 
-from ...analysis.effects import VIEW_OPS, Kind, classify
+from ...analysis.effects import VIEW_OPS, Instruction, Kind, classify
 from .._warn import warn_fallback
 
 __all__ = ["Allocation", "FunctionFacts", "KernelCall", "collect_facts"]
@@ -233,13 +233,24 @@ def collect_facts(
                 alloc.last_use = index
                 if alloc.block != block_index:
                     alloc.refuse("used outside the binding block that allocates it")
+            # Classified once: what a call does decides its effect and marks regenerated tensors.
+            inst = classify(value, mod) if isinstance(value, relax.Call) else None
             result = _binding_effect(
-                binding, index, block_index, mod, trusted, allocs, kernels, aliases, fields, stash
+                binding,
+                inst,
+                index,
+                block_index,
+                mod,
+                trusted,
+                allocs,
+                kernels,
+                aliases,
+                fields,
+                stash,
             )
             aliases[var] = result
-            if len(result) == 1 and isinstance(value, relax.Call):
-                if classify(value).kind is Kind.REGENERATE:
-                    regenerated[var] = (index, next(iter(result)))
+            if len(result) == 1 and inst is not None and inst.kind is Kind.REGENERATE:
+                regenerated[var] = (index, next(iter(result)))
             if _is_inexact(binding, value, inexact, tuple_items):
                 inexact.add(var)
             if isinstance(value, relax.Tuple):
@@ -288,6 +299,7 @@ def collect_facts(
 
 def _binding_effect(
     binding: relax.Binding,
+    inst: Instruction | None,
     index: int,
     block_index: int,
     mod: tvm.IRModule,
@@ -298,7 +310,10 @@ def _binding_effect(
     fields: dict[relax.Var, list[frozenset[int]]],
     stash: dict[int, frozenset[int]],
 ) -> frozenset[int]:
-    """Allocations the bound var refers to, recording new allocations and refusals."""
+    """Allocations the bound var refers to, recording new allocations and refusals.
+
+    ``inst`` is ``classify(binding.value, mod)`` when the value is a call (else None).
+    """
     var, value = binding.var, binding.value
     if isinstance(binding, relax.MatchCast):
         return _used_allocs(value, aliases)
@@ -317,7 +332,7 @@ def _binding_effect(
         return _used_allocs(value.tuple_value, aliases)
     if isinstance(value, relax.Call):
         return _call_effect(
-            value, var, index, block_index, mod, trusted, allocs, kernels, aliases, stash
+            value, inst, var, index, block_index, mod, trusted, allocs, kernels, aliases, stash
         )
     if isinstance(value, (tvm.ir.GenericConst, relax.ShapeExpr, tvm.ir.StringImm)):
         return frozenset()
@@ -331,6 +346,7 @@ def _binding_effect(
 
 def _call_effect(
     call: relax.Call,
+    inst: Instruction,
     var: relax.Var,
     index: int,
     block_index: int,
@@ -341,10 +357,9 @@ def _call_effect(
     aliases: dict[relax.Var, frozenset[int]],
     stash: dict[int, frozenset[int]],
 ) -> frozenset[int]:
-    remat = _remat_effect(call, allocs, aliases, stash)
+    remat = _remat_effect(inst, allocs, aliases, stash)
     if remat is not None:
         return remat
-    inst = classify(call, mod)
     kind = inst.kind
     if kind is Kind.TENSOR_ALLOC:
         allocs.append(_tensor_allocation(len(allocs), var, index, block_index, call))
@@ -382,7 +397,7 @@ def _call_effect(
 
 
 def _remat_effect(
-    call: relax.Call,
+    inst: Instruction,
     allocs: list[Allocation],
     aliases: dict[relax.Var, frozenset[int]],
     stash: dict[int, frozenset[int]],
@@ -394,7 +409,6 @@ def _remat_effect(
     recomputed one of the same size), so ``x'`` extends ``x``'s lifetime. ``regenerate`` only
     reads its other arguments during the call: they stay plannable.
     """
-    inst = classify(call)
     args = inst.args
     if inst.kind is Kind.EVICT and len(args) == 3:
         slot = _int_value(args[1])

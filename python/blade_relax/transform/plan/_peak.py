@@ -25,6 +25,7 @@ questions about a decision, given as binding ranges with a symbolic byte delta e
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 from collections.abc import Sequence
@@ -244,6 +245,7 @@ class LiveModel:
     ) -> None:
         self.graph = graph
         self.moments = np.array(sorted(set(moments)), dtype=np.int64)
+        self._moment_list = [int(m) for m in self.moments]
         self.base = list(base)
         self.proofs_left = max_proofs
         symbols, ranges = _free_dims(graph, [iv.size for iv in self.base])
@@ -306,6 +308,23 @@ class LiveModel:
                 return False, float("inf")
             cost += float(delta.mean()) * (b - a)
         return True, cost
+
+    def screen_mean(self, size: SymbolicExpr) -> float | None:
+        """The mean of ``size`` over the sample points of :meth:`screen` (None if it cannot be
+        evaluated there): what one byte of ``size`` held at one moment adds to a screen's cost.
+        """
+        try:
+            return float(self.screen_points.eval(size).mean())
+        except (Unevaluable, OverflowError, ZeroDivisionError):
+            return None
+
+    def moments_between(self, lo: int, hi: int) -> int:
+        """The number of moments in the binding range ``[lo, hi]`` (as a region counts them)."""
+        if lo > hi:
+            return 0
+        return bisect.bisect_right(self._moment_list, hi) - bisect.bisect_left(
+            self._moment_list, lo
+        )
 
     def prove(self, regions: Sequence[Region]) -> bool:
         """Whether the decision keeps every moment within the bound for all admissible dims."""

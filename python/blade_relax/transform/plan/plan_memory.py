@@ -62,7 +62,9 @@ ignored unless ``PlanOptions.plan_at_upper_bound``).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+import heapq
+import math
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import tvm
@@ -83,6 +85,7 @@ from ..result import (
     timeline_peak,
 )
 from ._collect import Allocation, FunctionFacts, collect_facts
+from ._index import EndIndex
 from ._peak import Interval, LiveModel, Region
 
 __all__ = [
@@ -351,6 +354,8 @@ class _Storage:
     groups: list[_Group]
     size: SymbolicExpr
     size_prim: object
+    #: Creation order: among placements ranked equal, the earlier storage is taken.
+    order: int = 0
     #: The last binding that reads data held in the storage (kept up to date by ``add``: the
     #: planner asks every storage for it once per tensor placed).
     last: int = field(init=False)
@@ -495,6 +500,7 @@ def _inplace_equal(
     if not options.inplace:
         return groups, pairs, group_of, ge_candidates
     verdicts: dict[tuple, bool] = {}
+    merged: set[int] = set()  # id() of the groups merged into another
     for index in sorted(facts.kernels):
         call = facts.kernels[index]
         outs = [
@@ -540,10 +546,12 @@ def _inplace_equal(
                 in_group.members.extend(out_group.members)
                 for member in out_group.members:
                     group_of[member.id] = in_group
-                groups.remove(out_group)
+                merged.add(id(out_group))
                 pairs.append((source.var.name, out.var.name, index))
                 taken.add(in_id)
                 break
+    # Filtered once: removing each merged group from the list would cost the list's length.
+    groups = [g for g in groups if id(g) not in merged]
     return groups, pairs, group_of, ge_candidates
 
 
@@ -578,6 +586,7 @@ def _inplace_regenerated(
         return placed
     # Variables whose memory is a regenerated tensor: var -> (defined at, allocation id).
     memory = dict(facts.regenerated)
+    live = {id(g) for g in groups}
     for index in sorted(facts.kernels):
         call = facts.kernels[index]
         for out_pos, ids in enumerate(call.arg_allocs):
@@ -590,7 +599,7 @@ def _inplace_regenerated(
                 or out.first_use != index
                 or group is None
                 or len(group.members) != 1
-                or group not in groups
+                or id(group) not in live
             ):
                 continue
             for arg in call.args:
@@ -608,12 +617,13 @@ def _inplace_regenerated(
                 ):
                     continue
                 placed[out.id] = (arg, index)
-                groups.remove(group)
+                live.discard(id(group))
                 del group_of[out.id]
                 out.kind = _IN_REGENERATED
                 memory[out.var] = (out.index, out.id)
                 del memory[arg]
                 break
+    groups[:] = [g for g in groups if id(g) in live]
     return placed
 
 
@@ -656,22 +666,28 @@ def _share(
     )
     storages: list[_Storage] = []
     storage_of: dict[int, _Storage] = {}  # id(group) -> storage
+    free = _FreeStorages(model)
     for group in sorted(groups, key=lambda g: g.start):
         choice = None
         if options.share or ge_inplace:
             choice = _choose(
-                group, storages, storage_of, group_of, ge_inplace, graph, model, options, allocs
+                group, storages, free, storage_of, group_of, ge_inplace, graph, model, options
             )
         if choice is None:
-            storage = _Storage(groups=[group], size=group.size, size_prim=group.size_prim)
+            storage = _Storage(
+                groups=[group], size=group.size, size_prim=group.size_prim, order=len(storages)
+            )
             storages.append(storage)
+            free.insert(storage)
             storage_of[id(group)] = storage
             continue
         storage, new_size, new_prim, regions, inplace_from = choice
         if options.peak_safe:
             model.apply(regions)
+        free.remove(storage)  # its end and size class change
         storage.add(group)
         storage.size, storage.size_prim = new_size, new_prim
+        free.insert(storage)
         storage_of[id(group)] = storage
         if inplace_from is not None:
             call_index = group.head.first_use
@@ -679,21 +695,144 @@ def _share(
     return _SharingResult(storages=storages, exhaustive=model.exhaustive)
 
 
+class _FreeStorages:
+    """The planned storages, indexed to find those free when a group starts.
+
+    A storage is free for a group once its last tensor's data is dead (``last < start``).
+    Most free storages are also released by then (``mem_end < start``): they sit in an
+    :class:`~._index.EndIndex` per storage scope and device, one class per byte size, read
+    latest first. The few held past their last read (tensors pinned by a tuple) are kept
+    apart and always considered.
+    """
+
+    def __init__(self, model: LiveModel) -> None:
+        self.model = model
+        self.by_place: dict[tuple[str, int], EndIndex[_Storage]] = {}
+        self.held: dict[int, _Storage] = {}  # order -> storage allocated past its last read
+        self._keys: dict[int, tuple[tuple[str, int], object, int]] = {}
+        self._means: dict[object, float | None] = {}
+
+    def insert(self, storage: _Storage) -> None:
+        place = _place(storage.head)
+        if place is None:  # shares with nothing (see _compatible)
+            return
+        cls = storage.size.expr
+        self.by_place.setdefault(place, EndIndex()).insert(
+            cls, storage.mem_end, storage.order, storage
+        )
+        self._keys[storage.order] = (place, cls, storage.mem_end)
+        if storage.mem_end > storage.last:
+            self.held[storage.order] = storage
+
+    def remove(self, storage: _Storage) -> None:
+        key = self._keys.pop(storage.order, None)
+        if key is None:
+            return
+        place, cls, end = key
+        self.by_place[place].remove(cls, end, storage.order)
+        self.held.pop(storage.order, None)
+
+    def mean(self, size: SymbolicExpr) -> float | None:
+        """``LiveModel.screen_mean`` of ``size``, kept per size."""
+        key = size.expr
+        if key not in self._means:
+            self._means[key] = self.model.screen_mean(size)
+        return self._means[key]
+
+
+def _place(alloc: Allocation) -> tuple[str, int] | None:
+    """Storage scope and device index: tensors share memory only with the same (None: never)."""
+    if not isinstance(alloc.device, tirx.IntImm):
+        return None
+    return alloc.scope, int(alloc.device.value)
+
+
+#: Screened placements tried by proof, best first, before a group gets a storage of its own.
+_PROVEN = 4
+
+_Placement = tuple[_Storage, SymbolicExpr, object, list[Region], int | None]
+
+
+class _Ranking:
+    """The placements of one group that pass the screen, handed out in the planner's preference.
+
+    A placement's key is ``(cost, rank, recency, order)``: the mean live bytes it adds at the
+    sample points (reusing a storage that stays allocated anyway saves bytes), then the size
+    class (0 in place, 1 equal, 2 larger, 3 grown), then the most recently freed storage, then
+    the order in which the candidates are enumerated (in-place ones first, then storages by
+    creation), so that equal keys keep that order.
+    """
+
+    def __init__(self, group: _Group, model: LiveModel) -> None:
+        self.group = group
+        self.model = model
+        self._passed: list[tuple[tuple, _Placement]] = []  # a heap: keys are unique
+
+    def consider(
+        self,
+        rank: int,
+        recency: float,
+        order: tuple[int, int],
+        storage: _Storage,
+        new_size: SymbolicExpr,
+        new_prim: object,
+        inplace_from: int | None,
+    ) -> None:
+        """Screen the placement of the group in ``storage`` grown to ``new_size``."""
+        regions = _merge_delta(storage, self.group, new_size)
+        if not all(self.model.evaluable(r) for r in regions):
+            return
+        ok, cost = self.model.screen(regions)
+        if ok:
+            placement = (storage, new_size, new_prim, regions, inplace_from)
+            heapq.heappush(self._passed, ((cost, rank, recency, order), placement))
+
+    def beats(self, bound: float) -> bool:
+        """Whether the best placement kept ranks before any costing at least ``bound``.
+
+        A placement costing exactly as much might rank before it: ``bound`` must be above its
+        cost by more than the rounding of the two float sums.
+        """
+        if not self._passed:
+            return False
+        cost = self._passed[0][0][0]
+        return bound > cost + 1e-9 * max(1.0, abs(bound), abs(cost))
+
+    def pop(self) -> _Placement | None:
+        """Take out the best placement kept (None if none)."""
+        return heapq.heappop(self._passed)[1] if self._passed else None
+
+
 def _choose(
     group: _Group,
     storages: list[_Storage],
+    free: _FreeStorages,
     storage_of: dict[int, _Storage],
     group_of: dict[int, _Group],
     ge_inplace: dict[int, list[int]],
     graph: ShapeGraph,
     model: LiveModel,
     options: PlanOptions,
-    allocs: list[Allocation],
-):
-    """The best proven-safe placement of ``group`` in an existing storage, or None."""
-    ranked: list[tuple[tuple, _Storage, SymbolicExpr, object, list[Region], int | None]] = []
+) -> _Placement | None:
+    """The best proven-safe placement of ``group`` in an existing storage, or None.
+
+    The candidates are the storage of a dying input (in place, when larger than the group) and
+    every storage free when the group starts. Each passing the screen is ranked by
+    :class:`_Ranking`; the best ``_PROVEN`` are proven in turn, the first proven is taken.
+
+    Only the candidates that may come first need screening. A free storage of size ``S``,
+    released ``gap`` moments before the group starts, adds at least ``max(mean S, mean G) *
+    (gap + span) - mean G * span`` to the cost (``G`` the group's size, ``span`` its moments,
+    means over the sample points): exactly this when the storage keeps its size, more when it
+    grows, since the new size is at least ``S`` and ``G`` at every sample point (they are
+    admissible: a proven ``>=`` holds there). The free storages of each size class are read
+    latest first, where that bound grows, all classes together in the order of their bounds,
+    and only until the bound exceeds the cost of the best placement screened: every storage
+    left ranks after it.
+    """
     head = group.head
     # In-place into a dying input whose storage is larger.
+    inplace: list[tuple[_Storage, int]] = []
     for in_id in ge_inplace.get(head.id, []):
         storage = storage_of.get(id(group_of[in_id]))
         call_index = head.first_use
@@ -701,50 +840,107 @@ def _choose(
             continue
         if not graph.compare(storage.size, group.size).holds_ge:
             continue
-        regions = _merge_delta(storage, group, storage.size)
-        ranked.append(((0, 0.0), storage, storage.size, storage.size_prim, regions, in_id))
-    if options.share:
-        for storage in storages:
-            if storage.last >= group.start or not _compatible(storage.head, head):
-                continue
-            relation = graph.compare(storage.size, group.size)
-            if relation.holds_ge:
-                new_size, new_prim, rank = storage.size, storage.size_prim, 1
-                if relation.name != "EQ":
-                    rank = 2
-            elif options.grow and group.ready < storage.first:
-                if graph.compare(group.size, storage.size).holds_ge:
-                    new_size, new_prim = group.size, group.size_prim
-                else:
-                    new_size = graph.canonical(SymbolicExpr.max(storage.size, group.size))
-                    new_prim = tirx.max(storage.size_prim, group.size_prim)
-                rank = 3
-            else:
-                continue
-            regions = _merge_delta(storage, group, new_size)
-            ranked.append(((rank, -storage.last), storage, new_size, new_prim, regions, None))
-    if not ranked:
-        return None
+        inplace.append((storage, in_id))
     if not options.peak_safe:
-        ranked.sort(key=lambda r: r[0])
-        best = ranked[0]
-        return best[1], best[2], best[3], best[4], best[5]
-    screened = []
-    for key, storage, new_size, new_prim, regions, inplace_from in ranked:
-        if not all(model.evaluable(r) for r in regions):
-            continue
-        ok, cost = model.screen(regions)
-        if ok:
-            # Least added live bytes first (reusing a storage that stays allocated anyway
-            # saves bytes); then the closer size class; then the most recently freed storage.
-            screened.append(
-                ((cost, key[0], key[1]), storage, new_size, new_prim, regions, inplace_from)
-            )
-    screened.sort(key=lambda r: r[0])
-    for _key, storage, new_size, new_prim, regions, inplace_from in screened[:4]:
-        if model.prove(regions):
-            return storage, new_size, new_prim, regions, inplace_from
+        return _choose_greedy(group, storages, inplace, graph, options)
+    ranking = _Ranking(group, model)
+    for i, (storage, in_id) in enumerate(inplace):
+        ranking.consider(0, 0.0, (0, i), storage, storage.size, storage.size_prim, in_id)
+    place = _place(head)
+    share = options.share and place is not None
+
+    def consider(storage: _Storage) -> None:
+        terms = _share_terms(storage, group, graph, options)
+        if terms is not None:
+            rank, new_size, new_prim = terms
+            order = (1, storage.order)
+            ranking.consider(rank, -storage.last, order, storage, new_size, new_prim, None)
+
+    if share:
+        for storage in list(free.held.values()):
+            if storage.last < group.start <= storage.mem_end and _place(storage.head) == place:
+                consider(storage)
+    index = free.by_place.get(place) if share else None
+    # The free storages of each size class, latest first, by their bound: (bound, class
+    # number, storage, the class's remaining storages, the bound's slope).
+    heap: list[tuple[float, int, _Storage, Iterator[tuple[int, _Storage]], float | None]] = []
+    mean_g = free.mean(group.size)
+    span = model.moments_between(group.start, group.mem_end)
+
+    def push(n: int, entries: Iterator[tuple[int, _Storage]], slope: float | None) -> None:
+        entry = next(entries, None)
+        if entry is None:
+            return
+        end, storage = entry
+        if slope is None:  # sizes not evaluable: no bound, the whole class is read
+            bound = -math.inf
+        else:
+            gap = model.moments_between(end + 1, group.start - 1)
+            bound = slope * (gap + span) - mean_g * span
+        heapq.heappush(heap, (bound, n, storage, entries, slope))
+
+    if index is not None:
+        for n, cls in enumerate(index.classes()):
+            mean_s = free.mean(SymbolicExpr(cls))
+            slope = None if mean_g is None or mean_s is None else max(mean_s, mean_g)
+            push(n, index.ended_before(cls, group.start), slope)
+    for _ in range(_PROVEN):
+        while heap and not ranking.beats(heap[0][0]):
+            _bound, n, storage, entries, slope = heapq.heappop(heap)
+            consider(storage)
+            push(n, entries, slope)
+        best = ranking.pop()
+        if best is None:
+            return None
+        if model.prove(best[3]):
+            return best
     return None
+
+
+def _share_terms(
+    storage: _Storage, group: _Group, graph: ShapeGraph, options: PlanOptions
+) -> tuple[int, SymbolicExpr, object] | None:
+    """``(rank, new size, new size as a PrimExpr)`` when ``group`` may share the free
+    ``storage`` (see :class:`_Ranking` for the rank), None when their sizes forbid it."""
+    relation = graph.compare(storage.size, group.size)
+    if relation.holds_ge:
+        return (1 if relation.name == "EQ" else 2), storage.size, storage.size_prim
+    if options.grow and group.ready < storage.first:
+        if graph.compare(group.size, storage.size).holds_ge:
+            return 3, group.size, group.size_prim
+        new_size = graph.canonical(SymbolicExpr.max(storage.size, group.size))
+        return 3, new_size, tirx.max(storage.size_prim, group.size_prim)
+    return None
+
+
+def _choose_greedy(
+    group: _Group,
+    storages: list[_Storage],
+    inplace: list[tuple[_Storage, int]],
+    graph: ShapeGraph,
+    options: PlanOptions,
+) -> _Placement | None:
+    """Without peak proofs: the first in-place candidate, else best fit, then recency."""
+    if inplace:
+        storage, in_id = inplace[0]
+        regions = _merge_delta(storage, group, storage.size)
+        return storage, storage.size, storage.size_prim, regions, in_id
+    if not options.share:
+        return None
+    best: tuple[tuple[int, int], _Storage, int, SymbolicExpr, object] | None = None
+    for storage in storages:
+        if storage.last >= group.start or not _compatible(storage.head, group.head):
+            continue
+        terms = _share_terms(storage, group, graph, options)
+        if terms is None:
+            continue
+        key = (terms[0], -storage.last)
+        if best is None or key < best[0]:
+            best = (key, storage, *terms)
+    if best is None:
+        return None
+    _key, storage, _rank, new_size, new_prim = best
+    return storage, new_size, new_prim, _merge_delta(storage, group, new_size), None
 
 
 def _merge_delta(storage: _Storage, group: _Group, new_size: SymbolicExpr) -> list[Region]:
