@@ -241,3 +241,143 @@ def test_a_second_run_on_an_equal_function_replays_the_decision(monkeypatch):
     assert len(calls) == 2
     RecomputeCheapValues()(LateRead)
     assert len(calls) == 3
+
+
+# fmt: off
+@I.ir_module
+class Kernels:
+    """Elementwise kernels over ``(s, 4)`` and ``(64, 4)`` tensors (bytes that grow with ``s``
+    and bytes that do not, so the peak is at different bindings for small and large ``s``),
+    and ``mix``, which is not cheap (a reduction's pattern)."""
+
+    @T.prim_func(private=True, s_tir=True)
+    def scale(var_x: T.handle, var_y: T.handle):
+        T.func_attr({"op_pattern": 0, "tirx.noalias": True})
+        s = T.int64()
+        x = T.match_buffer(var_x, (s, T.int64(4)))
+        y = T.match_buffer(var_y, (s, T.int64(4)))
+        for i, j in T.grid(s, T.int64(4)):
+            with T.sblock("scale"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                y[vi, vj] = x[vi, vj] * T.float32(2.0)
+
+    @T.prim_func(private=True, s_tir=True)
+    def add(var_a: T.handle, var_b: T.handle, var_c: T.handle):
+        T.func_attr({"op_pattern": 0, "tirx.noalias": True})
+        s = T.int64()
+        a = T.match_buffer(var_a, (s, T.int64(4)))
+        b = T.match_buffer(var_b, (s, T.int64(4)))
+        c = T.match_buffer(var_c, (s, T.int64(4)))
+        for i, j in T.grid(s, T.int64(4)):
+            with T.sblock("add"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                c[vi, vj] = a[vi, vj] + b[vi, vj]
+
+    @T.prim_func(private=True, s_tir=True)
+    def mix(var_a: T.handle, var_b: T.handle, var_c: T.handle):
+        T.func_attr({"op_pattern": 4, "tirx.noalias": True})
+        s = T.int64()
+        a = T.match_buffer(var_a, (s, T.int64(4)))
+        b = T.match_buffer(var_b, (s, T.int64(4)))
+        c = T.match_buffer(var_c, (s, T.int64(4)))
+        for i, j in T.grid(s, T.int64(4)):
+            with T.sblock("mix"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                c[vi, vj] = a[vi, vj] * b[vi, vj]
+
+    @T.prim_func(private=True, s_tir=True)
+    def wide_scale(x: T.Buffer((64, 4), "float32"), y: T.Buffer((64, 4), "float32")):
+        T.func_attr({"op_pattern": 0, "tirx.noalias": True})
+        for i, j in T.grid(64, 4):
+            with T.sblock("scale"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                y[vi, vj] = x[vi, vj] * T.float32(2.0)
+
+    @T.prim_func(private=True, s_tir=True)
+    def wide_add(a: T.Buffer((64, 4), "float32"), b: T.Buffer((64, 4), "float32"), c: T.Buffer((64, 4), "float32")):
+        T.func_attr({"op_pattern": 0, "tirx.noalias": True})
+        for i, j in T.grid(64, 4):
+            with T.sblock("add"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                c[vi, vj] = a[vi, vj] + b[vi, vj]
+# fmt: on
+
+
+def _random_block(seed: int) -> tvm.IRModule:
+    """A dataflow block of ``Kernels`` calls with random reads: mostly recent values, some far
+    back (the late reads the pass looks for); a few values are returned."""
+    rng = np.random.default_rng(seed)
+    s = tvm.tirx.Var("s", "int64")
+    types = {"s": relax.TensorType([s, 4], "float32"), "64": relax.TensorType([64, 4], "float32")}
+    x = relax.Var("x", types["s"])
+    w = relax.Var("w", types["64"])
+    kernels = {"s": ("scale", "add", "mix"), "64": ("wide_scale", "wide_add")}
+    bb = relax.BlockBuilder(Kernels)
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            values = {"s": [x], "64": [w]}
+            for i in range(int(rng.integers(8, 26))):
+                family = "s" if rng.random() < 0.6 else "64"
+                name = kernels[family][int(rng.integers(len(kernels[family])))]
+                pool = values[family]
+                args = []
+                for _ in range(1 if name.endswith("scale") else 2):
+                    recent = rng.random() < 0.7
+                    low = max(0, len(pool) - 3) if recent else 0
+                    args.append(pool[int(rng.integers(low, len(pool)))])
+                gv = bb.get().get_global_var(name)
+                var = bb.emit(relax.call_tir(gv, args, types[family]), name_hint=f"v{i}")
+                pool.append(var)
+            outputs = [values["s"][-1], values["64"][-1]]
+            outputs += [v for v in values["s"][1:-1] if rng.random() < 0.1]
+            out = bb.emit_output(relax.Tuple(outputs))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_the_screen_decides_as_the_timelines_do(monkeypatch):
+    """Trials the sample screen rejects (no timeline of their own) are rejected by the full
+    timelines too, and the numbers-first decision on a trial's timeline equals the proof-first
+    one: on random blocks, the pass with the screen gives the module it gives without."""
+    from blade_relax.transform import recompute_cheap_values as rcv
+
+    keeps_peak = rcv._Screen.keeps_peak
+    lowers = rcv._lowers
+    pairs: list[tuple[bool, bool]] = []
+    pending: list[bool] = []
+
+    def record_screen(self, plan, facts):
+        pending.append(keeps_peak(self, plan, facts))
+        return False  # every trial gets its timeline, as without the screen
+
+    def record_lowers(trial, base, trial_screen, base_screen):
+        decided = lowers(trial, base, trial_screen, base_screen)
+        assert decided == lowers(trial, base, None, None)
+        pairs.append((pending.pop(), decided))
+        return decided
+
+    def run(mod, mode):
+        monkeypatch.setattr(rcv, "_DECISIONS", rcv._DecisionMemo())
+        with monkeypatch.context() as patch:
+            if mode == "plain":
+                patch.setattr(rcv._Screen, "of", classmethod(lambda cls, timeline: None))
+            elif mode == "recorded":
+                patch.setattr(rcv._Screen, "keeps_peak", record_screen)
+                patch.setattr(rcv, "_lowers", record_lowers)
+            return RecomputeCheapValues()(mod)
+
+    changed = 0
+    for seed in range(40):
+        mod = _random_block(seed)
+        plain = run(mod, "plain")
+        tvm.ir.assert_structural_equal(run(mod, "screened"), plain)
+        tvm.ir.assert_structural_equal(run(mod, "recorded"), plain)
+        changed += not plain.same_as(mod)
+    assert not pending
+    # A rejection by the screen is one by the timelines; trials of both kinds occur, and
+    # trials the timelines accept.
+    assert all(not decided for rejected, decided in pairs if rejected)
+    assert any(rejected for rejected, _ in pairs)
+    assert any(not rejected for rejected, _ in pairs)
+    assert any(decided for _, decided in pairs)
+    assert changed

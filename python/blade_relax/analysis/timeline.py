@@ -27,6 +27,9 @@ the caller's dims). It counts in that step's ``live_during`` (and working set), 
 the runtime accounting counts the same bytes, from the same description, when the call is
 measured with a workspace table (``blade_relax.runtime.measure_memory``).
 
+:class:`SampledTimeline` holds a timeline's live bytes at the shape graph's sample points, for
+a pass that screens many variants of a function by numbers before it proves anything about one.
+
 What each binding does to memory is not decided here: :mod:`blade_relax.analysis.effects`
 (the op table every memory model reads) gives each binding's :class:`~.effects.ValueEffect`,
 and :func:`~.effects.register_timeline_rule` teaches it packed functions and operators it
@@ -55,17 +58,21 @@ from .effects import (
     returns_nothing,
 )
 from .liveness import Liveness, liveness
+from .workspace import kernel_workspace
 
 __all__ = [
     "Allocation",
     "EvaluatedTimeline",
     "MemoryTimeline",
+    "SampledTimeline",
     "TimelineMemo",
     "TimelineStep",
     "memory_timeline",
 ]
 
 _LOWERED_MARKERS = frozenset({"relax.call_tir", "relax.builtin.alloc_tensor"})
+# The calls whose first argument is the kernel (as the workspace query reads them).
+_KERNEL_CALLS = frozenset({"relax.call_tir", "relax.call_tir_with_grad", "relax.call_tir_inplace"})
 
 
 @dataclass(frozen=True)
@@ -226,6 +233,104 @@ class MemoryTimeline:
         )
 
 
+@dataclass(frozen=True)
+class SampledTimeline:
+    """A timeline's ``live_during`` at the representative points of its graph, in bytes, with
+    the running maxima from both ends, so that the peak over the steps outside any window is
+    read in constant time.
+
+    A pass that tries many rewrites which each change the live bytes only over a window of
+    steps can bound a trial's peak from below by the peak outside that window, without a
+    timeline of the trial. The values are exact (every size is evaluated, nothing symbolic is
+    compared) and equal :meth:`MemoryTimeline.evaluate` at each point; at every point the
+    largest of them is the value of :attr:`MemoryTimeline.peak` there.
+
+    Attributes
+    ----------
+    points
+        The points of :meth:`ShapeGraph.representative_points` that lie within every dim's
+        range (those :meth:`ShapeGraph.evaluate` accepts), in order.
+    live_during
+        Per step, its ``live_during`` at each point.
+    """
+
+    points: tuple[dict[str, int], ...]
+    live_during: tuple[tuple[int, ...], ...]
+    #: ``_before[i]``: per point, the largest ``live_during`` of the steps before ``i`` (0 for
+    #: none); ``_from[i]``: of the steps from ``i`` on.
+    _before: tuple[tuple[int, ...], ...] = field(repr=False)
+    _from: tuple[tuple[int, ...], ...] = field(repr=False)
+
+    @classmethod
+    def of(cls, timeline: MemoryTimeline) -> SampledTimeline | None:
+        """The sampled ``timeline``, or ``None`` when a size or a workspace cannot be
+        evaluated at one of the points (an UNKNOWN part)."""
+        graph = timeline.graph
+        keep = []
+        for k, point in enumerate(graph.representative_points()):
+            try:
+                graph.evaluate(_ZERO, point)
+            except ValueError:  # outside a dim's range: no evaluation counts it
+                continue
+            keep.append((k, point))
+        columns = [k for k, _ in keep]
+
+        def values(expr: SymbolicExpr) -> tuple[int, ...] | None:
+            # ``sample`` remembers each distinct expression: allocations share a few sizes.
+            sampled = graph.sample(expr)
+            return None if sampled is None else tuple(sampled[k] for k in columns)
+
+        width, n = len(columns), len(timeline.steps)
+        zero = (0,) * width
+        delta_alloc = [zero] * n
+        delta_free = [zero] * n
+        for allocation in timeline.allocations:
+            size = values(allocation.nbytes)
+            if size is None:
+                return None
+            delta_alloc[allocation.start] = _add(delta_alloc[allocation.start], size)
+            if allocation.end is not None:
+                delta_free[allocation.end] = _add(delta_free[allocation.end], size)
+        live_during: list[tuple[int, ...]] = []
+        live = zero
+        for i, step in enumerate(timeline.steps):
+            live = _add(live, delta_alloc[i])
+            during = live
+            if not _is_zero(step.workspace):
+                workspace = values(step.workspace)
+                if workspace is None:
+                    return None
+                during = _add(live, workspace)
+            live_during.append(during)
+            live = tuple(a - b for a, b in zip(live, delta_free[i]))
+        before = [zero]
+        for during in live_during:
+            before.append(tuple(map(max, before[-1], during)))
+        after = [zero]
+        for during in reversed(live_during):
+            after.append(tuple(map(max, after[-1], during)))
+        after.reverse()
+        return cls(tuple(p for _, p in keep), tuple(live_during), tuple(before), tuple(after))
+
+    @property
+    def peak(self) -> tuple[int, ...]:
+        """Per point, the largest ``live_during`` (0 without steps)."""
+        return self._from[0]
+
+    def peak_outside(self, first: int, last: int) -> tuple[int, ...]:
+        """Per point, the largest ``live_during`` of the steps before ``first`` and after
+        ``last`` (the steps ``first`` to ``last`` left out; none when ``last < first``)."""
+        n = len(self.live_during)
+        first, last = max(0, min(first, n)), max(-1, min(last, n - 1))
+        if last < first:
+            return self.peak
+        return tuple(map(max, self._before[first], self._from[last + 1]))
+
+
+def _add(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(x + y for x, y in zip(a, b))
+
+
 def _is_zero(expr: SymbolicExpr) -> bool:
     return expr.is_constant and expr.expr == 0
 
@@ -321,6 +426,8 @@ class TimelineMemo:
     sums: dict[tuple, SymbolicExpr] = field(default_factory=dict, repr=False)
     uses: dict[Any, tuple] = field(default_factory=dict, repr=False)
     stage: str | None = None
+    #: Per kernel (``GlobalVar``), whether a call of it may hold a workspace.
+    kernels: dict[Any, bool] = field(default_factory=dict, repr=False)
 
     @classmethod
     def for_function(
@@ -362,12 +469,42 @@ class TimelineMemo:
         return out
 
     def effect_of(self, binding: Any) -> ValueEffect:
+        """The effect of ``binding`` (:func:`~.effects.binding_effect`), remembered."""
         key = (binding.var, binding.value, binding.is_match_cast)
         effect = self.effects.get(key)
         if effect is None:
-            effect = binding_effect(binding, self.graph, self.mod, self.workspaces, self.target)
+            workspaces = self.workspaces and self._may_hold_workspace(binding.value)
+            effect = binding_effect(binding, self.graph, self.mod, workspaces, self.target)
             self.effects[key] = effect
         return effect
+
+    def _may_hold_workspace(self, value: Any) -> bool:
+        """False for a call of a kernel known to allocate no workspace.
+
+        The effect is then the same without the workspace query, which reads the shapes of
+        every argument of the call for each binding; most kernels have none, and whether one
+        does is remembered once per kernel here.
+        """
+        if self.mod is None or not isinstance(value, relax.Call):
+            return True
+        op = value.op
+        if isinstance(op, tvm.ir.Op) and op.name in _KERNEL_CALLS:
+            kernel = value.args[0]
+        elif isinstance(op, tvm.ir.GlobalVar):
+            kernel = op
+        else:
+            return True
+        if not isinstance(kernel, tvm.ir.GlobalVar):
+            return True
+        found = self.kernels.get(kernel)
+        if found is None:
+            func = self.mod[kernel] if kernel in self.mod.functions else None
+            found = not (
+                isinstance(func, tvm.tirx.PrimFunc)
+                and kernel_workspace(func, kernel.name_hint, self.target).is_empty
+            )
+            self.kernels[kernel] = found
+        return found
 
 
 def memory_timeline(

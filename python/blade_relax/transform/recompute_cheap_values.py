@@ -58,7 +58,7 @@ import tvm
 import tvm_ffi
 from tvm import relax, tirx
 
-from ..analysis import TimelineMemo, memory_timeline
+from ..analysis import MemoryTimeline, SampledTimeline, TimelineMemo, memory_timeline
 from ..analysis.effects import in_place_writes
 from ..symbolic import Ordering
 from ._block_edit import (
@@ -138,8 +138,14 @@ def kernel_patterns(mod: tvm.IRModule) -> dict[str, int]:
 
 
 def _cheap_kernel(
-    mod: tvm.IRModule, patterns: dict[str, int], value: relax.Expr, max_pattern: int
+    mod: tvm.IRModule,
+    patterns: dict[str, int],
+    value: relax.Expr,
+    max_pattern: int,
+    reshapes: dict[str, bool],
 ) -> bool:
+    """Whether ``value`` calls an injective kernel that is not a reshape (``reshapes``
+    remembers the reshape check per kernel: a layer's kernels are called once per layer)."""
     if not isinstance(value, relax.Call) or not value.op.same_as(_CALL_TIR):
         return False
     if not isinstance(value.ty, relax.TensorType):
@@ -147,7 +153,10 @@ def _cheap_kernel(
     callee = value.args[0]
     if not isinstance(callee, relax.GlobalVar) or patterns.get(callee.name_hint, 99) > max_pattern:
         return False
-    return not relax.analysis.has_reshape_pattern(mod[callee])
+    reshape = reshapes.get(callee.name_hint)
+    if reshape is None:
+        reshape = reshapes[callee.name_hint] = relax.analysis.has_reshape_pattern(mod[callee])
+    return not reshape
 
 
 def _tensor_inputs(value: relax.Call) -> list[relax.Var] | None:
@@ -199,10 +208,11 @@ class _BlockFacts:
         self.live_throughout = live_throughout
         self.options = options
         self.writes = in_place_writes(self.bindings, mod)
+        reshapes: dict[str, bool] = {}
         self.cheap = [
             isinstance(b, relax.VarBinding)
             and b.var not in live_throughout
-            and _cheap_kernel(mod, patterns, b.value, options.max_pattern)
+            and _cheap_kernel(mod, patterns, b.value, options.max_pattern, reshapes)
             and _tensor_inputs(b.value) is not None
             for b in self.bindings
         ]
@@ -368,7 +378,12 @@ class RecomputeCheapValues:
         """Single copies of values whose inputs are live anyway are accepted by the subset
         argument; chains and copies that keep an input alive longer only where the symbolic
         timeline proves the peak is no higher for any admissible value of the dims, and lower
-        for some."""
+        for some.
+
+        A trial is the accepted plans plus one more. Most trials change the live bytes only
+        where the function's peak is not, and :class:`_Screen` rejects those from the base's
+        sampled timeline alone; the others get a timeline of their own, as before.
+        """
         accepted: list[_Plan] = []
         chains: list[_Plan] = []
         for plan in _candidates(facts):
@@ -393,32 +408,106 @@ class RecomputeCheapValues:
         # bindings the trials share are derived once.
         memo = TimelineMemo.for_function(func, mod=mod)
 
-        def peak(plans: list[_Plan]):
+        def peak(plans: list[_Plan]) -> MemoryTimeline:
             trial = list(blocks)
             trial[index] = _rewrite_block(block, plans) if plans else block
             return memory_timeline(with_blocks(func, trial), memo=memo)
 
         base = peak(accepted)
+        screen = _Screen.of(base)
         for plan in chains:
             if not _compatible(plan, accepted, facts.bindings):
                 continue
+            if screen is not None and screen.keeps_peak(plan, facts):
+                continue
             trial = peak([*accepted, plan])
-            verdict = base.graph.compare(trial.peak, base.peak)
-            if verdict in (Ordering.LT, Ordering.LE, Ordering.EQ) and _lowers_somewhere(
-                trial, base
-            ):
+            trial_screen = None if screen is None else _Screen.of(trial)
+            if _lowers(trial, base, trial_screen, screen):
                 accepted.append(plan)
-                base = trial
+                base, screen = trial, trial_screen
         return accepted
+
+
+class _Screen:
+    """The base timeline of a block's trials at the graph's sample points, which rejects most
+    trials without a timeline of their own.
+
+    A trial differs from the base by one more plan: its copies are bound just before the first
+    late read, the late reads read the copy instead of the value ``v``, and ``v`` dies at its
+    last early read instead of its last late read. Every other variable is read where it was
+    (the copies' inputs also by the copies), so at every base step up to ``v``'s last early
+    read and from its first late read on, the trial holds at least the base's allocations
+    (``v``'s is the copy's from the first late read on) and the same workspace. Its peak is
+    thus at least the base's peak over those steps, at every point. Where that is the base's
+    peak at every point, the trial is lower nowhere, and the timelines would reject it (see
+    :func:`_lowers`).
+
+    The number of trials grows with the function, as does the symbolic timeline of each one,
+    so trying every chain on its own timeline costs quadratic time in the function's length.
+    A rejection here costs two lookups in running maxima; only trials that change the bytes
+    where the peak is get a timeline.
+    """
+
+    def __init__(self, timeline: MemoryTimeline, sampled: SampledTimeline) -> None:
+        self.sampled = sampled
+        self.step_of = {step.var: step.index for step in timeline.steps}
+
+    @classmethod
+    def of(cls, timeline: MemoryTimeline) -> _Screen | None:
+        """The screen of ``timeline``; ``None`` where a size cannot be sampled."""
+        sampled = SampledTimeline.of(timeline)
+        return None if sampled is None else cls(timeline, sampled)
+
+    def keeps_peak(self, plan: _Plan, facts: _BlockFacts) -> bool:
+        """Whether the base with ``plan`` added has the base's peak at every sample point."""
+        value = facts.bindings[plan.chain[-1]].var
+        early = [q for q in facts.reads.get(value, ()) if q < plan.late[0]]
+        if not early:
+            return False
+        last_early = self.step_of.get(facts.bindings[early[-1]].var)
+        first_late = self.step_of.get(facts.bindings[plan.late[0]].var)
+        if last_early is None or first_late is None:
+            return False
+        outside = self.sampled.peak_outside(last_early + 1, first_late - 1)
+        return all(o >= p for o, p in zip(outside, self.sampled.peak))
+
+
+def _lowers(
+    trial: MemoryTimeline,
+    base: MemoryTimeline,
+    trial_screen: _Screen | None,
+    base_screen: _Screen | None,
+) -> bool:
+    """Whether the symbolic timelines prove ``trial``'s peak no higher than ``base``'s for any
+    admissible value of the dims, and it is lower at a sample point.
+
+    The proof (a ``Max`` over the steps of each) is the expensive part, so the sampled peaks
+    decide first where they can: a trial higher at one point cannot be proven no higher (the
+    points are admissible values, the proofs sound), and one lower at no point is not taken
+    either way (:func:`_lowers_somewhere` reads the same values).
+    """
+    if trial_screen is None or base_screen is None:
+        verdict = base.graph.compare(trial.peak, base.peak)
+        return verdict in _NO_HIGHER and _lowers_somewhere(trial, base)
+    trial_peak, base_peak = trial_screen.sampled.peak, base_screen.sampled.peak
+    if any(t > b for t, b in zip(trial_peak, base_peak)):
+        return False
+    if all(t == b for t, b in zip(trial_peak, base_peak)):
+        return False
+    return base.graph.compare(trial.peak, base.peak) in _NO_HIGHER
+
+
+_NO_HIGHER = (Ordering.LT, Ordering.LE, Ordering.EQ)
 
 
 class _DecisionMemo:
     """The plans accepted for a block, remembered for a structurally equal function.
 
     ``MemoryAwareSchedule`` runs this pass on the order it picks (``recompute_after``), and
-    the pipeline runs it on the same function right after; the trials of ``_accept`` (one
-    symbolic timeline of the whole function each) are most of the pass's time, so the second
-    run replays the first one's decision. Plans name bindings by position, so they apply to any
+    the pipeline runs it on the same function right after; the facts of a block and the
+    symbolic timelines of ``_accept`` (one of the whole function, and one for each trial the
+    screen leaves) are most of the pass's time, so the second run replays the first one's
+    decision. Plans name bindings by position, so they apply to any
     structurally equal function; the kernels it calls must be the same objects (the pipeline
     keeps them), since the plans depend on their op patterns and in-place writes.
     """
