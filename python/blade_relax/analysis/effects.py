@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ __all__ = [
     "inplace_verdict",
     "kernel_written_params",
     "register_timeline_rule",
+    "reshape_pattern",
     "written_operands",
 ]
 
@@ -510,6 +512,18 @@ def written_operands(value: relax.Expr, mod: tvm.IRModule | None) -> tuple[relax
     return ()
 
 
+@functools.lru_cache(maxsize=4096)
+def reshape_pattern(func: tirx.PrimFunc) -> bool:
+    """``relax.analysis.has_reshape_pattern(func)``, remembered per kernel.
+
+    The check walks the kernel's body, and the passes ask it of every ``call_tir`` binding, so
+    of the same kernel many times (once per layer, once per trial order). Kernels are
+    immutable and compare by identity; the cache holds the ones it remembers, so an identity
+    is never reused while remembered. Errors of the check are raised, never remembered.
+    """
+    return bool(relax.analysis.has_reshape_pattern(func))
+
+
 def _reshape_source(call: relax.Call, mod: tvm.IRModule | None) -> relax.Expr | None:
     """The tensor a ``call_tir`` of a reshape-pattern kernel reshapes (else ``None``)."""
     if mod is None or call.op.name != "relax.call_tir":
@@ -522,7 +536,7 @@ def _reshape_source(call: relax.Call, mod: tvm.IRModule | None) -> relax.Expr | 
     if not isinstance(func, tvm.tirx.PrimFunc):
         return None
     try:
-        return fields[0] if relax.analysis.has_reshape_pattern(func) else None
+        return fields[0] if reshape_pattern(func) else None
     except (RuntimeError, ValueError):  # a kernel the pattern check cannot read
         return None
 

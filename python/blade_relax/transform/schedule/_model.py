@@ -26,6 +26,7 @@ from ...analysis.effects import (
     classify,
     in_place_writes,
     inplace_inputs,
+    reshape_pattern,
 )
 from ...analysis.workspace import call_workspace
 from ...symbolic import Ordering, ShapeGraph, SymbolicExpr
@@ -240,7 +241,7 @@ class BlockReader:
         if self.graph.compare(self._bytes(src_ty, src), self._bytes(dst_ty, var)) != Ordering.EQ:
             return None
         try:
-            if not relax.analysis.has_reshape_pattern(func):
+            if not reshape_pattern(func):
                 return None
         except (RuntimeError, ValueError) as err:  # TVM raises InternalError (a RuntimeError)
             # A kernel TVM's pattern check cannot read: modelled as computing a new tensor
