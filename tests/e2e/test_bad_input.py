@@ -236,18 +236,24 @@ def test_budget_of_wrong_type_is_refused(bad):
 def test_budget_below_lower_bound_warns_and_runs_best_effort(train):
     mod, stock, blade = train
     args, expected, free = _unconstrained(train)
+    # Decisions are cached per program, and programs with equal metadata are one: another
+    # compilation of this step in an earlier test may have decided for this budget already.
+    for program in runtime.remat_programs().values():
+        program._decisions.clear()
     vm = _vm(blade)
     # measure_call records the warnings raised during the call.
     first = measure_call(vm, args, budget=1)
+    assert not first.decision["cached"]
     assert first.budget_warnings == 1
     assert outputs_equal(expected, first.outputs) is None
     decision = first.decision
     assert decision is not None and not decision["reachable"]
-    # Best effort: the smallest peak the decision can reach, which evicting makes lower than
-    # the unconstrained one, and exactly what was measured.
+    # Best effort: the smallest peak the decision can reach, exactly what was measured, and
+    # never above the unconstrained one (the schedule's order already peaks at what evictions
+    # reach on this step: the eviction brings the rewritten copy down to it).
     assert first.evictions >= 1
     assert first.peak_absolute == decision["predicted_peak"]
-    assert first.peak < free.peak
+    assert first.peak <= free.peak
     # Repeating the call: a decision is made once per shape and budget (and bytes live at the
     # call), so the warning comes once; by the third call the decision is cached and silent.
     second = measure_call(vm, args, budget=1)

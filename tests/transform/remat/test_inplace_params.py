@@ -200,10 +200,14 @@ def test_recipe_built_when_another_parameter_is_updated():
 
 # --------------------------------------------------------------------------- end to end
 SIZES = ModelSizes(layers=2, hidden=8, intermediate=64, vocab=128, max_seq_len=256, min_seq_len=1)
-LENGTH = 100
+# Lengths where the default pipeline evicts under a one-byte budget: with the in-place check
+# (some activation that no update touches), and without it (one whose regeneration reads a
+# parameter the step has already updated).
+LENGTH_CHECKED = 160
+LENGTH_UNCHECKED = 80
 
 
-def _training_step():
+def _training_step(length: int):
     """An AdamW step of a Relax-native MLP: the updates write parameters and state in place,
     and MemoryAwareSchedule moves each one next to its gradient, ahead of later readers."""
     forward = mlp_forward_module(SIZES)
@@ -220,8 +224,8 @@ def _training_step():
         param_names=[p.name for p in forward["main"].params[2:]],
     )
     step = build_training_step(graph, AdamW(1e-2))
-    x = rng.standard_normal((LENGTH, SIZES.hidden)).astype("float32")
-    onehot = np.eye(SIZES.vocab, dtype="float32")[rng.integers(0, SIZES.vocab, LENGTH)]
+    x = rng.standard_normal((length, SIZES.hidden)).astype("float32")
+    onehot = np.eye(SIZES.vocab, dtype="float32")[rng.integers(0, SIZES.vocab, length)]
     state = step.initial_state()
     scalars = step.optimizer.scalars(1)
 
@@ -242,13 +246,8 @@ def _budgeted_and_plain(executable, args):
     return budgeted, plain
 
 
-@pytest.fixture(scope="module")
-def training_step():
-    return _training_step()
-
-
-def test_training_step_under_a_tiny_budget_equals_the_unbudgeted_step(training_step):
-    step, args = training_step
+def test_training_step_under_a_tiny_budget_equals_the_unbudgeted_step():
+    step, args = _training_step(LENGTH_CHECKED)
     executable = tvm.compile(step.mod, "llvm", relax_pipeline=blade_relax.get_pipeline("llvm"))
     budgeted, plain = _budgeted_and_plain(executable, args)
     assert budgeted.evictions >= 1 and budgeted.regenerations >= 1
@@ -259,10 +258,10 @@ def test_training_step_under_a_tiny_budget_equals_the_unbudgeted_step(training_s
         np.testing.assert_array_equal(got, expected)
 
 
-def test_training_step_without_the_check_differs_under_a_budget(training_step, monkeypatch):
+def test_training_step_without_the_check_differs_under_a_budget(monkeypatch):
     """The end-to-end case catches the hazard: without the check, a tensor is regenerated
     from a parameter already updated, and the budgeted step computes other values."""
-    step, args = training_step
+    step, args = _training_step(LENGTH_UNCHECKED)
     monkeypatch.setattr(_ir, "in_place_writes", lambda bindings, mod: _ir.InPlaceWrites({}, {}))
     executable = tvm.compile(step.mod, "llvm", relax_pipeline=blade_relax.get_pipeline("llvm"))
     budgeted, plain = _budgeted_and_plain(executable, args)

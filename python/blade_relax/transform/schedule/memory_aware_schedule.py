@@ -120,10 +120,17 @@ that beat the single order on their range. The function then dispatches on the d
 (:mod:`._versions`: private copies, an ``If`` on ``R.prim_value(s <= k)`` in the
 original function). Each copy is never worse than the input order at its range's points.
 
+When ``RecomputeCheapValues`` follows (``recompute_after``), the choice (one order or range
+copies), the input order and the best ranked other orders of the pool are compared once more,
+each recomputed and scored as the planner lowers it, and the ranges are chosen again from
+those figures (``ScheduleOptions.recompute_after``).
+
 Cost: each strategy is a list scheduler whose steps cost ``O(#distinct ready keys)`` cached
 comparisons, or a local search whose steps score an order with numpy cumulative sums (and, for
 ``"static"``, a replay of the planner's token pool). Blocks of several thousand bindings
-schedule in seconds (a few times the single-order cost with versions).
+schedule in seconds (a few times the single-order cost with versions). The comparison after
+recomputation runs ``RecomputeCheapValues`` once per candidate, at most
+``recompute_work // bindings`` candidates from the pool besides the choice and the input.
 """
 
 from __future__ import annotations
@@ -173,7 +180,7 @@ from ._search import (
     replay,
 )
 from ._versions import (
-    _crossover,
+    _best,
     choose_ranges,
     range_graph,
     version_dim,
@@ -244,22 +251,28 @@ class ScheduleOptions:
     recompute_after
         ``RecomputeCheapValues`` follows the pass (as in :func:`blade_relax.get_pipeline`).
         Orders are scored before recomputation, which removes different values from different
-        orders; so a function that gets one order (no range versions) is compared once more,
-        recomputed, with its input order (scored by the plain liveness of the recomputed
-        functions; with ``model_inplace``, by the block model of ``planner``, PlanMemory's
-        in-place placements included, and split into up to ``max_versions`` ranges by which
-        order is lower): the input order is kept where it is then no higher at every
-        acceptance point and lower at one; where it is lower only from some length on, the
-        function dispatches (with ``max_versions`` of 2 or more) to the scheduled order below
-        that length and to the input order above it (the crossover found as for range
-        versions). Range versions are checked the same way: a range where the input order,
-        recomputed, is no higher at every acceptance point takes the input order.
+        orders, so that an order scored best may peak higher than another once recomputed.
+        Each function is therefore compared once more: the pass's choice (its order, or its
+        range copies), the input order and the best ranked other orders of the pool are each
+        recomputed and scored by the block model of ``planner`` (``model_inplace``:
+        PlanMemory's in-place placements included; plain liveness where the model cannot
+        read a block). Ranges of the function's dim are then chosen from these peaks as for
+        range versions (up to ``max_versions``), each taking the candidate with the lowest
+        worst ratio to the best peak met on it among those nowhere above the input order there
+        (the pass's choice on ties): the function keeps one order or dispatches over range
+        copies. On the fused graphs of the benchmark workloads these recomputed, planned
+        figures equal the measured peaks of each candidate (the quickstart's MLP: 7,540,228 ->
+        5,898,756 bytes at s = 1024 against comparing its choice with the input order only).
+    recompute_candidates
+        Most orders of the pool compared after recomputation besides the pass's choice and
+        the input order.
+    recompute_work
+        Caps those at ``recompute_work // bindings`` orders: each costs one run of
+        ``RecomputeCheapValues`` on the function, so that large functions (a Llama training step
+        has about 150 bindings per layer) compare only the choice and the input.
     model_inplace
         With ``planner="plan"``, count a kernel output that ``PlanMemory`` writes over a dying
-        input of equal size as allocating nothing. Off by default: it lowers the Relax-Gradient
-        tanh MLP (``tanh-mlp-train``, 7.49 -> 6.90 MB at s = 1024) but makes the model misjudge
-        other steps, where it picks orders that peak higher once lowered (the README
-        quickstart's MLP, 7.54 -> 8.98 MB at s = 1024).
+        input of equal size as allocating nothing, as the lowered program does.
     model_workspaces
         Add the workspace of the kernel a step runs to its live bytes, as the measured peak
         does. Off by default: on the small MLP training step of ``tests/e2e/test_bad_input.py``
@@ -283,7 +296,9 @@ class ScheduleOptions:
     min_bindings: int = 3
     max_bindings: int | None = None
     recompute_after: bool = False
-    model_inplace: bool = False
+    recompute_candidates: int = 8
+    recompute_work: int = 2000
+    model_inplace: bool = True
     model_workspaces: bool = False
 
     def __post_init__(self) -> None:
@@ -304,6 +319,8 @@ class ScheduleOptions:
             raise ValueError(f"version_gain must be >= 0, got {self.version_gain}")
         if self.tie < 0:
             raise ValueError(f"tie must be >= 0, got {self.tie}")
+        if self.recompute_candidates < 0 or self.recompute_work < 0:
+            raise ValueError("recompute_candidates and recompute_work must be >= 0")
         if self.min_bindings < 0:
             raise ValueError(f"min_bindings must be >= 0, got {self.min_bindings}")
 
@@ -568,15 +585,10 @@ def _schedule_function(
     version: str = "",
     seeds: dict[int, list[list[int]]] | None = None,
 ) -> _Scheduled:
-    body = func.body
-    blocks = list(body.blocks)
     dataflow = {k: rest for k, *rest in _dataflow_blocks(func)}
 
     result = _Scheduled(func, {}, [])
-    new_blocks = []
-    changed = False
-    for k, blk in enumerate(blocks):
-        new_blocks.append(blk)
+    for k, blk in enumerate(func.body.blocks):
         if k in dataflow:
             _, used_after, params, tir_defined = dataflow[k]
             entry = BlockReport(
@@ -597,18 +609,28 @@ def _schedule_function(
             )
             if scheduled is not None:
                 result.blocks[k] = scheduled
-                order = scheduled[2]
-                if order != list(range(len(order))):
-                    bindings = list(blk.bindings)
-                    new_blocks[-1] = relax.DataflowBlock([bindings[i] for i in order], blk.span)
-                    changed = True
-    if changed:
-        new_body = relax.SeqExpr(new_blocks, body.body, body.span)
-        new_func = relax.Function(
-            func.params, new_body, func.ret_ty, func.is_pure, func.attrs, func.span
-        )
-        result.func = relax.BlockBuilder().normalize(new_func)
+    result.func = _with_orders(func, {k: order for k, (_, _, order) in result.blocks.items()})
     return result
+
+
+def _with_orders(func: relax.Function, orders: dict[int, list[int]]) -> relax.Function:
+    """``func`` with the bindings of each block ``k`` in ``orders`` reordered by
+    ``orders[k]`` (``func`` itself when every order is the identity)."""
+    body = func.body
+    blocks = list(body.blocks)
+    changed = False
+    for k, order in orders.items():
+        if order != list(range(len(order))):
+            bindings = list(blocks[k].bindings)
+            blocks[k] = relax.DataflowBlock([bindings[i] for i in order], blocks[k].span)
+            changed = True
+    if not changed:
+        return func
+    new_body = relax.SeqExpr(blocks, body.body, body.span)
+    new_func = relax.Function(
+        func.params, new_body, func.ret_ty, func.is_pure, func.attrs, func.span
+    )
+    return relax.BlockBuilder().normalize(new_func)
 
 
 def schedule_function(
@@ -719,10 +741,7 @@ def _versions(
         return None
     var, lower, upper = found
     # Ranges are chosen on the block that holds the function's peak at most points.
-    peaks = {k: as_float(p.base) for k, (_, p, _) in single.blocks.items()}
-    top = np.max(np.array(list(peaks.values())), axis=0)
-    main_block = max(peaks, key=lambda k: int((peaks[k] >= top).sum()))
-    block, pool, _ = single.blocks[main_block]
+    block, pool, _ = single.blocks[_main_block(single)]
     values = [int(p[var.name]) for p in block.space.acceptance_points]
 
     def peaks_at(name: str, dim_values: list[int]) -> np.ndarray:
@@ -828,34 +847,29 @@ def schedule_module(
         versions = None
         if options.max_versions > 1:
             versions = _versions(gv, func, mod, options, graph, single, report)
-        if versions and options.recompute_after:
-            versions = _versions_after_recompute(mod, gv, func, versions, graph, options)
-            if versions is None:
-                continue  # the input order is no higher anywhere once recomputed
-            if len(versions) == 1:
-                updates[gv] = versions[0][1]  # one order left for the whole range
-                continue
+        candidates: list[tuple[str, relax.Function]] = []
+        if options.recompute_after and single.blocks:
+            candidates = _recompute_candidates(func, single, versions, options)
+        if len(candidates) > 1:  # the input order alone needs no comparison
+            block = single.blocks[_main_block(single)][0]
+            chosen = _after_recompute(mod, gv, func, candidates, graph, options, block)
+            if chosen is not None:
+                names = ", ".join(name for _, name, _ in chosen)
+                for entry in single.reports:
+                    entry.strategy += f" ({names} after recomputation)"
+                versions = [(rng, f) for rng, _, f in chosen] if len(chosen) > 1 else None
+                if versions is None:
+                    report.versions.pop(gv.name_hint, None)
+                    if chosen[0][2] is not func:
+                        updates[gv] = chosen[0][2]
+                    continue
+                report.versions[gv.name_hint] = [str(r) for r, _ in versions]
         if versions:
             var = version_dim(func, graph)[0]
             dispatcher, copies = range_dispatch(mod, gv, func, var, versions)
             updates[gv] = dispatcher
             added.extend(copies)
         elif single.func is not func:
-            if options.recompute_after:
-                # With the in-place model the orders are scored as PlanMemory lowers them;
-                # without it, by the plain liveness of the recomputed functions.
-                compare = _after_recompute_planned if options.model_inplace else _after_recompute
-                choice = compare(mod, gv, func, single.func, graph, options)
-                if choice is not None:
-                    for entry in single.reports:
-                        entry.strategy += f" ({choice[0]} after recomputation)"
-                    if choice[0] == "input order kept":
-                        continue
-                    dispatcher, copies = range_dispatch(mod, gv, func, choice[1], choice[2])
-                    updates[gv] = dispatcher
-                    added.extend(copies)
-                    report.versions[gv.name_hint] = [str(r) for r, _ in choice[2]]
-                    continue
             updates[gv] = single.func
     if not updates:
         return mod, report
@@ -876,134 +890,123 @@ def _recomputed(
     return trial[gv], trial
 
 
+def _main_block(single: _Scheduled) -> int:
+    """The scheduled block that holds the function's peak at the most acceptance points."""
+    peaks = {k: as_float(p.base) for k, (_, p, _) in single.blocks.items()}
+    top = np.max(np.array(list(peaks.values())), axis=0)
+    return max(peaks, key=lambda k: int((peaks[k] >= top).sum()))
+
+
+def _recompute_candidates(
+    func: relax.Function,
+    single: _Scheduled,
+    versions: list[tuple[DimRange, relax.Function]] | None,
+    options: ScheduleOptions,
+) -> list[tuple[str, relax.Function]]:
+    """The functions compared once more after ``RecomputeCheapValues`` (see
+    ``ScheduleOptions.recompute_after``), the pass's own choice first (so it wins ties): the
+    range copies or the scheduled order, the input order, then the other orders of the main
+    block's pool, best ranked first, up to ``recompute_candidates`` of them and
+    ``recompute_work`` bindings in all."""
+    out: list[tuple[str, relax.Function]] = []
+    for rng, f in versions or []:
+        if all(f is not g for _, g in out):
+            out.append((f"copy for {rng}", f))
+    if not versions and single.func is not func:
+        out.append(("scheduled", single.func))
+    out.append(("input", func))
+    if not single.blocks:
+        return out
+    size = sum(len(b.bindings) for b in func.body.blocks)
+    extra = min(options.recompute_candidates, options.recompute_work // max(size, 1))
+    main = _main_block(single)
+    _, pool, kept = single.blocks[main]
+    seen = {tuple(kept), tuple(range(len(kept)))}
+    kept_orders = {k: order for k, (_, _, order) in single.blocks.items()}
+    for name in sorted(pool.orders, key=pool.rank_key):
+        if extra <= 0:
+            break
+        order = pool.orders[name]
+        if tuple(order) in seen:
+            continue
+        seen.add(tuple(order))
+        out.append((name, _with_orders(func, {**kept_orders, main: order})))
+        extra -= 1
+    return out
+
+
 def _after_recompute(
     mod: tvm.IRModule,
     gv: tvm.ir.GlobalVar,
-    original: relax.Function,
-    scheduled: relax.Function,
+    func: relax.Function,
+    candidates: list[tuple[str, relax.Function]],
     graph: ShapeGraph,
     options: ScheduleOptions,
-) -> tuple | None:
-    """Compare the input and the scheduled order after ``RecomputeCheapValues`` (see
-    ``ScheduleOptions.recompute_after``).
+    block: Block,
+) -> list[tuple[DimRange | None, str, relax.Function]] | None:
+    """Choose among ``candidates`` (:func:`_recompute_candidates`) by their peaks once
+    ``RecomputeCheapValues`` ran on them, under the block model of ``options.planner`` (with
+    ``model_inplace``, PlanMemory's in-place placements included; plain liveness where the
+    model cannot read a block): see ``ScheduleOptions.recompute_after``.
 
-    Returns ``("input order kept",)``, ``("split", dim_var, versions)`` (the scheduled order
-    up to the crossover, the input order above it) or None (keep the scheduled order).
+    The candidates' peaks at the acceptance points form a pool, from which ranges of the
+    function's dim are chosen as for range versions (:func:`choose_ranges`, up to
+    ``max_versions``); each range takes the candidate with the lowest worst ratio to the best
+    peak met there among those nowhere above the input order there, the earliest on ties.
+    Returns ``(range, name, function)`` per range (one entry with range None when one
+    function is kept for all shapes), or None when a point cannot be evaluated.
     """
-    timelines = {}
-    for name, func in (("input", original), ("scheduled", scheduled)):
-        recomputed, trial = _recomputed(mod, gv, func)
-        timelines[name] = memory_timeline(recomputed, mod=trial)
-    found = version_dim(original, graph)
+    found = version_dim(func, graph)
     points = acceptance_points(graph)
     if found is not None:
-        var = found[0]
-        points = sorted(points, key=lambda p: p[var.name])
-
-    def peaks_at(name: str, values: list[int]) -> np.ndarray:
-        return np.array([timelines[name].evaluate({var.name: v}).peak for v in values])
-
-    try:
-        kept = [timelines["input"].evaluate(p).peak for p in points]
-        chosen = [timelines["scheduled"].evaluate(p).peak for p in points]
-    except (ValueError, KeyError):  # a size a point cannot evaluate: keep the scheduled order
-        return None
-    if all(a <= b for a, b in zip(kept, chosen)):
-        return ("input order kept",) if any(a < b for a, b in zip(kept, chosen)) else None
-    if found is None or options.max_versions < 2:
-        return None
-    # The input order wins from some point on: the last point where the scheduled order is
-    # no higher, with the input order no higher at every point after it and lower at one.
-    _, lower, upper = found
-    for i in range(len(points) - 1):
-        before = all(b <= a for a, b in zip(kept[: i + 1], chosen[: i + 1]))
-        after = all(a <= b for a, b in zip(kept[i + 1 :], chosen[i + 1 :]))
-        if before and after and any(a < b for a, b in zip(kept[i + 1 :], chosen[i + 1 :])):
-            t, nxt = points[i][var.name], points[i + 1][var.name]
-            cut = _crossover(peaks_at, "scheduled", "input", t, nxt)
-            if upper is not None and cut >= upper:
-                return None
-            versions = [
-                (DimRange(var.name, lower, cut), scheduled),
-                (DimRange(var.name, cut + 1, upper), original),
-            ]
-            return ("split", var, versions)
-    return None
-
-
-def _after_recompute_planned(
-    mod: tvm.IRModule,
-    gv: tvm.ir.GlobalVar,
-    original: relax.Function,
-    scheduled: relax.Function,
-    graph: ShapeGraph,
-    options: ScheduleOptions,
-) -> tuple | None:
-    """:func:`_after_recompute` with both orders scored by the block model of
-    ``options.planner`` (``ScheduleOptions.model_inplace``: PlanMemory's in-place placements
-    included, which the relax-stage timeline does not see); each acceptance point goes to the
-    lower order, and runs of points become ranges (up to ``max_versions``)."""
-    trials = {}
-    for name, func in (("input", original), ("scheduled", scheduled)):
-        trials[name] = _recomputed(mod, gv, func)
-    found = version_dim(original, graph)
-    points = acceptance_points(graph)
-    if found is not None:
-        var = found[0]
-        points = sorted(points, key=lambda p: p[var.name])
+        points = sorted(points, key=lambda p: p[found[0].name])
     scorers = {
-        name: _planned_peaks(f, m, options.planner, options.model_inplace)
-        for name, (f, m) in trials.items()
+        name: _recomputed_peaks(mod, gv, f, options.planner, options.model_inplace)
+        for name, f in candidates
     }
-    if any(scorer is None for scorer in scorers.values()):
-        # A block the model does not read: plain liveness of the recomputed functions.
-        timelines = {name: memory_timeline(f, mod=m) for name, (f, m) in trials.items()}
-
-        def evaluate(name: str, p: dict[str, int]) -> int:
-            return timelines[name].evaluate(p).peak
-
-        def scored(name: str, ps: list[dict[str, int]]) -> list[int]:
-            return [evaluate(name, p) for p in ps]
-    else:
-
-        def scored(name: str, ps: list[dict[str, int]]) -> list[int]:
-            return scorers[name](ps)
+    functions = dict(candidates)
+    try:
+        peaks = {name: np.asarray(scorer(points)) for name, scorer in scorers.items()}
+    except (ValueError, KeyError):  # a size a point cannot evaluate: no second opinion
+        return None
+    # The pool's orders are only keys here (each candidate is a whole function), and ``block``
+    # is never scored: every peak is given.
+    pool = Pool(block, peaks["input"])
+    for i, (name, _) in enumerate(candidates):
+        pool.add(name, [i], peaks[name])
+    if found is None or options.max_versions < 2:
+        name = _best(pool, np.arange(len(points)))[2]
+        return [(None, name, functions[name])]
+    var, lower, upper = found
 
     def peaks_at(name: str, values: list[int]) -> np.ndarray:
-        return np.array(scored(name, [{var.name: v} for v in values]))
+        return np.asarray(scorers[name]([{var.name: v} for v in values]), dtype=np.float64)
 
-    try:
-        kept = scored("input", points)
-        chosen = scored("scheduled", points)
-    except (ValueError, KeyError):  # a size a point cannot evaluate: keep the scheduled order
-        return None
-    if all(a <= b for a, b in zip(kept, chosen)):
-        return ("input order kept",) if any(a < b for a, b in zip(kept, chosen)) else None
-    if found is None or options.max_versions < 2:
-        return None
-    # Each point goes to the order that is lower there (the scheduled one on ties); runs of
-    # points with the same order become ranges, which meet where the order of the run below
-    # stops being no higher (found as for range versions).
-    _, lower, upper = found
-    winners = ["input" if a < b else "scheduled" for a, b in zip(kept, chosen)]
-    runs = [(0, winners[0])]
-    for i in range(1, len(points)):
-        if winners[i] != runs[-1][1]:
-            runs.append((i, winners[i]))
-    if len(runs) < 2 or len(runs) > options.max_versions:
-        return None
-    functions = {"input": original, "scheduled": scheduled}
-    versions = []
-    start = lower
-    for (_, name), (nxt_first, other) in zip(runs, runs[1:]):
-        t, nxt = points[nxt_first - 1][var.name], points[nxt_first][var.name]
-        cut = _crossover(peaks_at, name, other, t, nxt)
-        if (upper is not None and cut >= upper) or cut < start:
-            return None
-        versions.append((DimRange(var.name, start, cut), functions[name]))
-        start = cut + 1
-    versions.append((DimRange(var.name, start, upper), functions[runs[-1][1]]))
-    return ("split", var, versions)
+    values = np.array([p[var.name] for p in points], dtype=np.int64)
+    ranges = choose_ranges(
+        pool,
+        values.tolist(),
+        var.name,
+        lower,
+        upper,
+        options.max_versions,
+        options.version_gain,
+        peaks_at,
+    )
+    out: list[tuple[DimRange | None, str, relax.Function]] = []
+    for rng in ranges:
+        inside = values >= rng.lower
+        if rng.upper is not None:
+            inside &= values <= rng.upper
+        name = _best(pool, np.nonzero(inside)[0])[2]
+        if out and out[-1][1] == name:
+            prev = out[-1][0]
+            out[-1] = (DimRange(var.name, prev.lower, rng.upper), name, functions[name])
+        else:
+            out.append((rng, name, functions[name]))
+    if len(out) == 1:
+        return [(None, out[0][1], out[0][2])]
+    return out
 
 
 def _recomputed_peaks(
@@ -1021,49 +1024,6 @@ def _recomputed_peaks(
         return scorer
     timeline_ = memory_timeline(recomputed, mod=trial)
     return lambda points: [timeline_.evaluate(p).peak for p in points]
-
-
-def _versions_after_recompute(
-    mod: tvm.IRModule,
-    gv: tvm.ir.GlobalVar,
-    original: relax.Function,
-    versions: list,
-    graph: ShapeGraph,
-    options: ScheduleOptions,
-) -> list | None:
-    """Range versions checked once more after ``RecomputeCheapValues``, as a single order is
-    (``ScheduleOptions.recompute_after``): a version whose range the input order, recomputed,
-    is no higher at every acceptance point of takes the input order; adjacent ranges of the
-    same function merge. None when the input order is left everywhere."""
-    var = version_dim(original, graph)[0]
-    points = acceptance_points(graph)
-    try:
-        base = _recomputed_peaks(mod, gv, original, options.planner, options.model_inplace)
-        out: list = []
-        for dim_range, func in versions:
-            hi = dim_range.upper
-            inside = [
-                p
-                for p in points
-                if dim_range.lower <= p[var.name] and (hi is None or p[var.name] <= hi)
-            ]
-            if func is not original and inside:
-                kept = base(inside)
-                chosen = _recomputed_peaks(mod, gv, func, options.planner, options.model_inplace)(
-                    inside
-                )
-                if all(a <= b for a, b in zip(kept, chosen)):
-                    func = original
-            if out and out[-1][1] is func:
-                merged = DimRange(var.name, out[-1][0].lower, dim_range.upper)
-                out[-1] = (merged, func)
-            else:
-                out.append((dim_range, func))
-    except (ValueError, KeyError):  # a size a point cannot evaluate: keep the versions
-        return versions
-    if len(out) == 1 and out[0][1] is original:
-        return None
-    return out
 
 
 def _planned_peaks(
