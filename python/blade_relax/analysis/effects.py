@@ -763,24 +763,12 @@ class _AccessCollector:
         self.visit(blk.body, entry)
 
 
-def _verdict(func: tirx.PrimFunc, input_params: Sequence[int], output_param: int) -> InplaceVerdict:
-    """Decide whether ``func`` may write parameter ``output_param`` over ``input_params``.
-
-    Parameters
-    ----------
-    func
-        The kernel, as found in the IRModule (after ``FuseTIR``; possibly scheduled).
-    input_params
-        Positions of the parameters that alias the memory to be overwritten (an argument passed
-        twice appears twice).
-    output_param
-        Position of the output parameter that would be placed in that memory.
-
-    Returns
-    -------
-    InplaceVerdict
-        ``ok`` only when the data-flow condition of the module docstring is proven.
-    """
+@functools.lru_cache(maxsize=4096)
+def _verdict(
+    func: tirx.PrimFunc, input_params: tuple[int, ...], output_param: int
+) -> InplaceVerdict:
+    """The verdict of :func:`inplace_verdict`, remembered per kernel object and positions (as
+    :func:`reshape_pattern` is: the cache holds the kernels it remembers)."""
     params = list(func.params)
     if any(p < 0 or p >= len(params) for p in [*input_params, output_param]):
         return InplaceVerdict(False, "argument position outside the kernel's parameters")
@@ -838,9 +826,6 @@ def _verdict(func: tirx.PrimFunc, input_params: Sequence[int], output_param: int
     )
 
 
-_VERDICTS: dict[tuple[Any, tuple[int, ...], int], InplaceVerdict] = {}
-
-
 def inplace_verdict(
     func: tirx.PrimFunc, input_params: Sequence[int], output_param: int
 ) -> InplaceVerdict:
@@ -861,11 +846,7 @@ def inplace_verdict(
     InplaceVerdict
         ``ok`` only when the data-flow condition above is proven. Cached per kernel object.
     """
-    key = (func, tuple(int(p) for p in input_params), int(output_param))
-    found = _VERDICTS.get(key)
-    if found is None:
-        found = _VERDICTS[key] = _verdict(func, key[1], key[2])
-    return found
+    return _verdict(func, tuple(int(p) for p in input_params), int(output_param))
 
 
 def inplace_inputs(

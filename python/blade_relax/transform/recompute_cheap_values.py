@@ -59,7 +59,7 @@ import tvm_ffi
 from tvm import relax, tirx
 
 from ..analysis import MemoryTimeline, SampledTimeline, TimelineMemo, memory_timeline
-from ..analysis.effects import in_place_writes
+from ..analysis.effects import in_place_writes, reshape_pattern
 from ..symbolic import Ordering
 from ._block_edit import (
     copy_chain,
@@ -138,14 +138,9 @@ def kernel_patterns(mod: tvm.IRModule) -> dict[str, int]:
 
 
 def _cheap_kernel(
-    mod: tvm.IRModule,
-    patterns: dict[str, int],
-    value: relax.Expr,
-    max_pattern: int,
-    reshapes: dict[str, bool],
+    mod: tvm.IRModule, patterns: dict[str, int], value: relax.Expr, max_pattern: int
 ) -> bool:
-    """Whether ``value`` calls an injective kernel that is not a reshape (``reshapes``
-    remembers the reshape check per kernel: a layer's kernels are called once per layer)."""
+    """Whether ``value`` calls an injective kernel that is not a reshape."""
     if not isinstance(value, relax.Call) or not value.op.same_as(_CALL_TIR):
         return False
     if not isinstance(value.ty, relax.TensorType):
@@ -153,10 +148,7 @@ def _cheap_kernel(
     callee = value.args[0]
     if not isinstance(callee, relax.GlobalVar) or patterns.get(callee.name_hint, 99) > max_pattern:
         return False
-    reshape = reshapes.get(callee.name_hint)
-    if reshape is None:
-        reshape = reshapes[callee.name_hint] = relax.analysis.has_reshape_pattern(mod[callee])
-    return not reshape
+    return not reshape_pattern(mod[callee])
 
 
 def _tensor_inputs(value: relax.Call) -> list[relax.Var] | None:
@@ -208,11 +200,10 @@ class _BlockFacts:
         self.live_throughout = live_throughout
         self.options = options
         self.writes = in_place_writes(self.bindings, mod)
-        reshapes: dict[str, bool] = {}
         self.cheap = [
             isinstance(b, relax.VarBinding)
             and b.var not in live_throughout
-            and _cheap_kernel(mod, patterns, b.value, options.max_pattern, reshapes)
+            and _cheap_kernel(mod, patterns, b.value, options.max_pattern)
             and _tensor_inputs(b.value) is not None
             for b in self.bindings
         ]
