@@ -58,7 +58,7 @@ from .effects import (
     returns_nothing,
 )
 from .liveness import Liveness, liveness
-from .workspace import kernel_workspace
+from .workspace import called_kernel, kernel_workspace
 
 __all__ = [
     "Allocation",
@@ -71,8 +71,6 @@ __all__ = [
 ]
 
 _LOWERED_MARKERS = frozenset({"relax.call_tir", "relax.builtin.alloc_tensor"})
-# The calls whose first argument is the kernel (as the workspace query reads them).
-_KERNEL_CALLS = frozenset({"relax.call_tir", "relax.call_tir_with_grad", "relax.call_tir_inplace"})
 
 
 @dataclass(frozen=True)
@@ -487,22 +485,13 @@ class TimelineMemo:
         """
         if self.mod is None or not isinstance(value, relax.Call):
             return True
-        op = value.op
-        if isinstance(op, tvm.ir.Op) and op.name in _KERNEL_CALLS:
-            kernel = value.args[0]
-        elif isinstance(op, tvm.ir.GlobalVar):
-            kernel = op
-        else:
-            return True
-        if not isinstance(kernel, tvm.ir.GlobalVar):
+        kernel = called_kernel(value, self.mod)
+        if kernel is None:
             return True
         found = self.kernels.get(kernel)
         if found is None:
-            func = self.mod[kernel] if kernel in self.mod.functions else None
-            found = not (
-                isinstance(func, tvm.tirx.PrimFunc)
-                and kernel_workspace(func, kernel.name_hint, self.target).is_empty
-            )
+            func = self.mod[kernel]
+            found = not kernel_workspace(func, kernel.name_hint, self.target).is_empty
             self.kernels[kernel] = found
         return found
 

@@ -77,6 +77,7 @@ __all__ = [
     "WorkspaceAllocation",
     "call_reads",
     "call_workspace",
+    "called_kernel",
     "compile_keeping_module",
     "kernel_call_args",
     "kernel_workspace",
@@ -577,6 +578,27 @@ def compile_keeping_module(
 
 
 # --------------------------------------------------------------------------- call sites
+_KERNEL_CALL_OPS = frozenset(
+    {"relax.call_tir", "relax.call_tir_with_grad", "relax.call_tir_inplace"}
+)
+
+
+def called_kernel(call: relax.Call, mod: tvm.IRModule) -> tvm.ir.GlobalVar | None:
+    """The PrimFunc of ``mod`` a Relax call runs: the callee of ``R.call_tir`` /
+    ``call_tir_with_grad`` / ``call_tir_inplace``, or the function called directly (after
+    ``CallTIRRewrite``); None when the call runs no PrimFunc of ``mod``."""
+    op = call.op
+    if isinstance(op, tvm.ir.Op) and op.name in _KERNEL_CALL_OPS:
+        gv = call.args[0]
+    elif isinstance(op, tvm.ir.GlobalVar):
+        gv = op
+    else:
+        return None
+    if not isinstance(gv, tvm.ir.GlobalVar) or gv not in mod.functions:
+        return None
+    return gv if isinstance(mod[gv], tirx.PrimFunc) else None
+
+
 def kernel_call_args(
     call: relax.Call, var: relax.Var, mod: tvm.IRModule
 ) -> tuple[tvm.ir.GlobalVar, list[Any]] | None:
@@ -592,14 +614,12 @@ def kernel_call_args(
     tuple or None
         ``(kernel, params)``, or None when the binding calls no PrimFunc of ``mod``.
     """
+    gv = called_kernel(call, mod)
+    if gv is None:
+        return None
     op = call.op
     args = list(call.args)
-    if isinstance(op, tvm.ir.Op) and op.name in (
-        "relax.call_tir",
-        "relax.call_tir_with_grad",
-        "relax.call_tir_inplace",
-    ):
-        gv = args[0]
+    if isinstance(op, tvm.ir.Op):
         inputs = list(args[1].fields) if isinstance(args[1], relax.Tuple) else [args[1]]
         out_types = list(var.ty.fields) if isinstance(var.ty, relax.TupleType) else [var.ty]
         if op.name == "relax.call_tir_inplace":
@@ -609,15 +629,8 @@ def kernel_call_args(
         params += [_shape_of_type(t) for t in out_types]
         if len(args) > 2 and isinstance(args[2], relax.ShapeExpr):
             params += list(args[2].values)
-    elif isinstance(op, tvm.ir.GlobalVar):
-        gv = op
+    else:  # a direct call of the kernel
         params = [_values_of(a) for a in args]
-    else:
-        return None
-    if not isinstance(gv, tvm.ir.GlobalVar) or gv not in mod.functions:
-        return None
-    if not isinstance(mod[gv], tirx.PrimFunc):
-        return None
     return gv, params
 
 

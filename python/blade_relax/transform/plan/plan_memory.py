@@ -971,12 +971,8 @@ def _merge_delta(storage: _Storage, group: _Group, new_size: SymbolicExpr) -> li
 
 def _compatible(a: Allocation, b: Allocation) -> bool:
     """Same storage scope and device: only then may two tensors share memory."""
-    return (
-        a.scope == b.scope
-        and isinstance(a.device, tirx.IntImm)
-        and isinstance(b.device, tirx.IntImm)
-        and int(a.device.value) == int(b.device.value)
-    )
+    place = _place(a)
+    return place is not None and place == _place(b)
 
 
 # ====================================================================== rewrite
