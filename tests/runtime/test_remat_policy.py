@@ -737,3 +737,73 @@ def test_gains_of_a_negative_size_follow_the_plain_formula():
         ev = _evaluate(tl, evicted, False)
         for budget in (0, 25, 45):
             assert _gains(tl, ev, budget).tolist() == _plain_gains(tl, ev, budget)
+
+
+# --------------------------------------------------------------------------- search effort
+def _every_subset(tl: ConcreteTimeline, candidates, budget):
+    """Every subset in both regimes, each evaluated: the cheapest that fits, else the smallest
+    peak (ties: the smaller subset, then combinations order, then the cache regime)."""
+    fit, low = None, None
+    for n in range(len(candidates) + 1):
+        for subset in itertools.combinations(candidates, n):
+            for cache in (True, False):
+                ev = _plain_evaluate(tl, subset, cache)
+                if ev[0] <= budget:
+                    key = (ev[1], ev[0], not cache, n, subset)
+                    fit = key if fit is None or key < fit else fit
+                else:
+                    key = (ev[0], ev[1], not cache, n, subset)
+                    low = key if low is None or key < low else low
+    best = fit if fit is not None else low
+    return frozenset(best[4]), not best[2]
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("fraction", [0.9, 0.75, 0.6, 0.4])
+def test_the_exact_search_skips_only_sets_that_cannot_win(seed, fraction):
+    """Subsets are tried by the sum of their own costs, and once one fits, those whose sum
+    exceeds its cost are skipped: the answer is that of every subset tried."""
+    tl = _random_timeline(seed, npoints=20, nslots=6)
+    budget = int(fraction * tl.base_peak)
+    candidates = policy._effective(tl)
+    evaluated = []
+    real = policy._evaluate_once
+
+    def counted(*args):
+        evaluated.append(args[1:])
+        return real(*args)
+
+    with mock.patch.object(policy, "_evaluate_once", counted):
+        found = policy._exact(tl, candidates, budget)
+    assert (found.evicted, found.cache) == _every_subset(tl, candidates, budget)
+    if found.reachable and found.cost < sum(tl.slots[k].cost for k in candidates):
+        assert len(evaluated) < 2 * (2 ** len(candidates) - 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(chained_timelines(), st.sampled_from([None, 0.9, 0.7, 0.5]))
+def test_the_minimum_search_stops_at_the_floor_with_the_same_peak(tl, fraction):
+    """No set peaks below the floor, so the searches stop at the first result there (or at
+    the first within a budget): the peak is the one the whole search reaches."""
+    budget = None if fraction is None else int(fraction * tl.base_peak)
+    found = minimum_peak(tl, budget)
+    fresh = ConcreteTimeline(base=tl.base, slots=tl.slots)
+    with mock.patch.object(ConcreteTimeline, "unevictable", lambda _tl: (-1, 0)):
+        whole = minimum_peak(fresh, budget)
+    if budget is None or not whole.reachable:
+        assert found.peak == whole.peak
+    assert found.reachable == whole.reachable
+    assert found.peak == predict_peak(tl, found.evicted, found.cache)
+    assert found.peak >= tl.unevictable()[0]
+
+
+def test_a_search_at_the_floor_skips_the_dearest_search():
+    tl = ConcreteTimeline(
+        base=np.array([10, 40, 40, 40, 10]), slots=(slot(0, 30, 1, 4, regen_peak=5),)
+    )
+    assert tl.unevictable()[0] == 10
+    # Evicting the slot reaches the floor at once; every-eviction-first is not started.
+    with mock.patch.object(policy, "_minimum_from_all", side_effect=AssertionError) as dear:
+        best = minimum_peak(tl)
+    assert best.peak == 10 and best.evicted == frozenset({0})
+    assert dear.call_count == 0

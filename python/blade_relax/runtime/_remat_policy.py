@@ -42,13 +42,13 @@ every materialization.
 Decision
 --------
 :func:`decide` returns, over both regimes, the evicted set of least recompute cost whose
-predicted peak fits the budget: exact (every subset) when few slots can free memory, greedy
-otherwise (repeatedly the slot that removes the most bytes above the budget per unit of cost,
-then a pruning pass that puts back every slot the budget does not need, dearest first). When
-no greedy set fits, :func:`minimum_peak` searches for the smallest peak, also in a *mixed*
-regime (each chained input kept or recomputed as a temporary, chosen per slot); when one of
-its results fits the budget, the cheapest of those is the decision, else the decision runs at
-the smallest peak found and says the budget is not reachable. A set that fits, from either
+predicted peak fits the budget: exact (every subset that can win) when few slots can free
+memory, greedy otherwise (repeatedly the slot that removes the most bytes above the budget per
+unit of cost, then a pruning pass that puts back every slot the budget does not need, dearest
+first). When no greedy set fits, :func:`minimum_peak` searches for the smallest peak, also
+in a *mixed* regime (each chained input kept or recomputed as a temporary, chosen per slot);
+when one of its results fits the budget, the first that does is the decision, else the
+decision runs at the smallest peak found and says the budget is not reachable. A set that fits, from either
 path, is then made cheaper while it still fits (:func:`_cheapen`: put back one of its dearest
 evictions, repair with cheaper ones evaluated exactly, put back what is not needed), since
 the greedy's choices one at a time and the minimum search's choices by peak leave work that
@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -159,6 +159,12 @@ class ConcreteTimeline:
         object.__setattr__(self, "_refs", [dict(s.plan) for s in slots])
         object.__setattr__(self, "_sequences", {})
         object.__setattr__(self, "_runs", {})
+        object.__setattr__(self, "_runs_by_mask", {})
+        object.__setattr__(self, "_bits", [1 << k for k in range(len(slots))])
+        object.__setattr__(
+            self, "_plan_masks", [sum(1 << x for x in plan) for plan in self._plan_slots]
+        )
+        object.__setattr__(self, "_evaluations", {})
         # Each slot's place in the order its regenerate call runs (site, then index).
         order = sorted(range(len(slots)), key=lambda k: (slots[k].site, k))
         rank = [0] * len(slots)
@@ -434,50 +440,75 @@ def _evaluate(tl: ConcreteTimeline, evicted: Iterable[int], cache: Regime = True
     chosen = frozenset(evicted)
     if not chosen:
         return _Evaluation(peak=tl.base_peak, cost=0.0, live=tl.base)
-    return _evaluate_once(tl, chosen, cache)
+    # The searches meet the same sets again (a greedy's prefixes, a pruning's trials, the
+    # rounds of a local search): a search remembers what it evaluated (see _forgets_runs).
+    key = (chosen, cache)
+    found = tl._evaluations.get(key)
+    if found is None:
+        found = tl._evaluations[key] = _evaluate_once(tl, chosen, cache)
+    return found
 
 
 def _evaluate_once(tl: ConcreteTimeline, chosen: frozenset[int], cache: Regime) -> _Evaluation:
-    """:func:`_evaluate` of a set that evicts something."""
+    """:func:`_evaluate` of a set that evicts something.
+
+    The walk over the regenerate calls runs once per evaluation, thousands of times per
+    search: sets of slots are bit masks (Python integers) there, and each call's outcome is
+    looked up by ``(slot, pending mask, regime key)``.
+    """
     base = tl.base
     npoints = len(base)
-    mixed = not isinstance(cache, bool)
-    plan_slots = tl._plan_slots
+    bits = tl._bits
+    plan_masks = tl._plan_masks
     sites = tl._site_list
-    known = tl._runs
-    # The end of each evicted slot's window, and what each regenerate call runs.
-    materialized: dict[int, int] = {}
+    known = tl._runs_by_mask
+    chosen_mask = 0
+    for k in chosen:
+        chosen_mask |= bits[k]
+    mixed = not isinstance(cache, bool)
+    cache_mask = 0
+    if mixed:
+        for k in cache:
+            cache_mask |= bits[k]
+    # Regime keys of the pure regimes cannot be masks (which are never negative).
+    pure_key = -1 if cache is True else -2
+    # Each evicted slot's window ends where it is materialized; what each regenerate call runs.
+    done = 0
+    index: list[int] = []
+    ends: list[int] = []
     runs: list[tuple[int, _Run]] = []
     cost = 0.0
     for k in sorted(chosen, key=tl._rank.__getitem__):
-        if k in materialized:
+        if done & bits[k]:
             continue
-        pending = plan_slots[k]
-        if len(pending) > 1:
-            pending = pending & chosen
-            if materialized:
-                # Kept materializations are in the stash; a plan never names a slot whose own
-                # regenerate call came earlier.
-                pending = pending.difference(materialized)
-        # (A plan of the slot alone leaves it pending: it is evicted and not materialized.)
-        regime = pending.intersection(cache) if mixed else cache
-        run = known.get((k, pending, regime))
-        if run is None:
-            run = _run(tl, k, pending, regime)
+        # Kept materializations are in the stash; a plan never names a slot whose own
+        # regenerate call came earlier. (A plan of the slot alone leaves it pending: it is
+        # evicted and not materialized.)
+        pending = plan_masks[k] & chosen_mask & ~done
+        key = (k, pending, pending & cache_mask if mixed else pure_key)
+        found = known.get(key)
+        if found is None:
+            pending_set = frozenset(x for x in tl._plan_slots[k] if pending >> x & 1)
+            regime = pending_set.intersection(cache) if mixed else cache
+            run = _run(tl, k, pending_set, regime)
+            closes = 0
+            for x in run.closes:
+                closes |= bits[x]
+            found = known[key] = (run, closes)
+        run, closes = found
         site = sites[k]
-        for x in run.closes:
-            materialized[x] = site
+        done |= closes
+        index.extend(run.closes)
+        ends.extend([site] * len(run.closes))
         cost += run.cost
         runs.append((site, run))
-    index = np.fromiter(materialized, dtype=np.int64, count=len(materialized))
-    ends = np.fromiter(materialized.values(), dtype=np.int64, count=len(materialized)) + 1
     starts = tl._start[index]
     nbytes = tl._nbytes[index]
     delta = np.zeros(npoints + 1, dtype=np.int64)
     # When a storage is still held at its copy (start > end), both are live in between: the
     # same two updates with the roles of start and end swapped.
     np.subtract.at(delta, starts, nbytes)
-    np.add.at(delta, ends, nbytes)
+    np.add.at(delta, np.array(ends, dtype=np.int64) + 1, nbytes)
     live = base + np.cumsum(delta[:-1])
     peak = int(live.max()) if npoints else 0
     at_sites = live[[site for site, _ in runs]].tolist()
@@ -553,24 +584,37 @@ def _decision(
 
 
 def _exact(tl: ConcreteTimeline, candidates: Sequence[int], budget: int) -> Decision:
-    """Every subset in both regimes: the cheapest that fits, else the smallest peak."""
-    best_fit: tuple[float, int, bool, tuple[int, ...]] | None = None
-    best_peak: tuple[int, float, bool, tuple[int, ...]] | None = None
-    for size in range(len(candidates) + 1):
-        for subset in itertools.combinations(candidates, size):
-            for cache in (True, False):
-                ev = _evaluate(tl, subset, cache)
-                if ev.peak <= budget:
-                    key = (ev.cost, ev.peak, not cache, subset)
-                    if best_fit is None or key[:3] < best_fit[:3]:
-                        best_fit = key
-                else:
-                    key = (ev.peak, ev.cost, not cache, subset)
-                    if best_peak is None or key[:3] < best_peak[:3]:
-                        best_peak = key
+    """Every subset in both regimes: the cheapest that fits, else the smallest peak.
+
+    Each evicted slot is recomputed at least once, so a subset costs at least the sum of its
+    slots' own costs (when none is negative): subsets are tried in the order of that bound,
+    and once one fits, those whose bound exceeds its cost are not evaluated. Ties go to the
+    smaller subset, then the first in ``itertools.combinations`` order, as if every subset
+    had been tried.
+    """
+    subsets = [s for n in range(len(candidates) + 1) for s in itertools.combinations(candidates, n)]
+    costs = [slot.cost for slot in tl.slots]
+    bounded = all(c >= 0 for c in costs)
+    lower = [sum(costs[k] for k in s) if bounded else 0.0 for s in subsets]
+    best_fit: tuple | None = None
+    best_peak: tuple | None = None
+    for i in sorted(range(len(subsets)), key=lower.__getitem__):
+        if best_fit is not None and bounded and lower[i] > best_fit[0]:
+            break
+        subset = subsets[i]
+        for cache in (True, False):
+            ev = _evaluate(tl, subset, cache)
+            if ev.peak <= budget:
+                key = (ev.cost, ev.peak, not cache, len(subset), subset)
+                if best_fit is None or key < best_fit:
+                    best_fit = key
+            else:
+                key = (ev.peak, ev.cost, not cache, len(subset), subset)
+                if best_peak is None or key < best_peak:
+                    best_peak = key
     chosen = best_fit if best_fit is not None else best_peak
     assert chosen is not None
-    return _decision(tl, chosen[3], not chosen[2], budget)
+    return _decision(tl, chosen[4], not chosen[2], budget)
 
 
 def _gains(tl: ConcreteTimeline, ev: _Evaluation, budget: int) -> np.ndarray:
@@ -907,9 +951,8 @@ def _minimum_from_all(tl: ConcreteTimeline, cache: bool) -> tuple[set[int], int]
     return chosen, ev.peak
 
 
-# The local searches of the minimum search (each refined), and how many of its greedy
-# results are refined as well (the best).
-_LOCAL_SEARCHES = 3
+# How many of the minimum search's greedy results are refined as well as its local searches'
+# (the best).
 _REFINED_GREEDY = 2
 # Targets (fractions of the unevicted peak) of the greedy starts of the minimum search.
 _GREEDY_TARGETS = (0.9, 0.8, 0.7, 0.6, 0.5)
@@ -992,37 +1035,49 @@ def _refine(
 
 def _minimum_once(tl: ConcreteTimeline, budget: int | None = None) -> Decision:
     """One round of :func:`minimum_peak` (see there)."""
-    results = []
-    searches = [(_minimum, True), (_minimum, False), (_minimum_from_all, True)]
-    assert len(searches) == _LOCAL_SEARCHES
+    floor = tl.unevictable()[0]
+
+    def enough(peak: int) -> bool:
+        # No set peaks below the floor, and with a budget any set within it will do (it is
+        # made cheaper afterwards): the searches left cannot do better.
+        return peak <= floor or (budget is not None and peak <= budget)
+
+    # (is a local search, search, regime), the cheapest first: the searches stop at the first
+    # result that is enough.
+    searches: list[tuple[bool, Callable, bool]] = [(True, _minimum, True), (True, _minimum, False)]
     # The greedy that budget decisions use, aimed at fractions of the unevicted peak: it may
     # reach a lower peak than the local searches, and the minimum must not be above a peak
     # that a budget decision reaches.
     for fraction in _GREEDY_TARGETS:
+        target = int(fraction * tl.base_peak)
         for regime in (True, False):
-            target = int(fraction * tl.base_peak)
-            searches.append((lambda t, c, target=target: _greedy_minimum(t, target, c), regime))
-    for search, cache in searches:
-        chosen, peak = search(tl, cache)
+            search = functools.partial(_greedy_minimum, target=target)
+            searches.append((False, search, regime))
+    # The dearest last: it evaluates the return of every evicted slot in each of its rounds.
+    searches.append((True, _minimum_from_all, True))
+    results = []
+    for local, search, cache in searches:
+        chosen, peak = search(tl, cache=cache)
         limit = peak if budget is None else max(peak, budget)
         chosen = _prune(tl, chosen, cache, limit)
         ev = _evaluate(tl, chosen, cache)
-        results.append((ev.peak, ev.cost, not cache, chosen, cache))
-    fitting = [r for r in results if budget is not None and r[0] <= budget]
-    if fitting:
-        # Any set that fits will do: the least work wins (see decide), not the least peak.
-        _, _, _, chosen, cache = min(fitting, key=lambda r: (r[1], r[0], r[2], sorted(r[3])))
+        results.append((ev.peak, ev.cost, not cache, chosen, cache, local))
+        if enough(ev.peak):
+            break
+    peak, cost, _, chosen, cache, _ = min(results, key=lambda r: r[:3])
+    if enough(peak):
         return _decision(tl, chosen, cache, budget)
-    peak, cost, _, chosen, cache = min(results, key=lambda r: r[:3])
     # The searches end in different places: refine each local search's result and the
     # best few greedy ones, keep the best.
+    greedy = sorted((r for r in results if not r[5]), key=lambda r: (*r[:3], sorted(r[3])))
+    starts = [r for r in results if r[5]] + greedy[:_REFINED_GREEDY]
     refined = []
-    local, greedy = results[:_LOCAL_SEARCHES], results[_LOCAL_SEARCHES:]
-    greedy.sort(key=lambda r: (r[0], r[1], r[2], sorted(r[3])))
-    for _, _, _, start, regime in local + greedy[:_REFINED_GREEDY]:
+    for _, _, _, start, regime, _ in starts:
         evicted, keep = _refine(tl, start, regime)
         ev = _evaluate(tl, evicted, keep)
         refined.append((ev.peak, ev.cost, evicted, keep))
+        if enough(ev.peak):
+            break
     best_peak, _, evicted, keep = min(refined, key=lambda r: r[:2])
     if best_peak < peak:
         limit = best_peak if budget is None else max(best_peak, budget)
@@ -1047,6 +1102,7 @@ def _kept(tl: ConcreteTimeline, keep: frozenset[int]) -> ConcreteTimeline:
     # alone, which keeping a slot leaves as they are: the rounds share them.
     object.__setattr__(kept, "_sequences", tl._sequences)
     object.__setattr__(kept, "_runs", tl._runs)
+    object.__setattr__(kept, "_runs_by_mask", tl._runs_by_mask)
     return kept
 
 
@@ -1060,6 +1116,8 @@ def _forgets_runs(search):
             return search(tl, *args, **kwargs)
         finally:
             tl._runs.clear()
+            tl._runs_by_mask.clear()
+            tl._evaluations.clear()
 
     return wrapper
 
@@ -1084,17 +1142,19 @@ def minimum_peak(tl: ConcreteTimeline, budget: int | None = None) -> Decision:
     0.5 of the unevicted peak, so that the minimum is never above a peak a budget decision
     reaches. (3) From the results of (1), (2) and the best two of (2b), a mixed regime: per
     chained input, kept or a temporary (:func:`_refine`). Then put back every slot that the
-    reached peak (or ``budget``, if larger) does not need.
+    reached peak (or ``budget``, if larger) does not need. The searches run cheapest first,
+    (2) last, and stop at the first result at the floor (``ConcreteTimeline.unevictable``: no
+    set peaks lower) or within ``budget``; so do the refinements and the rounds.
 
     Parameters
     ----------
     tl
         The concrete timeline.
     budget
-        Recorded in the decision (its ``reachable`` compares against it). When results of
-        a round fit it, the refinement and the further rounds are skipped: the cheapest
-        result that fits is the answer, made cheaper by :func:`_cheapen` (a budget decision
-        wants the least work within the budget, not the least peak).
+        Recorded in the decision (its ``reachable`` compares against it). When a result
+        fits it, the searches left, the refinement and the further rounds are skipped: that
+        result is the answer, made cheaper by :func:`_cheapen` in every regime it fits in (a
+        budget decision wants the least work within the budget, not the least peak).
 
     Returns
     -------
@@ -1106,7 +1166,7 @@ def minimum_peak(tl: ConcreteTimeline, budget: int | None = None) -> Decision:
     keep: frozenset[int] = frozenset()
     current = best
     for _ in range(_KEEP_ROUNDS):
-        if budget is not None and best.peak <= budget:
+        if (budget is not None and best.peak <= budget) or best.peak <= tl.unevictable()[0]:
             break
         _, making = _peak_event(_evaluate(tl, current.evicted, current.cache))
         if making is None or making in keep:
