@@ -167,3 +167,38 @@ def test_the_1b_preset_is_the_llama_2_architecture_at_1_1b_parameters():
         model = llama_model(LLAMA_1B, weights="empty")
     count = sum(p.numel() for p in model.parameters())
     assert count == 1_100_048_384
+
+
+def test_bfloat16_predictions_are_the_measured_peaks():
+    """The Llama in bfloat16: every product stays bfloat16 through the import, and the peaks
+    predicted for TVM and for PyTorch eager are the ones measured, byte for byte."""
+    from blade_relax.bench.workloads import ModelSizes, build_workload
+
+    sizes = ModelSizes(
+        layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64, vocab=64, max_seq_len=64,
+        dtype="bfloat16",
+    )  # fmt: skip
+    workload = build_workload("llama-train", sizes)
+    assert {str(p.dtype) for p in workload.graph.params} == {"bfloat16"}
+    configs = ["tvm-dynamic", "blade-relax-full", "blade-relax-full@0.8", "torch-eager"]
+    predicted = predict_benchmark(workload, configs, [40])
+    # bfloat16 keeps 8 bits of mantissa: TVM's kernels round differently from torch's.
+    measured = run_benchmark(workload, configs, [40], repeat=1, tolerance=0.1)
+    guess = {m.config: m for m in predicted.measurements}
+    for real in measured.measurements:
+        assert real.error is None and real.correct, real
+        assert guess[real.config].step_peak_bytes == real.step_peak_bytes, real.config
+    fp32 = build_workload("llama-train", dataclasses.replace(sizes, dtype="float32"))
+    single = predict_benchmark(fp32, ["tvm-dynamic"], [40]).measurements[0]
+    assert guess["tvm-dynamic"].step_peak_bytes < single.step_peak_bytes
+
+
+def test_bfloat16_is_offered_for_the_hugging_face_workloads_only():
+    from blade_relax.bench.cli import _sizes, build_parser
+    from blade_relax.bench.workloads import ModelSizes, build_workload
+
+    assert _sizes(build_parser().parse_args(["--dtype", "bfloat16"])).dtype == "bfloat16"
+    with pytest.raises(ValueError, match="float32 only"):
+        build_workload("mlp-train", ModelSizes(dtype="bfloat16"))
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        build_workload("llama-train", ModelSizes(dtype="float16"))

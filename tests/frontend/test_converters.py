@@ -84,3 +84,52 @@ def test_open_ended_slice_on_a_symbolic_axis_keeps_a_plain_shape():
     assert tvm.sym.Analyzer().can_prove_equal(result_len, seq - 1)
     (got,) = compile_and_run(mod, labels.numpy())
     np.testing.assert_array_equal(got, Shift()(labels).numpy())
+
+
+def _matmul_dtypes(mod):
+    """(input dtypes, out_dtype) of every matmul in ``main``."""
+    found = []
+
+    def visit(expr):
+        if isinstance(expr, relax.Call) and getattr(expr.op, "name", "") == "relax.matmul":
+            found.append((tuple(str(a.ty.dtype) for a in expr.args), str(expr.attrs.out_dtype)))
+
+    relax.analysis.post_order_visit(mod["main"].body, visit)
+    return found
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_products_keep_the_dtype_torch_gives_them(dtype):
+    class Products(torch.nn.Module):
+        def forward(self, a, b, c):
+            return a @ b, torch.mm(a, b), torch.bmm(c, c.transpose(1, 2))
+
+    kind = getattr(torch, dtype)
+    a, b = torch.randn(4, 8, dtype=kind), torch.randn(8, 3, dtype=kind)
+    c = torch.randn(2, 4, 8, dtype=kind)
+    ep = torch.export.export(Products(), (a, b, c))
+    mod = from_exported_program(ep, custom_convert_map=custom_convert_map())
+    products = _matmul_dtypes(mod)
+    # The built-in converters computed every product in float32, whatever the inputs.
+    assert len(products) == 3
+    assert all(out == dtype and set(ins) == {dtype} for ins, out in products)
+    assert all(str(r.dtype) == dtype for r in mod["main"].ret_ty.fields)
+    if dtype == "float32":
+        from blade_relax.frontend import torch_to_numpy
+
+        got = compile_and_run(mod, *(torch_to_numpy(t) for t in (a, b, c)))
+        for g, w in zip(got, Products()(a, b, c)):
+            np.testing.assert_allclose(g, w.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_bfloat16_tensor_comes_back_bit_for_bit():
+    import ml_dtypes
+
+    from blade_relax.frontend import torch_to_numpy
+
+    x = torch.randn(5, 3).to(torch.bfloat16)
+    got = torch_to_numpy(x)
+    assert got.dtype == ml_dtypes.bfloat16 and got.shape == (5, 3)
+    assert np.array_equal(got.view(np.int16), x.view(torch.int16).numpy())
+    assert tvm.runtime.tensor(got).dtype == "bfloat16"
+    assert torch_to_numpy(torch.ones(2)).dtype == np.float32

@@ -75,6 +75,12 @@ def build_parser(prog: str = DEFAULT_PROG) -> argparse.ArgumentParser:
         ("batch", "batch size"),
     ):
         parser.add_argument(f"--{flag}", type=int, default=None, help=help_text)
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="weights and computation of the Hugging Face workloads (default: float32)",
+    )
     parser.add_argument("--trace-len", type=int, default=6, help="entries in the trace (6)")
     parser.add_argument("--seed", type=int, default=0, help="seed of trace and weights (0)")
     parser.add_argument(

@@ -185,6 +185,9 @@ def meta_twin(graph: ImportedGraph) -> tuple[Any, list[Any]]:
     if model is not None and hasattr(model, "config"):
         with torch.device("meta"):
             twin_model = type(model)(model.config)
+        # Built from the config, the twin has the default dtype: give it the model's.
+        dtype = next(model.parameters()).dtype
+        twin_model = twin_model.to(dtype)
         twin_model.train(model.training)
         twin = type(module)(twin_model)
         named = dict(twin_model.named_parameters())

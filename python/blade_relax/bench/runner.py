@@ -68,7 +68,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..frontend import ImportedGraph, flatten_outputs, specialize
+from ..frontend import ImportedGraph, flatten_outputs, specialize, torch_to_numpy
 from .configs import BenchConfig, TorchConfig, TvmConfig, resolve_configs
 from .workloads import Workload
 
@@ -422,14 +422,14 @@ class _TorchRunner:
                 outputs = self._step(tensors)
                 peak = self.torch.cuda.max_memory_allocated() - allocated_before
                 row.step_peak_bytes = int(peak)
-                arrays = [np.asarray(o.detach().cpu().numpy()).copy() for o in outputs]
+                arrays = [torch_to_numpy(o) for o in outputs]
                 del outputs
             else:
                 counter = LiveBytesCounter()
                 with counter:
                     outputs = self._step(tensors)
                 row.step_peak_bytes = int(counter.peak_bytes)
-                arrays = [np.asarray(o.detach().numpy()).copy() for o in outputs]
+                arrays = [torch_to_numpy(o) for o in outputs]
                 del outputs
                 counter.detach_all()
             row.step_times_s = _timed(lambda: self._step(tensors), repeat)

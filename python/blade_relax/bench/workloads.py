@@ -43,6 +43,7 @@ from tvm import relax
 from ..frontend import ImportedGraph, import_inference, import_training_step, relax_training_step
 
 __all__ = [
+    "DTYPES",
     "LLAMA_1B",
     "PRESETS",
     "REAL",
@@ -69,6 +70,9 @@ class ModelSizes:
         The exported range of the sequence length ``s``.
     batch
         Batch size (static).
+    dtype
+        Floating-point type of the Hugging Face models' weights and computation
+        (``"float32"`` or ``"bfloat16"``; :data:`DTYPES`). The Relax-native MLPs are float32.
     """
 
     layers: int = 2
@@ -80,6 +84,7 @@ class ModelSizes:
     max_seq_len: int = 256
     min_seq_len: int = 2
     batch: int = 1
+    dtype: str = "float32"
 
 
 SMALL = ModelSizes()
@@ -103,6 +108,9 @@ LLAMA_1B = ModelSizes(
 )
 PRESETS = {"small": SMALL, "real": REAL, "1b": LLAMA_1B}
 WEIGHTS = ("random", "empty")
+DTYPES = ("float32", "bfloat16")
+# The workloads built from a Hugging Face model (the others are Relax-native, float32).
+HF_WORKLOADS = ("llama-train", "gpt2-train", "gpt2-infer")
 
 
 @dataclass
@@ -155,6 +163,14 @@ def _weights_context(weights: str) -> Any:
     return no_init_weights()
 
 
+def _torch_dtype(sizes: ModelSizes) -> Any:
+    import torch
+
+    if sizes.dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, not {sizes.dtype!r}")
+    return getattr(torch, sizes.dtype)
+
+
 def llama_model(
     sizes: ModelSizes,
     *,
@@ -191,7 +207,7 @@ def llama_model(
         **extra,
     )
     with _weights_context(weights):
-        return LlamaForCausalLM(config).float()
+        return LlamaForCausalLM(config).to(_torch_dtype(sizes))
 
 
 def gpt2_model(
@@ -235,7 +251,7 @@ def gpt2_model(
         **extra,
     )
     with _weights_context(weights):
-        return GPT2LMHeadModel(config).float()
+        return GPT2LMHeadModel(config).to(_torch_dtype(sizes))
 
 
 def _llama_train(sizes: ModelSizes, seed: int, weights: str = "random") -> ImportedGraph:
@@ -449,5 +465,12 @@ def build_workload(
         raise ValueError(
             f"hidden ({sizes.hidden}) must be a multiple of heads ({sizes.heads}), and heads "
             f"a multiple of kv_heads ({sizes.kv_heads})"
+        )
+    if sizes.dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, not {sizes.dtype!r}")
+    if sizes.dtype != "float32" and name not in HF_WORKLOADS:
+        raise ValueError(
+            f"{name} is built in float32 only; dtype {sizes.dtype} is offered for the Hugging "
+            f"Face workloads ({', '.join(HF_WORKLOADS)})"
         )
     return Workload(name=name, sizes=sizes, graph=WORKLOADS[name](sizes, seed, weights))

@@ -10,7 +10,7 @@ All return an :class:`ImportedGraph`. torch and transformers are imported only w
 Face importer is called.
 """
 
-from .hf import TiedParameterError, import_inference, import_training_step
+from .hf import TiedParameterError, import_inference, import_training_step, torch_to_numpy
 from .imported import (
     DimOutOfRangeError,
     DimRange,
@@ -34,4 +34,5 @@ __all__ = [
     "relax_training_step",
     "set_dim_bounds",
     "specialize",
+    "torch_to_numpy",
 ]

@@ -17,6 +17,12 @@ Why each one exists:
     Must return the triple ``(out, mean, rstd)``: the backward graph reads ``mean`` and ``rstd``.
     The built-in converter returns ``out`` alone, and ``getitem(out, 1)`` on a tensor then
     silently yields ``out`` again, which corrupts GPT-2's gradients without any error.
+``mm.default``, ``matmul.default``, ``bmm.default``
+    The built-in converters compute every product in float32 (``out_dtype="float32"``
+    whatever the inputs), which turns a bfloat16 graph into a mixed one: twice the bytes for
+    every product, and ops that require equal dtypes (``slice_scatter`` in the backward of
+    rotary embeddings) are rejected. The product takes the dtype torch gives it (the FX
+    node's value; float32 graphs are unchanged).
 ``slice.Tensor`` on a symbolic axis
     ``labels[..., 1:]`` arrives with ``end = 2**63 - 1``. The built-in converter keeps that end,
     so shapes become ``min(2**63 - 2, s)`` and byte counts overflow int64 during lowering. The
@@ -25,6 +31,8 @@ Why each one exists:
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -136,9 +144,33 @@ def _slice(node: Any, importer: Any) -> relax.Var:
     )
 
 
+def _matmul(node: Any, importer: Any) -> relax.Var:
+    lhs, rhs = importer.retrieve_args(node)[:2]
+    tensors = (lhs, rhs)
+    if not all(isinstance(getattr(t, "ty", None), relax.TensorType) for t in tensors):
+        # Not two tensors: what the built-in converter does.
+        builtin = functools.partial(relax.op.linear_algebra.matmul, out_dtype="float32")
+        return importer._binary_op(builtin, operator.matmul)(node)
+    value = node.meta.get("val")
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:
+        dtype = lhs.ty.dtype
+    else:
+        dtype = importer._convert_data_type(dtype, importer.env)
+    bb = importer.block_builder
+    if lhs.ty.dtype != dtype:
+        lhs = bb.emit(relax.op.astype(lhs, dtype))
+    if rhs.ty.dtype != dtype:
+        rhs = bb.emit(relax.op.astype(rhs, dtype))
+    return bb.emit(relax.op.linear_algebra.matmul(lhs, rhs, out_dtype=dtype))
+
+
 CUSTOM_CONVERTERS: dict[str, Callable[[Any, Any], relax.Var]] = {
+    "bmm.default": _matmul,
     "empty_permuted.default": _empty_permuted,
     "index_put.default": _index_put,
+    "matmul.default": _matmul,
+    "mm.default": _matmul,
     "native_layer_norm.default": _native_layer_norm,
     "slice.Tensor": _slice,
 }

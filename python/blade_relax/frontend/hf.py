@@ -37,7 +37,7 @@ from .imported import (
     drop_upper_bounds,
 )
 
-__all__ = ["TiedParameterError", "import_inference", "import_training_step"]
+__all__ = ["TiedParameterError", "import_inference", "import_training_step", "torch_to_numpy"]
 
 _PREFIX = "model."
 
@@ -211,8 +211,23 @@ def _param_arrays(
         if target is None:
             raise RuntimeError(f"main parameter {param.name!r} is not a model parameter")
         names.append(target[len(_PREFIX) :] if target.startswith(_PREFIX) else target)
-        arrays.append(state[target].detach().cpu().numpy().copy())
+        arrays.append(torch_to_numpy(state[target]))
     return names, arrays
+
+
+def torch_to_numpy(tensor: Any) -> np.ndarray:
+    """A copy of a torch tensor as a numpy array.
+
+    numpy has no bfloat16 (``Tensor.numpy()`` refuses it): a bfloat16 tensor becomes the
+    ``ml_dtypes.bfloat16`` array that ``tvm.runtime.tensor`` takes, bit for bit.
+    """
+    torch = _torch()
+    tensor = tensor.detach().cpu()
+    if tensor.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy()
+    return tensor.numpy().copy()
 
 
 def _finish(
@@ -299,7 +314,7 @@ def import_inference(
         (ids,) = inputs
         with _export_settings(model, None), torch.no_grad():
             logits = wrapper(torch.from_numpy(np.asarray(ids)))
-        return [logits.detach().numpy()]
+        return [torch_to_numpy(logits)]
 
     return ImportedGraph(
         mod=mod,
@@ -509,10 +524,10 @@ def import_training_step(
         for name in names:
             grad = named[name].grad
             grads.append(
-                np.zeros_like(arrays[names.index(name)]) if grad is None else grad.numpy().copy()
+                np.zeros_like(arrays[names.index(name)]) if grad is None else torch_to_numpy(grad)
             )
         model.zero_grad(set_to_none=True)
-        return [loss.detach().numpy().copy(), *grads]
+        return [torch_to_numpy(loss), *grads]
 
     return ImportedGraph(
         mod=mod,
