@@ -48,11 +48,11 @@ unit of cost, then a pruning pass that puts back every slot the budget does not 
 first). When no greedy set fits, :func:`minimum_peak` searches for the smallest peak, also
 in a *mixed* regime (each chained input kept or recomputed as a temporary, chosen per slot);
 when one of its results fits the budget, the first that does is the decision, else the
-decision runs at the smallest peak found and says the budget is not reachable. A set that fits, from either
-path, is then made cheaper while it still fits (:func:`_cheapen`: put back one of its dearest
-evictions, repair with cheaper ones evaluated exactly, put back what is not needed), since
-the greedy's choices one at a time and the minimum search's choices by peak leave work that
-the budget does not need.
+decision runs at the smallest peak found and says the budget is not reachable. A set that
+fits, from either path, is then made cheaper while it still fits (:func:`_cheapen`: put back
+one of its dearest evictions, repair with cheaper ones evaluated exactly, put back what is not
+needed), since the greedy's choices one at a time and the minimum search's choices by peak
+leave work that the budget does not need.
 """
 
 from __future__ import annotations
