@@ -23,6 +23,7 @@ tensors they touch are never recomputed nor read by a recipe.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 from tvm import relax
@@ -93,6 +94,8 @@ def find_gaps(
     for op in model.ops:
         computing.append(computing[-1] + (op.kind in ("kernel", "opaque")))
     computing.append(computing[-1])
+    # Hot positions in order: the ones strictly inside a gap are counted by bisection.
+    ordered = sorted(hot)
     for op in model.ops:
         if op.kind != "alloc":
             continue
@@ -107,7 +110,7 @@ def find_gaps(
             # Only computations count: an allocation alone in a gap is no reason to evict.
             if computing[b] - computing[a + 1] < min_gap:
                 continue
-            covered = sum(1 for t in hot if a < t < b)
+            covered = bisect.bisect_left(ordered, b) - bisect.bisect_right(ordered, a)
             if covered == 0:
                 continue
             key = (covered, b - a)

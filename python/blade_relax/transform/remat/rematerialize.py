@@ -203,7 +203,8 @@ class Rematerialize:
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         builder = relax.BlockBuilder(mod)
         changed = False
-        called = _called_by_transformable(mod)
+        models = _models(mod)
+        called = _called_by_transformable(mod, models)
         results: list[FunctionResult | tuple[relax.Function, relax.Function]] = []
         for gv, func in list(mod.functions.items()):
             if not isinstance(func, relax.Function):
@@ -225,7 +226,9 @@ class Rematerialize:
                 results.append(FunctionResult(name, False, notes=("not in options.functions",)))
                 continue
             try:
-                new_func = _rematerialize(gv.name_hint, func, mod, self.options, builder)
+                new_func = _rematerialize(
+                    gv.name_hint, func, mod, self.options, builder, models[gv]
+                )
             except UnsupportedFunction as err:
                 results.append(FunctionResult(name, False, notes=(f"not supported: {err}",)))
                 continue
@@ -268,19 +271,34 @@ _CALLED = "called by a function the pass can transform (that caller decides for 
 
 
 # --------------------------------------------------------------------------- helpers
-def _called_by_transformable(mod: tvm.IRModule) -> set[relax.GlobalVar]:
+def _models(mod: tvm.IRModule) -> dict[relax.GlobalVar, FunctionModel | UnsupportedFunction]:
+    """Each Relax function's classified bindings, or why the pass cannot transform it.
+
+    Built once per function: both the eligibility of callees and the rewrite read it.
+    """
+    models: dict[relax.GlobalVar, FunctionModel | UnsupportedFunction] = {}
+    for gv, func in mod.functions.items():
+        if isinstance(func, relax.Function):
+            try:
+                models[gv] = build_model(func, mod)
+            except UnsupportedFunction as err:
+                models[gv] = err
+    return models
+
+
+def _called_by_transformable(
+    mod: tvm.IRModule, models: dict[relax.GlobalVar, FunctionModel | UnsupportedFunction]
+) -> set[relax.GlobalVar]:
     """Relax functions that a function this pass can transform calls or passes as a value.
 
     A caller the pass leaves alone anyway (control flow, e.g. a dispatcher choosing between
     versions of a function by shape) does not make its callees ineligible.
     """
-    relax_gvs = {gv for gv, f in mod.functions.items() if isinstance(f, relax.Function)}
+    relax_gvs = set(models)
     found: set[relax.GlobalVar] = set()
     for gv in relax_gvs:
         caller = mod[gv]
-        try:
-            build_model(caller, mod)
-        except UnsupportedFunction:
+        if isinstance(models[gv], UnsupportedFunction):
             continue
         named: set[relax.GlobalVar] = set()
 
@@ -463,10 +481,12 @@ def _rematerialize(
     mod: tvm.IRModule,
     options: RematOptions,
     builder: relax.BlockBuilder,
+    model: FunctionModel | UnsupportedFunction,
 ) -> relax.Function | None:
     if options.max_candidates == 0:
         return None
-    model = build_model(func, mod)
+    if isinstance(model, UnsupportedFunction):
+        raise model
     dims = _signature_dims(func)
     dim_names = {d.name for d in dims}
     try:
