@@ -124,3 +124,25 @@ def test_binding_effect_of_a_view_aliases_its_source():
     assert graph.evaluate(effects["a"].allocates, {"n": 3}) == 3 * 4 * 4
     assert graph.evaluate(effects["c"].allocates, {"n": 3}) == 3 * 4 * 4
     assert effects["e"].allocates is None  # a shape is not a tensor
+
+
+def test_classify_remembers_op_calls_per_node():
+    """A call's class is remembered per node: asking again gives the same answer as a fresh
+    classification, and a call of a GlobalVar (whose class depends on the module) is not
+    remembered."""
+    from blade_relax.analysis import effects
+
+    bindings = [b for blk in Relax["main"].body.blocks for b in blk.bindings]
+    calls = [b.value for b in bindings if isinstance(b.value, relax.Call)]
+    first = [classify(c, Relax) for c in calls]
+    effects._CLASSIFIED.clear()
+    fresh = [effects._classify_op_call(c, c.op) for c in calls]
+    again = [classify(c, Relax) for c in calls]
+    assert first == fresh == again
+    # Each node's entry is found through a new Python object for the same node.
+    bindings = [b for blk in Relax["main"].body.blocks for b in blk.bindings]
+    assert [classify(b.value, Relax) for b in bindings if isinstance(b.value, relax.Call)] == fresh
+    kernel_call = Lowered["main"].body.blocks[0].bindings[2].value
+    assert classify(kernel_call, Lowered).kind is Kind.KERNEL
+    assert classify(kernel_call).kind is Kind.RELAX_CALL
+    assert classify(kernel_call, Lowered).kind is Kind.KERNEL

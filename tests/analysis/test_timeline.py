@@ -289,3 +289,34 @@ def test_symbolic_max_keeps_exactly_the_undominated_candidates():
     for v in (1, 30, 64):
         expected = max(graph.evaluate(c, {"s": v}) for c in cands)
         assert graph.evaluate(peak, {"s": v}) == expected
+
+
+def test_memo_bytes_of_equals_the_graph():
+    """TimelineMemo.bytes_of remembers sizes per type; each equals ``graph.bytes_of``, and a
+    value of unknown size keeps its own opaque size."""
+    from blade_relax.analysis import TimelineMemo
+
+    @I.ir_module
+    class Sizes:
+        @R.function
+        def main(x: R.Tensor(("n", 4), "float32"), u: R.Tensor(ndim=2, dtype="float32")):
+            with R.dataflow():
+                a = R.add(x, x)
+                b = R.add(a, x)
+                c = R.add(u, u)
+                d = R.add(c, u)
+                e = R.concat((a, b), axis=0)
+                R.output(b, d, e)
+            return (b, d, e)
+
+    func = Sizes["main"]
+    memo = TimelineMemo.for_function(func, mod=Sizes)
+    variables = [b.var for blk in func.body.blocks for b in blk.bindings]
+    for var in variables + variables:
+        assert memo.bytes_of(var).expr == memo.graph.bytes_of(var).expr
+    by_name = {v.name: memo.bytes_of(v) for v in variables}
+    assert by_name["c"].is_unknown and by_name["d"].is_unknown
+    assert by_name["c"].expr != by_name["d"].expr
+    plain = memory_timeline(func, mod=Sizes)
+    shared = memory_timeline(func, memo=memo)
+    assert [s.live_during for s in shared.steps] == [s.live_during for s in plain.steps]

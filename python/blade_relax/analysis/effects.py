@@ -212,6 +212,27 @@ def _classify_call(call: relax.Call, mod: tvm.IRModule | None) -> Instruction:
         callee = mod[op] if mod is not None and op in mod.functions else None
         kind = Kind.KERNEL if isinstance(callee, tvm.tirx.PrimFunc) else Kind.RELAX_CALL
         return Instruction(kind, args=tuple(call.args), callee=op)
+    # Any other call's class depends on the call node alone. The passes classify the same
+    # nodes over and over (each trial order of a block, each analysis of a binding), and
+    # reading a call's fields goes through the FFI: remember the class per node. The entry
+    # holds the node, so its handle, the key, is not reused while it is remembered.
+    key = hash(call)
+    entry = _CLASSIFIED.get(key)
+    if entry is not None and entry[0].same_as(call):
+        return entry[1]
+    inst = _classify_op_call(call, op)
+    if len(_CLASSIFIED) >= _CLASSIFIED_LIMIT:
+        _CLASSIFIED.clear()
+    _CLASSIFIED[key] = (call, inst)
+    return inst
+
+
+_CLASSIFIED: dict[int, tuple[relax.Call, Instruction]] = {}
+_CLASSIFIED_LIMIT = 1 << 16
+
+
+def _classify_op_call(call: relax.Call, op: Any) -> Instruction:
+    """:func:`_classify_call` of a call whose callee is not a ``GlobalVar``."""
     name, _ = callee_name(call)
     args = tuple(_data_args(call))
     by_name = {
@@ -364,8 +385,13 @@ def _storage_size(call: relax.Call, graph: ShapeGraph) -> SymbolicExpr:
 
 
 def _call_effect(
-    call: relax.Call, var: relax.Var, graph: ShapeGraph, mod: tvm.IRModule | None
+    call: relax.Call,
+    var: relax.Var,
+    graph: ShapeGraph,
+    mod: tvm.IRModule | None,
+    bytes_of: Callable[[relax.Var], SymbolicExpr] | None = None,
 ) -> ValueEffect:
+    bytes_of = graph.bytes_of if bytes_of is None else bytes_of
     name, _ = callee_name(call)
     if name is not None and name in _RULES:
         return _RULES[name](call, var, graph)
@@ -383,14 +409,14 @@ def _call_effect(
         aliased = [inst.args[i] for i in indices if 0 <= i < len(inst.args)]
         fresh_bytes = None
         if any(i < 0 for i in indices):
-            fresh_bytes = graph.bytes_of(var)
+            fresh_bytes = bytes_of(var)
         return ValueEffect(allocates=fresh_bytes, aliases=_tensor_vars(aliased))
     if inst.kind is Kind.KERNEL and inst.name is None:
         # Destination-passing kernel call: it writes into buffers passed as arguments.
         return ValueEffect()
     if returns_nothing(var):
         return ValueEffect()
-    return ValueEffect(allocates=graph.bytes_of(var))
+    return ValueEffect(allocates=bytes_of(var))
 
 
 def binding_effect(
@@ -399,6 +425,7 @@ def binding_effect(
     mod: tvm.IRModule | None,
     workspaces: bool = False,
     target: Any = None,
+    bytes_of: Callable[[relax.Var], SymbolicExpr] | None = None,
 ) -> ValueEffect:
     """The symbolic effect of one binding (see :class:`ValueEffect`).
 
@@ -414,6 +441,10 @@ def binding_effect(
         Count the workspace of a kernel call (needs ``mod``).
     target
         The target the kernels are built for (see :mod:`blade_relax.analysis.workspace`).
+    bytes_of
+        ``graph.bytes_of`` of a result variable, or a function that returns the same (such as
+        :meth:`blade_relax.analysis.timeline.TimelineMemo.bytes_of`, which remembers it per
+        type).
     """
     value = binding.value
     if binding.is_match_cast or isinstance(value, relax.Var):
@@ -423,7 +454,7 @@ def binding_effect(
     if isinstance(value, relax.TupleGetItem):
         return ValueEffect(aliases=_tensor_vars([value.tuple_value]))
     if isinstance(value, relax.Call):
-        effect = _call_effect(value, binding.var, graph, mod)
+        effect = _call_effect(value, binding.var, graph, mod, bytes_of)
         if mod is None or not workspaces:
             return effect
         workspace = call_workspace(value, binding.var, mod, graph, target)

@@ -664,11 +664,19 @@ def call_reads(
         that :attr:`KernelWorkspace.reads` ``[i]`` takes at this call, or None where the
         call's types do not give it. None when the binding calls no kernel of ``mod``.
     """
+    gv = called_kernel(call, mod)
+    if gv is None:
+        return None
+    kernel = mod[gv]
+    ws = kernel_workspace(kernel, _symbol(gv, kernel), target)
+    if not ws.reads:
+        # Most kernels read no dim for their workspace: the call's argument shapes, read
+        # through the FFI per call, would go unused.
+        return ws, []
     found = kernel_call_args(call, var, mod)
     if found is None:
         return None
-    gv, params = found
-    ws = kernel_workspace(mod[gv], _symbol(gv, mod[gv]), target)
+    params = found[1]
     values = []
     for read in ws.reads:
         given = params[read.param] if read.param < len(params) else None

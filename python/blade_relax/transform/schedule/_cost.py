@@ -50,6 +50,9 @@ _UNKNOWN_STAND_IN = 1
 # Past this magnitude int64 arithmetic could overflow: fall back to Python integers.
 _INT64_SAFE = 2**62
 
+# Integers of smaller magnitude are exact in float64.
+_FLOAT_EXACT = 2.0**53
+
 
 class UnsupportedBytes(ValueError):
     """A byte count the cost model cannot represent (e.g. a non-integer coefficient)."""
@@ -120,6 +123,15 @@ class ByteSpace:
         self.vectors = rows.astype(self.dtype)
         self._decision_values = self._decision_values.astype(self.dtype)
         self._acceptance_values = self._acceptance_values.astype(self.dtype)
+        # numpy multiplies int64 matrices without BLAS; the scorer takes values at the
+        # acceptance points of every order it meets, so those products go through float64
+        # whenever that is exact (see :meth:`at_acceptance_points`).
+        self._acceptance_float: np.ndarray | None = None
+        self._acceptance_reach = 0.0
+        if self.dtype != object:
+            self._acceptance_float = self._acceptance_values.astype(np.float64)
+            reach = np.abs(self._acceptance_float).sum(axis=0)
+            self._acceptance_reach = float(reach.max()) if reach.size else 0.0
         self._compare_cache: dict[tuple[tuple, tuple], Ordering] = {}
         self._symbolic_cache: dict[tuple, SymbolicExpr] = {}
         self.symbolic_compares = 0
@@ -274,6 +286,12 @@ class ByteSpace:
 
     def at_acceptance_points(self, vecs: np.ndarray) -> np.ndarray:
         """Values of one vector (``M``) or of rows (``n x M``) at the acceptance points."""
+        if self._acceptance_float is not None and vecs.dtype == np.int64 and vecs.size:
+            # Through float64 when every product and partial sum is an integer below 2**53,
+            # so exact: the same int64 values, from a BLAS product.
+            largest = max(-int(vecs.min()), int(vecs.max()))
+            if largest * self._acceptance_reach < _FLOAT_EXACT:
+                return (vecs.astype(np.float64) @ self._acceptance_float).astype(np.int64)
         return vecs @ self._acceptance_values
 
     def at_points(self, vecs: np.ndarray, points: Sequence[Mapping[str, int]]) -> np.ndarray:

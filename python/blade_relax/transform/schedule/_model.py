@@ -608,6 +608,14 @@ class Timeline:
     values: np.ndarray  # n x P: ``during`` at the acceptance points
     peaks: np.ndarray  # P
     groups: dict = field(default_factory=dict)  # move groups computed for this order
+    _positions: list[int] | None = field(default=None, repr=False)
+
+    def positions(self) -> list[int]:
+        """``pos`` as a list: the move searches index it element by element, which numpy
+        arrays do slowly."""
+        if self._positions is None:
+            self._positions = self.pos.tolist()
+        return self._positions
 
 
 def _rows(
@@ -620,23 +628,27 @@ def _rows(
     """``live_during`` rows from allocations (step, size) and frees (after step, size)."""
     n = block.n
     space = block.space
+    if not space.float_exact:
+        allocated = np.zeros((n, space.size), dtype=space.dtype)
+        np.add.at(allocated, starts, start_sizes)
+        freed = np.zeros((n, space.size), dtype=space.dtype)
+        np.add.at(freed, ends, end_sizes)
+        return block.initial + np.cumsum(allocated, axis=0) - (np.cumsum(freed, axis=0) - freed)
+    m = space.size
+    columns = np.arange(m, dtype=np.int64)
 
     def per_step(steps: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-        if not space.float_exact:
-            out = np.zeros((n, space.size), dtype=space.dtype)
-            np.add.at(out, steps, sizes)
-            return out
-        out = np.zeros((n, space.size), dtype=np.int64)
-        for m in range(space.size):
-            column = sizes[:, m]
-            if column.any():
-                # Integer sums through float weights are exact below 2**53 (``float_exact``).
-                out[:, m] = np.rint(np.bincount(steps, weights=column, minlength=n))
-        return out
+        # One bincount over (step, column) pairs. Integer sums through float weights are
+        # exact below 2**53 (``float_exact``).
+        flat = (steps[:, None] * m + columns).ravel()
+        sums = np.bincount(flat, weights=sizes.ravel(), minlength=n * m)
+        return np.rint(sums).astype(np.int64).reshape(n, m)
 
-    allocated = per_step(starts, start_sizes)
-    freed = per_step(ends, end_sizes)
-    return block.initial + np.cumsum(allocated, axis=0) - (np.cumsum(freed, axis=0) - freed)
+    # Live during step i: allocated at steps <= i, less freed after steps < i (int64 sums
+    # wrap alike in any order, so this equals the two cumulative sums it replaces).
+    delta = per_step(starts, start_sizes)
+    delta[1:] -= per_step(ends, end_sizes)[:-1]
+    return block.initial + np.cumsum(delta, axis=0)
 
 
 def _last_position(
@@ -648,30 +660,63 @@ def _last_position(
     return out
 
 
+@dataclass
+class _TimelineTables:
+    """Order-independent selections :func:`timeline` makes for every order it scores."""
+
+    steps: np.ndarray  # arange(n)
+    kept: np.ndarray  # B: not escaping (may be freed in the block)
+    own_creator: np.ndarray  # binding that allocates each buffer created in the block
+    own_sizes: np.ndarray  # their sizes
+    plain_creator: np.ndarray  # the same for those not plannable (``"static"``)
+    plain_sizes: np.ndarray
+    kept_unplanned: np.ndarray  # B: not escaping and not plannable
+    inplace_kept: np.ndarray  # per in-place candidate: its input is not escaping
+
+
+def _timeline_tables(block: Block) -> _TimelineTables:
+    tables = block.cache.get("timeline")
+    if tables is None:
+        own = block.created_by >= 0
+        plain = own & ~block.plannable
+        kept = ~block.escaping
+        tables = _TimelineTables(
+            steps=np.arange(block.n, dtype=np.int64),
+            kept=kept,
+            own_creator=block.created_by[own],
+            own_sizes=block.sizes[own],
+            plain_creator=block.created_by[plain],
+            plain_sizes=block.sizes[plain],
+            kept_unplanned=kept & ~block.plannable,
+            inplace_kept=kept[block.inplace_input],
+        )
+        block.cache["timeline"] = tables
+    return tables
+
+
 def timeline(block: Block, order: Sequence[int], planner: str | None = None) -> Timeline:
     """Live bytes of ``order``; with ``planner="static"`` (the default of the block), storage
     reuse as ``StaticPlanBlockMemory`` will plan it (see :func:`plan_storage`)."""
     planner = block.planner if planner is None else planner
+    tables = _timeline_tables(block)
     order_arr = np.asarray(order, dtype=np.int64)
     pos = np.empty(block.n, dtype=np.int64)
-    pos[order_arr] = np.arange(block.n, dtype=np.int64)
+    pos[order_arr] = tables.steps
     num_buffers = block.sizes.shape[0]
     free_step = _last_position(
         pos, block.cons_node, block.cons_start, num_buffers, block.cons_buffer
     )
-    own = block.created_by >= 0
-    freeable = (~block.escaping) & (free_step >= 0)
+    freeable = tables.kept & (free_step >= 0)
     if planner == "static" and block.plannable.any():
-        plain = own & ~block.plannable
         token_start, token_end, token_sizes = plan_storage(block, pos, free_step)
-        starts = np.concatenate([pos[block.created_by[plain]], token_start])
-        start_sizes = np.concatenate([block.sizes[plain], token_sizes])
-        gone = freeable & ~block.plannable
+        starts = np.concatenate([pos[tables.plain_creator], token_start])
+        start_sizes = np.concatenate([tables.plain_sizes, token_sizes])
+        gone = tables.kept_unplanned & (free_step >= 0)
         freed_tokens = token_end >= 0
         ends = np.concatenate([free_step[gone], token_end[freed_tokens]])
         end_sizes = np.concatenate([block.sizes[gone], token_sizes[freed_tokens]])
     else:
-        starts, start_sizes = pos[block.created_by[own]], block.sizes[own]
+        starts, start_sizes = pos[tables.own_creator], tables.own_sizes
         end_step = free_step
         if planner == "plan" and block.inplace_binding.size:
             end_step = inplace_ends(block, pos, free_step)
@@ -701,18 +746,21 @@ def inplace_ends(block: Block, pos: np.ndarray, free_step: np.ndarray) -> np.nda
     """
     binding, inputs = block.inplace_binding, block.inplace_input
     at = pos[binding]
-    active = np.flatnonzero((free_step[inputs] == at) & ~block.escaping[inputs])
+    active = np.flatnonzero((free_step[inputs] == at) & _timeline_tables(block).inplace_kept)
     if not active.size:
         return free_step
     outputs = block.inplace_output[active]
-    if np.unique(outputs).size == active.size and np.unique(inputs[active]).size == active.size:
-        chosen = active
+    taken = outputs.tolist()
+    given = inputs[active].tolist()
+    if len(set(given)) == len(given):
+        # Distinct inputs: each output goes to its first candidate (the loop below, faster).
+        first = dict(zip(reversed(taken), range(len(taken) - 1, -1, -1)))
+        chosen = active if len(first) == len(taken) else active[sorted(first.values())]
     else:
         taken_in: set[int] = set()
         taken_out: set[int] = set()
         picks = []
-        for c, t in zip(active.tolist(), outputs.tolist()):
-            u = int(inputs[c])
+        for c, t, u in zip(active.tolist(), taken, given):
             if u not in taken_in and t not in taken_out:
                 taken_in.add(u)
                 taken_out.add(t)

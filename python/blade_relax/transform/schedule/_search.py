@@ -162,35 +162,41 @@ def move(order: Sequence[int], group: Sequence[int], dst: int) -> list[int]:
     return np.concatenate([rest[:at], arr[idx], rest[at:]]).tolist()
 
 
-def delay_group(block: Block, pos: np.ndarray, u: int) -> list[int]:
-    """``u`` and its ancestors whose results only ``u`` (or this group) reads, as positions."""
+def delay_group(block: Block, pos: Sequence[int], u: int) -> list[int]:
+    """``u`` and its ancestors whose results only ``u`` (or this group) reads, as positions.
+
+    ``pos`` is the position of each binding (a list is read fastest: see
+    :meth:`Timeline.positions`)."""
     group = {u}
-    heap = [-int(pos[q]) for q in block.preds[u]]
+    preds, succs = block.preds, block.succs
+    heap = [-int(pos[q]) for q in preds[u]]
     heapq.heapify(heap)
-    order_at = {int(pos[q]): q for q in block.preds[u]}
+    order_at = {int(pos[q]): q for q in preds[u]}
     while heap and len(group) < _MAX_GROUP:
         a = order_at[-heapq.heappop(heap)]
         if a in group:
             continue
         # Visited in decreasing position: every successor of ``a`` is already decided.
-        if all(x in group for x in block.succs[a]):
+        if all(x in group for x in succs[a]):
             group.add(a)
-            for q in block.preds[a]:
-                if int(pos[q]) not in order_at:
-                    order_at[int(pos[q])] = q
-                    heapq.heappush(heap, -int(pos[q]))
+            for q in preds[a]:
+                at = int(pos[q])
+                if at not in order_at:
+                    order_at[at] = q
+                    heapq.heappush(heap, -at)
     return sorted(int(pos[x]) for x in group)
 
 
-def hoist_group(block: Block, pos: np.ndarray, v: int, k: int) -> list[int] | None:
+def hoist_group(block: Block, pos: Sequence[int], v: int, k: int) -> list[int] | None:
     """``v`` and its ancestors placed after step ``k`` (positions), or None when one of them
-    needs the binding at ``k`` itself."""
+    needs the binding at ``k`` itself. ``pos`` as for :func:`delay_group`."""
     group = {v}
     stack = [v]
+    preds = block.preds
     while stack:
         x = stack.pop()
-        for q in block.preds[x]:
-            pq = int(pos[q])
+        for q in preds[x]:
+            pq = pos[q]
             if pq == k:
                 return None
             if pq > k and q not in group:
@@ -208,18 +214,19 @@ def peak_moves(block: Block, tl: Timeline, k: int, point: int, limit: int) -> li
     only it needs, just before the producer's first other reader (if that is after ``k``); or
     run its last reader, with the ancestors it still waits for, just before step ``k``.
     """
-    pos, order = tl.pos, tl.order
+    order = tl.order
     n = block.n
     created = block.created_by
     live = np.nonzero(
-        ((created < 0) | (pos[np.maximum(created, 0)] <= k))
+        ((created < 0) | (tl.pos[np.maximum(created, 0)] <= k))
         & ((tl.free_step >= k) | (tl.free_step < 0) | block.escaping)
     )[0]
     if live.size == 0:
         return []
-    sizes = block.space.at_acceptance_points(block.sizes[live])[:, point]
+    sizes = _size_values(block)[live, point]
+    pos = tl.positions()
     moves: dict[tuple, int] = {}
-    for rank in np.argsort(-as_float(sizes), kind="stable")[: 2 * limit]:
+    for rank in np.argsort(-as_float(sizes), kind="stable")[: 2 * limit].tolist():
         b = int(live[rank])
         nbytes = int(sizes[rank])
         if nbytes <= 0:
@@ -229,12 +236,13 @@ def peak_moves(block: Block, tl: Timeline, k: int, point: int, limit: int) -> li
             group = tl.groups.get(u)
             if group is None:
                 group = tl.groups[u] = delay_group(block, pos, u)
-            succ = [int(pos[x]) for x in block.succs[u]]
+            succ = [pos[x] for x in block.succs[u]]
             target = min(succ) if succ else n
             if target > k + 1 or (target > k and pos[u] < k):
                 moves.setdefault((tuple(group), target), nbytes)
-        if not block.escaping[b] and tl.free_step[b] > k:
-            v = order[int(tl.free_step[b])]
+        free = int(tl.free_step[b])
+        if not block.escaping[b] and free > k:
+            v = order[free]
             key = (v, k)
             if key in tl.groups:
                 group = tl.groups[key]
@@ -244,6 +252,14 @@ def peak_moves(block: Block, tl: Timeline, k: int, point: int, limit: int) -> li
                 moves.setdefault((tuple(group), k), nbytes)
     ranked = sorted(moves.items(), key=lambda item: -item[1])[:limit]
     return [(nbytes, group, dst) for (group, dst), nbytes in ranked]
+
+
+def _size_values(block: Block) -> np.ndarray:
+    """The size of every buffer of ``block`` at the acceptance points (``B x P``)."""
+    values = block.cache.get("size_values")
+    if values is None:
+        values = block.cache["size_values"] = block.space.at_acceptance_points(block.sizes)
+    return values
 
 
 def refine(
