@@ -37,3 +37,15 @@ def test_cli_rejects_bad_layers(capsys):
     assert compile_time.main(["--layers", "0"]) == 2
     assert "--layers" in capsys.readouterr().err
     assert compile_time.main(["--size", "huge"]) == 2
+
+
+def test_repeated_runs_report_the_median_run():
+    sizes = dataclasses.replace(SMALL, hidden=32, heads=2, kv_heads=1, intermediate=64, vocab=64)
+    (row,) = compile_time.measure("llama-train", sizes, [1], repeat=3)
+    assert len(row.stock_runs) == len(row.default_runs) == 3
+    assert row.stock.seconds == sorted(row.stock_runs)[1]
+    assert row.default.seconds == sorted(row.default_runs)[1]
+    assert row.ratio == row.default.seconds / row.stock.seconds
+    with pytest.raises(ValueError, match="repeat"):
+        compile_time.measure("llama-train", sizes, [1], repeat=0)
+    assert compile_time.main(["--repeat", "0"]) == 2

@@ -51,6 +51,7 @@ __all__ = [
     "Kind",
     "ValueEffect",
     "binding_effect",
+    "call_name",
     "callee_name",
     "classify",
     "in_place_writes",
@@ -157,13 +158,30 @@ def callee_name(call: relax.Call) -> tuple[str | None, list[relax.Expr]]:
     """The operator or packed-function name of a call and its arguments after the name."""
     op = call.op
     args = list(call.args)
+    if (
+        isinstance(op, tvm.ir.Op)
+        and op.name in PACKED_CALL_OPS
+        and args
+        and isinstance(args[0], relax.ExternFunc)
+    ):
+        return args[0].global_symbol, args[1:]
+    return call_name(call), args
+
+
+def call_name(call: relax.Call) -> str | None:
+    """The operator or packed-function name of a call (:func:`callee_name` without reading
+    the arguments, each of which is an FFI read)."""
+    op = call.op
     if isinstance(op, tvm.ir.Op):
-        if op.name in PACKED_CALL_OPS and args and isinstance(args[0], relax.ExternFunc):
-            return args[0].global_symbol, args[1:]
-        return op.name, args
+        name = op.name
+        if name in PACKED_CALL_OPS:
+            args = call.args
+            if len(args) and isinstance(args[0], relax.ExternFunc):
+                return args[0].global_symbol
+        return name
     if isinstance(op, relax.ExternFunc):
-        return op.global_symbol, args
-    return None, args
+        return op.global_symbol
+    return None
 
 
 def _data_args(call: relax.Call) -> list[relax.Expr]:
@@ -233,7 +251,7 @@ _CLASSIFIED_LIMIT = 1 << 16
 
 def _classify_op_call(call: relax.Call, op: Any) -> Instruction:
     """:func:`_classify_call` of a call whose callee is not a ``GlobalVar``."""
-    name, _ = callee_name(call)
+    name = call_name(call)
     args = tuple(_data_args(call))
     by_name = {
         EVICT: Kind.EVICT,
@@ -392,7 +410,7 @@ def _call_effect(
     bytes_of: Callable[[relax.Var], SymbolicExpr] | None = None,
 ) -> ValueEffect:
     bytes_of = graph.bytes_of if bytes_of is None else bytes_of
-    name, _ = callee_name(call)
+    name = call_name(call)
     if name is not None and name in _RULES:
         return _RULES[name](call, var, graph)
     inst = _classify_call(call, mod)

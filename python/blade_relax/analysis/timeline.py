@@ -55,7 +55,7 @@ from .effects import (
     STORAGE_ALLOCS,
     ValueEffect,
     binding_effect,
-    callee_name,
+    call_name,
     returns_nothing,
 )
 from .liveness import Liveness, liveness
@@ -388,7 +388,7 @@ def _stage(info: Liveness, mod: tvm.IRModule | None) -> str:
         value = binding.value
         if not isinstance(value, relax.Call):
             continue
-        name, _ = callee_name(value)
+        name = call_name(value)
         if name in STORAGE_ALLOCS or name in KILLS:
             return "memory"
         if name in _LOWERED_MARKERS:

@@ -6,7 +6,10 @@ count (``--layers``, default ``2,4,8,16,22``) and lowers it to the memory stage
 where the memory passes end) twice, in fresh processes: with the stock pipeline and with the
 default one (every pass of :class:`blade_relax.PipelineFlags` on). It reports per layer count:
 
-* the seconds of each lowering and their ratio (the same run, the same machine);
+* the seconds of each lowering and their ratio (the same run, the same machine); with
+  ``--repeat N``, the lowerings alternate (stock, default, stock, ...) ``N`` times each and the
+  table shows medians (the ratio of the medians; one machine's timings vary by tens of per
+  cent from run to run, the stock pipeline's by up to 2x);
 * the growth against the fewest layers measured: seconds per layer, relative to the first row,
   so that "linear in layers" reads as a column near 1;
 * the peak resident memory of the process while it lowers (sampled from ``/proc/self/statm``
@@ -71,18 +74,28 @@ class LoweringRun:
 
 @dataclass(frozen=True)
 class CompileTiming:
-    """Stock and default lowerings of one layer count."""
+    """Stock and default lowerings of one layer count.
+
+    ``stock`` and ``default`` are the runs of median seconds (the lower median for an even
+    number of runs); ``stock_runs`` and ``default_runs`` are every run's seconds, in order.
+    """
 
     workload: str
     layers: int
     import_s: float
     stock: LoweringRun
     default: LoweringRun
+    stock_runs: tuple[float, ...] = ()
+    default_runs: tuple[float, ...] = ()
 
     @property
     def ratio(self) -> float:
-        """Default pipeline's seconds over the stock pipeline's."""
+        """Default pipeline's (median) seconds over the stock pipeline's."""
         return self.default.seconds / self.stock.seconds
+
+
+def _median_run(runs: Sequence[LoweringRun]) -> LoweringRun:
+    return sorted(runs, key=lambda r: r.seconds)[(len(runs) - 1) // 2]
 
 
 def _rss_bytes() -> int:
@@ -143,10 +156,15 @@ def measure(
     sizes: Any,
     layers: Sequence[int],
     *,
+    repeat: int = 1,
     progress: Callable[[str], None] = lambda _m: None,
 ) -> list[CompileTiming]:
-    """Import ``workload`` at each layer count and time both lowerings (see the module doc)."""
+    """Import ``workload`` at each layer count and time both lowerings ``repeat`` times each,
+    alternating (see the module doc)."""
     import gc
+
+    if repeat < 1:
+        raise ValueError(f"repeat must be at least 1, not {repeat}")
 
     from .. import _load
     from .workloads import build_workload
@@ -161,11 +179,25 @@ def measure(
         mod = built.graph.mod
         del built
         gc.collect()
-        progress(f"{workload}: {n} layers, stock pipeline")
-        stock = _lower(mod, default=False)
-        progress(f"{workload}: {n} layers, default pipeline")
-        default = _lower(mod, default=True)
-        rows.append(CompileTiming(workload, n, import_s, stock, default))
+        stocks, defaults = [], []
+        for k in range(repeat):
+            run = f" (run {k + 1} of {repeat})" if repeat > 1 else ""
+            progress(f"{workload}: {n} layers, stock pipeline{run}")
+            stocks.append(_lower(mod, default=False))
+            progress(f"{workload}: {n} layers, default pipeline{run}")
+            defaults.append(_lower(mod, default=True))
+        stock, default = _median_run(stocks), _median_run(defaults)
+        rows.append(
+            CompileTiming(
+                workload,
+                n,
+                import_s,
+                stock,
+                default,
+                tuple(r.seconds for r in stocks),
+                tuple(r.seconds for r in defaults),
+            )
+        )
         progress(
             f"{workload}: {n} layers: stock {stock.seconds:.1f} s, default "
             f"{default.seconds:.1f} s ({default.seconds / stock.seconds:.1f}x)"
@@ -205,6 +237,12 @@ def build_parser(prog: str = DEFAULT_PROG) -> OneLineParser:
     parser.add_argument(
         "--layers", default=DEFAULT_LAYERS, help=f"comma-separated (default {DEFAULT_LAYERS})"
     )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="lowerings per pipeline and layer count, alternating; the table shows medians (1)",
+    )
     parser.add_argument("--json", default=None, help="write every row as JSON here")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return parser
@@ -226,6 +264,8 @@ def main(argv: Sequence[str] | None = None, prog: str = DEFAULT_PROG) -> int:
             ) from None
         if not layers or any(n < 1 for n in layers):
             raise CliError("--layers needs at least one count, each at least 1")
+        if args.repeat < 1:
+            raise CliError(f"--repeat must be at least 1, not {args.repeat}")
         check_output_path(args.json, "--json")
         from .workloads import PRESETS
 
@@ -239,8 +279,9 @@ def main(argv: Sequence[str] | None = None, prog: str = DEFAULT_PROG) -> int:
         if not args.quiet:
             print(f"... {message}", file=sys.stderr, flush=True)
 
-    rows = measure(args.workload, PRESETS[args.size], layers, progress=say)
-    print(f"## Lowering to the memory stage: {args.workload}, size {args.size} (llvm)\n")
+    rows = measure(args.workload, PRESETS[args.size], layers, repeat=args.repeat, progress=say)
+    medians = f"; medians of {args.repeat} runs each" if args.repeat > 1 else ""
+    print(f"## Lowering to the memory stage: {args.workload}, size {args.size} (llvm{medians})\n")
     print(table(rows))
     if args.json:
         with open(args.json, "w") as f:
