@@ -16,6 +16,7 @@ from blade_relax.symbolic import (
     ShapeGraph,
     SymbolicDim,
     SymbolicExpr,
+    TypeSizes,
     element_bits,
     element_bytes,
 )
@@ -336,3 +337,20 @@ def test_sample_is_the_value_at_every_representative_point():
     points = graph.representative_points()
     assert graph.sample(s * s + 3) == tuple(p["s"] ** 2 + 3 for p in points)
     assert graph.sample(SymbolicExpr.unknown("k") + s) is None
+
+
+def test_type_sizes_remember_known_sizes_per_type_only():
+    n = tirx.Var("n", "int64")
+    graph = ShapeGraph()
+    sizes = TypeSizes(graph)
+    first = sizes.bytes_of(relax.TensorType((n, 4), "float32"))
+    again = sizes.bytes_of(relax.TensorType((n, 4), "float32"))  # a second, equal type
+    assert again is first and first.expr == graph.bytes_of(relax.TensorType((n, 4), "float32")).expr
+    assert sizes.bytes_of(relax.TensorType((n, 8), "float32")).expr == 2 * first.expr
+    # Unknown sizes are the value's own opaque size, never shared between values.
+    unknown = relax.TensorType(ndim=2, dtype="float32")
+    a = relax.Var("a", unknown)
+    b = relax.Var("b", unknown)
+    size_a, size_b = sizes.bytes_of(unknown, a), sizes.bytes_of(unknown, b)
+    assert size_a.is_unknown and size_b.is_unknown and size_a.expr != size_b.expr
+    assert size_a.expr == graph.bytes_of(a).expr

@@ -46,10 +46,9 @@ from typing import Any
 import numpy as np
 import sympy
 import tvm
-import tvm_ffi
 from tvm import relax
 
-from ..symbolic import ShapeGraph, SymbolicExpr
+from ..symbolic import ShapeGraph, SymbolicExpr, TypeSizes
 from .effects import (
     KILLS,
     STORAGE_ALLOCS,
@@ -427,8 +426,8 @@ class TimelineMemo:
     stage: str | None = None
     #: Per kernel (``GlobalVar``), whether a call of it may hold a workspace.
     kernels: dict[Any, bool] = field(default_factory=dict, repr=False)
-    #: Sizes of result types (structural hash: (type, bytes) pairs), see :meth:`bytes_of`.
-    type_bytes: dict[int, list[tuple[Any, SymbolicExpr]]] = field(default_factory=dict, repr=False)
+    #: Sizes of result types, see :meth:`bytes_of` (made on first use, over ``graph``).
+    sizes: TypeSizes | None = field(default=None, repr=False)
 
     @classmethod
     def for_function(
@@ -482,27 +481,17 @@ class TimelineMemo:
         return effect
 
     def bytes_of(self, var: Any) -> SymbolicExpr:
-        """``graph.bytes_of(var)``, remembered per type.
-
-        A function's results share a handful of types, and each size is a sympy product
-        canonicalized in the graph. Free dims compare by identity, so structurally equal
-        types have equal sizes, except when the size is unknown: each such value keeps its
-        own opaque size (named after the variable), which is not remembered.
-        """
+        """``graph.bytes_of(var)``, remembered per type
+        (:class:`~blade_relax.symbolic.TypeSizes`)."""
         try:
             ty = var.ty
         except Exception:  # a non-normalized value has no type: as ``graph.bytes_of`` reads it
             ty = None
         if ty is None:
             return self.graph.bytes_of(var)
-        key = tvm_ffi.structural_hash(ty)
-        for known, nbytes in self.type_bytes.get(key, ()):
-            if tvm_ffi.structural_equal(known, ty):
-                return nbytes
-        nbytes = self.graph.bytes_of(var)
-        if not nbytes.is_unknown:
-            self.type_bytes.setdefault(key, []).append((ty, nbytes))
-        return nbytes
+        if self.sizes is None:
+            self.sizes = TypeSizes(self.graph)
+        return self.sizes.bytes_of(ty, var)
 
     def _may_hold_workspace(self, value: Any) -> bool:
         """False for a call of a kernel known to allocate no workspace.

@@ -12,13 +12,14 @@ Knows nothing of passes: every other folder asks this one for facts about sizes.
 from .compare import Ordering
 from .dim import SymbolicDim
 from .expr import SymbolicExpr
-from .graph import UNBOUNDED_STAND_IN, ShapeGraph, element_bits, element_bytes
+from .graph import UNBOUNDED_STAND_IN, ShapeGraph, TypeSizes, element_bits, element_bytes
 
 __all__ = [
     "Ordering",
     "ShapeGraph",
     "SymbolicDim",
     "SymbolicExpr",
+    "TypeSizes",
     "UNBOUNDED_STAND_IN",
     "element_bits",
     "element_bytes",

@@ -974,3 +974,34 @@ def _match_shape(where: str, ty: Any, shape: Any, pairs: list[tuple[str, Any, in
         )
     for i, (dim, value) in enumerate(zip(values, shape)):
         pairs.append((f"{where} dim {i}", dim, int(value)))
+
+
+class TypeSizes:
+    """:meth:`ShapeGraph.bytes_of` of Relax types, remembered per type.
+
+    A function's values share a handful of types, and each size is a sympy product that the
+    graph canonicalizes: passes that read sizes value by value (the schedule's block model,
+    the memory timeline's effects) read each type's once. Free dims compare by identity, so
+    structurally equal types have equal sizes. An unknown size is not remembered: each value
+    keeps its own opaque size, named after it.
+    """
+
+    def __init__(self, graph: ShapeGraph) -> None:
+        self.graph = graph
+        # structural hash -> (type, bytes) of the types met with that hash.
+        self._known: dict[int, list[tuple[Any, SymbolicExpr]]] = {}
+
+    def bytes_of(self, ty: Any, value: Any = None) -> SymbolicExpr:
+        """The bytes of type ``ty``; where they are unknown, ``graph.bytes_of(value)`` (the
+        opaque size of that value), or the type's own opaque size without ``value``."""
+        import tvm_ffi
+
+        key = tvm_ffi.structural_hash(ty)
+        for known, nbytes in self._known.get(key, ()):
+            if tvm_ffi.structural_equal(known, ty):
+                return nbytes
+        nbytes = self.graph.bytes_of(ty)
+        if nbytes.is_unknown:
+            return self.graph.bytes_of(value) if value is not None else nbytes
+        self._known.setdefault(key, []).append((ty, nbytes))
+        return nbytes

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import tvm
-import tvm_ffi
 from tvm import relax
 
 from ...analysis.effects import (
@@ -29,7 +28,7 @@ from ...analysis.effects import (
     reshape_pattern,
 )
 from ...analysis.workspace import call_workspace
-from ...symbolic import Ordering, ShapeGraph, SymbolicExpr
+from ...symbolic import Ordering, ShapeGraph, SymbolicExpr, TypeSizes
 from .._warn import warn_fallback
 from ._cost import ByteSpace, OrderProfile, pareto_front
 
@@ -139,7 +138,7 @@ class BlockReader:
         self.external: list[int] = []
         self.refs: dict[relax.Var, tuple[int, ...]] = {}
         self.field_refs: dict[relax.Var, list[tuple[int, ...]]] = {}
-        self.bytes_cache: dict[int, list[tuple[tvm.ir.Type, SymbolicExpr]]] = {}
+        self.sizes = TypeSizes(graph)
         self.dtypes: list[str] = []
         self.plannable: set[int] = set()  # allocated through builtin.alloc_tensor once lowered
         self.discarded: set[int] = set()  # reach something StaticPlanBlockMemory does not plan
@@ -161,18 +160,8 @@ class BlockReader:
 
     # -------------------------------------------------------------- buffers
     def _bytes(self, ty: tvm.ir.Type, var: relax.Var | None = None) -> SymbolicExpr:
-        # Most bindings of a block share a handful of types: read each type's size once. Free
-        # dims are compared by identity, so equal types have equal sizes, except when the size
-        # is unknown: each such value keeps its own opaque size (named after ``var``).
-        key = tvm_ffi.structural_hash(ty)
-        for known, nbytes in self.bytes_cache.get(key, ()):
-            if tvm_ffi.structural_equal(known, ty):
-                return nbytes
-        nbytes = self.graph.bytes_of(ty)
-        if nbytes.is_unknown:
-            return self.graph.bytes_of(var) if var is not None else nbytes
-        self.bytes_cache.setdefault(key, []).append((ty, nbytes))
-        return nbytes
+        # Most bindings of a block share a handful of types: read each type's size once.
+        return self.sizes.bytes_of(ty, var)
 
     def _new_buffer(self, nbytes: SymbolicExpr, ty: tvm.ir.Type | None = None) -> int | None:
         if nbytes.is_constant and nbytes.expr == 0:
