@@ -617,6 +617,11 @@ def kernel_call_args(
     gv = called_kernel(call, mod)
     if gv is None:
         return None
+    return gv, _kernel_params(call, var)
+
+
+def _kernel_params(call: relax.Call, var: relax.Var) -> list[Any]:
+    """:func:`kernel_call_args`' parameters of a call known to run a kernel."""
     op = call.op
     args = list(call.args)
     if isinstance(op, tvm.ir.Op):
@@ -631,7 +636,7 @@ def kernel_call_args(
             params += list(args[2].values)
     else:  # a direct call of the kernel
         params = [_values_of(a) for a in args]
-    return gv, params
+    return params
 
 
 def _shape_of_type(ty: Any) -> list[Any] | None:
@@ -673,10 +678,7 @@ def call_reads(
         # Most kernels read no dim for their workspace: the call's argument shapes, read
         # through the FFI per call, would go unused.
         return ws, []
-    found = kernel_call_args(call, var, mod)
-    if found is None:
-        return None
-    params = found[1]
+    params = _kernel_params(call, var)
     values = []
     for read in ws.reads:
         given = params[read.param] if read.param < len(params) else None
