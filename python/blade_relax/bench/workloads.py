@@ -163,11 +163,15 @@ def _weights_context(weights: str) -> Any:
     return no_init_weights()
 
 
+def _check_dtype(dtype: str) -> None:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, not {dtype!r}")
+
+
 def _torch_dtype(sizes: ModelSizes) -> Any:
     import torch
 
-    if sizes.dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, not {sizes.dtype!r}")
+    _check_dtype(sizes.dtype)
     return getattr(torch, sizes.dtype)
 
 
@@ -206,8 +210,9 @@ def llama_model(
         tie_word_embeddings=False,
         **extra,
     )
+    dtype = _torch_dtype(sizes)  # checked before the model is built
     with _weights_context(weights):
-        return LlamaForCausalLM(config).to(_torch_dtype(sizes))
+        return LlamaForCausalLM(config).to(dtype)
 
 
 def gpt2_model(
@@ -250,8 +255,9 @@ def gpt2_model(
         attn_pdrop=0.0,
         **extra,
     )
+    dtype = _torch_dtype(sizes)  # checked before the model is built
     with _weights_context(weights):
-        return GPT2LMHeadModel(config).to(_torch_dtype(sizes))
+        return GPT2LMHeadModel(config).to(dtype)
 
 
 def _llama_train(sizes: ModelSizes, seed: int, weights: str = "random") -> ImportedGraph:
@@ -466,8 +472,7 @@ def build_workload(
             f"hidden ({sizes.hidden}) must be a multiple of heads ({sizes.heads}), and heads "
             f"a multiple of kv_heads ({sizes.kv_heads})"
         )
-    if sizes.dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, not {sizes.dtype!r}")
+    _check_dtype(sizes.dtype)
     if sizes.dtype != "float32" and name not in HF_WORKLOADS:
         raise ValueError(
             f"{name} is built in float32 only; dtype {sizes.dtype} is offered for the Hugging "
