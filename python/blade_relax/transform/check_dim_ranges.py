@@ -64,6 +64,7 @@ import tvm
 from tvm import relax, tirx
 
 from ..contract import CHECKED_DIMS_ATTR, LOWER_BOUND_ATTR, UPPER_BOUND_ATTR
+from ._collection import pauses_collection
 from .result import FunctionResult, PassResult, counted, publish
 
 __all__ = ["CheckDimRanges", "DimCheck", "DimRangeOptions", "declared_dim_checks"]
@@ -267,6 +268,7 @@ class CheckDimRanges:
         self.checked: dict[str, tuple[str, ...]] = {}
         self.last_result: PassResult | None = None
 
+    @pauses_collection
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         if not self.options.enabled:
             publish(self, PassResult("CheckDimRanges", notes=("disabled by its options",)))

@@ -47,6 +47,7 @@ import tvm
 from tvm import relax
 
 from ._block_edit import copy_chain, insert_copies, rewrite_dataflow_blocks, vars_read_after
+from ._collection import pauses_collection
 from .result import PassResult, counted, function_results, publish
 
 __all__ = ["CloneGeneratedTensors", "CloneOptions", "CloneReport"]
@@ -212,6 +213,7 @@ class CloneGeneratedTensors:
         self.report = CloneReport()
         self.last_result: PassResult | None = None
 
+    @pauses_collection
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         self.report = CloneReport()
         if not self.options.enabled:

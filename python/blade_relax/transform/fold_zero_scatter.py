@@ -50,6 +50,7 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ._collection import pauses_collection
 from .result import PassResult, counted, function_results, publish
 
 __all__ = ["FoldZeroScatter", "ScatterReport", "ZeroScatterOptions"]
@@ -338,6 +339,7 @@ class FoldZeroScatter:
         self.report = ScatterReport()
         self.last_result: PassResult | None = None
 
+    @pauses_collection
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         self.report = ScatterReport()
         if not (self.options.one_hot or self.options.accumulate):

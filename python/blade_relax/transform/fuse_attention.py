@@ -63,6 +63,7 @@ import tvm
 from tvm import relax, s_tir, te, tirx, topi
 
 from ._block_edit import rewrite_dataflow_blocks, vars_read_after
+from ._collection import pauses_collection
 from .result import PassResult, counted, function_results, publish
 
 __all__ = ["AttentionOptions", "AttentionReport", "FuseAttention"]
@@ -565,6 +566,7 @@ class FuseAttention:
         self.report = AttentionReport()
         self.last_result: PassResult | None = None
 
+    @pauses_collection
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         self.report = AttentionReport()
         if not self.options.enabled:

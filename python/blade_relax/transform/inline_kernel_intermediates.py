@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import tvm
 from tvm import s_tir, tirx
 
+from ._collection import pauses_collection
 from .result import PassResult, counted, function_results, publish
 
 __all__ = [
@@ -317,6 +318,7 @@ class InlineKernelIntermediates:
         self.report = InlineReport()
         self.last_result: PassResult | None = None
 
+    @pauses_collection
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         self.report = InlineReport()
         if not self.options.enabled:

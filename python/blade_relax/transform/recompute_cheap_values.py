@@ -68,6 +68,7 @@ from ._block_edit import (
     vars_read_after,
     with_blocks,
 )
+from ._collection import pauses_collection
 from .result import PassResult, counted, function_results, publish
 
 __all__ = ["RecomputeCheapValues", "RecomputeOptions", "RecomputeReport"]
@@ -333,6 +334,7 @@ class RecomputeCheapValues:
         self.report = RecomputeReport()
         self.last_result: PassResult | None = None
 
+    @pauses_collection
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         self.report = RecomputeReport()
         if not self.options.enabled:

@@ -51,6 +51,7 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ._collection import pauses_collection
 from .result import PassResult, counted, function_results, publish
 
 __all__ = ["SimplifyTransposes", "TransposeOptions", "TransposeReport"]
@@ -258,6 +259,7 @@ class SimplifyTransposes:
         self.report = TransposeReport()
         self.last_result: PassResult | None = None
 
+    @pauses_collection
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         self.report = TransposeReport()
         if not (self.options.compose or self.options.fuse_matmul):

@@ -74,6 +74,7 @@ from tvm import relax, tirx
 from ...analysis.effects import inplace_verdict
 from ...contract import LOWER_BOUND_ATTR, NO_PLAN_ATTR, REGENERATE, UPPER_BOUND_ATTR
 from ...symbolic import ShapeGraph, SymbolicExpr
+from .._collection import pauses_collection
 from .._warn import warn_fallback
 from ..result import (
     FunctionResult,
@@ -219,6 +220,7 @@ class PlanMemory:
         self.plans: dict[str, FunctionPlan] = {}
         self.last_result: PassResult | None = None
 
+    @pauses_collection
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Plan every Relax function of ``mod``; hand the unplannable ones to the stock pass."""
         planned: dict[tvm.ir.GlobalVar, relax.Function] = {}

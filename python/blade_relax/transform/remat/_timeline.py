@@ -51,6 +51,7 @@ from ...contract import (
     REMAT_REGEN_ATTR,
     metadata_key,
 )
+from .._collection import pauses_collection
 
 __all__ = [
     "RematHazardError",
@@ -722,5 +723,6 @@ class RematTimeline:
     passes through unchanged.
     """
 
+    @pauses_collection
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         return refresh_metadata(mod, "memory")

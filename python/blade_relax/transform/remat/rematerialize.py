@@ -99,6 +99,7 @@ from ...contract import (
     REMAT_RELEASE_ATTR,
 )
 from ...runtime.remat import compile_expressions
+from .._collection import pauses_collection
 from .._warn import warn_fallback
 from ..dispatch import budget_dispatch
 from ..result import FunctionResult, PassResult, counted, publish, snapshot, timeline_peak
@@ -200,6 +201,7 @@ class Rematerialize:
         self.options = options or RematOptions()
         self.last_result: PassResult | None = None
 
+    @pauses_collection
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         builder = relax.BlockBuilder(mod)
         changed = False

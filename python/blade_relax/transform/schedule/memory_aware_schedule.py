@@ -147,6 +147,7 @@ from tvm import relax
 from ...analysis import memory_timeline
 from ...contract import SCHEDULE_VERSION_ATTR
 from ...symbolic import ShapeGraph, SymbolicExpr
+from .._collection import pauses_collection
 from .._warn import warn_fallback
 from ..dispatch import DimRange, range_dispatch, range_of
 from ..recompute_cheap_values import RecomputeCheapValues
@@ -1097,6 +1098,7 @@ class MemoryAwareSchedule:
         self.report: ScheduleReport | None = None
         self.last_result: PassResult | None = None
 
+    @pauses_collection
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         # The trial runs of RecomputeCheapValues (``recompute_after``) are not this run's.
         with collect_results():
