@@ -13,13 +13,15 @@ from blade_relax.bench.predict import NOT_PREDICTED, predict_benchmark
 pytest.importorskip("transformers")
 
 # Each kind of module a config compiles: bounded (dynamic), one bucket (specialized), the
-# default pipeline with its range copies, the remat runtime's budget, and PyTorch eager.
+# default pipeline with its range copies, the remat runtime's budget, PyTorch eager, and
+# torch.compile (predicted with its kernels skipped).
 CONFIGS = [
     "tvm-bounded",
     "tvm-bucketed@64",
     "blade-relax-full",
     "blade-relax-full@0.8",
     "torch-eager",
+    "torch-compile",
 ]
 LENGTHS = [12, 40]
 # The command line on the Relax-native MLP: no export to wait for.
@@ -86,6 +88,8 @@ def test_lowerings_are_counted_per_configuration(both):
     assert summary["blade-relax-full@0.8"].compilations == 1
     assert summary["blade-relax-full"].compile_time_s > 0
     assert summary["torch-eager"].compilations == 0
+    assert summary["torch-compile"].compilations == 1  # dynamic: one graph for both lengths
+    assert summary["torch-compile"].compile_time_s > 0
 
 
 def test_the_command_line_predicts_and_says_what_it_could_not(tmp_path, capsys):
@@ -101,13 +105,9 @@ def test_the_command_line_predicts_and_says_what_it_could_not(tmp_path, capsys):
     assert plot.read_bytes()[:4] == b"\x89PNG"
     rows = {(r["config"], r["seq_len"]): r for r in doc["results"]}
     assert all(r["source"] == "predicted" for r in rows.values())
-    assert rows[("torch-compile", 12)]["peak_bytes"] is None
-    assert rows[("torch-compile", 12)]["error"].startswith(NOT_PREDICTED)
-    for config in ("tvm-dynamic", "tvm-static", "torch-eager"):
+    for config in ("tvm-dynamic", "tvm-static", "torch-eager", "torch-compile"):
         assert rows[(config, 40)]["peak_bytes"] > rows[(config, 12)]["peak_bytes"], config
-    assert "| torch-compile | - | - | 0 | 0.0 | not predicted |" in text
     assert "| tvm-static | " in text and "| 2 | " in text  # two lowerings, one per length
-    assert "- torch-compile: not predicted" in text
 
 
 def _result(peaks: dict[str, list[int]], trace: list[int]):
@@ -202,3 +202,12 @@ def test_bfloat16_is_offered_for_the_hugging_face_workloads_only():
         build_workload("mlp-train", ModelSizes(dtype="bfloat16"))
     with pytest.raises(ValueError, match="dtype must be one of"):
         build_workload("llama-train", ModelSizes(dtype="float16"))
+
+
+def test_torch_is_not_predicted_without_a_torch_module(tiny_llama):
+    graph = dataclasses.replace(tiny_llama.graph, torch_module=None)
+    workload = dataclasses.replace(tiny_llama, graph=graph)
+    result = predict_benchmark(workload, ["torch-eager", "torch-compile"], [12])
+    assert len(result.measurements) == 2
+    for row in result.measurements:
+        assert row.step_peak_bytes is None and row.error.startswith(NOT_PREDICTED), row

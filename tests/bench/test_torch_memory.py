@@ -84,3 +84,26 @@ def test_a_training_step_on_meta_tensors_counts_what_the_cpu_step_allocates():
         assert row.correct and row.step_peak_bytes > 0
         shapes = [(1, row.seq_len), (1, row.seq_len)]
         assert predict_torch_peak(workload.graph, shapes) == row.step_peak_bytes, row.seq_len
+
+
+def test_code_compiled_without_kernels_never_runs_after():
+    """Inside ``inductor_kernels_skipped`` the compiled step computes nothing; once it is left,
+    the same function compiles again, with its kernels, and computes."""
+    import torch
+
+    from blade_relax.bench.torch_memory import inductor_kernels_skipped
+
+    def f(x, w):
+        return torch.tanh(x @ w) + 1.0
+
+    x = torch.ones(4, 8)
+    w = torch.full((8, 3), 0.5)
+    compiled = torch.compile(f, dynamic=True)
+    with torch._inductor.config.patch(fx_graph_cache=False), inductor_kernels_skipped():
+        skipped = compiled(x, w)
+    # Its output was allocated, never written (the reference is computed only after it).
+    assert skipped.shape == (4, 3) and not torch.allclose(skipped, f(x, w))
+    torch.testing.assert_close(compiled(x, w), f(x, w))
+    with torch._inductor.config.patch(fx_graph_cache=False), inductor_kernels_skipped():
+        compiled(x, w)  # compiles without kernels again: nothing reused from the real run
+    torch.testing.assert_close(compiled(x, w), f(x, w))

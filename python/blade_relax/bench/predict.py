@@ -27,8 +27,15 @@ Runtime budgets (``blade-relax-full@0.8``)
     compute), its storages counted by :class:`~.torch_memory.LiveBytesCounter` with
     ``meta=True``: the counter sees the same ATen ops and storages as on the CPU.
 ``torch-compile``
-    Not predicted: Inductor cannot compile for the ``meta`` device. The row carries an error
-    that starts with :data:`NOT_PREDICTED`.
+    Inductor cannot compile for the ``meta`` device. The step is compiled for the CPU as the
+    measuring ruler compiles it (``dynamic=True``, one compilation for the trace) and run on CPU
+    tensors with Inductor's kernels skipped (:func:`~.torch_memory.inductor_kernels_skipped`):
+    the generated wrapper allocates and frees every buffer as it would, and
+    :class:`~.torch_memory.LiveBytesCounter` counts them as on a real run (no weight or
+    activation is ever written, so the memory is reserved but not touched; only the ATen
+    fallbacks Inductor leaves, attention among them, compute). ``compile_time_s`` is then
+    Dynamo's capture and Inductor's code generation, without the C++ compilation that a real
+    run adds.
 
 ``compile_time_s`` is the time of the lowering to the memory stage (the Relax passes; not the
 TIR code generation that a real compilation adds), ``compilations`` the number of lowerings the
@@ -38,6 +45,7 @@ and ``correct`` stay ``None``.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -48,7 +56,14 @@ import tvm
 
 from ..frontend import ImportedGraph, specialize
 from .configs import BenchConfig, FlagsPipeline, TorchConfig, TvmConfig, resolve_configs
-from .runner import BenchResult, Measurement, _lower_bounds, _summary, pad_for_bucket
+from .runner import (
+    BenchResult,
+    Measurement,
+    _lower_bounds,
+    _summary,
+    _TorchRunner,
+    pad_for_bucket,
+)
 from .workloads import Workload
 
 __all__ = ["NOT_PREDICTED", "meta_twin", "predict_benchmark", "predict_torch_peak"]
@@ -123,6 +138,9 @@ class _TvmPredictor:
             key = ("specialized", tuple(sorted(dims.items())))
             return key, specialize(tvm.IRModule({"main": graph.main}), dims)
         return ("dynamic", config.keep_bounds), graph.with_upper_bounds(config.keep_bounds).mod
+
+    def close(self) -> None:
+        pass
 
     def predict(self, row: Measurement, dims: dict[str, int], budget: int | None) -> None:
         from ..transform import version_for
@@ -282,25 +300,23 @@ def predict_benchmark(
         summary = _summary(config, requested)
         summaries.append(summary)
         predictor = _predictor(config, graph, lowerings)
-        for n in lengths:
-            row = Measurement(
-                config.name,
-                n,
-                caller_bytes=caller[n],
-                lower_bound_bytes=lower[n],
-                source="predicted",
+        try:
+            _predict_rows(
+                rows,
+                config,
+                predictor,
+                graph,
+                lengths,
+                inputs,
+                dims,
+                caller,
+                lower,
+                step_peaks,
+                say,
             )
-            rows.append(row)
-            if isinstance(predictor, str):
-                row.error = predictor
-                continue
-            say(f"{config.name}: s={n}")
-            try:
-                _predict_row(row, config, predictor, graph, inputs[n], dims[n], step_peaks)
-            except Exception as err:
-                row.error = _describe(err)
-                say(f"{config.name}: s={n}: {row.error}")
-            step_peaks[(config.name, n)] = row.step_peak_bytes
+        finally:
+            if not isinstance(predictor, str):
+                predictor.close()
         if not isinstance(predictor, str):
             summary.compile_time_s = predictor.compile_time_s
             summary.compilations = predictor.compilations
@@ -316,23 +332,103 @@ def predict_benchmark(
     )
 
 
+def _predict_rows(
+    rows: list[Measurement],
+    config: BenchConfig,
+    predictor: Any,
+    graph: ImportedGraph,
+    lengths: list[int],
+    inputs: dict[int, list[np.ndarray]],
+    dims: dict[int, dict[str, int]],
+    caller: dict[int, int],
+    lower: dict[int, int | None],
+    step_peaks: dict[tuple[str, int], int | None],
+    say: Callable[[str], None],
+) -> None:
+    """Predict ``config`` at every length, one row each, appended to ``rows``."""
+    for n in lengths:
+        row = Measurement(
+            config.name,
+            n,
+            caller_bytes=caller[n],
+            lower_bound_bytes=lower[n],
+            source="predicted",
+        )
+        rows.append(row)
+        if isinstance(predictor, str):
+            row.error = predictor
+            continue
+        say(f"{config.name}: s={n}")
+        try:
+            _predict_row(row, config, predictor, graph, inputs[n], dims[n], step_peaks)
+        except Exception as err:
+            row.error = _describe(err)
+            say(f"{config.name}: s={n}: {row.error}")
+        step_peaks[(config.name, n)] = row.step_peak_bytes
+
+
 class _EagerPredictor:
     """PyTorch eager, counted on the meta device (:func:`predict_torch_peak`)."""
 
     compilations = 0
     compile_time_s = 0.0
 
+    def close(self) -> None:
+        pass
+
+
+class _CompiledPredictor:
+    """``torch.compile``, run without its kernels (see the module docstring).
+
+    The measuring ruler's own runner compiles and steps the module; its settings and the
+    skipped kernels stay in force from the first length to :meth:`close`, so that the trace
+    compiles as often as the ruler's run would.
+    """
+
+    def __init__(self, config: TorchConfig, graph: ImportedGraph) -> None:
+        from .torch_memory import inductor_kernels_skipped
+
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(inductor_kernels_skipped())
+        self.runner = _TorchRunner(config, graph)
+        self._stack.enter_context(self.runner._settings())
+        self.compilations = 0
+        self.compile_time_s = 0.0
+
+    def predict(self, row: Measurement, inputs: list[np.ndarray]) -> None:
+        from .torch_memory import LiveBytesCounter
+
+        runner = self.runner
+        tensors = [runner.torch.from_numpy(np.array(a)) for a in inputs]
+        before = runner._graph_count()
+        start = time.perf_counter()
+        runner._step(tensors)  # compiles where the length needs it, as the ruler's first call
+        first_call = time.perf_counter() - start
+        compiled_now = runner._graph_count() - before
+        counter = LiveBytesCounter()
+        with counter:
+            outputs = runner._step(tensors)
+        del outputs
+        counter.detach_all()
+        row.step_peak_bytes = int(counter.peak_bytes)
+        row.compile_time_s = first_call if compiled_now else 0.0
+        self.compile_time_s += row.compile_time_s
+        self.compilations = runner._graph_count() - runner._graphs_at_start
+        row.compilations = self.compilations
+
+    def close(self) -> None:
+        for param in self.runner.params:
+            param.grad = None
+        self._stack.close()
+
 
 def _predictor(config: BenchConfig, graph: ImportedGraph, lowerings: _Lowerings) -> Any:
     """A predictor for ``config``, or (a string) why it cannot be predicted."""
     if isinstance(config, TorchConfig):
-        if config.compile:
-            return (
-                f"{NOT_PREDICTED}: torch.compile cannot compile for the meta device "
-                "(Inductor fails on meta tensors)"
-            )
         if graph.torch_module is None:
             return f"{NOT_PREDICTED}: the workload has no torch module"
+        if config.compile:
+            return _CompiledPredictor(config, graph)
         return _EagerPredictor()
     try:
         return _TvmPredictor(config, graph, lowerings)
@@ -351,6 +447,10 @@ def _predict_row(
 ) -> None:
     if isinstance(predictor, _EagerPredictor):
         row.step_peak_bytes = predict_torch_peak(graph, [a.shape for a in inputs])
+        row.peak_bytes = row.step_peak_bytes + row.caller_bytes
+        return
+    if isinstance(predictor, _CompiledPredictor):
+        predictor.predict(row, inputs)
         row.peak_bytes = row.step_peak_bytes + row.caller_bytes
         return
     assert isinstance(config, TvmConfig)

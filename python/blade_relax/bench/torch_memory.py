@@ -25,7 +25,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["LiveBytesCounter", "visible_inductor_allocations"]
+__all__ = ["LiveBytesCounter", "inductor_kernels_skipped", "visible_inductor_allocations"]
 
 
 def _mode_base() -> type:
@@ -139,3 +139,65 @@ def visible_inductor_allocations() -> Iterator[None]:
         yield
     finally:
         guards._empty_strided_cpu = original
+
+
+@contextlib.contextmanager
+def inductor_kernels_skipped() -> Iterator[None]:
+    """Run what Inductor compiles for the CPU without its kernels, while active.
+
+    The generated wrapper still runs: it allocates every buffer (through
+    :func:`visible_inductor_allocations`, when that is active too) and frees it where the
+    compiled code does, so :class:`LiveBytesCounter` counts the same storages as on a real run,
+    as long as no shape depends on data (none does in the bench's models). What is skipped:
+
+    * C++ kernels: each becomes a function that does nothing, and is never compiled;
+    * the GEMMs Inductor calls through ``extern_kernels`` (``mm``, ``bmm``, ``addmm``,
+      ``baddbmm``): each returns its ``out`` buffer unwritten.
+
+    ATen ops that the wrapper calls directly (fallbacks) still run, on unwritten memory. This is
+    how :mod:`.predict` counts ``torch.compile`` at sizes too large to run; the counts equal
+    the real run's at the small size (``tests/bench/test_predict.py``). PyTorch offers no dry
+    run of compiled code, and Inductor cannot compile for the ``meta`` device.
+
+    Dynamo's caches and the generated modules Inductor keeps in memory are cleared on entry
+    and on exit, so that no code compiled with kernels runs without them and no code compiled
+    without kernels is ever reused. Pair it with ``fx_graph_cache=False`` and
+    ``enable_autograd_cache=False`` (as :mod:`.predict` does), which keep compiled graphs out of
+    the on-disk caches.
+    """
+    import torch
+    from torch._inductor.async_compile import AsyncCompile
+    from torch._inductor.codecache import PyCodeCache
+    from torch._inductor.select_algorithm import extern_kernels
+
+    def cpp_pybinding(_self: Any, _argtypes: Any, _source_code: str) -> Any:
+        return _skipped_kernel
+
+    def gemm(*_args: Any, out: Any = None, **_kwargs: Any) -> Any:
+        return out
+
+    def forget_compiled() -> None:
+        # Compiled code is remembered per process (dynamo's caches, and the generated modules,
+        # whose kernels are bound when a module is loaded): code compiled with its kernels must
+        # not run here, and code compiled without them must never run after.
+        torch._dynamo.reset()
+        PyCodeCache.cache_clear()
+
+    forget_compiled()
+    original_binding = AsyncCompile.cpp_pybinding
+    gemms = ("mm", "bmm", "addmm", "baddbmm")
+    originals = {name: getattr(extern_kernels, name) for name in gemms}
+    AsyncCompile.cpp_pybinding = cpp_pybinding
+    for name in gemms:
+        setattr(extern_kernels, name, gemm)
+    try:
+        yield
+    finally:
+        AsyncCompile.cpp_pybinding = original_binding
+        for name, function in originals.items():
+            setattr(extern_kernels, name, function)
+        forget_compiled()
+
+
+def _skipped_kernel(*_args: Any, **_kwargs: Any) -> None:
+    return None
