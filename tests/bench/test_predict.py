@@ -92,7 +92,7 @@ def test_lowerings_are_counted_per_configuration(both):
     assert summary["torch-compile"].compile_time_s > 0
 
 
-def test_the_command_line_predicts_and_says_what_it_could_not(tmp_path, capsys):
+def test_the_command_line_predicts_every_config(tmp_path, capsys):
     out = tmp_path / "p.json"
     plot = tmp_path / "p.png"
     code = main(
@@ -108,6 +108,8 @@ def test_the_command_line_predicts_and_says_what_it_could_not(tmp_path, capsys):
     for config in ("tvm-dynamic", "tvm-static", "torch-eager", "torch-compile"):
         assert rows[(config, 40)]["peak_bytes"] > rows[(config, 12)]["peak_bytes"], config
     assert "| tvm-static | " in text and "| 2 | " in text  # two lowerings, one per length
+    compiled = [line for line in text.splitlines() if line.startswith("| torch-compile | ")]
+    assert compiled and compiled[0].endswith("| predicted |"), compiled
 
 
 def _result(peaks: dict[str, list[int]], trace: list[int]):

@@ -60,8 +60,8 @@ def build_parser(prog: str = DEFAULT_PROG) -> argparse.ArgumentParser:
         action="store_true",
         help="predict instead of measuring: TVM peaks from the symbolic timeline of the IR "
         "each config compiles (lowered to the memory stage, no kernel built or run), PyTorch "
-        "eager's from the same counter on meta tensors; the weights are not drawn "
-        "(torch.compile is not predicted)",
+        "eager's from the same counter on meta tensors, torch.compile's from the same counter "
+        "over Inductor's generated code run with its kernels skipped; the weights are not drawn",
     )
     for flag, help_text in (
         ("layers", "decoder layers (hidden layers for mlp-train)"),

@@ -301,20 +301,27 @@ def predict_benchmark(
         summaries.append(summary)
         predictor = _predictor(config, graph, lowerings)
         try:
-            _predict_rows(
-                rows,
-                config,
-                predictor,
-                graph,
-                lengths,
-                inputs,
-                dims,
-                caller,
-                lower,
-                step_peaks,
-                say,
-            )
+            for n in lengths:
+                row = Measurement(
+                    config.name,
+                    n,
+                    caller_bytes=caller[n],
+                    lower_bound_bytes=lower[n],
+                    source="predicted",
+                )
+                rows.append(row)
+                if isinstance(predictor, str):
+                    row.error = predictor
+                    continue
+                say(f"{config.name}: s={n}")
+                try:
+                    _predict_row(row, config, predictor, graph, inputs[n], dims[n], step_peaks)
+                except Exception as err:
+                    row.error = _describe(err)
+                    say(f"{config.name}: s={n}: {row.error}")
+                step_peaks[(config.name, n)] = row.step_peak_bytes
         finally:
+            # The compiled predictor holds Inductor's kernels skipped until it is closed.
             if not isinstance(predictor, str):
                 predictor.close()
         if not isinstance(predictor, str):
@@ -330,41 +337,6 @@ def predict_benchmark(
         configs=summaries,
         measurements=rows,
     )
-
-
-def _predict_rows(
-    rows: list[Measurement],
-    config: BenchConfig,
-    predictor: Any,
-    graph: ImportedGraph,
-    lengths: list[int],
-    inputs: dict[int, list[np.ndarray]],
-    dims: dict[int, dict[str, int]],
-    caller: dict[int, int],
-    lower: dict[int, int | None],
-    step_peaks: dict[tuple[str, int], int | None],
-    say: Callable[[str], None],
-) -> None:
-    """Predict ``config`` at every length, one row each, appended to ``rows``."""
-    for n in lengths:
-        row = Measurement(
-            config.name,
-            n,
-            caller_bytes=caller[n],
-            lower_bound_bytes=lower[n],
-            source="predicted",
-        )
-        rows.append(row)
-        if isinstance(predictor, str):
-            row.error = predictor
-            continue
-        say(f"{config.name}: s={n}")
-        try:
-            _predict_row(row, config, predictor, graph, inputs[n], dims[n], step_peaks)
-        except Exception as err:
-            row.error = _describe(err)
-            say(f"{config.name}: s={n}: {row.error}")
-        step_peaks[(config.name, n)] = row.step_peak_bytes
 
 
 class _EagerPredictor:
