@@ -93,6 +93,24 @@ def test_acceptance_values_through_float_are_exact():
     assert (space.at_acceptance_points(rows[0]) == rows[0] @ values).all()
 
 
+def test_byte_counts_of_a_large_model_stay_int64_where_every_sum_fits():
+    """A large constant (a 1.1B model's parameters) beside terms in ``s**2``: int64 holds
+    every sum of these sizes at every point, so the space is int64 (not Python integers,
+    whose products are slow), and its values are those of exact integer arithmetic."""
+    graph = ShapeGraph.from_ranges({"s": (1, 2048)})
+    s = SymbolicExpr(sympy.Symbol("s"))
+    sizes = [SymbolicExpr(4_400_193_536), s * s * 128, s * 262_144, s * 8192 + 4096] * 1000
+    space = ByteSpace(graph, sizes)
+    assert space.dtype is np.int64
+    everything = np.ones((1, len(sizes)), dtype=np.int64) @ space.vectors
+    at_points = space.at_acceptance_points(everything)[0]
+    for value, point in zip(at_points.tolist(), space.acceptance_points):
+        assert value == sum(size.evaluate(point) for size in sizes)
+    # Past what int64 holds, the exact Python integers, as before.
+    huge = ByteSpace(graph, [SymbolicExpr(2**61), s * s * 2**40] * 4)
+    assert huge.dtype is object
+
+
 def _reference_timeline(block, order):
     """:func:`_model.timeline` as first written (``"none"`` and ``"plan"`` models)."""
     order_arr = np.asarray(order, dtype=np.int64)

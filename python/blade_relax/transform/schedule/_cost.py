@@ -110,13 +110,14 @@ class ByteSpace:
         self.acceptance_points = acceptance_points(graph)
         self._decision_values = self._monomial_values(self.decision_points)
         self._acceptance_values = self._monomial_values(self.acceptance_points)
-        value_max = max(
-            [1]
-            + [abs(int(v)) for v in self._acceptance_values.ravel()]
-            + [abs(int(v)) for v in self._decision_values.ravel()]
+        # Sums over every buffer of the block must stay exact: the largest such sum, of every
+        # coefficient of every buffer, bounds every row sum and every value of one at a point
+        # (per monomial, its coefficients' total times its largest value at a point).
+        values = np.concatenate([self._acceptance_values, self._decision_values], axis=1)
+        bound = sum(
+            sum(abs(int(c)) for c in rows[:, k]) * max([1] + [abs(int(v)) for v in values[k]])
+            for k in range(m)
         )
-        # Sums over every buffer of the block must stay exact.
-        bound = coeff_max * value_max * max(1, len(exprs)) * max(1, m)
         self.dtype = np.int64 if bound < _INT64_SAFE and coeff_max < _INT64_SAFE else object
         # Sums of coefficients through float64 stay exact below 2**53.
         self.float_exact = self.dtype != object and coeff_max * max(1, len(exprs)) < 2**53
