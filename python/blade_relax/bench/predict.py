@@ -368,25 +368,15 @@ class _CompiledPredictor:
         self.compile_time_s = 0.0
 
     def predict(self, row: Measurement, inputs: list[np.ndarray]) -> None:
-        from .torch_memory import LiveBytesCounter
-
         runner = self.runner
         tensors = [runner.torch.from_numpy(np.array(a)) for a in inputs]
-        before = runner._graph_count()
-        start = time.perf_counter()
-        runner._step(tensors)  # compiles where the length needs it, as the ruler's first call
-        first_call = time.perf_counter() - start
-        compiled_now = runner._graph_count() - before
-        counter = LiveBytesCounter()
-        with counter:
-            outputs = runner._step(tensors)
-        del outputs
-        counter.detach_all()
-        row.step_peak_bytes = int(counter.peak_bytes)
+        # The first call compiles where the length needs it, as the ruler's does; the second
+        # is counted.
+        first_call, compiled_now = runner._first_step(tensors)
+        row.step_peak_bytes, _ = runner._counted_step(tensors)
         row.compile_time_s = first_call if compiled_now else 0.0
         self.compile_time_s += row.compile_time_s
-        self.compilations = runner._graph_count() - runner._graphs_at_start
-        row.compilations = self.compilations
+        self.compilations = row.compilations = runner._compilations_so_far()
 
     def close(self) -> None:
         for param in self.runner.params:

@@ -391,6 +391,29 @@ class _TorchRunner:
             self.torch.cuda.synchronize()  # step times cover the GPU work, as TVM's do
         return outputs
 
+    def _first_step(self, tensors: Sequence[Any]) -> tuple[float, int]:
+        """One step, as the first call at a length: its seconds, and the graphs compiled
+        during it (where it compiles, the seconds include the compilation)."""
+        before = self._graph_count()
+        start = time.perf_counter()
+        self._step(tensors)
+        seconds = time.perf_counter() - start
+        return seconds, (self._graph_count() - before if self.config.compile else 0)
+
+    def _counted_step(self, tensors: Sequence[Any]) -> tuple[int, list[Any]]:
+        """One step on the CPU counted by :class:`~.torch_memory.LiveBytesCounter`: its
+        peak bytes, and its outputs."""
+        from .torch_memory import LiveBytesCounter
+
+        counter = LiveBytesCounter()
+        with counter:
+            outputs = self._step(tensors)
+        counter.detach_all()
+        return int(counter.peak_bytes), outputs
+
+    def _compilations_so_far(self) -> int:
+        return self._graph_count() - self._graphs_at_start
+
     def measure(
         self,
         row: Measurement,
@@ -399,19 +422,13 @@ class _TorchRunner:
         repeat: int,
         budget_bytes: int | None,
     ) -> list[np.ndarray]:
-        from .torch_memory import LiveBytesCounter
-
         if budget_bytes is not None:
             raise ValueError(f"{self.config.name}: runtime budgets apply to TVM configs only")
         tensors = [self.torch.from_numpy(np.array(a)) for a in inputs]
         if self.cuda:
             tensors = [t.to(next(self.module.parameters()).device) for t in tensors]
         with self._settings():
-            before = self._graph_count()
-            start = time.perf_counter()
-            self._step(tensors)
-            first_call = time.perf_counter() - start
-            compiled_now = self._graph_count() - before if self.config.compile else 0
+            first_call, compiled_now = self._first_step(tensors)
             gc.collect()
             if self.cuda:
                 for param in self.params:
@@ -425,16 +442,12 @@ class _TorchRunner:
                 arrays = [torch_to_numpy(o) for o in outputs]
                 del outputs
             else:
-                counter = LiveBytesCounter()
-                with counter:
-                    outputs = self._step(tensors)
-                row.step_peak_bytes = int(counter.peak_bytes)
+                row.step_peak_bytes, outputs = self._counted_step(tensors)
                 arrays = [torch_to_numpy(o) for o in outputs]
                 del outputs
-                counter.detach_all()
             row.step_times_s = _timed(lambda: self._step(tensors), repeat)
         if self.config.compile:
-            self.compilations = self._graph_count() - self._graphs_at_start
+            self.compilations = self._compilations_so_far()
             if compiled_now:
                 median = statistics.median(row.step_times_s) if row.step_times_s else 0.0
                 row.compile_time_s = max(0.0, first_call - median)
