@@ -189,6 +189,8 @@ class _Plan:
     #: Whether the subset argument covers it (one copy, every input live at the late reads);
     #: other plans are accepted only where the timeline proves the peak no higher.
     proven: bool = False
+    #: The input kept alive until the copy, for a plan of :meth:`_BlockFacts.extended`.
+    extends: relax.Var | None = None
 
 
 class _BlockFacts:
@@ -237,10 +239,11 @@ class _BlockFacts:
             leaves |= sub[1]
         return sorted(set(positions)), leaves
 
-    def extended(self, position: int, until: int) -> tuple[list[int], set] | None:
+    def extended(self, position: int, until: int) -> tuple[list[int], set, relax.Var] | None:
         """Recompute ``position``'s value alone by keeping one input alive longer: the one input
         not live at ``until``, when it is a value of this block of the same type as the result
-        (it takes the result's place in the bytes live between them)."""
+        (it takes the result's place in the bytes live between them). Returns the chain, the
+        leaves and that input."""
         binding = self.bindings[position]
         inputs = _tensor_inputs(binding.value)
         short = [v for v in inputs if not self.live_until(v, until)]
@@ -248,7 +251,7 @@ class _BlockFacts:
             return None
         if not tvm_ffi.structural_equal(short[0].ty, binding.var.ty):
             return None
-        return [position], set(inputs)
+        return [position], set(inputs), short[0]
 
 
 def _candidates(facts: _BlockFacts) -> list[_Plan]:
@@ -268,12 +271,16 @@ def _candidates(facts: _BlockFacts) -> list[_Plan]:
         late = tuple(uses[split:])
         found = facts.chain(position, late[-1], facts.options.max_chain - 1)
         proven = found is not None and len(found[0]) == 1
+        extends = None
         if found is None and facts.options.extend_inputs:
-            found = facts.extended(position, late[-1])
+            extension = facts.extended(position, late[-1])
+            if extension is not None:
+                positions, leaves, extends = extension
+                found = (positions, leaves)
         if found is not None and _overwritten(facts, found[0], late[0]):
             continue  # an input is updated in place before the copy would read it
         if found is not None:
-            out.append(_Plan(tuple(found[0]), late, tuple(found[1]), proven))
+            out.append(_Plan(tuple(found[0]), late, tuple(found[1]), proven, extends))
     return out
 
 
@@ -435,6 +442,13 @@ class _Screen:
     peak at every point, the trial is lower nowhere, and the timelines would reject it (see
     :func:`_lowers`).
 
+    A plan that keeps an input ``u`` alive until the copy (:meth:`_BlockFacts.extended`) has a
+    narrower window. Where ``u`` owns its allocation, of ``v``'s size, the trial holds that
+    allocation from ``u``'s binding to the copy, so at every step after the base frees it
+    and before the first late read it holds ``u``'s bytes where the base held ``v``'s: at
+    least the base's. Only steps between ``v``'s last early read and that free can be lower;
+    an extension whose ``u`` the base frees before ``v``'s last early read is lower nowhere.
+
     The number of trials grows with the function, as does the symbolic timeline of each one,
     so trying every chain on its own timeline costs quadratic time in the function's length.
     A rejection here costs two lookups in running maxima; only trials that change the bytes
@@ -444,6 +458,8 @@ class _Screen:
     def __init__(self, timeline: MemoryTimeline, sampled: SampledTimeline) -> None:
         self.sampled = sampled
         self.step_of = {step.var: step.index for step in timeline.steps}
+        # Each binding allocates at most once: its allocation, by the binding's variable.
+        self.allocation_of = {a.var: a for a in timeline.allocations}
 
     @classmethod
     def of(cls, timeline: MemoryTimeline) -> _Screen | None:
@@ -461,7 +477,17 @@ class _Screen:
         first_late = self.step_of.get(facts.bindings[plan.late[0]].var)
         if last_early is None or first_late is None:
             return False
-        outside = self.sampled.peak_outside(last_early + 1, first_late - 1)
+        last = first_late - 1
+        if plan.extends is not None:
+            kept, replaced = self.allocation_of.get(plan.extends), self.allocation_of.get(value)
+            if (
+                kept is not None
+                and replaced is not None
+                and kept.end is not None
+                and kept.nbytes.expr == replaced.nbytes.expr
+            ):
+                last = min(last, kept.end)
+        outside = self.sampled.peak_outside(last_early + 1, last)
         return all(o >= p for o, p in zip(outside, self.sampled.peak))
 
 
