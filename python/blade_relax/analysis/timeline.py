@@ -132,19 +132,44 @@ class EvaluatedTimeline:
 
 @dataclass
 class MemoryTimeline:
-    """The symbolic memory timeline of one function (see :func:`memory_timeline`)."""
+    """The symbolic memory timeline of one function (see :func:`memory_timeline`).
+
+    :attr:`steps` (the running sums of live bytes, one symbolic expression per binding) are
+    built when first read: :meth:`evaluate` and :class:`SampledTimeline` need only the
+    allocations, the bindings' variables and their workspaces, and a pass that screens many
+    variants of a function by numbers would otherwise pay thousands of symbolic additions for
+    each one.
+    """
 
     graph: ShapeGraph
     stage: str
-    steps: list[TimelineStep]
     allocations: list[Allocation]
     persistent: SymbolicExpr
     output_bytes: SymbolicExpr
     #: Per binding, the allocations it touches (its result and what its inputs keep alive) and
     #: its workspace; summed only when :attr:`working_sets` is read.
     touched: list[tuple[tuple[int, ...], SymbolicExpr]] = field(repr=False)
+    #: Per binding (in order): its variable, and the workspace its kernel holds while it runs.
+    step_vars: list[relax.Var] = field(default_factory=list, repr=False)
+    workspaces: list[SymbolicExpr] = field(default_factory=list, repr=False)
+    #: ``(plus, minus, total)``: the symbolic arithmetic the steps' sums are built with (a
+    #: :class:`TimelineMemo`'s, shared with other timelines, or plain).
+    arithmetic: tuple[Any, Any, Any] = field(
+        default=(operator.add, operator.sub, None), repr=False, compare=False
+    )
+    #: Per binding, the allocations made and freed there (ids, in the order of the simulation).
+    allocated_at: list[list[int]] = field(default_factory=list, repr=False)
+    freed_at: list[list[int]] = field(default_factory=list, repr=False)
+    _steps: list[TimelineStep] | None = field(default=None, repr=False)
     _peak: SymbolicExpr | None = field(default=None, repr=False)
     _working_sets: list[SymbolicExpr] | None = field(default=None, repr=False)
+
+    @property
+    def steps(self) -> list[TimelineStep]:
+        """Live bytes around each binding (see :class:`TimelineStep`)."""
+        if self._steps is None:
+            self._steps = _steps(self)
+        return self._steps
 
     @property
     def working_sets(self) -> list[SymbolicExpr]:
@@ -190,7 +215,7 @@ class MemoryTimeline:
             A value for every dim, e.g. ``{"s": 128}``; checked against the dims' ranges.
         """
         sizes = [self.graph.evaluate(a.nbytes, bindings) for a in self.allocations]
-        n = len(self.steps)
+        n = len(self.step_vars)
         delta_alloc = [0] * n
         delta_free = [0] * n
         for allocation, size in zip(self.allocations, sizes):
@@ -198,8 +223,7 @@ class MemoryTimeline:
             if allocation.end is not None:
                 delta_free[allocation.end] += size
         workspace = [
-            0 if _is_zero(s.workspace) else self.graph.evaluate(s.workspace, bindings)
-            for s in self.steps
+            0 if _is_zero(w) else self.graph.evaluate(w, bindings) for w in self.workspaces
         ]
         live_during: list[int] = []
         live_after: list[int] = []
@@ -214,11 +238,14 @@ class MemoryTimeline:
             live -= delta_free[i]
             live_after.append(live)
         persistent = self.graph.evaluate(self.persistent, bindings)
-        working = [self.graph.evaluate(w, bindings) for w in self.working_sets]
+        # A working set is a sum of allocations and a workspace: summed from their values.
+        working = [
+            sum(sizes[a] for a in ids) + workspace[i] for i, (ids, _) in enumerate(self.touched)
+        ]
         outputs = self.graph.evaluate(self.output_bytes, bindings)
         return EvaluatedTimeline(
             bindings=dict(bindings),
-            names=[s.name for s in self.steps],
+            names=[v.name for v in self.step_vars],
             live_during=live_during,
             live_after=live_after,
             peak=peak,
@@ -278,7 +305,7 @@ class SampledTimeline:
             sampled = graph.sample(expr)
             return None if sampled is None else tuple(sampled[k] for k in columns)
 
-        width, n = len(columns), len(timeline.steps)
+        width, n = len(columns), len(timeline.step_vars)
         zero = (0,) * width
         delta_alloc = [zero] * n
         delta_free = [zero] * n
@@ -291,11 +318,11 @@ class SampledTimeline:
                 delta_free[allocation.end] = _add(delta_free[allocation.end], size)
         live_during: list[tuple[int, ...]] = []
         live = zero
-        for i, step in enumerate(timeline.steps):
+        for i, step_workspace in enumerate(timeline.workspaces):
             live = _add(live, delta_alloc[i])
             during = live
-            if not _is_zero(step.workspace):
-                workspace = values(step.workspace)
+            if not _is_zero(step_workspace):
+                workspace = values(step_workspace)
                 if workspace is None:
                     return None
                 during = _add(live, workspace)
@@ -679,28 +706,6 @@ def memory_timeline(
             for var in death.get(i, ()):
                 release(var, i)
 
-    steps: list[TimelineStep] = []
-    live = SymbolicExpr.constant(0)
-    for i, binding in enumerate(info.bindings):
-        allocated = total([sizes[a] for a in allocated_at[i]])
-        freed = total([sizes[a] for a in freed_at[i]])
-        # Most bindings allocate and free nothing: skip sympy's arithmetic for them.
-        if allocated_at[i]:
-            live = plus(live, allocated)
-        during = plus(live, workspace_at[i]) if not _is_zero(workspace_at[i]) else live
-        if freed_at[i]:
-            live = minus(live, freed)
-        steps.append(
-            TimelineStep(
-                index=i,
-                var=binding.var,
-                allocated=allocated,
-                freed=freed,
-                live_during=during,
-                live_after=live,
-                workspace=workspace_at[i],
-            )
-        )
     allocations = [
         Allocation(id=k, var=owners[k], nbytes=sizes[k], start=starts[k], end=ends[k])
         for k in range(len(sizes))
@@ -712,12 +717,47 @@ def memory_timeline(
     return MemoryTimeline(
         graph=graph,
         stage=stage,
-        steps=steps,
         allocations=allocations,
         persistent=persistent,
         output_bytes=_sum(sizes[a] for a in sorted(output_ids)),
         touched=touched_at,
+        step_vars=[binding.var for binding in info.bindings],
+        workspaces=workspace_at,
+        arithmetic=(plus, minus, total),
+        allocated_at=allocated_at,
+        freed_at=freed_at,
     )
+
+
+def _steps(timeline: MemoryTimeline) -> list[TimelineStep]:
+    """The running sums of :attr:`MemoryTimeline.steps`."""
+    plus, minus, total = timeline.arithmetic
+    total = total or _sum
+    sizes = [a.nbytes for a in timeline.allocations]
+    steps: list[TimelineStep] = []
+    live = SymbolicExpr.constant(0)
+    for i, (var, workspace) in enumerate(zip(timeline.step_vars, timeline.workspaces)):
+        made, dropped = timeline.allocated_at[i], timeline.freed_at[i]
+        allocated = total([sizes[a] for a in made])
+        freed = total([sizes[a] for a in dropped])
+        # Most bindings allocate and free nothing: skip sympy's arithmetic for them.
+        if made:
+            live = plus(live, allocated)
+        during = plus(live, workspace) if not _is_zero(workspace) else live
+        if dropped:
+            live = minus(live, freed)
+        steps.append(
+            TimelineStep(
+                index=i,
+                var=var,
+                allocated=allocated,
+                freed=freed,
+                live_during=during,
+                live_after=live,
+                workspace=workspace,
+            )
+        )
+    return steps
 
 
 def _sum(exprs) -> SymbolicExpr:

@@ -450,6 +450,22 @@ def _describe(func: tirx.PrimFunc, name: str, target: tvm.target.Target) -> Kern
 # (structural hash, target) -> description, named after the first kernel it was built for.
 _CACHE: dict[tuple[int, str], KernelWorkspace] = {}
 _CACHE_LIMIT = 4096
+# The structural hash of each PrimFunc object met, by its handle: the passes ask about the same
+# kernel object once per call of it, and hashing a kernel's whole body costs more than the
+# lookup. Each entry holds its PrimFunc, so no other object can take the handle meanwhile.
+_HASHES: dict[int, tuple[tirx.PrimFunc, int]] = {}
+
+
+def _structural_hash(func: tirx.PrimFunc) -> int:
+    handle = hash(func)  # the object's address: equal for every wrapper of one node
+    entry = _HASHES.get(handle)
+    if entry is not None and entry[0].same_as(func):
+        return entry[1]
+    if len(_HASHES) >= _CACHE_LIMIT:
+        _HASHES.clear()
+    value = tvm_ffi.structural_hash(func)
+    _HASHES[handle] = (func, value)
+    return value
 
 
 def kernel_workspace(
@@ -472,7 +488,7 @@ def kernel_workspace(
     KernelWorkspace
     """
     tgt = _resolve_target(func, target)
-    key = (tvm_ffi.structural_hash(func), str(tgt))
+    key = (_structural_hash(func), str(tgt))
     found = _CACHE.get(key)
     if found is None:
         with warnings.catch_warnings():

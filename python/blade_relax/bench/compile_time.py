@@ -21,9 +21,11 @@ Each lowering runs in its own process, forked from the one that imported the mod
 pipeline's caches and garbage never reach the other's figures, and the import (tens of seconds
 for a 22-layer model) is paid once per layer count. (``tvm.ir.save_json`` cannot hand the
 module to a fresh process: it crashes on these modules in TVM 0.27.)
-The weights are left undrawn (``weights="empty"``): lowering never reads them. The compile time
-depends on the graph's structure, not on its widths, so ``--size`` (default ``1b``, the
-1.1B Llama) and the width flags change little but the sizes inside the symbolic expressions.
+The weights are left undrawn (``weights="empty"``): lowering never reads them. ``--size``
+(default ``1b``, the 1.1B Llama) sets the widths. They change the time too, not only the
+sizes inside the symbolic expressions: the passes compare byte counts, and at other widths
+other comparisons decide, other candidates survive the screens and other range copies are
+scheduled.
 
 ``--json PATH`` writes every row.
 """

@@ -457,7 +457,7 @@ class _Screen:
 
     def __init__(self, timeline: MemoryTimeline, sampled: SampledTimeline) -> None:
         self.sampled = sampled
-        self.step_of = {step.var: step.index for step in timeline.steps}
+        self.step_of = {var: index for index, var in enumerate(timeline.step_vars)}
         # Each binding allocates at most once: its allocation, by the binding's variable.
         self.allocation_of = {a.var: a for a in timeline.allocations}
 
