@@ -268,6 +268,30 @@ def test_memo_gives_the_same_timeline(name):
         memory_timeline(func, mod=BUILTIN_MODELS[name](), memo=memo)
 
 
+@pytest.mark.parametrize("name", sorted(BUILTIN_MODELS))
+def test_evaluation_needs_no_symbolic_sums_and_equals_them(name):
+    """``evaluate`` and ``SampledTimeline`` read the allocations only: the steps' symbolic
+    running sums are not built for them. Built afterwards, every step's ``live_during`` and
+    ``live_after`` and every working set evaluate to the figures ``evaluate`` gave."""
+    from blade_relax.analysis import SampledTimeline
+
+    lowered = lower_to_memory_stage(BUILTIN_MODELS[name]())
+    timeline = memory_timeline(lowered["main"], mod=lowered)
+    graph = timeline.graph
+    points = graph.representative_points()[:3]
+    evaluated = [timeline.evaluate(point) for point in points]
+    sampled = SampledTimeline.of(timeline)
+    assert timeline._steps is None
+    assert sampled is not None and len(sampled.live_during) == len(timeline.steps)
+    for point, at in zip(points, evaluated):
+        assert [graph.evaluate(s.live_during, point) for s in timeline.steps] == at.live_during
+        assert [graph.evaluate(s.live_after, point) for s in timeline.steps] == at.live_after
+        working = max(graph.evaluate(w, point) for w in timeline.working_sets)
+        outputs = graph.evaluate(timeline.output_bytes, point)
+        assert at.lower_bound == at.persistent + max(working, outputs)
+        assert at.names == [s.name for s in timeline.steps]
+
+
 def test_symbolic_max_keeps_exactly_the_undominated_candidates():
     """The sample screen only skips comparisons that cannot succeed: the Max keeps s*s and
     4096 - s*... (each the largest somewhere) and drops what one of them covers."""
