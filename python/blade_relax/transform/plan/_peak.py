@@ -364,13 +364,17 @@ class LiveModel:
 
     # ------------------------------------------------------------------ internals
     def _accumulate(self, points: PointSet) -> np.ndarray:
-        live = np.zeros((len(self.moments), points.size), dtype=np.int64)
+        # Each interval adds its size to a run of moments: differences at the run's ends, then
+        # one cumulative sum (adding to every moment of every run is quadratic in the program).
+        change = np.zeros((len(self.moments) + 1, points.size), dtype=np.int64)
         for iv in self.base:
             a = int(np.searchsorted(self.moments, iv.start, side="left"))
             b = int(np.searchsorted(self.moments, iv.end, side="right"))
             if a < b:
-                live[a:b] += points.eval(iv.size)
-        return live
+                size = points.eval(iv.size)
+                change[a] += size
+                change[b] -= size
+        return np.cumsum(change[:-1], axis=0)
 
     def _slices(self, regions: Sequence[Region]) -> list[tuple[int, int]]:
         out = []
