@@ -975,3 +975,45 @@ def test_pool_orders_are_compared_again_after_recomputation(monkeypatch):
     options = ScheduleOptions(planner="plan", recompute_after=True)
     lower_to_memory_stage(mod, "llvm", schedule_options=options, **flags)
     assert seen["predicted"] == peaks[8]
+
+
+def test_a_function_listed_twice_is_recomputed_once(monkeypatch):
+    """After recomputation each candidate function is recomputed and read once, whatever the
+    names it is listed under (a range copy that kept the input order is the input itself);
+    adding a name for a function already listed changes no choice."""
+    from blade_relax.bench import ModelSizes, build_workload
+
+    sizes = ModelSizes(layers=2, hidden=64, intermediate=256, vocab=128, max_seq_len=1024)
+    mod = build_workload("mlp-train", sizes).graph.mod
+    flags = {**DEFAULT_VARIANT.flags, "remat": False}
+    calls = []
+    original = memory_aware_schedule._after_recompute
+
+    def spy(*args):
+        calls.append(args)
+        return original(*args)
+
+    monkeypatch.setattr(memory_aware_schedule, "_after_recompute", spy)
+    options = ScheduleOptions(planner="plan", recompute_after=True)
+    lower_to_memory_stage(mod, "llvm", schedule_options=options, **flags)
+    assert calls
+    mod_, gv, func, candidates, graph, options_, block = calls[0]
+    distinct = {id(f): f for _, f in candidates}
+    assert len(distinct) > 1
+
+    scored = []
+    recomputed_peaks = memory_aware_schedule._recomputed_peaks
+
+    def counted(mod__, gv_, f, *rest):
+        scored.append(f)
+        return recomputed_peaks(mod__, gv_, f, *rest)
+
+    monkeypatch.setattr(memory_aware_schedule, "_recomputed_peaks", counted)
+    once = original(mod_, gv, func, candidates, graph, options_, block)
+    scored.clear()
+    again = [*candidates, ("again", candidates[0][1])]
+    twice = original(mod_, gv, func, again, graph, options_, block)
+    assert all(not scored[i].same_as(scored[j]) for i in range(len(scored)) for j in range(i))
+    assert len(scored) == len(distinct)
+    assert [(str(r), name) for r, name, _ in twice] == [(str(r), name) for r, name, _ in once]
+    assert all(a.same_as(b) for (_, _, a), (_, _, b) in zip(twice, once))

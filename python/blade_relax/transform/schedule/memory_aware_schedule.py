@@ -962,10 +962,16 @@ def _after_recompute(
     points = acceptance_points(graph)
     if found is not None:
         points = sorted(points, key=lambda p: p[found[0].name])
-    scorers = {
-        name: _recomputed_peaks(mod, gv, f, options.planner, options.model_inplace)
-        for name, f in candidates
-    }
+    # A candidate may be the same function under two names (a range copy that kept the input
+    # order is the input): each function is recomputed and read once.
+    scored: list[tuple[relax.Function, Callable[[list[dict[str, int]]], list[int]]]] = []
+    scorers = {}
+    for name, f in candidates:
+        scorer = next((known for g, known in scored if g.same_as(f)), None)
+        if scorer is None:
+            scorer = _recomputed_peaks(mod, gv, f, options.planner, options.model_inplace)
+            scored.append((f, scorer))
+        scorers[name] = scorer
     functions = dict(candidates)
     try:
         peaks = {name: np.asarray(scorer(points)) for name, scorer in scorers.items()}
