@@ -152,14 +152,8 @@ class MemoryTimeline:
     #: Per binding (in order): its variable, and the workspace its kernel holds while it runs.
     step_vars: list[relax.Var] = field(default_factory=list, repr=False)
     workspaces: list[SymbolicExpr] = field(default_factory=list, repr=False)
-    #: ``(plus, minus, total)``: the symbolic arithmetic the steps' sums are built with (a
-    #: :class:`TimelineMemo`'s, shared with other timelines, or plain).
-    arithmetic: tuple[Any, Any, Any] = field(
-        default=(operator.add, operator.sub, None), repr=False, compare=False
-    )
-    #: Per binding, the allocations made and freed there (ids, in the order of the simulation).
-    allocated_at: list[list[int]] = field(default_factory=list, repr=False)
-    freed_at: list[list[int]] = field(default_factory=list, repr=False)
+    #: The memo whose running sums the steps share with other timelines (None: plain sums).
+    memo: TimelineMemo | None = field(default=None, repr=False, compare=False)
     _steps: list[TimelineStep] | None = field(default=None, repr=False)
     _peak: SymbolicExpr | None = field(default=None, repr=False)
     _working_sets: list[SymbolicExpr] | None = field(default=None, repr=False)
@@ -582,14 +576,12 @@ def memory_timeline(
         ):
             raise ValueError("memory_timeline: pass the graph and module through the memo only")
         graph, mod = memo.graph, memo.mod
-        effect_of, plus, minus, total = memo.effect_of, memo.plus, memo.minus, memo.total
+        effect_of = memo.effect_of
     else:
         graph = graph if graph is not None else ShapeGraph.from_function(func)
 
         def effect_of(binding: Any) -> ValueEffect:
             return binding_effect(binding, graph, mod, workspaces, target)
-
-        plus, minus, total = operator.add, operator.sub, _sum
 
     info = liveness(func, uses_memo=None if memo is None else memo.uses)
     if memo is None:
@@ -610,8 +602,6 @@ def memory_timeline(
     owners: list[relax.Var] = []
     starts: list[int] = []
     ends: list[int | None] = []
-    allocated_at: list[list[int]] = [[] for _ in range(n)]
-    freed_at: list[list[int]] = [[] for _ in range(n)]
     touched_at: list[tuple[tuple[int, ...], SymbolicExpr]] = []
 
     # When a variable's register is dropped, in the liveness-based stages.
@@ -634,7 +624,6 @@ def memory_timeline(
             owners_of.discard(holder)
             if not owners_of and ends[alloc_id] is None:
                 ends[alloc_id] = position
-                freed_at[position].append(alloc_id)
 
     def release(var: relax.Var, position: int) -> None:
         let_go(var, refs.get(var, frozenset()), position)
@@ -686,7 +675,6 @@ def memory_timeline(
             starts.append(i)
             ends.append(None)
             holders[alloc_id] = set()
-            allocated_at[i].append(alloc_id)
             own.add(alloc_id)
         refs[binding.var] = frozenset(own)
         for alloc_id in own:
@@ -723,28 +711,34 @@ def memory_timeline(
         touched=touched_at,
         step_vars=[binding.var for binding in info.bindings],
         workspaces=workspace_at,
-        arithmetic=(plus, minus, total),
-        allocated_at=allocated_at,
-        freed_at=freed_at,
+        memo=memo,
     )
 
 
 def _steps(timeline: MemoryTimeline) -> list[TimelineStep]:
     """The running sums of :attr:`MemoryTimeline.steps`."""
-    plus, minus, total = timeline.arithmetic
-    total = total or _sum
-    sizes = [a.nbytes for a in timeline.allocations]
+    memo = timeline.memo
+    if memo is None:
+        plus, minus, total = operator.add, operator.sub, _sum
+    else:
+        plus, minus, total = memo.plus, memo.minus, memo.total
+    # The sizes made and freed at each step (a sum does not depend on the order of its terms).
+    made: list[list[SymbolicExpr]] = [[] for _ in timeline.step_vars]
+    dropped: list[list[SymbolicExpr]] = [[] for _ in timeline.step_vars]
+    for allocation in timeline.allocations:
+        made[allocation.start].append(allocation.nbytes)
+        if allocation.end is not None:
+            dropped[allocation.end].append(allocation.nbytes)
     steps: list[TimelineStep] = []
     live = SymbolicExpr.constant(0)
     for i, (var, workspace) in enumerate(zip(timeline.step_vars, timeline.workspaces)):
-        made, dropped = timeline.allocated_at[i], timeline.freed_at[i]
-        allocated = total([sizes[a] for a in made])
-        freed = total([sizes[a] for a in dropped])
+        allocated = total(made[i])
+        freed = total(dropped[i])
         # Most bindings allocate and free nothing: skip sympy's arithmetic for them.
-        if made:
+        if made[i]:
             live = plus(live, allocated)
         during = plus(live, workspace) if not _is_zero(workspace) else live
-        if dropped:
+        if dropped[i]:
             live = minus(live, freed)
         steps.append(
             TimelineStep(
