@@ -160,9 +160,11 @@ def test_timeline_and_moves_equal_the_plain_computation():
                 pos, free_step, during, values = _reference_timeline(block, order)
                 assert (tl.pos == pos).all() and (tl.free_step == free_step).all()
                 assert (tl.during.astype(object) == during).all()
-                assert (tl.values.astype(object) == values).all()
+                assert (tl.by_point.T.astype(object) == values).all()
+                assert tl.by_point.flags.c_contiguous
+                assert (tl.peaks.astype(object) == values.max(axis=0)).all()
                 assert tl.positions() == pos.tolist()
-                k = int(np.argmax(tl.values[:, 0]))
+                k = int(np.argmax(tl.by_point[0]))
                 sizes = _search._size_values(block)
                 for nbytes, group, _ in _search.peak_moves(block, tl, k, 0, 8):
                     assert nbytes in sizes[:, 0].tolist()

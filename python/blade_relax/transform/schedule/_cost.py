@@ -295,6 +295,19 @@ class ByteSpace:
                 return (vecs.astype(np.float64) @ self._acceptance_float).astype(np.int64)
         return vecs @ self._acceptance_values
 
+    def by_acceptance_point(self, rows: np.ndarray) -> np.ndarray:
+        """Values of rows (``n x M``) at the acceptance points, one row per point (``P x n``,
+        contiguous): :func:`at_acceptance_points` transposed, the layout in which the searches
+        read one point's values over every step (a maximum along the steps of the ``n x P``
+        layout strides through memory, and costs several times more)."""
+        if self._acceptance_float is not None and rows.dtype == np.int64 and rows.size:
+            largest = max(-int(rows.min()), int(rows.max()))
+            if largest * self._acceptance_reach < _FLOAT_EXACT:
+                # Exact as in at_acceptance_points: the order of the sums does not matter.
+                product = self._acceptance_float.T @ rows.T.astype(np.float64)
+                return product.astype(np.int64)
+        return self._acceptance_values.T @ rows.T  # a new, C-contiguous array
+
     def at_points(self, vecs: np.ndarray, points: Sequence[Mapping[str, int]]) -> np.ndarray:
         """Values of one vector (``M``) or of rows (``n x M``) at other points (free dims).
 

@@ -594,7 +594,7 @@ class Timeline:
     pos: np.ndarray  # position of each binding
     free_step: np.ndarray  # position after which each buffer is freed (-1: never)
     during: np.ndarray  # n x M: live bytes while each step runs
-    values: np.ndarray  # n x P: ``during`` at the acceptance points
+    by_point: np.ndarray  # P x n: ``during`` at each acceptance point
     peaks: np.ndarray  # P
     groups: dict = field(default_factory=dict)  # move groups computed for this order
     _positions: list[int] | None = field(default=None, repr=False)
@@ -713,14 +713,14 @@ def timeline(block: Block, order: Sequence[int], planner: str | None = None) -> 
     during = _rows(block, starts, start_sizes, ends, end_sizes)
     if block.workspace is not None:
         during = during + block.workspace[order_arr]
-    values = block.space.at_acceptance_points(during)
+    by_point = block.space.by_acceptance_point(during)
     return Timeline(
         order=list(order),
         pos=pos,
         free_step=free_step,
         during=during,
-        values=values,
-        peaks=values.max(axis=0),
+        by_point=by_point,
+        peaks=by_point.max(axis=1),
     )
 
 

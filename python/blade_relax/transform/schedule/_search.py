@@ -285,7 +285,7 @@ def refine(
     while spent < evaluations:
         improved = False
         for p in points:
-            column = tl.values[:, p]
+            column = tl.by_point[p]
             peak = column.max()
             at_peak = int((column == peak).sum())
             k = int(np.argmax(column))
@@ -298,7 +298,7 @@ def refine(
                 if (cand.peaks > tl.peaks).any():
                     continue
                 new_peak = cand.peaks[p]
-                new_count = int((cand.values[:, p] == new_peak).sum())
+                new_count = int((cand.by_point[p] == new_peak).sum())
                 if new_peak < peak or (new_peak == peak and new_count < at_peak):
                     key = (new_peak, new_count)
                     if best is None or key < best[0]:
@@ -444,7 +444,7 @@ def _key(
     at_peak = 0
     for j in np.nonzero(r >= worst - 1e-12)[0]:
         p = int(points[j])
-        at_peak += int((tl.values[:, p] == tl.peaks[p]).sum())
+        at_peak += int((tl.by_point[p] == tl.peaks[p]).sum())
     return (round(excess, 9), round(float(worst), 9), at_peak, float(r.sum()))
 
 
@@ -486,7 +486,7 @@ def balance(
         best = None
         for j in np.argsort(-pressure, kind="stable"):
             p = int(points[j])
-            k = int(np.argmax(tl.values[:, p]))
+            k = int(np.argmax(tl.by_point[p]))
             for _, group, dst in peak_moves(block, tl, k, p, moves_per_step):
                 if spent >= evaluations:
                     break
