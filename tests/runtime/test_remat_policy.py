@@ -694,6 +694,28 @@ def test_evaluation_agrees_with_the_plain_model(tl, data):
         assert _gains(tl, ev, budget).tolist() == _plain_gains(tl, ev, budget)
 
 
+@settings(max_examples=60, deadline=None)
+@given(chained_timelines(), st.data())
+def test_a_batch_of_evaluations_agrees_with_the_plain_model(tl, data):
+    """A search step evaluates its trials together (one array for all their live bytes), and
+    a timeline with slots kept reuses the evaluations of sets that evict none of them: every
+    number is still the plain model's, in every regime, repeats and empty sets included."""
+    indices = st.sampled_from(range(len(tl.slots)))
+    regimes = st.one_of(st.booleans(), st.frozensets(indices))
+    items = data.draw(st.lists(st.tuples(st.frozensets(indices), regimes), max_size=8))
+    items += items[:2]
+    for (evicted, cache), ev in zip(items, policy._evaluate_many(tl, items)):
+        peak, cost, live, events = _plain_evaluate(tl, evicted, cache)
+        assert (ev.peak, ev.cost, ev.live.tolist(), ev.events) == (peak, cost, live, events)
+    keep = data.draw(st.frozensets(indices, min_size=1))
+    kept = policy._kept(tl, keep)
+    for evicted, cache in items:
+        ev = policy._evaluate_many(kept, [(evicted, cache)])[0]
+        peak, cost, live, events = _plain_evaluate(kept, evicted, cache)
+        assert (ev.peak, ev.cost, ev.live.tolist(), ev.events) == (peak, cost, live, events)
+        assert predict_peak(kept, evicted, cache) == peak
+
+
 @settings(max_examples=150, deadline=None)
 @given(chained_timelines(), st.floats(0.2, 1.1))
 def test_a_peak_no_eviction_lowers_ends_the_search_as_the_searches_would(tl, fraction):
@@ -722,7 +744,7 @@ def test_a_pickled_timeline_carries_its_value_only():
     tl = _random_timeline(3)
     decision = decide(tl, int(0.6 * tl.base_peak))
     back = pickle.loads(pickle.dumps(tl))
-    assert back._sequences == {} and back._unevictable is None
+    assert back._unevictable is None and back._window_mask is None and back._peak_fixed is None
     assert back.base.tolist() == tl.base.tolist() and back.slots == tl.slots
     assert decide(back, int(0.6 * tl.base_peak)) == decision
 

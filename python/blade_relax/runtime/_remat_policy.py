@@ -157,21 +157,31 @@ class ConcreteTimeline:
         object.__setattr__(self, "_site", np.array([x.site for x in slots], dtype=np.int64))
         object.__setattr__(self, "_plan_slots", [frozenset(x for x, _ in s.plan) for s in slots])
         object.__setattr__(self, "_refs", [dict(s.plan) for s in slots])
-        object.__setattr__(self, "_sequences", {})
+        # Each plan in order, and backwards with what each entry reads as a bit mask.
+        object.__setattr__(self, "_plan_order", [tuple(x for x, _ in s.plan) for s in slots])
+        object.__setattr__(
+            self,
+            "_plan_reads",
+            [
+                tuple((x, sum(1 << t for t in set(refs))) for x, refs in reversed(s.plan))
+                for s in slots
+            ],
+        )
         object.__setattr__(self, "_runs", {})
-        object.__setattr__(self, "_runs_by_mask", {})
-        object.__setattr__(self, "_bits", [1 << k for k in range(len(slots))])
+        object.__setattr__(self, "_runs_by_sequence", {})
         object.__setattr__(
             self, "_plan_masks", [sum(1 << x for x in plan) for plan in self._plan_slots]
         )
         object.__setattr__(self, "_evaluations", {})
+        # Slots kept by _kept, and the evaluations of the sets that evict one of them.
+        object.__setattr__(self, "_kept_set", frozenset())
+        object.__setattr__(self, "_kept_evaluations", self._evaluations)
         # Each slot's place in the order its regenerate call runs (site, then index).
         order = sorted(range(len(slots)), key=lambda k: (slots[k].site, k))
         rank = [0] * len(slots)
         for place, k in enumerate(order):
             rank[k] = place
         object.__setattr__(self, "_rank", rank)
-        object.__setattr__(self, "_site_list", [x.site for x in slots])
         object.__setattr__(self, "_sizes_nonnegative", bool((self._nbytes >= 0).all()))
         object.__setattr__(self, "_peak_fixed", None)
         object.__setattr__(self, "_window_mask", None)
@@ -250,27 +260,34 @@ class ConcreteTimeline:
         fewest = self.base - covering.sum(axis=0)
         position = {k: i for i, k in enumerate(effective)}
         unique = np.bincount(self._site, minlength=npoints)
-
-        def lowest_event(k: int, site: int) -> int:
-            # Every window covering the site is missing, except those of the slots the
-            # recomputation reads (live, or materialized before it).
-            reads = [position[r] for r in self._refs[k][k] if r in position]
-            return int(fewest[site] + covering[reads, site].sum() + self._regen[k])
+        # The fewest bytes live when slot k is materialized at a site: every window covering
+        # the site is missing, except those of the slots the recomputation reads (live, or
+        # materialized before it). One row per effective slot, one column per point.
+        reads = np.zeros((len(effective), len(effective)), dtype=np.int64)
+        for i, k in enumerate(effective):
+            for r in self._refs[k][k]:
+                if r in position:
+                    reads[i, position[r]] += 1
+        lowest = (fewest + reads @ covering + self._regen[effective, None]).tolist()
+        sites = self._site.tolist()
 
         # Options (rise, slot, end): evicting the slot and materializing it at a site ``end``
         # (its own, or that of a slot whose plan names it) removes its bytes on
         # ``[start, end)`` and peaks at no less than ``rise`` there.
         options = []
         for k in effective:
-            options.append((lowest_event(k, int(self._site[k])), k, int(self._site[k])))
+            site = sites[k]
+            options.append((lowest[position[k]][site], k, site))
             for x in self._plan_slots[k]:
-                if x != k and x in position and self._site[k] < self._site[x]:
-                    options.append((lowest_event(x, int(self._site[k])), x, int(self._site[k])))
+                if x != k and x in position and site < sites[x]:
+                    options.append((lowest[position[x]][site], x, site))
         options.sort()
         left = self.base.copy()
         reach = {k: int(self._start[k]) for k in effective}
         best = (int(left.max()), int(np.argmax(left)))
         for n, (rise, k, end) in enumerate(options):
+            if rise >= best[0]:
+                break  # the options left rise at least as high: none lowers the bound
             if end > reach[k]:
                 left[reach[k] : end] -= self._nbytes[k]
                 reach[k] = end
@@ -331,8 +348,8 @@ class _Evaluation:
     peak: int
     cost: float
     live: np.ndarray
-    # (site, live bytes there, run) of every regenerate call, in program order.
-    runs: list[tuple[int, int, _Run]] = field(default_factory=list)
+    # Every regenerate call, in program order (the live bytes at its site are ``live[site]``).
+    calls: list[_Run] = field(default_factory=list)
 
     @functools.cached_property
     def events(self) -> list[tuple[int, int, int]]:
@@ -340,77 +357,60 @@ class _Evaluation:
 
         Built on first use: most evaluations of a search are only compared by peak and cost.
         """
+        held = self.live[[run.site for run in self.calls]].tolist()
         return [
-            (site, held + offset, x)
-            for site, held, run in self.runs
+            (run.site, at + offset, x)
+            for run, at in zip(self.calls, held)
             for offset, x in zip(run.offsets, run.sequence)
         ]
-
-
-def _needed(tl: ConcreteTimeline, k: int, pending: frozenset[int]) -> tuple[int, ...]:
-    """What the ``regenerate`` call of ``k`` materializes, dependencies first.
-
-    ``pending`` are the slots of ``k``'s plan that are evicted and not available (materialized
-    and kept) at that point.
-    """
-    key = (k, pending)
-    found = tl._sequences.get(key)
-    if found is not None:
-        return found
-    needed = {k}
-    for x, refs in reversed(tl.slots[k].plan):
-        if x in needed:
-            needed.update(t for t in refs if t in pending)
-    sequence = tuple(x for x, _ in tl.slots[k].plan if x in needed)
-    tl._sequences[key] = sequence
-    return sequence
-
-
-def _keeper(cache: Regime):
-    if isinstance(cache, bool):
-        return lambda _x: cache
-    return cache.__contains__
 
 
 class _Run(NamedTuple):
     """One ``regenerate`` call, apart from the live bytes at its site (which the other
     evictions set): what :func:`_evaluate` needs of it, computed once per search."""
 
+    # The slot whose call it is, and the call's point.
+    slot: int
+    site: int
     # The materializations, in order.
     sequence: tuple[int, ...]
     # Their recompute cost, summed in that order.
     cost: float
-    # The slots whose windows close at the call: the slot, and its kept chained inputs.
+    # The slots whose windows close at the call: the slot, and its kept chained inputs; as a
+    # bit mask, and the call's point once per slot (the ends of their windows).
     closes: tuple[int, ...]
+    closes_mask: int
+    ends: tuple[int, ...]
     # Each materialization's peak above the live bytes at the site.
     offsets: tuple[int, ...]
     top: int
 
 
-def _run(tl: ConcreteTimeline, k: int, pending: frozenset[int], cache: Regime) -> _Run:
-    """The ``regenerate`` call of ``k`` with ``pending`` not available (see :func:`_needed`).
+def _run(tl: ConcreteTimeline, k: int, pending: int, keep: int) -> _Run:
+    """The ``regenerate`` call of ``k`` when the slots of the mask ``pending`` (of ``k``'s
+    plan: evicted, and not materialized and kept before) are not available.
 
-    ``cache`` need only say which slots of ``pending`` are kept: the sequence lies in it.
+    ``keep`` is the mask of the slots kept once materialized (``-1``: all of them). What the
+    call materializes is ``k`` and, dependencies first, the pending slots its recomputation
+    reads, directly or through one another.
     """
-    key = (k, pending, cache)
-    found = tl._runs.get(key)
+    needed = 1 << k
+    for x, refs in tl._plan_reads[k]:
+        if needed >> x & 1:
+            needed |= refs & pending
+    # Many pending sets lead to the same materializations (a search's sets differ in slots
+    # the recomputation does not read): the call is the same when they and what it keeps are.
+    key = (k, needed, needed & keep & ~(1 << k))
+    found = tl._runs_by_sequence.get(key)
     if found is not None:
         return found
     slots = tl.slots
-    sequence = _needed(tl, k, pending)
-    # Many pending sets lead to the same sequence (a search's sets differ in slots the plan
-    # does not read): the call is the same when the sequence and what it keeps are.
-    same = (sequence, cache if isinstance(cache, bool) else cache.intersection(sequence))
-    found = tl._runs.get(same)
-    if found is not None:
-        tl._runs[key] = found
-        return found
-    kept = _keeper(cache)
+    sequence = tuple(x for x in tl._plan_order[k] if needed >> x & 1)
     # A temporary (a chained input not kept) lives until its last reader in the run.
     last_reader: dict[int, int] = {}
-    members = {x for x in sequence[:-1] if not kept(x)}
+    members = {x for x in sequence[:-1] if not keep >> x & 1}
     if members:
-        refs = tl._refs[sequence[-1]]
+        refs = tl._refs[k]
         for i, x in enumerate(sequence):
             for t in refs[x]:
                 if t in members:
@@ -423,16 +423,89 @@ def _run(tl: ConcreteTimeline, k: int, pending: frozenset[int], cache: Regime) -
         for t, reader in last_reader.items():
             if reader == i:
                 held -= slots[t].nbytes
+    closes = tuple(x for x in sequence if x == k or keep >> x & 1)
+    site = slots[k].site
     run = _Run(
+        slot=k,
+        site=site,
         sequence=sequence,
         cost=sum(slots[x].cost for x in sequence),
-        closes=tuple(x for x in sequence if x == k or kept(x)),
+        closes=closes,
+        closes_mask=sum(1 << x for x in closes),
+        ends=(site,) * len(closes),
         offsets=tuple(offsets),
         top=max(offsets),
     )
-    tl._runs[key] = run
-    tl._runs[same] = run
+    tl._runs_by_sequence[key] = run
     return run
+
+
+def _keep_mask(cache: Regime) -> int:
+    """The bit mask of the slots a regime keeps once materialized (``-1``: every slot)."""
+    if isinstance(cache, bool):
+        return -1 if cache else 0
+    mask = 0
+    for k in cache:
+        mask |= 1 << k
+    return mask
+
+
+class _Walk(NamedTuple):
+    """The regenerate calls of one evicted set, in program order, and what they add up to."""
+
+    cost: float
+    calls: list[_Run]
+    # Each closed window: its slot and its end (where the slot is materialized).
+    index: list[int]
+    ends: list[int]
+
+
+def _walk(tl: ConcreteTimeline, chosen: frozenset[int], keep: int) -> _Walk:
+    """Which regenerate calls run when ``chosen`` are evicted, and what each materializes.
+
+    The walk runs once per evaluation, thousands of times per search: sets of slots are bit
+    masks (Python integers) here, and each call is looked up by ``(slot, pending mask, kept
+    part of it)``.
+    """
+    plan_masks = tl._plan_masks
+    known = tl._runs
+    chosen_mask = 0
+    for k in chosen:
+        chosen_mask |= 1 << k
+    done = 0
+    index: list[int] = []
+    ends: list[int] = []
+    calls: list[_Run] = []
+    cost = 0.0
+    for k in sorted(chosen, key=tl._rank.__getitem__):
+        if done >> k & 1:
+            continue
+        # Kept materializations are in the stash; a plan never names a slot whose own
+        # regenerate call came earlier. (A plan of the slot alone leaves it pending: it is
+        # evicted and not materialized.)
+        pending = plan_masks[k] & chosen_mask & ~done
+        key = (k, pending, pending & keep)
+        run = known.get(key)
+        if run is None:
+            run = known[key] = _run(tl, k, pending, keep)
+        done |= run.closes_mask
+        index += run.closes
+        ends += run.ends
+        cost += run.cost
+        calls.append(run)
+    return _Walk(cost, calls, index, ends)
+
+
+def _store(tl: ConcreteTimeline, chosen: frozenset[int]) -> dict:
+    """Where the evaluations of ``chosen`` are remembered.
+
+    A timeline with slots kept (:func:`_kept`) evaluates a set without them exactly as the
+    timeline it was made from (only the kept slots' windows differ): such sets share the
+    evaluations of that timeline.
+    """
+    if tl._kept_set.isdisjoint(chosen):
+        return tl._evaluations
+    return tl._kept_evaluations
 
 
 def _evaluate(tl: ConcreteTimeline, evicted: Iterable[int], cache: Regime = True) -> _Evaluation:
@@ -443,81 +516,97 @@ def _evaluate(tl: ConcreteTimeline, evicted: Iterable[int], cache: Regime = True
     # The searches meet the same sets again (a greedy's prefixes, a pruning's trials, the
     # rounds of a local search): a search remembers what it evaluated (see _forgets_runs).
     key = (chosen, cache)
-    found = tl._evaluations.get(key)
+    store = _store(tl, chosen)
+    found = store.get(key)
     if found is None:
-        found = tl._evaluations[key] = _evaluate_once(tl, chosen, cache)
+        found = store[key] = _evaluate_once(tl, chosen, cache)
     return found
 
 
 def _evaluate_once(tl: ConcreteTimeline, chosen: frozenset[int], cache: Regime) -> _Evaluation:
-    """:func:`_evaluate` of a set that evicts something.
-
-    The walk over the regenerate calls runs once per evaluation, thousands of times per
-    search: sets of slots are bit masks (Python integers) there, and each call's outcome is
-    looked up by ``(slot, pending mask, regime key)``.
-    """
+    """:func:`_evaluate` of a set that evicts something."""
+    walk = _walk(tl, chosen, _keep_mask(cache))
     base = tl.base
     npoints = len(base)
-    bits = tl._bits
-    plan_masks = tl._plan_masks
-    sites = tl._site_list
-    known = tl._runs_by_mask
-    chosen_mask = 0
-    for k in chosen:
-        chosen_mask |= bits[k]
-    mixed = not isinstance(cache, bool)
-    cache_mask = 0
-    if mixed:
-        for k in cache:
-            cache_mask |= bits[k]
-    # Regime keys of the pure regimes cannot be masks (which are never negative).
-    pure_key = -1 if cache is True else -2
-    # Each evicted slot's window ends where it is materialized; what each regenerate call runs.
-    done = 0
-    index: list[int] = []
-    ends: list[int] = []
-    runs: list[tuple[int, _Run]] = []
-    cost = 0.0
-    for k in sorted(chosen, key=tl._rank.__getitem__):
-        if done & bits[k]:
-            continue
-        # Kept materializations are in the stash; a plan never names a slot whose own
-        # regenerate call came earlier. (A plan of the slot alone leaves it pending: it is
-        # evicted and not materialized.)
-        pending = plan_masks[k] & chosen_mask & ~done
-        key = (k, pending, pending & cache_mask if mixed else pure_key)
-        found = known.get(key)
-        if found is None:
-            pending_set = frozenset(x for x in tl._plan_slots[k] if pending >> x & 1)
-            regime = pending_set.intersection(cache) if mixed else cache
-            run = _run(tl, k, pending_set, regime)
-            closes = 0
-            for x in run.closes:
-                closes |= bits[x]
-            found = known[key] = (run, closes)
-        run, closes = found
-        site = sites[k]
-        done |= closes
-        index.extend(run.closes)
-        ends.extend([site] * len(run.closes))
-        cost += run.cost
-        runs.append((site, run))
-    starts = tl._start[index]
-    nbytes = tl._nbytes[index]
+    closed = np.array(walk.index, dtype=np.intp)
+    nbytes = tl._nbytes[closed]
     delta = np.zeros(npoints + 1, dtype=np.int64)
-    # When a storage is still held at its copy (start > end), both are live in between: the
-    # same two updates with the roles of start and end swapped.
-    np.subtract.at(delta, starts, nbytes)
-    np.add.at(delta, np.array(ends, dtype=np.int64) + 1, nbytes)
+    # (See _finish.)
+    np.subtract.at(delta, tl._start[closed], nbytes)
+    np.add.at(delta, np.array(walk.ends, dtype=np.int64) + 1, nbytes)
     live = base + np.cumsum(delta[:-1])
     peak = int(live.max()) if npoints else 0
-    at_sites = live[[site for site, _ in runs]].tolist()
-    placed = []
-    for held, (site, run) in zip(at_sites, runs):
-        if held + run.top > peak:
-            peak = held + run.top
-        placed.append((site, held, run))
-    return _Evaluation(peak=peak, cost=cost, live=live, runs=placed)
+    held = live[[run.site for run in walk.calls]].tolist()
+    for at, run in zip(held, walk.calls):
+        if at + run.top > peak:
+            peak = at + run.top
+    return _Evaluation(peak=peak, cost=walk.cost, live=live, calls=walk.calls)
+
+
+def _evaluate_many(
+    tl: ConcreteTimeline, items: Sequence[tuple[Iterable[int], Regime]]
+) -> list[_Evaluation]:
+    """:func:`_evaluate` of every ``(evicted, cache)`` in ``items``, in order.
+
+    A search step compares many trial sets: their live bytes are summed in one array
+    operation (numpy's fixed cost per call is most of what a single evaluation costs).
+    """
+    out: list[_Evaluation | None] = [None] * len(items)
+    todo: dict[tuple[frozenset[int], Regime], list[int]] = {}
+    for i, (evicted, cache) in enumerate(items):
+        chosen = frozenset(evicted)
+        if not chosen:
+            out[i] = _Evaluation(peak=tl.base_peak, cost=0.0, live=tl.base)
+            continue
+        key = (chosen, cache)
+        found = _store(tl, chosen).get(key)
+        if found is not None:
+            out[i] = found
+        else:
+            todo.setdefault(key, []).append(i)
+    if todo:
+        walks = [_walk(tl, chosen, _keep_mask(cache)) for chosen, cache in todo]
+        for (key, places), ev in zip(todo.items(), _finish(tl, walks)):
+            _store(tl, key[0])[key] = ev
+            for i in places:
+                out[i] = ev
+    return out  # type: ignore[return-value]
+
+
+def _finish(tl: ConcreteTimeline, walks: Sequence[_Walk]) -> list[_Evaluation]:
+    """The live bytes and peaks of ``walks``, one row per walk."""
+    base = tl.base
+    npoints = len(base)
+    rows = len(walks)
+    width = npoints + 1
+    index: list[int] = []
+    ends: list[int] = []
+    counts = []
+    for walk in walks:
+        index += walk.index
+        ends += walk.ends
+        counts.append(len(walk.index))
+    closed = np.array(index, dtype=np.intp)
+    row_start = np.repeat(np.arange(rows, dtype=np.int64) * width, counts)
+    nbytes = tl._nbytes[closed]
+    delta = np.zeros(rows * width, dtype=np.int64)
+    # Each window [start, end] removes its bytes. When a storage is still held at its copy
+    # (start > end), both are live in between: the same two updates with the roles of start
+    # and end swapped.
+    np.subtract.at(delta, tl._start[closed] + row_start, nbytes)
+    np.add.at(delta, np.array(ends, dtype=np.int64) + 1 + row_start, nbytes)
+    live = base + np.cumsum(delta.reshape(rows, width)[:, :npoints], axis=1)
+    peaks = live.max(axis=1) if npoints else np.zeros(rows, dtype=np.int64)
+    # A regenerate call peaks at the live bytes at its site plus its own top.
+    call_rows = np.repeat(np.arange(rows), [len(walk.calls) for walk in walks])
+    sites = [run.site for walk in walks for run in walk.calls]
+    tops = [run.top for walk in walks for run in walk.calls]
+    if npoints:
+        np.maximum.at(peaks, call_rows, live[call_rows, sites] + np.array(tops, dtype=np.int64))
+    return [
+        _Evaluation(peak=int(peak), cost=walk.cost, live=row, calls=walk.calls)
+        for walk, peak, row in zip(walks, peaks.tolist(), live)
+    ]
 
 
 def predict_peak(tl: ConcreteTimeline, evicted: Iterable[int], cache: Regime = True) -> int:
@@ -747,8 +836,7 @@ def _repair(
         excess = _excess(ev, budget)
         fits: tuple[float, int] | None = None
         best: tuple[float, int, _Evaluation] | None = None
-        for x in order:
-            result = _evaluate(tl, chosen | {x}, cache)
+        for x, result in zip(order, _evaluate_many(tl, [(chosen | {x}, cache) for x in order])):
             if result.peak <= budget:
                 if fits is None or result.cost < fits[0]:
                     fits = (result.cost, x)
@@ -841,7 +929,9 @@ def _cheapen(tl: ConcreteTimeline, chosen: Iterable[int], cache: Regime, budget:
     for _ in range(_CHEAPEN_ROUNDS):
         # Dearest by the work putting it back saves: a chained input recomputed as a
         # temporary costs once per regeneration that reads it, not its own cost once.
-        saving = {x: ev.cost - _evaluate(tl, chosen - {x}, cache).cost for x in chosen}
+        returns = list(chosen)
+        results = _evaluate_many(tl, [(chosen - {x}, cache) for x in returns])
+        saving = {x: ev.cost - result.cost for x, result in zip(returns, results)}
         dearest = sorted(chosen, key=lambda s: (-saving[s], s))[:_CHEAPEN_TRIES]
         moves = [(_put_back, x) for x in dearest]
         # (A slot that alone costs what the set costs cannot take the place of anything.)
@@ -905,8 +995,7 @@ def _minimum(tl: ConcreteTimeline, cache: bool) -> tuple[set[int], int]:
             plan_slots = tl._plan_slots[making]
             trials.extend(chosen - {x} for x in chosen & plan_slots)
         best: tuple[int, float, set[int]] | None = None
-        for trial in trials:
-            result = _evaluate(tl, trial, cache)
+        for trial, result in zip(trials, _evaluate_many(tl, [(t, cache) for t in trials])):
             key = (result.peak, result.cost)
             if best is None or key < best[:2]:
                 best = (result.peak, result.cost, trial)
@@ -931,12 +1020,9 @@ def _minimum_from_all(tl: ConcreteTimeline, cache: bool) -> tuple[set[int], int]
         # pass applies many returns for about the evaluations of one greedy step.
         # A return that surely peaks above the current peak is never applied: not evaluated.
         lowest = _lowest_live(tl, chosen)
-        ranked = sorted(
-            (result.peak, result.cost, x)
-            for x in chosen
-            if not _returns_above(tl, lowest, x, ev.peak)
-            for result in (_evaluate(tl, chosen - {x}, cache),)
-        )
+        returns = [x for x in chosen if not _returns_above(tl, lowest, x, ev.peak)]
+        results = _evaluate_many(tl, [(chosen - {x}, cache) for x in returns])
+        ranked = sorted((result.peak, result.cost, x) for x, result in zip(returns, results))
         changed = False
         for peak, _, x in ranked:
             if peak > ev.peak:
@@ -1022,8 +1108,7 @@ def _refine(
             for x in evicted & tl._plan_slots[making]:
                 trials.append((evicted - {x}, keep - {x}))
         best: tuple[int, float, frozenset[int], frozenset[int], _Evaluation] | None = None
-        for trial_evicted, trial_keep in trials:
-            result = _evaluate(tl, trial_evicted, trial_keep)
+        for (trial_evicted, trial_keep), result in zip(trials, _evaluate_many(tl, trials)):
             key = (result.peak, result.cost)
             if best is None or key < best[:2]:
                 best = (result.peak, result.cost, trial_evicted, trial_keep, result)
@@ -1099,10 +1184,13 @@ def _kept(tl: ConcreteTimeline, keep: frozenset[int]) -> ConcreteTimeline:
     )
     kept = ConcreteTimeline(base=tl.base, slots=slots)
     # What a regenerate call materializes and its peaks depend on the plans, sizes and costs
-    # alone, which keeping a slot leaves as they are: the rounds share them.
-    object.__setattr__(kept, "_sequences", tl._sequences)
+    # alone, which keeping a slot leaves as they are: the rounds share them. A set that
+    # evicts no kept slot has the same windows in both timelines, hence the same evaluation.
     object.__setattr__(kept, "_runs", tl._runs)
-    object.__setattr__(kept, "_runs_by_mask", tl._runs_by_mask)
+    object.__setattr__(kept, "_runs_by_sequence", tl._runs_by_sequence)
+    object.__setattr__(kept, "_evaluations", tl._evaluations)
+    object.__setattr__(kept, "_kept_set", tl._kept_set | keep)
+    object.__setattr__(kept, "_kept_evaluations", {})
     return kept
 
 
@@ -1116,7 +1204,7 @@ def _forgets_runs(search):
             return search(tl, *args, **kwargs)
         finally:
             tl._runs.clear()
-            tl._runs_by_mask.clear()
+            tl._runs_by_sequence.clear()
             tl._evaluations.clear()
 
     return wrapper
