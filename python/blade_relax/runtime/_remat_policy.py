@@ -157,16 +157,9 @@ class ConcreteTimeline:
         object.__setattr__(self, "_site", np.array([x.site for x in slots], dtype=np.int64))
         object.__setattr__(self, "_plan_slots", [frozenset(x for x, _ in s.plan) for s in slots])
         object.__setattr__(self, "_refs", [dict(s.plan) for s in slots])
-        # Each plan in order, and backwards with what each entry reads as a bit mask.
-        object.__setattr__(self, "_plan_order", [tuple(x for x, _ in s.plan) for s in slots])
-        object.__setattr__(
-            self,
-            "_plan_reads",
-            [
-                tuple((x, sum(1 << t for t in set(refs))) for x, refs in reversed(s.plan))
-                for s in slots
-            ],
-        )
+        # Each plan backwards with what each entry reads as a bit mask (built when first
+        # walked: most timelines are decided without a search).
+        object.__setattr__(self, "_plan_reads", [None] * len(slots))
         object.__setattr__(self, "_runs", {})
         object.__setattr__(self, "_runs_by_sequence", {})
         object.__setattr__(
@@ -394,8 +387,12 @@ def _run(tl: ConcreteTimeline, k: int, pending: int, keep: int) -> _Run:
     call materializes is ``k`` and, dependencies first, the pending slots its recomputation
     reads, directly or through one another.
     """
+    reads = tl._plan_reads[k]
+    if reads is None:
+        plan = tl.slots[k].plan
+        reads = tl._plan_reads[k] = [(x, sum(1 << t for t in set(r))) for x, r in reversed(plan)]
     needed = 1 << k
-    for x, refs in tl._plan_reads[k]:
+    for x, refs in reads:
         if needed >> x & 1:
             needed |= refs & pending
     # Many pending sets lead to the same materializations (a search's sets differ in slots
@@ -405,7 +402,7 @@ def _run(tl: ConcreteTimeline, k: int, pending: int, keep: int) -> _Run:
     if found is not None:
         return found
     slots = tl.slots
-    sequence = tuple(x for x in tl._plan_order[k] if needed >> x & 1)
+    sequence = tuple(x for x, _ in slots[k].plan if needed >> x & 1)
     # A temporary (a chained input not kept) lives until its last reader in the run.
     last_reader: dict[int, int] = {}
     members = {x for x in sequence[:-1] if not keep >> x & 1}
@@ -1186,6 +1183,7 @@ def _kept(tl: ConcreteTimeline, keep: frozenset[int]) -> ConcreteTimeline:
     # What a regenerate call materializes and its peaks depend on the plans, sizes and costs
     # alone, which keeping a slot leaves as they are: the rounds share them. A set that
     # evicts no kept slot has the same windows in both timelines, hence the same evaluation.
+    object.__setattr__(kept, "_plan_reads", tl._plan_reads)
     object.__setattr__(kept, "_runs", tl._runs)
     object.__setattr__(kept, "_runs_by_sequence", tl._runs_by_sequence)
     object.__setattr__(kept, "_evaluations", tl._evaluations)
