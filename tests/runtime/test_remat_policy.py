@@ -6,6 +6,7 @@ import itertools
 import json
 import pickle
 import warnings
+from dataclasses import replace
 from unittest import mock
 
 import numpy as np
@@ -695,6 +696,60 @@ def test_evaluation_agrees_with_the_plain_model(tl, data):
 
 
 @settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([10**3, 10**9, 2**60]))
+def test_the_floors_matrix_product_is_exact(seed, high):
+    """The floor's product of read counts and bytes runs in floating point where every sum
+    is an integer it holds, and in integers beyond: the same numbers either way."""
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, 3, (7, 5))
+    values = rng.integers(-high, high, (5, 9))
+    assert policy._product(counts, values).tolist() == (counts @ values).tolist()
+
+
+def test_a_plan_out_of_dependency_order_is_walked_backwards():
+    # Entry 0 reads entry 1, listed after it: walked backwards from slot 2, the plan reaches 0
+    # and then 1, but not 3 (read by 1, passed before 1 was reached).
+    plan = ((0, (1,)), (1, (3,)), (3, ()), (2, (0,)))
+    others = tuple(
+        SlotTimeline(name=f"t{k}", nbytes=4, cost=1.0, start=1, site=k + 5, regen_peak=4)
+        for k in range(4)
+    )
+    slots = tuple(
+        replace(s, plan=plan, site=3) if k == 2 else replace(s, plan=((k, ()),))
+        for k, s in enumerate(others)
+    )
+    tl = ConcreteTimeline(base=np.full(10, 50), slots=slots)
+    ev = _evaluate(tl, {0, 1, 2, 3}, True)
+    assert [x for site, _, x in ev.events if site == 3] == [0, 1, 2]
+    assert (ev.peak, ev.cost, ev.live.tolist(), ev.events) == _plain_evaluate(tl, {0, 1, 2, 3})
+
+
+@settings(max_examples=150, deadline=None)
+@given(chained_timelines(), st.data())
+def test_plans_out_of_dependency_order_follow_the_plain_model(tl, data):
+    """A regeneration follows what its plan's entries read from the slot over the pending
+    slots alone when every entry comes after what it reads; a plan that lists an entry
+    before one it reads is walked backwards in its own order, as the plain model does."""
+    slots = []
+    for k, slot in enumerate(tl.slots):
+        others = [x for x, _ in slot.plan[:-1]]
+        others = data.draw(st.permutations(others))
+        entries = others + [k]
+        plan = tuple(
+            (x, tuple(t for t in entries if t != x and data.draw(st.booleans()))) for x in entries
+        )
+        slots.append(replace(slot, plan=plan))
+    shuffled = ConcreteTimeline(base=tl.base, slots=tuple(slots))
+    indices = st.sampled_from(range(len(slots)))
+    every = frozenset(range(len(slots)))
+    for evicted in (every, every, data.draw(st.frozensets(indices))):
+        cache = data.draw(st.one_of(st.booleans(), st.frozensets(indices)))
+        ev = _evaluate(shuffled, evicted, cache)
+        peak, cost, live, events = _plain_evaluate(shuffled, evicted, cache)
+        assert (ev.peak, ev.cost, ev.live.tolist(), ev.events) == (peak, cost, live, events)
+
+
+@settings(max_examples=60, deadline=None)
 @given(chained_timelines(), st.data())
 def test_a_batch_of_evaluations_agrees_with_the_plain_model(tl, data):
     """A search step evaluates its trials together (one array for all their live bytes), and
@@ -747,6 +802,68 @@ def test_a_pickled_timeline_carries_its_value_only():
     assert back._unevictable is None and back._window_mask is None and back._peak_fixed is None
     assert back.base.tolist() == tl.base.tolist() and back.slots == tl.slots
     assert decide(back, int(0.6 * tl.base_peak)) == decision
+
+
+def _plain_greedy(tl: ConcreteTimeline, candidates, target: int, cache: bool):
+    """One greedy run alone: the slot of most bytes above ``target`` removed per unit of cost,
+    one at a time, until the peak is within ``target`` or nothing removes any."""
+    allowed = np.zeros(len(tl.slots), dtype=bool)
+    allowed[list(candidates)] = True
+    chosen: set[int] = set()
+    ev = _evaluate(tl, chosen, cache)
+    while ev.peak > target:
+        gains = np.where(allowed, _plain_gains(tl, ev, target), 0)
+        if gains.max() <= 0:
+            break
+        best = int(np.argmax(gains / tl._costs))
+        chosen.add(best)
+        allowed[best] = False
+        ev = _evaluate(tl, chosen, cache)
+    return chosen, ev.peak
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), fraction=st.floats(0.3, 1.0))
+def test_a_remembered_greedy_run_is_the_run(seed, fraction):
+    """A search remembers its greedy runs (a budget decision's is one of the minimum search's
+    when the budget is one of its targets): a run asked for again, or by the other search,
+    is the plain greedy's, and the caller may change the set it gets."""
+    tl = _random_timeline(seed, npoints=30, nslots=14)
+    target = int(fraction * tl.base_peak)
+    candidates = policy._effective(tl)
+    for cache in (True, False):
+        chosen, ev = policy._greedy_toward(tl, candidates, target, cache)
+        assert (chosen, ev.peak) == _plain_greedy(tl, candidates, target, cache)
+        chosen.add(-1)
+        again, second = policy._greedy_toward(tl, candidates, target, cache)
+        assert (again, second.peak) == _plain_greedy(tl, candidates, target, cache)
+        assert policy._greedy_minimum(tl, target, cache) == (again, second.peak)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), fraction=st.sampled_from([0.8, 0.7, 0.6, 0.5, 0.4]))
+def test_a_budget_the_first_pass_misses_gets_the_whole_search(seed, fraction):
+    """With a budget, the minimum search first runs without its dearest search: a result of
+    that pass that fits (or reaches the floor) is kept, else the decision is exactly the
+    whole search's."""
+    tl = _random_timeline(seed, npoints=30, nslots=14)
+    budget = int(fraction * tl.base_peak)
+    dearest = policy._minimum_from_all
+    with mock.patch.object(policy, "_minimum_from_all", side_effect=dearest) as runs:
+        found = minimum_peak(tl, budget)
+    assert found.peak == predict_peak(tl, found.evicted, found.cache)
+    fresh = ConcreteTimeline(base=tl.base, slots=tl.slots)
+    rounds = policy._minimum_rounds
+    with mock.patch.object(policy, "_minimum_rounds", lambda t, b, **_: rounds(t, b, dearest=True)):
+        whole = minimum_peak(fresh, budget)
+    floor = tl.unevictable()[0]
+    if found.reachable:
+        assert found.peak <= budget
+    elif found.peak <= floor:
+        assert whole.peak >= found.peak  # no set peaks below the floor
+    else:
+        assert runs.called
+        assert found == whole
 
 
 def test_gains_of_a_negative_size_follow_the_plain_formula():

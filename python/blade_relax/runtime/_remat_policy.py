@@ -46,13 +46,14 @@ predicted peak fits the budget: exact (every subset that can win) when few slots
 memory, greedy otherwise (repeatedly the slot that removes the most bytes above the budget per
 unit of cost, then a pruning pass that puts back every slot the budget does not need, dearest
 first). When no greedy set fits, :func:`minimum_peak` searches for the smallest peak, also
-in a *mixed* regime (each chained input kept or recomputed as a temporary, chosen per slot);
-when one of its results fits the budget, the first that does is the decision, else the
-decision runs at the smallest peak found and says the budget is not reachable. A set that
-fits, from either path, is then made cheaper while it still fits (:func:`_cheapen`: put back
-one of its dearest evictions, repair with cheaper ones evaluated exactly, put back what is not
-needed), since the greedy's choices one at a time and the minimum search's choices by peak
-leave work that the budget does not need.
+in a *mixed* regime (each chained input kept or recomputed as a temporary, chosen per slot),
+first without its dearest search, then whole when that first pass neither fits the budget nor
+reaches the floor; when one of its results fits the budget, the first that does is the
+decision, else the decision runs at the smallest peak found and says the budget is not
+reachable. A set that fits, from either path, is then made cheaper while it still fits
+(:func:`_cheapen`: put back one of its dearest evictions, repair with cheaper ones evaluated
+exactly, put back what is not needed), since the greedy's choices one at a time and the
+minimum search's choices by peak leave work that the budget does not need.
 """
 
 from __future__ import annotations
@@ -166,6 +167,10 @@ class ConcreteTimeline:
             self, "_plan_masks", [sum(1 << x for x in plan) for plan in self._plan_slots]
         )
         object.__setattr__(self, "_evaluations", {})
+        # Results of the greedy runs (see _greedy_toward).
+        object.__setattr__(self, "_greedy_runs", {})
+        # Timelines with slots kept (see _kept).
+        object.__setattr__(self, "_kept_timelines", {})
         # Slots kept by _kept, and the evaluations of the sets that evict one of them.
         object.__setattr__(self, "_kept_set", frozenset())
         object.__setattr__(self, "_kept_evaluations", self._evaluations)
@@ -261,20 +266,24 @@ class ConcreteTimeline:
             for r in self._refs[k][k]:
                 if r in position:
                     reads[i, position[r]] += 1
-        lowest = (fewest + reads @ covering + self._regen[effective, None]).tolist()
+        lowest = fewest + _product(reads, covering) + self._regen[effective, None]
         sites = self._site.tolist()
 
         # Options (rise, slot, end): evicting the slot and materializing it at a site ``end``
         # (its own, or that of a slot whose plan names it) removes its bytes on
         # ``[start, end)`` and peaks at no less than ``rise`` there.
-        options = []
+        rows, ends, slots = [], [], []
         for k in effective:
             site = sites[k]
-            options.append((lowest[position[k]][site], k, site))
+            rows.append(position[k])
+            ends.append(site)
+            slots.append(k)
             for x in self._plan_slots[k]:
                 if x != k and x in position and site < sites[x]:
-                    options.append((lowest[position[x]][site], x, site))
-        options.sort()
+                    rows.append(position[x])
+                    ends.append(site)
+                    slots.append(x)
+        options = sorted(zip(lowest[rows, ends].tolist(), slots, ends))
         left = self.base.copy()
         reach = {k: int(self._start[k]) for k in effective}
         best = (int(left.max()), int(np.argmax(left)))
@@ -297,6 +306,18 @@ class ConcreteTimeline:
             if bound < best[0]:
                 best = (bound, int(np.argmax(left)) if most >= rise else end)
         return best
+
+
+def _product(counts: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``counts @ values`` of two integer matrices, in floating point when every partial sum
+    is an integer it holds exactly (a matrix product of integers has no fast routine)."""
+    if not counts.size or not values.size:
+        return counts @ values
+    bound = int(np.abs(counts).sum(axis=1).max()) * int(np.abs(values).max())
+    if bound >= 2**53:
+        return counts @ values
+    product = counts.astype(np.float64) @ values.astype(np.float64)
+    return product.astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -343,6 +364,8 @@ class _Evaluation:
     live: np.ndarray
     # Every regenerate call, in program order (the live bytes at its site are ``live[site]``).
     calls: list[_Run] = field(default_factory=list)
+    # _excess by budget.
+    excess: dict[int, int] = field(default_factory=dict)
 
     @functools.cached_property
     def events(self) -> list[tuple[int, int, int]]:
@@ -389,12 +412,20 @@ def _run(tl: ConcreteTimeline, k: int, pending: int, keep: int) -> _Run:
     """
     reads = tl._plan_reads[k]
     if reads is None:
-        plan = tl.slots[k].plan
-        reads = tl._plan_reads[k] = [(x, sum(1 << t for t in set(r))) for x, r in reversed(plan)]
+        reads = tl._plan_reads[k] = _reads(tl.slots[k].plan)
     needed = 1 << k
-    for x, refs in reads:
-        if needed >> x & 1:
-            needed |= refs & pending
+    if isinstance(reads, dict):
+        # What the recomputation reads, directly or through one another: followed from k
+        # over the pending slots only (a few of a long plan).
+        todo = reads[k] & pending
+        while todo:
+            low = todo & -todo
+            needed |= low
+            todo = (todo ^ low) | (reads[low.bit_length() - 1] & pending & ~needed)
+    else:
+        for x, refs in reads:
+            if needed >> x & 1:
+                needed |= refs & pending
     # Many pending sets lead to the same materializations (a search's sets differ in slots
     # the recomputation does not read): the call is the same when they and what it keeps are.
     key = (k, needed, needed & keep & ~(1 << k))
@@ -435,6 +466,23 @@ def _run(tl: ConcreteTimeline, k: int, pending: int, keep: int) -> _Run:
     )
     tl._runs_by_sequence[key] = run
     return run
+
+
+def _reads(plan: tuple[tuple[int, tuple[int, ...]], ...]) -> dict | list:
+    """What each entry of a plan reads, as bit masks: by slot when every entry is listed once,
+    after what it reads (what reaches the slot is then all :func:`_run` follows); else the
+    entries backwards, walked in that order as the plan's order says."""
+    masks = {x: sum(1 << t for t in set(r)) for x, r in plan}
+    listed = sum(1 << x for x in masks)
+    seen = 0
+    for x, _ in plan:
+        if masks[x] & listed & ~seen:
+            break  # an entry reads one listed after it
+        seen |= 1 << x
+    else:
+        if len(masks) == len(plan):
+            return masks
+    return [(x, sum(1 << t for t in set(r))) for x, r in reversed(plan)]
 
 
 def _keep_mask(cache: Regime) -> int:
@@ -561,7 +609,13 @@ def _evaluate_many(
             out[i] = found
         else:
             todo.setdefault(key, []).append(i)
-    if todo:
+    if len(todo) == 1:
+        # (One set: the single evaluation's arrays are smaller.)
+        ((key, places),) = todo.items()
+        ev = _store(tl, key[0])[key] = _evaluate_once(tl, *key)
+        for i in places:
+            out[i] = ev
+    elif todo:
         walks = [_walk(tl, chosen, _keep_mask(cache)) for chosen, cache in todo]
         for (key, places), ev in zip(todo.items(), _finish(tl, walks)):
             _store(tl, key[0])[key] = ev
@@ -769,20 +823,28 @@ def _greedy_toward(
     tl: ConcreteTimeline, candidates: Sequence[int], target: int, cache: bool
 ) -> tuple[set[int], _Evaluation]:
     """Evict, one at a time, the candidate with the most bytes above ``target`` removed per
-    unit of cost, until the peak is within ``target`` or no eviction removes any."""
-    allowed = np.zeros(len(tl.slots), dtype=bool)
-    allowed[list(candidates)] = True
-    chosen: set[int] = set()
-    ev = _evaluate(tl, chosen, cache)
-    while ev.peak > target:
-        gains = np.where(allowed, _gains(tl, ev, target), 0)
-        if gains.max() <= 0:
-            break
-        best = int(np.argmax(gains / tl._costs))
-        chosen.add(best)
-        allowed[best] = False
+    unit of cost, until the peak is within ``target`` or no eviction removes any.
+
+    A search remembers the result: a budget decision's greedy is also one of the minimum
+    search's when the budget is one of its targets.
+    """
+    key = (tuple(candidates), target, cache)
+    found = tl._greedy_runs.get(key)
+    if found is None:
+        allowed = np.zeros(len(tl.slots), dtype=bool)
+        allowed[list(candidates)] = True
+        chosen: set[int] = set()
         ev = _evaluate(tl, chosen, cache)
-    return chosen, ev
+        while ev.peak > target:
+            gains = np.where(allowed, _gains(tl, ev, target), 0)
+            if gains.max() <= 0:
+                break
+            best = int(np.argmax(gains / tl._costs))
+            chosen.add(best)
+            allowed[best] = False
+            ev = _evaluate(tl, chosen, cache)
+        found = tl._greedy_runs[key] = (frozenset(chosen), ev)
+    return set(found[0]), found[1]
 
 
 # Most improvements :func:`_cheapen` makes to one decision (each lowers its cost), the moves
@@ -795,10 +857,16 @@ _REPAIR_TRIALS = 2
 
 
 def _excess(ev: _Evaluation, budget: int) -> int:
-    """Bytes above ``budget``, summed over the points and the materializations."""
-    over = ev.live - budget
-    events = sum(value - budget for _, value, _ in ev.events if value > budget)
-    return int(over[over > 0].sum()) + events
+    """Bytes above ``budget``, summed over the points and the materializations.
+
+    A repair step asks again for the set the previous step chose: remembered per budget.
+    """
+    found = ev.excess.get(budget)
+    if found is None:
+        over = ev.live - budget
+        events = sum(value - budget for _, value, _ in ev.events if value > budget)
+        found = ev.excess[budget] = int(over[over > 0].sum()) + events
+    return found
 
 
 def _repair(
@@ -967,6 +1035,12 @@ def _peak_event(ev: _Evaluation) -> tuple[int, int | None]:
     return (int(np.argmax(ev.live)) if len(ev.live) else 0), None
 
 
+def _covers(tl: ConcreteTimeline, k: int, at: int) -> bool:
+    """Whether slot ``k``'s window covers point ``at``."""
+    slot = tl.slots[k]
+    return slot.start <= at <= slot.site
+
+
 # At most this many additions are tried exactly per step of the minimum search (the best by
 # the estimate of :func:`_gains`).
 _TRIALS = 8
@@ -980,12 +1054,9 @@ def _minimum(tl: ConcreteTimeline, cache: bool) -> tuple[set[int], int]:
     for _ in range(4 * len(candidates) + 4):
         at, making = _peak_event(ev)
         trials: list[set[int]] = []
-        gains = _gains(tl, ev, ev.peak - 1)
-        order = [
-            x
-            for x in sorted(candidates, key=lambda c: -gains[c])
-            if x not in chosen and tl.slots[x].start <= at <= tl.slots[x].site
-        ]
+        gains = _gains(tl, ev, ev.peak - 1).tolist()
+        covering = [x for x in candidates if x not in chosen and _covers(tl, x, at)]
+        order = sorted(covering, key=lambda c: -gains[c])
         trials.extend(chosen | {x} for x in order[:_TRIALS])
         if making is not None:
             # A regeneration makes the peak: keep one of the slots it recomputes instead.
@@ -1090,12 +1161,11 @@ def _refine(
             trials.append((evicted, keep ^ {x}))
         if covering:
             trials.append((evicted, keep - covering))
-        gains = _gains(tl, ev, ev.peak - 1)
-        order = [
-            x
-            for x in sorted(effective, key=lambda c: -gains[c])
-            if x not in evicted and tl.slots[x].start <= at <= tl.slots[x].site
-        ]
+        gains = _gains(tl, ev, ev.peak - 1).tolist()
+        order = sorted(
+            (x for x in effective if x not in evicted and _covers(tl, x, at)),
+            key=lambda c: -gains[c],
+        )
         for x in order[:_TRIALS]:
             trials.append((evicted | {x}, keep))
             trials.append((evicted | {x}, keep | {x}))
@@ -1115,8 +1185,11 @@ def _refine(
     return evicted, keep
 
 
-def _minimum_once(tl: ConcreteTimeline, budget: int | None = None) -> Decision:
-    """One round of :func:`minimum_peak` (see there)."""
+def _minimum_once(
+    tl: ConcreteTimeline, budget: int | None = None, dearest: bool = True
+) -> Decision:
+    """One round of :func:`minimum_peak` (see there); ``dearest``: whether the search from
+    every eviction runs (last)."""
     floor = tl.unevictable()[0]
 
     def enough(peak: int) -> bool:
@@ -1136,7 +1209,8 @@ def _minimum_once(tl: ConcreteTimeline, budget: int | None = None) -> Decision:
             search = functools.partial(_greedy_minimum, target=target)
             searches.append((False, search, regime))
     # The dearest last: it evaluates the return of every evicted slot in each of its rounds.
-    searches.append((True, _minimum_from_all, True))
+    if dearest:
+        searches.append((True, _minimum_from_all, True))
     results = []
     for local, search, cache in searches:
         chosen, peak = search(tl, cache=cache)
@@ -1175,7 +1249,18 @@ _KEEP_ROUNDS = 2
 
 
 def _kept(tl: ConcreteTimeline, keep: frozenset[int]) -> ConcreteTimeline:
-    """``tl`` with the slots in ``keep`` never evicted (their eviction frees nothing)."""
+    """``tl`` with the slots in ``keep`` never evicted (their eviction frees nothing).
+
+    A search remembers it (its floor, evaluations and greedy runs) for its later passes.
+    """
+    found = tl._kept_timelines.get(keep)
+    if found is None:
+        found = tl._kept_timelines[keep] = _build_kept(tl, keep)
+    return found
+
+
+def _build_kept(tl: ConcreteTimeline, keep: frozenset[int]) -> ConcreteTimeline:
+    """:func:`_kept`, built."""
     slots = tuple(
         replace(slot, start=slot.site + 1) if k in keep else slot for k, slot in enumerate(tl.slots)
     )
@@ -1204,6 +1289,8 @@ def _forgets_runs(search):
             tl._runs.clear()
             tl._runs_by_sequence.clear()
             tl._evaluations.clear()
+            tl._greedy_runs.clear()
+            tl._kept_timelines.clear()
 
     return wrapper
 
@@ -1232,6 +1319,13 @@ def minimum_peak(tl: ConcreteTimeline, budget: int | None = None) -> Decision:
     (2) last, and stop at the first result at the floor (``ConcreteTimeline.unevictable``: no
     set peaks lower) or within ``budget``; so do the refinements and the rounds.
 
+    With a budget, a first pass runs every round without (2), the dearest search (it
+    evaluates the return of every evicted slot in each of its steps, and seldom finds what
+    the others miss); only when no result of that pass fits the budget or reaches the floor
+    does the whole search above run, reusing what the first pass evaluated. A budget that no
+    result of the first pass meets, above the floor, therefore gets the whole search's
+    result.
+
     Parameters
     ----------
     tl
@@ -1248,20 +1342,14 @@ def minimum_peak(tl: ConcreteTimeline, budget: int | None = None) -> Decision:
     """
     if _peak_is_fixed(tl):
         return _decision(tl, (), True, budget)
-    best = _minimum_once(tl, budget)
-    keep: frozenset[int] = frozenset()
-    current = best
-    for _ in range(_KEEP_ROUNDS):
-        if (budget is not None and best.peak <= budget) or best.peak <= tl.unevictable()[0]:
-            break
-        _, making = _peak_event(_evaluate(tl, current.evicted, current.cache))
-        if making is None or making in keep:
-            break
-        keep = keep | {making}
-        found = _minimum_once(_kept(tl, keep), budget)
-        current = _decision(tl, found.evicted, found.cache, budget)
-        if (current.peak, current.cost) < (best.peak, best.cost):
-            best = current
+    best = None
+    if budget is not None:
+        # The dearest search seldom finds what the others miss: a first pass leaves it out,
+        # and only when nothing it finds fits (or reaches the floor, below which no search
+        # goes) does the whole search run.
+        best = _minimum_rounds(tl, budget, dearest=False)
+    if best is None or not (best.reachable or best.peak <= tl.unevictable()[0]):
+        best = _minimum_rounds(tl, budget, dearest=True)
     if best.reachable and best.evicted and budget is not None:
         # A search for the least peak that ends within the budget: now lower its work, in
         # every regime the set fits in (the regime of least peak is seldom that of least
@@ -1274,6 +1362,25 @@ def minimum_peak(tl: ConcreteTimeline, budget: int | None = None) -> Decision:
                     regime = regime & frozenset(_chain_inputs(tl, evicted))
                 made.append(_decision(tl, evicted, regime, budget))
         best = min(made, key=lambda d: d.cost)
+    return best
+
+
+def _minimum_rounds(tl: ConcreteTimeline, budget: int | None, dearest: bool) -> Decision:
+    """The rounds of :func:`minimum_peak`: the best result of all, not made cheaper."""
+    best = _minimum_once(tl, budget, dearest)
+    keep: frozenset[int] = frozenset()
+    current = best
+    for _ in range(_KEEP_ROUNDS):
+        if (budget is not None and best.peak <= budget) or best.peak <= tl.unevictable()[0]:
+            break
+        _, making = _peak_event(_evaluate(tl, current.evicted, current.cache))
+        if making is None or making in keep:
+            break
+        keep = keep | {making}
+        found = _minimum_once(_kept(tl, keep), budget, dearest)
+        current = _decision(tl, found.evicted, found.cache, budget)
+        if (current.peak, current.cost) < (best.peak, best.cost):
+            best = current
     return best
 
 
