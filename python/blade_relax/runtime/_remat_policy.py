@@ -822,29 +822,34 @@ def _prune(tl: ConcreteTimeline, chosen: set[int], cache: Regime, limit: int) ->
 def _greedy_toward(
     tl: ConcreteTimeline, candidates: Sequence[int], target: int, cache: bool
 ) -> tuple[set[int], _Evaluation]:
-    """Evict, one at a time, the candidate with the most bytes above ``target`` removed per
-    unit of cost, until the peak is within ``target`` or no eviction removes any.
-
-    A search remembers the result: a budget decision's greedy is also one of the minimum
-    search's when the budget is one of its targets.
-    """
+    """:func:`_greedy_run`, remembered per search: a budget decision's greedy is also one of
+    the minimum search's when the budget is one of its targets."""
     key = (tuple(candidates), target, cache)
     found = tl._greedy_runs.get(key)
     if found is None:
-        allowed = np.zeros(len(tl.slots), dtype=bool)
-        allowed[list(candidates)] = True
-        chosen: set[int] = set()
-        ev = _evaluate(tl, chosen, cache)
-        while ev.peak > target:
-            gains = np.where(allowed, _gains(tl, ev, target), 0)
-            if gains.max() <= 0:
-                break
-            best = int(np.argmax(gains / tl._costs))
-            chosen.add(best)
-            allowed[best] = False
-            ev = _evaluate(tl, chosen, cache)
+        chosen, ev = _greedy_run(tl, candidates, target, cache)
         found = tl._greedy_runs[key] = (frozenset(chosen), ev)
     return set(found[0]), found[1]
+
+
+def _greedy_run(
+    tl: ConcreteTimeline, candidates: Sequence[int], target: int, cache: bool
+) -> tuple[set[int], _Evaluation]:
+    """Evict, one at a time, the candidate with the most bytes above ``target`` removed per
+    unit of cost, until the peak is within ``target`` or no eviction removes any."""
+    allowed = np.zeros(len(tl.slots), dtype=bool)
+    allowed[list(candidates)] = True
+    chosen: set[int] = set()
+    ev = _evaluate(tl, chosen, cache)
+    while ev.peak > target:
+        gains = np.where(allowed, _gains(tl, ev, target), 0)
+        if gains.max() <= 0:
+            break
+        best = int(np.argmax(gains / tl._costs))
+        chosen.add(best)
+        allowed[best] = False
+        ev = _evaluate(tl, chosen, cache)
+    return chosen, ev
 
 
 # Most improvements :func:`_cheapen` makes to one decision (each lowers its cost), the moves

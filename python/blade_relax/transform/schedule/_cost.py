@@ -126,7 +126,7 @@ class ByteSpace:
         self._acceptance_values = self._acceptance_values.astype(self.dtype)
         # numpy multiplies int64 matrices without BLAS; the scorer takes values at the
         # acceptance points of every order it meets, so those products go through float64
-        # whenever that is exact (see :meth:`at_acceptance_points`).
+        # whenever that is exact (see :meth:`_exact_in_float`).
         self._acceptance_float: np.ndarray | None = None
         self._acceptance_reach = 0.0
         if self.dtype != object:
@@ -285,14 +285,19 @@ class ByteSpace:
         """Values of one vector (``M``) or of rows (``n x M``) at the decision points."""
         return vecs @ self._decision_values
 
+    def _exact_in_float(self, vecs: np.ndarray) -> bool:
+        """Whether every product and partial sum of ``vecs`` with the acceptance values is an
+        integer below 2**53, so that a float64 (BLAS) product gives the exact int64 values in
+        any order of the sums."""
+        if self._acceptance_float is None or vecs.dtype != np.int64 or not vecs.size:
+            return False
+        largest = max(-int(vecs.min()), int(vecs.max()))
+        return largest * self._acceptance_reach < _FLOAT_EXACT
+
     def at_acceptance_points(self, vecs: np.ndarray) -> np.ndarray:
         """Values of one vector (``M``) or of rows (``n x M``) at the acceptance points."""
-        if self._acceptance_float is not None and vecs.dtype == np.int64 and vecs.size:
-            # Through float64 when every product and partial sum is an integer below 2**53,
-            # so exact: the same int64 values, from a BLAS product.
-            largest = max(-int(vecs.min()), int(vecs.max()))
-            if largest * self._acceptance_reach < _FLOAT_EXACT:
-                return (vecs.astype(np.float64) @ self._acceptance_float).astype(np.int64)
+        if self._exact_in_float(vecs):
+            return (vecs.astype(np.float64) @ self._acceptance_float).astype(np.int64)
         return vecs @ self._acceptance_values
 
     def by_acceptance_point(self, rows: np.ndarray) -> np.ndarray:
@@ -300,12 +305,9 @@ class ByteSpace:
         contiguous): :func:`at_acceptance_points` transposed, the layout in which the searches
         read one point's values over every step (a maximum along the steps of the ``n x P``
         layout strides through memory, and costs several times more)."""
-        if self._acceptance_float is not None and rows.dtype == np.int64 and rows.size:
-            largest = max(-int(rows.min()), int(rows.max()))
-            if largest * self._acceptance_reach < _FLOAT_EXACT:
-                # Exact as in at_acceptance_points: the order of the sums does not matter.
-                product = self._acceptance_float.T @ rows.T.astype(np.float64)
-                return product.astype(np.int64)
+        if self._exact_in_float(rows):
+            product = self._acceptance_float.T @ rows.T.astype(np.float64)
+            return product.astype(np.int64)
         return self._acceptance_values.T @ rows.T  # a new, C-contiguous array
 
     def at_points(self, vecs: np.ndarray, points: Sequence[Mapping[str, int]]) -> np.ndarray:
