@@ -181,6 +181,35 @@ def test_arithmetic_and_immutability():
     assert hash(SymbolicExpr.dim("s") * 2) == hash(2 * SymbolicExpr.dim("s"))
 
 
+def test_pickling_rebuilds_the_same_expression_without_evaluating_it(monkeypatch):
+    """A peak is a Max of many terms: unpickling rebuilds it as it was instead of comparing
+    its terms again (sympy's own pickling calls ``Max(*args)``, seconds for a large block)."""
+    s, b = SymbolicExpr.dim("s"), SymbolicExpr.dim("b")
+    terms = [s * b * (i + 1) + s * i + 1000 * i for i in range(12)]
+    terms += [s * s * (i + 1) + s // (i + 2) for i in range(12)]
+    exprs = [
+        SymbolicExpr.max(*terms),
+        SymbolicExpr.min(s, b * 2) + (s // 3) * (b % 4),
+        (s * 4 + 2) * 3 - s,
+        -s,
+        SymbolicExpr(sympy.Rational(3, 2)) * s * s,
+        SymbolicExpr(7),
+        s,
+    ]
+    data = [pickle.dumps(e) for e in exprs]
+
+    def no_evaluation(*args, **kwargs):
+        raise AssertionError("Max / Min evaluated again while unpickling")
+
+    monkeypatch.setattr(sympy.Max, "_find_localzeros", classmethod(no_evaluation))
+    monkeypatch.setattr(sympy.Min, "_find_localzeros", classmethod(no_evaluation))
+    for e, blob in zip(exprs, data):
+        got = pickle.loads(blob)
+        assert got == e and hash(got) == hash(e)
+        assert sympy.srepr(got._expr) == sympy.srepr(e._expr)
+        assert got.evaluate({"s": 38, "b": 5}) == e.evaluate({"s": 38, "b": 5})
+
+
 def test_max_min_flatten_and_fold_constants():
     s, t = SymbolicExpr.dim("s"), SymbolicExpr.dim("t")
     m = SymbolicExpr.max(s, 3, SymbolicExpr.max(t, 7), s)

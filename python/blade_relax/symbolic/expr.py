@@ -167,8 +167,51 @@ class SymbolicExpr:
     def __str__(self) -> str:
         return str(self._expr).replace(UNKNOWN_PREFIX, "?")
 
-    def __reduce__(self):  # pickling: rebuild from the sympy expression
-        return (SymbolicExpr, (self._expr,))
+    def __reduce__(self):
+        # Pickling: sympy rebuilds every node by calling its class on its arguments, which
+        # evaluates it again: a Max of many terms compares them all pairwise (seconds for the
+        # peak of a large block). The nodes are rebuilt unevaluated instead, as they were.
+        return (_unpickle, (_postorder(self._expr),))
+
+
+# Classes whose nodes are rebuilt from their arguments without evaluation when unpickled.
+_UNEVALUATED = (sympy.Add, sympy.Mul, sympy.Pow, sympy.Max, sympy.Min)
+
+
+def _postorder(expr: sympy.Basic) -> list:
+    """``expr`` as a postorder list: atoms as they are, every other node as ``(class,
+    number of arguments)`` after its arguments."""
+    out: list = []
+    stack: list[tuple[sympy.Basic, bool]] = [(expr, False)]
+    while stack:
+        node, visited = stack.pop()
+        if node.is_Atom:
+            out.append(node)
+        elif visited:
+            out.append((node.func, len(node.args)))
+        else:
+            stack.append((node, True))
+            stack.extend((arg, False) for arg in reversed(node.args))
+    return out
+
+
+def _unpickle(nodes: list) -> SymbolicExpr:
+    """The :class:`SymbolicExpr` of a :func:`_postorder` list: nodes of the classes in
+    ``_UNEVALUATED`` are built from their arguments as they were (already canonical), the
+    others by their class."""
+    values: list[sympy.Basic] = []
+    for node in nodes:
+        if isinstance(node, tuple):
+            func, count = node
+            args = values[len(values) - count :] if count else []
+            del values[len(values) - count :]
+            if issubclass(func, _UNEVALUATED):
+                values.append(func(*args, evaluate=False))
+            else:
+                values.append(func(*args))
+        else:
+            values.append(node)
+    return SymbolicExpr(values[0])
 
 
 def _to_sympy(value: ExprLike) -> sympy.Expr:
