@@ -12,8 +12,9 @@ default one (every pass of :class:`blade_relax.PipelineFlags` on). It reports pe
   cent from run to run, the stock pipeline's by up to 2x);
 * the growth against the fewest layers measured: seconds per layer, relative to the first row,
   so that "linear in layers" reads as a column near 1;
-* the peak resident memory of the process while it lowers (sampled from ``/proc/self/statm``
-  every 5 ms, minus nothing: the imported module is part of what a user's process holds);
+* the peak resident memory of the process while it lowers (sampled every 5 ms from
+  ``/proc/self/statm``, plus the pages of the workers the passes fork that they do not share
+  with it; minus nothing: the imported module is part of what a user's process holds);
 * the bindings of the lowered module's Relax functions (what the passes walk; range copies
   of ``main`` included).
 
@@ -101,8 +102,34 @@ def _median_run(runs: Sequence[LoweringRun]) -> LoweringRun:
 
 
 def _rss_bytes() -> int:
+    """This process's resident set, plus the pages its child processes do not share with it
+    (the passes may fork workers, see ``blade_relax.transform._parallel``: a child's resident
+    set counts every page it shares with this process again)."""
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        own = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return own + sum(_private_bytes(pid) for pid in _children())
+
+
+def _children() -> list[int]:
+    pid = os.getpid()
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:  # a kernel without the children file: no children counted
+        return []
+
+
+def _private_bytes(pid: int) -> int:
+    """Private_Clean + Private_Dirty of a process (0 once it has exited)."""
+    total = 0
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                    total += int(line.split()[1]) * 1024
+    except OSError:
+        return 0
+    return total
 
 
 def _lower_in_child(mod: Any, default: bool, queue: Any) -> None:

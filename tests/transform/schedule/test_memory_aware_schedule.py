@@ -262,6 +262,44 @@ def test_flip_versions_report_their_ranges():
     assert report.blocks[2].strategy == "single order kept"
 
 
+@pytest.mark.parametrize("make", [_flip_p_first, _flip_q_first])
+def test_range_copies_searched_in_forked_processes_are_the_ones_searched_here(make, monkeypatch):
+    """The range copies' searches spread over processes (as on a large function) give the
+    module and the reports of one process, peak expressions included."""
+    import os
+
+    from blade_relax.transform import _parallel
+
+    if not _parallel._can_fork():
+        pytest.skip("needs the fork start method (POSIX)")
+    here, here_report = schedule_module(make({}), ScheduleOptions(jobs=1))
+    ran_in: list[int] = []
+    searched = memory_aware_schedule._range_outcome
+
+    def recording(*args, **kwargs):
+        ran_in.append(os.getpid())  # a child's append stays in the child
+        return searched(*args, **kwargs)
+
+    monkeypatch.setattr(memory_aware_schedule, "_PARALLEL_SECONDS", 0.0)
+    monkeypatch.setattr(memory_aware_schedule, "_range_outcome", recording)
+    spread, spread_report = schedule_module(make({}), ScheduleOptions(jobs=2))
+    assert ran_in == [os.getpid()]  # the first range here, the second in a child
+    tvm.ir.assert_structural_equal(spread, here)
+    assert spread_report.versions == here_report.versions
+    assert [
+        (b.version, b.strategy, b.peak_after, b.candidates, str(b.peak_expr_after))
+        for b in spread_report.blocks
+    ] == [
+        (b.version, b.strategy, b.peak_after, b.candidates, str(b.peak_expr_after))
+        for b in here_report.blocks
+    ]
+
+
+def test_jobs_must_be_positive():
+    with pytest.raises(ValueError, match="jobs must be >= 1"):
+        ScheduleOptions(jobs=0)
+
+
 def test_versions_only_for_a_gain_of_version_gain():
     # The copy for short lengths beats the single order, but not by a factor of two.
     _, report = schedule_module(_flip_q_first({}), ScheduleOptions(version_gain=1.0))

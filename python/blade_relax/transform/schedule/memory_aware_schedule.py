@@ -119,6 +119,9 @@ search seeded with the pool, the acceptance points those of the range) and keeps
 that beat the single order on their range. The function then dispatches on the dim
 (:mod:`._versions`: private copies, an ``If`` on ``R.prim_value(s <= k)`` in the
 original function). Each copy is never worse than the input order at its range's points.
+The ranges' searches are independent: on a function whose single search took long, they run
+in forked processes, one per CPU (``ScheduleOptions.jobs``; only orders and reports come back),
+with the same result as in one process.
 
 When ``RecomputeCheapValues`` follows (``recompute_after``), the choice (one order or range
 copies), the input order and the best ranked other orders of the pool are compared once more,
@@ -148,6 +151,7 @@ from ...analysis import memory_timeline
 from ...contract import SCHEDULE_VERSION_ATTR
 from ...symbolic import ShapeGraph, SymbolicExpr
 from .._collection import pauses_collection
+from .._parallel import available_cpus, map_forked
 from .._warn import warn_fallback
 from ..dispatch import DimRange, range_dispatch, range_of
 from ..recompute_cheap_values import RecomputeCheapValues
@@ -281,6 +285,11 @@ class ScheduleOptions:
         the order it picks makes the rematerialized copy peak above the plain one (83,968
         against 75,776 bytes with nothing evicted), so a budget no eviction reaches ran higher
         than no budget.
+    jobs
+        Most processes the pass uses (None: one per CPU this process may run on). On a
+        function whose single search takes long, the searches of its range copies run in
+        forked processes (see ``blade_relax.transform._parallel``); the result is the same
+        with any number.
     """
 
     strategies: tuple[str, ...] = STRATEGIES
@@ -302,6 +311,7 @@ class ScheduleOptions:
     recompute_work: int = 2000
     model_inplace: bool = True
     model_workspaces: bool = False
+    jobs: int | None = None
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.strategies if s not in STRATEGIES]
@@ -325,6 +335,8 @@ class ScheduleOptions:
             raise ValueError("recompute_candidates and recompute_work must be >= 0")
         if self.min_bindings < 0:
             raise ValueError(f"min_bindings must be >= 0, got {self.min_bindings}")
+        if self.jobs is not None and self.jobs < 1:
+            raise ValueError(f"jobs must be >= 1 or None, got {self.jobs}")
 
 
 @dataclass
@@ -728,6 +740,69 @@ def _function_peaks(scheduled: _Scheduled, orders: dict[int, list[int]]) -> np.n
     return out
 
 
+@dataclass
+class _RangeOutcome:
+    """What the search of one range copy found (see :func:`_range_outcome`); it pickles
+    (no IR), so that a forked process can hand it back."""
+
+    # The kept order per scheduled block (None: the copy's blocks differ from the function's).
+    orders: dict[int, list[int]] | None = None
+    # Whether the copy's own orders beat the single order on the range.
+    use_own: bool = False
+    reports: list[BlockReport] = field(default_factory=list)
+    # Why the range's graph could not be built.
+    error: ValueError | None = None
+
+
+def _range_outcome(
+    func: relax.Function,
+    mod: tvm.IRModule,
+    options: ScheduleOptions,
+    name: str,
+    rng: DimRange,
+    single: _Scheduled,
+    seeds: dict[int, list[list[int]]],
+) -> _RangeOutcome:
+    """Schedule ``func`` for the dims in ``rng`` (the single search's orders as seeds) and
+    tell whether its own orders beat the single order there."""
+    try:
+        sub_graph = range_graph(func, rng)
+    except ValueError as err:
+        return _RangeOutcome(error=err)
+    sub = _schedule_function(func, mod, options, name, sub_graph, str(rng), seeds)
+    if set(sub.blocks) != set(single.blocks) or any(
+        sub.blocks[k][0].n != single.blocks[k][0].n for k in sub.blocks
+    ):
+        return _RangeOutcome()
+    # The single order and the range's own, scored at the range's points by their worst
+    # ratio to the best peaks met there (the range's own search saw the single order).
+    kept = {k: single.blocks[k][2] for k in sub.blocks}
+    single_peaks = _function_peaks(sub, kept)
+    own_peaks = _function_peaks(sub, {})
+    reference = np.max([np.maximum(p.reference, 1.0) for _, p, _ in sub.blocks.values()], axis=0)
+    use_own = (
+        single_peaks is not None
+        and own_peaks is not None
+        and float((single_peaks / reference).max())
+        > (1.0 + options.version_gain) * float((own_peaks / reference).max())
+    )
+    if not use_own:
+        for entry in sub.reports:
+            entry.strategy = "single order kept"
+    orders = {k: order for k, (_, _, order) in sub.blocks.items()}
+    return _RangeOutcome(orders=orders, use_own=use_own, reports=sub.reports)
+
+
+# A function whose single search took this long has its range copies searched in parallel
+# (below it, a fork costs more than it saves).
+_PARALLEL_SECONDS = 0.25
+
+
+def _jobs(options: ScheduleOptions) -> int:
+    """Processes the pass may use (``ScheduleOptions.jobs``; None: every usable CPU)."""
+    return available_cpus() if options.jobs is None else options.jobs
+
+
 def _versions(
     gv: tvm.ir.GlobalVar,
     func: relax.Function,
@@ -764,43 +839,31 @@ def _versions(
     if len(ranges) < 2:
         return None
 
+    seeds = {k: list(p.orders.values()) for k, (_, p, _) in single.blocks.items()}
+
+    def outcome(rng: DimRange) -> _RangeOutcome:
+        return _range_outcome(func, mod, options, gv.name_hint, rng, single, seeds)
+
+    # The ranges' searches are independent of one another: on a large function (where the
+    # single search took long) they share the CPUs (see .._parallel).
+    searched = sum(entry.seconds for entry in single.reports)
+    jobs = _jobs(options) if searched >= _PARALLEL_SECONDS else 1
     chosen: list[tuple[DimRange, relax.Function]] = []
     reports: list[BlockReport] = []
     gained = False
-    for rng in ranges:
-        try:
-            sub_graph = range_graph(func, rng)
-        except ValueError as err:  # the function's graph was read: only the range can fail
+    for rng, found in zip(ranges, map_forked(outcome, ranges, jobs)):
+        if found.error is not None:  # the function's graph was read: only the range can fail
             note = "one order for all shapes"
-            warn_fallback("MemoryAwareSchedule", "range versions", gv.name_hint, err, note=note)
+            warn_fallback(
+                "MemoryAwareSchedule", "range versions", gv.name_hint, found.error, note=note
+            )
             return None
-        seeds = {k: list(p.orders.values()) for k, (_, p, _) in single.blocks.items()}
-        sub = _schedule_function(func, mod, options, gv.name_hint, sub_graph, str(rng), seeds)
-        if set(sub.blocks) != set(single.blocks) or any(
-            sub.blocks[k][0].n != single.blocks[k][0].n for k in sub.blocks
-        ):
+        if found.orders is None:
             return None
-        # The single order and the range's own, scored at the range's points by their worst
-        # ratio to the best peaks met there (the range's own search saw the single order).
-        kept = {k: single.blocks[k][2] for k in sub.blocks}
-        single_peaks = _function_peaks(sub, kept)
-        own_peaks = _function_peaks(sub, {})
-        reference = np.max(
-            [np.maximum(p.reference, 1.0) for _, p, _ in sub.blocks.values()], axis=0
-        )
-        use_own = (
-            single_peaks is not None
-            and own_peaks is not None
-            and float((single_peaks / reference).max())
-            > (1.0 + options.version_gain) * float((own_peaks / reference).max())
-        )
-        reports.extend(sub.reports)
-        if not use_own:
-            for entry in sub.reports:
-                entry.strategy = "single order kept"
-        if use_own:
+        reports.extend(found.reports)
+        if found.use_own:
             gained = True
-            chosen.append((rng, sub.func))
+            chosen.append((rng, _with_orders(func, found.orders)))
         else:
             chosen.append((rng, single.func))
     if not gained:
