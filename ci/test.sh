@@ -8,7 +8,8 @@
 # pin torch==2.13.0 is satisfied by 2.13.0+cpu, so nothing else pulls the CUDA build.
 #
 # Environment: BLADE_RELAX_VENV (default .venv), BLADE_RELAX_EXTRAS (more extras, e.g. "cuda"
-# for NVRTC from PyPI, so that the CUDA build tests compile cubins without a CUDA toolkit).
+# for NVRTC from PyPI, so that the CUDA build tests compile cubins without a CUDA toolkit),
+# BLADE_RELAX_TEST_WORKERS (parallel pytest workers; default one per CPU, at most 4).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -45,5 +46,16 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ] || ! python -c 'import importlib
 fi
 
 python -m ruff check python tests tutorials
+# The tests run in parallel, one pytest-xdist worker per CPU up to 4 (each worker holds a few
+# GiB at most); each file's tests run in one worker, so a module's fixtures are built once.
+# BLADE_RELAX_TEST_WORKERS sets the number (0 or 1: every test in this process).
+if [ -z "${BLADE_RELAX_TEST_WORKERS:-}" ]; then
+    cpus="$(nproc 2>/dev/null || echo 1)"
+    BLADE_RELAX_TEST_WORKERS=$((cpus < 4 ? cpus : 4))
+fi
+PARALLEL=()
+if [ "$BLADE_RELAX_TEST_WORKERS" -gt 1 ]; then
+    PARALLEL=(-n "$BLADE_RELAX_TEST_WORKERS" --dist loadfile)
+fi
 # -rs: one line per reason a test was skipped (no GPU; no CUDA compiler for the cubin step).
-python -m pytest -q -rs -p no:cacheprovider "$@"
+python -m pytest -q -rs -p no:cacheprovider ${PARALLEL[@]+"${PARALLEL[@]}"} "$@"
