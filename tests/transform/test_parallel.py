@@ -92,5 +92,19 @@ def test_a_child_forks_no_children_of_its_own():
     assert child[0][1] != os.getpid()
 
 
+def _spread_in_a_pool_worker(_: int) -> list[tuple[int, int]]:
+    return map_forked(_square_with_pid, [1, 2, 3], 2)
+
+
+def test_a_daemonic_process_runs_everything_itself():
+    # A multiprocessing.Pool worker is daemonic: it may not have children of its own.
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        (got,) = pool.map(_spread_in_a_pool_worker, [0])
+    assert [v for v, _ in got] == [1, 4, 9]
+    assert len({pid for _, pid in got}) == 1 and got[0][1] != os.getpid()
+
+
 def test_available_cpus_is_positive():
     assert _parallel.available_cpus() >= 1

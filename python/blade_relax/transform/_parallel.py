@@ -5,8 +5,8 @@ helps only through a second process. A forked child starts with everything the p
 (the module, the shape graph, the block models) without copying it up front, and hands back
 only its results, pickled (orders, peaks, reports: no IR).
 
-The result never depends on where a piece ran. Where ``fork`` is missing or one CPU is
-usable, everything runs here, in order. A child that fails in any way (it raised, it died,
+The result never depends on where a piece ran. Where forking is unsafe or impossible (see
+:func:`_can_fork`) or one CPU is usable, everything runs here, in order. A child that fails in any way (it raised, it died,
 its result does not unpickle, it is still running long after the parent finished its own
 share) is stopped and its share is done here instead, so that an error is raised as it would
 be without children, from the same code.
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -48,7 +49,16 @@ def available_cpus() -> int:
 
 
 def _can_fork() -> bool:
-    return not _in_child and "fork" in multiprocessing.get_all_start_methods()
+    """Whether children may be forked here: on Linux (macOS offers ``fork``, but forking a
+    process that loaded its system frameworks may crash the child), outside a daemonic
+    process (``multiprocessing`` forbids it children: a ``Pool`` worker is one) and outside
+    a child of :func:`map_forked`."""
+    return (
+        not _in_child
+        and sys.platform.startswith("linux")
+        and not multiprocessing.current_process().daemon
+        and "fork" in multiprocessing.get_all_start_methods()
+    )
 
 
 def _work(fn: Callable[[Any], Any], items: list[Any], send: Any) -> None:
