@@ -49,3 +49,34 @@ def test_repeated_runs_report_the_median_run():
     with pytest.raises(ValueError, match="repeat"):
         compile_time.measure("llama-train", sizes, [1], repeat=0)
     assert compile_time.main(["--repeat", "0"]) == 2
+
+
+def _hold_pages(send) -> None:
+    import numpy as np
+
+    block = np.ones(64 * 2**20, dtype=np.uint8)  # 64 MiB of pages of its own
+    send.send(int(block.sum()))
+    send.recv()
+
+
+def test_memory_is_read_per_process_with_a_child_s_private_pages():
+    import multiprocessing
+    import os
+
+    assert compile_time._resident_bytes(os.getpid()) > 0
+    ctx = multiprocessing.get_context("fork")
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=_hold_pages, args=(there,))
+    child.start()
+    try:
+        assert here.recv() == 64 * 2**20
+        assert child.pid in compile_time._children(os.getpid())
+        # Pages written after the fork are the child's alone; those it shares are not counted.
+        private = compile_time._private_bytes(child.pid)
+        assert 64 * 2**20 <= private < compile_time._resident_bytes(child.pid)
+    finally:
+        here.send("done")
+        child.join()
+    assert compile_time._resident_bytes(child.pid) == 0
+    assert compile_time._private_bytes(child.pid) == 0
+    assert compile_time._children(child.pid) == []
