@@ -203,7 +203,7 @@ def _unpickle(nodes: list) -> SymbolicExpr:
     for node in nodes:
         if isinstance(node, tuple):
             func, count = node
-            args = values[len(values) - count :] if count else []
+            args = values[len(values) - count :]
             del values[len(values) - count :]
             if issubclass(func, _UNEVALUATED):
                 values.append(func(*args, evaluate=False))

@@ -6,10 +6,10 @@ helps only through a second process. A forked child starts with everything the p
 only its results, pickled (orders, peaks, reports: no IR).
 
 The result never depends on where a piece ran. Where forking is unsafe or impossible (see
-:func:`_can_fork`) or one CPU is usable, everything runs here, in order. A child that fails in any way (it raised, it died,
-its result does not unpickle, it is still running long after the parent finished its own
-share) is stopped and its share is done here instead, so that an error is raised as it would
-be without children, from the same code.
+:func:`_can_fork`) or one CPU is usable, everything runs here, in order. A child that fails
+in any way (it raised, it died, its result does not unpickle, it is still running long after
+the parent finished its own share) is stopped and its share is done here instead, so that an
+error is raised as it would be without children, from the same code.
 
 ``concurrent.futures.ProcessPoolExecutor`` pickles each task's function and arguments (here:
 TVM objects, which do not pickle) and keeps its processes alive between calls; a pass needs
@@ -77,13 +77,13 @@ def _work(fn: Callable[[Any], Any], items: list[Any], send: Any) -> None:
         send.close()
 
 
-def _collect(proc: Any, recv: Any, timeout: float) -> list[Any] | None:
+def _collect(recv: Any, timeout: float) -> list[Any] | None:
     """A child's results, or None when it failed or ran out of ``timeout``."""
     try:
         if not recv.poll(timeout):
             return None
         status, value = recv.recv()
-    except (EOFError, OSError, Exception):  # died, or sent something that does not unpickle
+    except Exception:  # it died (EOFError, OSError) or sent what does not unpickle
         return None
     return value if status == "ok" else None
 
@@ -130,7 +130,7 @@ def map_forked(fn: Callable[[_T], _R], items: Sequence[_T], jobs: int) -> list[_
             out[i] = fn(items[i])
         timeout = max(_MIN_WAIT_S, _WAIT_FACTOR * (time.perf_counter() - start))
         for share, proc, recv in workers:
-            results = _collect(proc, recv, timeout)
+            results = _collect(recv, timeout)
             if results is None or len(results) != len(share):
                 proc.kill()
                 results = [fn(items[i]) for i in share]
