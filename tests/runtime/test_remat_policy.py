@@ -931,3 +931,129 @@ def test_a_search_at_the_floor_skips_the_dearest_search():
         best = minimum_peak(tl)
     assert best.peak == 10 and best.evicted == frozenset({0})
     assert dear.call_count == 0
+
+
+# --------------------------------------------------------------------------- search cost
+def test_a_call_is_walked_again_only_when_what_it_materializes_changes():
+    """Slot 2's plan names slots 0 and 1, its recomputation reads 1 only: evicting 0 as well
+    leaves its regenerate call as it was (taken from the last walk, not built again), evicting
+    1 no more changes it."""
+    chained = SlotTimeline(
+        name="t2", nbytes=5, cost=1.0, start=2, site=3, regen_peak=5,
+        plan=((0, ()), (1, ()), (2, (1,))),
+    )  # fmt: skip
+    tl = ConcreteTimeline(
+        base=np.full(10, 100), slots=(slot(0, 5, 1, 8), slot(1, 5, 1, 7), chained)
+    )
+    built = []
+    real = policy._run
+
+    def counted(tl, k, pending, keep):
+        built.append(k)
+        return real(tl, k, pending, keep)
+
+    with mock.patch.object(policy, "_run", counted):
+        first = _evaluate(tl, {1, 2}, False)
+        assert sorted(built) == [1, 2]
+        built.clear()
+        second = _evaluate(tl, {0, 1, 2}, False)
+        assert built == [0]  # slot 2's call (materializing 1, then 2) is the last one
+        built.clear()
+        third = _evaluate(tl, {0, 2}, False)
+        assert built == [2]  # 1 is not evicted any more: slot 2 materializes itself alone
+    for evicted, ev in (({1, 2}, first), ({0, 1, 2}, second), ({0, 2}, third)):
+        peak, cost, live, events = _plain_evaluate(tl, evicted, False)
+        assert (ev.peak, ev.cost, ev.live.tolist(), ev.events) == (peak, cost, live, events)
+
+
+@settings(max_examples=60, deadline=None)
+@given(chained_timelines(), st.data())
+def test_sets_that_differ_in_one_slot_follow_the_plain_model(tl, data):
+    """A search's trial sets differ in one slot from the set before: walked one after another,
+    each reusing the regenerate calls that still hold, in every regime, they give the plain
+    model's numbers, and the events' arrays are the events."""
+    indices = st.sampled_from(range(len(tl.slots)))
+    evicted = set(data.draw(st.frozensets(indices)))
+    for _ in range(12):
+        evicted ^= {data.draw(indices)}
+        cache = data.draw(st.one_of(st.booleans(), st.frozensets(indices)))
+        ev = _evaluate(tl, evicted, cache)
+        peak, cost, live, events = _plain_evaluate(tl, evicted, cache)
+        assert (ev.peak, ev.cost, ev.live.tolist(), ev.events) == (peak, cost, live, events)
+        sites, values = ev.event_values
+        assert list(zip(sites.tolist(), values.tolist())) == [(s, v) for s, v, _ in events]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_budget_below_what_always_stays_goes_to_the_minimum_search(seed):
+    """Below the bytes live at some point whatever is evicted, no greedy can fit: the decision
+    is the minimum search's, and no greedy runs (it would evict all it can, for nothing)."""
+    tl = _random_timeline(seed)
+    assert 1 < int(tl._fewest().max())
+    with mock.patch.object(policy, "_greedy", side_effect=AssertionError) as greedy:
+        decision = decide(tl, 1)
+    assert greedy.call_count == 0
+    assert decision == minimum_peak(ConcreteTimeline(tl.base, tl.slots), 1)
+    assert not decision.reachable
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_budget_below_the_floor_runs_the_whole_search_at_once(seed):
+    """A first pass without the dearest search cannot fit a budget below the floor: only the
+    whole search runs."""
+    tl = _random_timeline(seed)
+    budget = tl.unevictable()[0] - 1
+    rounds = policy._minimum_rounds
+    with mock.patch.object(policy, "_minimum_rounds", side_effect=rounds) as passes:
+        found = minimum_peak(tl, budget)
+    assert [call.kwargs["dearest"] for call in passes.call_args_list] == [True]
+    assert found.peak == predict_peak(tl, found.evicted, found.cache)
+
+
+@pytest.mark.parametrize("seed", [0, 5, 10, 11])
+def test_the_later_rounds_leave_out_the_dearest_search_and_greed_keeps_temporaries(seed):
+    """The rounds that keep a tensor run without the dearest search (it evaluates the return
+    of every evicted slot in each of its steps), and every round's greedy starts are in the
+    temp regime: these seeds run more than one round."""
+    tl = _random_timeline(seed)
+    real_once, real_greedy = policy._minimum_once, policy._greedy_minimum
+    with (
+        mock.patch.object(policy, "_minimum_once", side_effect=real_once) as rounds,
+        mock.patch.object(
+            policy, "_minimum_from_all", side_effect=policy._minimum_from_all
+        ) as dear,
+        mock.patch.object(policy, "_greedy_minimum", side_effect=real_greedy) as greedy,
+    ):
+        best = minimum_peak(tl)
+    assert rounds.call_count > 1 and dear.call_count == 1
+    assert greedy.call_count > 0
+    assert all(call.kwargs["cache"] is False for call in greedy.call_args_list)
+    assert best.peak == predict_peak(tl, best.evicted, best.cache)
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("cache", [True, False])
+def test_a_local_search_stops_within_its_limit(seed, cache):
+    """With a limit (the budget, or the floor) the local searches stop at their first set
+    within it; without one they run until no move lowers the peak."""
+    tl = _random_timeline(seed)
+    whole, lowest = policy._minimum(tl, cache)
+    assert lowest == predict_peak(tl, whole, cache)
+    assert policy._minimum(tl, cache, limit=tl.base_peak) == (set(), tl.base_peak)
+    limit = (lowest + tl.base_peak) // 2
+    chosen, peak = policy._minimum(tl, cache, limit=limit)
+    assert peak <= limit and len(chosen) <= len(whole)
+    evicted, keep = policy._refine(tl, set(whole), cache, limit=lowest)
+    assert evicted == frozenset(whole)
+
+
+def test_the_fallbacks_set_is_made_cheaper_without_swaps():
+    """Swapping a large tensor in (each try a repair from far above the budget) is left to
+    the greedy's sets; the minimum search's set is made cheaper by putting back and
+    repairing."""
+    tl = _random_timeline(112, npoints=40, nslots=16)
+    budget = int(0.65 * tl.base_peak)
+    with mock.patch.object(policy, "_swap_in", side_effect=AssertionError) as swaps:
+        decision = decide(tl, budget)
+    assert swaps.call_count == 0
+    assert decision.reachable and decision.peak <= budget
