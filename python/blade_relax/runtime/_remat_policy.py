@@ -1427,7 +1427,7 @@ def minimum_peak(tl: ConcreteTimeline, budget: int | None = None) -> Decision:
         budget decision wants the least work within the budget, not the least peak), by
         putting back and repairing only: a swap starts its repair far above the budget, and
         on these sets it seldom pays (the same decisions on the bench's timelines; 0.7 % of
-        random ones 2-16 % dearer; a third less time on llama-train at 0.7x).
+        random ones 2-15 % dearer; a third less time on llama-train at 0.7x).
 
     Returns
     -------
