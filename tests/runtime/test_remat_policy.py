@@ -998,15 +998,44 @@ def test_a_budget_below_what_always_stays_goes_to_the_minimum_search(seed):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_a_budget_below_the_floor_runs_the_whole_search_at_once(seed):
-    """A first pass without the dearest search cannot fit a budget below the floor: only the
-    whole search runs."""
+def test_a_budget_below_what_always_stays_runs_the_whole_search_at_once(seed):
+    """A first pass without the dearest search cannot fit a budget below what stays live at
+    some point whatever is evicted: only the whole search runs."""
     tl = _random_timeline(seed)
-    budget = tl.unevictable()[0] - 1
+    budget = int(tl._fewest().max()) - 1
     rounds = policy._minimum_rounds
     with mock.patch.object(policy, "_minimum_rounds", side_effect=rounds) as passes:
         found = minimum_peak(tl, budget)
     assert [call.kwargs["dearest"] for call in passes.call_args_list] == [True]
+    assert found.peak == predict_peak(tl, found.evicted, found.cache)
+
+
+def test_a_budget_pass_runs_the_local_searches_of_every_round_first():
+    """A budget the greedy misses is often met only by a round that keeps a tensor (the
+    local searches all go through the regeneration that makes the peak): the first pass runs
+    the local searches of every round, here two, before any other search, and builds no
+    floor (a pass that meets the budget is the same without it)."""
+    tl = _random_timeline(3)
+    calls = []
+    real_local, real_greedy = policy._minimum, policy._greedy_minimum
+
+    def local(t, cache, limit=-1):
+        calls.append(("local", bool(t._kept_set)))
+        return real_local(t, cache, limit)
+
+    def greedy(t, target, cache):
+        calls.append(("greedy", bool(t._kept_set)))
+        return real_greedy(t, target, cache)
+
+    with (
+        mock.patch.object(policy, "_minimum", local),
+        mock.patch.object(policy, "_greedy_minimum", greedy),
+        mock.patch.object(ConcreteTimeline, "_floor", side_effect=AssertionError),
+    ):
+        found = minimum_peak(tl, 130)
+    assert found.reachable and found.peak <= 130
+    assert ("greedy", False) in calls
+    assert ("local", True) in calls[: calls.index(("greedy", False))]
     assert found.peak == predict_peak(tl, found.evicted, found.cache)
 
 
@@ -1057,3 +1086,36 @@ def test_the_fallbacks_set_is_made_cheaper_without_swaps():
         decision = decide(tl, budget)
     assert swaps.call_count == 0
     assert decision.reachable and decision.peak <= budget
+
+
+def test_keeping_a_chained_input_makes_a_set_cheaper_where_the_budget_allows():
+    """Slots 1 and 2 regenerate from slot 0: as a temporary, 0 is recomputed for each of them
+    and at its own call (14); kept once materialized, once (6), but it holds its bytes up to
+    its own call, over the point that then peaks at 25."""
+    slots = (slot(0, 5, 1, 10, cost=4.0), slot(1, 5, 2, 5, deps=(0,)), slot(2, 5, 3, 7, deps=(0,)))
+    base = np.full(12, 10)
+    base[8] += 10
+    for s in slots:
+        base[s.start : s.site + 1] += s.nbytes
+    tl = ConcreteTimeline(base=base, slots=slots)
+    evicted = frozenset({0, 1, 2})
+    assert (_evaluate(tl, evicted, False).peak, _evaluate(tl, evicted, False).cost) == (20, 14.0)
+    kept = frozenset({0})
+    assert (_evaluate(tl, evicted, kept).peak, _evaluate(tl, evicted, kept).cost) == (25, 6.0)
+    assert policy._keep_more(tl, evicted, frozenset(), 30) == frozenset({0})
+    assert policy._keep_more(tl, evicted, frozenset(), 24) == frozenset()
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), fraction=st.sampled_from([0.8, 0.7, 0.6, 0.5]))
+def test_keeping_more_never_costs_more_or_breaks_the_budget(seed, fraction):
+    tl = _random_timeline(seed, npoints=30, nslots=14)
+    budget = int(fraction * tl.base_peak)
+    found = minimum_peak(tl, budget)
+    if not found.reachable or found.cache is True:
+        return
+    keep = found.cache or frozenset()
+    more = policy._keep_more(tl, found.evicted, keep, budget)
+    assert keep <= more
+    ev = _evaluate(tl, found.evicted, more)
+    assert ev.peak <= budget and ev.cost <= found.cost

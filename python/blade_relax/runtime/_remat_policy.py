@@ -46,16 +46,17 @@ predicted peak fits the budget: exact (every subset that can win) when few slots
 memory, greedy otherwise (repeatedly the slot that removes the most bytes above the budget per
 unit of cost, then a pruning pass that puts back every slot the budget does not need, dearest
 first). When no greedy set fits, :func:`minimum_peak` searches for the smallest peak, also
-in a *mixed* regime (each chained input kept or recomputed as a temporary, chosen per slot),
-first without its dearest search, then whole when that first pass neither fits the budget nor
-reaches the floor (at once when the budget is below the floor; a budget below what stays live
-at some point whatever is evicted skips the greedy too); when one of its results fits the
-budget, the first that does is the decision, else the decision runs at the smallest peak
-found and says the budget is not reachable. A set that fits, from either path, is then made
-cheaper while it still fits (:func:`_cheapen`: put back one of its dearest evictions, repair
-with cheaper ones evaluated exactly, put back what is not needed; for the greedy's set, also
-swap a large tensor in for what it makes unnecessary), since the greedy's choices one at a
-time and the minimum search's choices by peak leave work that the budget does not need.
+in a *mixed* regime (each chained input kept or recomputed as a temporary, chosen per slot): a
+first pass without its dearest search and with the local searches of every round first, then
+the whole search when that pass neither fits the budget nor reaches the floor (at once, and
+without the greedy, when the budget is below what stays live at some point whatever is
+evicted). When one of its results fits the budget, the first that does is the decision, else
+the decision runs at the smallest peak found and says the budget is not reachable. A set that
+fits, from either path, is then made cheaper while it still fits (:func:`_cheapen`: put back
+one of its dearest evictions, repair with cheaper ones evaluated exactly, put back what is not
+needed; for the greedy's set, also swap a large tensor in for what it makes unnecessary), since
+the greedy's choices one at a time and the minimum search's choices by peak leave work that
+the budget does not need.
 """
 
 from __future__ import annotations
@@ -166,6 +167,7 @@ class ConcreteTimeline:
         object.__setattr__(self, "_runs", {})
         object.__setattr__(self, "_runs_by_sequence", {})
         object.__setattr__(self, "_last_runs", [None] * len(slots))
+        object.__setattr__(self, "_earlier_runs", [None] * len(slots))
         object.__setattr__(
             self, "_plan_masks", [sum(1 << x for x in plan) for plan in self._plan_slots]
         )
@@ -571,6 +573,7 @@ def _walk(tl: ConcreteTimeline, chosen: frozenset[int], keep: int) -> _Walk:
     plan_masks = tl._plan_masks
     known = tl._runs
     last = tl._last_runs
+    earlier = tl._earlier_runs
     chosen_mask = 0
     for k in chosen:
         chosen_mask |= 1 << k
@@ -586,9 +589,11 @@ def _walk(tl: ConcreteTimeline, chosen: frozenset[int], keep: int) -> _Walk:
         # regenerate call came earlier. (A plan of the slot alone leaves it pending: it is
         # evicted and not materialized.)
         pending = plan_masks[k] & chosen_mask & ~done
-        # The slot's last call holds when the pending set still has every input it
-        # materialized and none it reads beyond them, and it keeps the same of them: its
-        # recomputation then reaches the same slots (trial sets mostly differ elsewhere).
+        # One of the slot's last two calls holds when the pending set still has every input
+        # it materialized and none it reads beyond them, and it keeps the same of them: its
+        # recomputation then reaches the same slots (a search's trial sets mostly differ
+        # elsewhere, or in one slot that comes and goes).
+        # (Written out: the walk runs this for every evicted slot of every evaluation.)
         run = last[k]
         if (
             run is None
@@ -596,10 +601,18 @@ def _walk(tl: ConcreteTimeline, chosen: frozenset[int], keep: int) -> _Walk:
             or pending & run.inputs != run.inputs
             or keep & run.inputs != run.kept
         ):
-            key = (k, pending, pending & keep)
-            run = known.get(key)
-            if run is None:
-                run = known[key] = _run(tl, k, pending, keep)
+            run = earlier[k]
+            if (
+                run is None
+                or pending & run.frontier
+                or pending & run.inputs != run.inputs
+                or keep & run.inputs != run.kept
+            ):
+                key = (k, pending, pending & keep)
+                run = known.get(key)
+                if run is None:
+                    run = known[key] = _run(tl, k, pending, keep)
+            earlier[k] = last[k]
             last[k] = run
         done |= run.closes_mask
         index += run.closes
@@ -1113,10 +1126,9 @@ def _peak_event(ev: _Evaluation) -> tuple[int, int | None]:
     return (int(np.argmax(ev.live)) if len(ev.live) else 0), None
 
 
-def _covers(tl: ConcreteTimeline, k: int, at: int) -> bool:
-    """Whether slot ``k``'s window covers point ``at``."""
-    slot = tl.slots[k]
-    return slot.start <= at <= slot.site
+def _covering(tl: ConcreteTimeline, at: int) -> list[int]:
+    """The effective slots whose window covers point ``at``, in index order."""
+    return np.flatnonzero(tl.window_mask()[:, at] & tl._effective_mask).tolist()
 
 
 # At most this many additions are tried exactly per step of the minimum search (the best by
@@ -1136,7 +1148,7 @@ def _minimum(tl: ConcreteTimeline, cache: bool, limit: int = -1) -> tuple[set[in
         at, making = _peak_event(ev)
         trials: list[set[int]] = []
         gains = _gains(tl, ev, ev.peak - 1).tolist()
-        covering = [x for x in candidates if x not in chosen and _covers(tl, x, at)]
+        covering = [x for x in _covering(tl, at) if x not in chosen]
         order = sorted(covering, key=lambda c: -gains[c])
         trials.extend(chosen | {x} for x in order[:_TRIALS])
         if making is not None:
@@ -1229,7 +1241,6 @@ def _refine(
     else:
         keep = frozenset(cache)
     ev = _evaluate(tl, evicted, keep)
-    effective = _effective(tl)
     for _ in range(_REFINE_ROUNDS):
         if ev.peak <= limit:
             break
@@ -1246,7 +1257,7 @@ def _refine(
             trials.append((evicted, keep - covering))
         gains = _gains(tl, ev, ev.peak - 1).tolist()
         order = sorted(
-            (x for x in effective if x not in evicted and _covers(tl, x, at)),
+            (x for x in _covering(tl, at) if x not in evicted),
             key=lambda c: -gains[c],
         )
         for x in order[:_TRIALS]:
@@ -1268,43 +1279,80 @@ def _refine(
     return evicted, keep
 
 
+# One result of a search of the minimum: (peak, cost, not cache, evicted, cache, whether it
+# comes from a local search).
+_Result = tuple[int, float, bool, set[int], bool, bool]
+
+
+def _enough(peak: int, floor: int, budget: int | None) -> bool:
+    """Whether a search of the minimum may stop at ``peak``: no set peaks below the floor,
+    and with a budget any set within it will do (it is made cheaper afterwards)."""
+    return peak <= floor or (budget is not None and peak <= budget)
+
+
+def _searched(
+    tl: ConcreteTimeline, search: Callable, cache: bool, local: bool, budget: int | None
+) -> _Result:
+    """``search``'s result in ``cache``, without the evictions its peak (or the budget, if
+    larger) does not need."""
+    chosen, peak = search(tl, cache=cache)
+    limit = peak if budget is None else max(peak, budget)
+    chosen = _prune(tl, chosen, cache, limit)
+    ev = _evaluate(tl, chosen, cache)
+    return (ev.peak, ev.cost, not cache, chosen, cache, local)
+
+
+def _local_results(
+    tl: ConcreteTimeline,
+    budget: int | None,
+    floor: int,
+    regimes: tuple[bool, bool] = (True, False),
+) -> list[_Result]:
+    """The local searches of one round (:func:`_minimum` in each regime), the first that is
+    enough ending them. They stop at the floor, where none goes lower. (Stopping them within
+    a budget as well hands a set of more evictions to the cheapening: on gpt2-train it then
+    ends 19 % dearer.)"""
+    results: list[_Result] = []
+    for cache in regimes:
+        local = functools.partial(_minimum, limit=floor)
+        results.append(_searched(tl, local, cache, True, budget))
+        if _enough(results[-1][0], floor, budget):
+            break
+    return results
+
+
 def _minimum_once(
-    tl: ConcreteTimeline, budget: int | None = None, dearest: bool = True
+    tl: ConcreteTimeline,
+    budget: int | None,
+    floor: int,
+    results: list[_Result],
+    dearest: bool = True,
 ) -> Decision:
-    """One round of :func:`minimum_peak` (see there); ``dearest``: whether the search from
-    every eviction runs (last)."""
-    floor = tl.unevictable()[0]
+    """The searches of one round of :func:`minimum_peak` (see there) after its local
+    searches, whose ``results`` are given; ``dearest``: whether the search from every
+    eviction runs (last). ``floor`` is the floor of the timeline the rounds keep slots of
+    (the round's own is not lower: no search stops later than it would)."""
 
     def enough(peak: int) -> bool:
-        # No set peaks below the floor, and with a budget any set within it will do (it is
-        # made cheaper afterwards): the searches left cannot do better.
-        return peak <= floor or (budget is not None and peak <= budget)
+        return _enough(peak, floor, budget)
 
-    # (is a local search, search, regime), the cheapest first: the searches stop at the first
-    # result that is enough.
-    # The local searches and refinements stop at the floor, where none goes lower. (Stopping
-    # them within a budget as well hands a set of more evictions to the cheapening: on
-    # gpt2-train it then ends 19 % dearer.)
-    local = functools.partial(_minimum, limit=floor)
-    searches: list[tuple[bool, Callable, bool]] = [(True, local, True), (True, local, False)]
-    # The greedy that budget decisions use, aimed at fractions of the unevicted peak: it may
-    # reach a lower peak than the local searches, and the minimum must not be above a peak
-    # that a budget decision reaches.
+    results = list(results)
+    # (search, regime), the cheapest first: the searches stop at the first result that is
+    # enough. The greedy that budget decisions use, aimed at fractions of the unevicted peak:
+    # it may reach a lower peak than the local searches, and the minimum must not be above a
+    # peak that a budget decision reaches.
+    searches: list[tuple[Callable, bool]] = []
     for fraction in _GREEDY_TARGETS:
         search = functools.partial(_greedy_minimum, target=int(fraction * tl.base_peak))
-        searches.append((False, search, False))
+        searches.append((search, False))
     # The dearest last: it evaluates the return of every evicted slot in each of its rounds.
     if dearest:
-        searches.append((True, _minimum_from_all, True))
-    results = []
-    for local, search, cache in searches:
-        chosen, peak = search(tl, cache=cache)
-        limit = peak if budget is None else max(peak, budget)
-        chosen = _prune(tl, chosen, cache, limit)
-        ev = _evaluate(tl, chosen, cache)
-        results.append((ev.peak, ev.cost, not cache, chosen, cache, local))
-        if enough(ev.peak):
-            break
+        searches.append((_minimum_from_all, True))
+    if not any(enough(r[0]) for r in results):
+        for search, cache in searches:
+            results.append(_searched(tl, search, cache, search is _minimum_from_all, budget))
+            if enough(results[-1][0]):
+                break
     peak, cost, _, chosen, cache, _ = min(results, key=lambda r: r[:3])
     if enough(peak):
         return _decision(tl, chosen, cache, budget)
@@ -1357,6 +1405,7 @@ def _build_kept(tl: ConcreteTimeline, keep: frozenset[int]) -> ConcreteTimeline:
     object.__setattr__(kept, "_runs", tl._runs)
     object.__setattr__(kept, "_runs_by_sequence", tl._runs_by_sequence)
     object.__setattr__(kept, "_last_runs", tl._last_runs)
+    object.__setattr__(kept, "_earlier_runs", tl._earlier_runs)
     object.__setattr__(kept, "_evaluations", tl._evaluations)
     object.__setattr__(kept, "_kept_set", tl._kept_set | keep)
     object.__setattr__(kept, "_kept_evaluations", {})
@@ -1375,6 +1424,7 @@ def _forgets_runs(search):
             tl._runs.clear()
             tl._runs_by_sequence.clear()
             tl._last_runs[:] = [None] * len(tl._last_runs)
+            tl._earlier_runs[:] = [None] * len(tl._earlier_runs)
             tl._evaluations.clear()
             tl._greedy_runs.clear()
             tl._kept_timelines.clear()
@@ -1411,10 +1461,12 @@ def minimum_peak(tl: ConcreteTimeline, budget: int | None = None) -> Decision:
 
     With a budget, a first pass runs every round without (2), the dearest search (it
     evaluates the return of every evicted slot in each of its steps, and seldom finds what
-    the others miss); only when no result of that pass fits the budget or reaches the floor
-    does the whole search above run, reusing what the first pass evaluated. A budget that no
-    result of the first pass meets, above the floor, therefore gets the whole search's
-    result; a budget below the floor, which no pass meets, gets it at once.
+    the others miss), and the local searches (1) of every round first (:func:`_minimum_sweeps`:
+    a budget the greedy misses is often met only by a round that keeps a tensor); only when
+    no result of that pass fits the budget or reaches the floor does the whole search above
+    run, reusing what the first pass evaluated. A budget that no result of the first pass
+    meets, above the floor, therefore gets the whole search's result; a budget below what
+    stays live at some point whatever is evicted, which no pass meets, gets it at once.
 
     Parameters
     ----------
@@ -1436,7 +1488,7 @@ def minimum_peak(tl: ConcreteTimeline, budget: int | None = None) -> Decision:
     if _peak_is_fixed(tl):
         return _decision(tl, (), True, budget)
     best = None
-    if budget is not None and budget >= tl.unevictable()[0]:
+    if budget is not None and budget >= int(tl._fewest().max()):
         # The dearest search seldom finds what the others miss: a first pass leaves it out,
         # and only when nothing it finds fits (or reaches the floor, below which no search
         # goes) does the whole search run.
@@ -1454,23 +1506,108 @@ def minimum_peak(tl: ConcreteTimeline, budget: int | None = None) -> Decision:
                 if not isinstance(regime, bool):
                     regime = regime & frozenset(_chain_inputs(tl, evicted))
                 made.append(_decision(tl, evicted, regime, budget))
+                if regime is not True:
+                    # Keeping some of the chained inputs (between the pure regimes).
+                    keep = _keep_more(tl, evicted, regime or frozenset(), budget)
+                    made.append(_decision(tl, evicted, keep, budget))
         best = min(made, key=lambda d: d.cost)
     return best
 
 
+def _keep_more(
+    tl: ConcreteTimeline, evicted: frozenset[int], keep: frozenset[int], budget: int
+) -> frozenset[int]:
+    """Keep more of the chained inputs of ``evicted`` while it fits ``budget`` and costs less.
+
+    A chained input kept is recomputed once, not once per regeneration that reads it, and
+    holds its bytes in between. Each step evaluates keeping each input not kept yet and takes
+    the cheapest that fits (ties: the lower index); the pure regimes are the two ends, and a
+    search that reaches the budget in one of them may leave this work on the table.
+    """
+    inputs = sorted(_chain_inputs(tl, evicted) - keep)
+    ev = _evaluate(tl, evicted, keep)
+    while inputs:
+        trials = [(evicted, keep | {x}) for x in inputs]
+        best = None
+        for x, result in zip(inputs, _evaluate_many(tl, trials)):
+            if result.peak <= budget and result.cost < ev.cost:
+                if best is None or result.cost < best[1].cost:
+                    best = (x, result)
+        if best is None:
+            break
+        keep, ev = keep | {best[0]}, best[1]
+        inputs.remove(best[0])
+    return keep
+
+
 def _minimum_rounds(tl: ConcreteTimeline, budget: int | None, dearest: bool) -> Decision:
     """The rounds of :func:`minimum_peak`: the best result of all, not made cheaper."""
-    best = _minimum_once(tl, budget, dearest)
+    if not dearest:
+        return _minimum_sweeps(tl, budget)
+    floor = tl.unevictable()[0]
     keep: frozenset[int] = frozenset()
-    current = best
-    for _ in range(_KEEP_ROUNDS):
-        if (budget is not None and best.peak <= budget) or best.peak <= tl.unevictable()[0]:
+    timeline = tl
+    best: Decision | None = None
+    for place in range(_KEEP_ROUNDS + 1):
+        own = timeline.unevictable()[0]
+        found = _minimum_once(
+            timeline, budget, own, _local_results(timeline, budget, own), place == 0
+        )
+        current = _decision(tl, found.evicted, found.cache, budget)
+        if best is None or (current.peak, current.cost) < (best.peak, best.cost):
+            best = current
+        if _enough(best.peak, floor, budget):
             break
         _, making = _peak_event(_evaluate(tl, current.evicted, current.cache))
         if making is None or making in keep:
             break
         keep = keep | {making}
-        found = _minimum_once(_kept(tl, keep), budget, dearest=False)
+        timeline = _kept(tl, keep)
+    return best
+
+
+def _minimum_sweeps(tl: ConcreteTimeline, budget: int | None) -> Decision:
+    """The rounds of :func:`minimum_peak`'s first pass (with a budget, without the dearest
+    search), the local searches of every round first.
+
+    A budget that the greedy misses is often one that only a round keeping a tensor meets
+    (a regeneration that the local searches all go through makes the peak), and the local
+    searches are the cheapest: each round after the first keeps, with the tensors kept
+    before, the one whose regeneration makes the peak of the previous round's best local
+    result. The other searches of each round follow, round by round. The rounds stop at the
+    first result within the budget. They do not build the floor (about as dear as the local
+    searches of a round): a pass that meets the budget is the same without it, since the
+    floor is below the budget then and a search that reaches it stops there anyway, no move
+    going lower; one that misses it is followed by the whole search.
+    """
+    floor = -1
+    rounds: list[tuple[ConcreteTimeline, list[_Result]]] = []
+    best: Decision | None = None
+    keep: frozenset[int] = frozenset()
+    timeline = tl
+    while True:
+        # A round that keeps a tensor runs the temp regime's local search first: it is the one
+        # that meets a budget there on the bench's timelines (after the first round both run,
+        # for the tensor to keep).
+        results = _local_results(
+            timeline, budget, floor, (False, True) if rounds else (True, False)
+        )
+        rounds.append((timeline, results))
+        _, _, _, chosen, cache, _ = min(results, key=lambda r: r[:3])
+        current = _decision(tl, chosen, cache, budget)
+        if best is None or (current.peak, current.cost) < (best.peak, best.cost):
+            best = current
+        if _enough(best.peak, floor, budget) or len(rounds) > _KEEP_ROUNDS:
+            break
+        _, making = _peak_event(_evaluate(tl, chosen, cache))
+        if making is None or making in keep:
+            break
+        keep = keep | {making}
+        timeline = _kept(tl, keep)
+    for timeline, results in rounds:
+        if _enough(best.peak, floor, budget):
+            break
+        found = _minimum_once(timeline, budget, floor, results, dearest=False)
         current = _decision(tl, found.evicted, found.cache, budget)
         if (current.peak, current.cost) < (best.peak, best.cost):
             best = current
