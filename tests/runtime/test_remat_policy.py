@@ -997,6 +997,19 @@ def test_a_budget_below_what_always_stays_goes_to_the_minimum_search(seed):
     assert not decision.reachable
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_few_slots_are_still_tried_exactly_below_what_always_stays(seed):
+    """With ten slots or fewer the exact search runs whatever the budget: in the pure regimes
+    its least peak may be below the minimum search's."""
+    tl = _random_timeline(seed, npoints=20, nslots=6)
+    budget = int(tl._fewest().max()) - 1
+    with mock.patch.object(policy, "_exact", side_effect=policy._exact) as exact:
+        decision = decide(tl, budget)
+    assert exact.call_count == 1 and not decision.reachable
+    lowest = minimum_peak(ConcreteTimeline(tl.base, tl.slots), budget)
+    assert decision.peak <= lowest.peak
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_a_budget_below_what_always_stays_runs_the_whole_search_at_once(seed):
     """A first pass without the dearest search cannot fit a budget below what stays live at

@@ -1330,8 +1330,8 @@ def _minimum_once(
 ) -> Decision:
     """The searches of one round of :func:`minimum_peak` (see there) after its local
     searches, whose ``results`` are given; ``dearest``: whether the search from every
-    eviction runs (last). ``floor`` is the floor of the timeline the rounds keep slots of
-    (the round's own is not lower: no search stops later than it would)."""
+    eviction runs (last). The searches stop at ``floor`` (no set goes below it; -1 when it
+    is not built) or within the budget."""
 
     def enough(peak: int) -> bool:
         return _enough(peak, floor, budget)
@@ -1452,17 +1452,19 @@ def minimum_peak(tl: ConcreteTimeline, budget: int | None = None) -> Decision:
     at 0.9 .. 0.5 of the unevicted peak, so that the minimum is never above a peak a budget
     decision reaches, in the temp regime only (with the cache regime's greedy starts as well,
     the minimum was the same on every timeline of the decision benches, and on 314 of 322
-    random ones, lower on 2 and higher on 6). (3) From the results of (1), (2) and the best two of (2b), a mixed regime: per
-    chained input, kept or a temporary (:func:`_refine`). Then put back every slot that the
-    reached peak (or ``budget``, if larger) does not need. The searches run cheapest first,
-    (2) last, and stop at the first result at the floor (``ConcreteTimeline.unevictable``: no
-    set peaks lower) or within ``budget``; so do the refinements and the rounds, and the local
-    searches and refinements stop at their first set at the floor.
+    random ones, lower on 2 and higher on 6). (3) From the results of (1), (2) and the best
+    two of (2b), a mixed regime: per chained input, kept or a temporary (:func:`_refine`).
+    Then put back every slot that the reached peak (or ``budget``, if larger) does not need.
+    The searches run cheapest first, (2) last, and stop at the first result at the floor
+    (``ConcreteTimeline.unevictable``: no set peaks lower) or within ``budget``; so do the
+    refinements and the rounds, and the local searches and refinements stop at their first
+    set at the floor.
 
     With a budget, a first pass runs every round without (2), the dearest search (it
     evaluates the return of every evicted slot in each of its steps, and seldom finds what
-    the others miss), and the local searches (1) of every round first (:func:`_minimum_sweeps`:
-    a budget the greedy misses is often met only by a round that keeps a tensor); only when
+    the others miss), and the local searches (1) of every round first
+    (:func:`_minimum_sweeps`: a budget the greedy misses is often met only by a round that
+    keeps a tensor); only when
     no result of that pass fits the budget or reaches the floor does the whole search above
     run, reusing what the first pass evaluated. A budget that no result of the first pass
     meets, above the floor, therefore gets the whole search's result; a budget below what
@@ -1647,10 +1649,6 @@ def decide(tl: ConcreteTimeline, budget: int | None, *, exact_limit: int = EXACT
     candidates = _effective(tl)
     if not candidates or _peak_is_fixed(tl):
         return _decision(tl, (), True, budget)
-    if budget < int(tl._fewest().max()):
-        # No set fits a budget below what stays live at some point whatever is evicted: the
-        # answer is the minimum search's (the greedy would evict all it can, for nothing).
-        return minimum_peak(tl, budget)
     if len(candidates) <= exact_limit:
         found = _exact(tl, candidates, budget)
         if found.reachable:
@@ -1658,6 +1656,10 @@ def decide(tl: ConcreteTimeline, budget: int | None, *, exact_limit: int = EXACT
         # No subset fits in a pure regime: a mixed one may (see minimum_peak).
         lowest = minimum_peak(tl, budget)
         return lowest if (lowest.peak, lowest.cost) < (found.peak, found.cost) else found
+    if budget < int(tl._fewest().max()):
+        # No set fits a budget below what stays live at some point whatever is evicted: the
+        # answer is the minimum search's (the greedy would evict all it can, for nothing).
+        return minimum_peak(tl, budget)
     found = [
         d for d in (_greedy(tl, candidates, budget, c) for c in (True, False)) if d is not None
     ]
