@@ -563,6 +563,33 @@ class _Walk(NamedTuple):
     ends: list[int]
 
 
+def _holds(run: _Run | None, pending: int, keep: int) -> bool:
+    """Whether ``run`` is its slot's regenerate call for ``pending`` and ``keep``: the pending
+    set still has every input it materialized and none it reads beyond them, and it keeps
+    the same of them (its recomputation then reaches the same slots)."""
+    return (
+        run is not None
+        and not pending & run.frontier
+        and pending & run.inputs == run.inputs
+        and keep & run.inputs == run.kept
+    )
+
+
+def _other_call(tl: ConcreteTimeline, k: int, pending: int, keep: int) -> _Run:
+    """Slot ``k``'s regenerate call when its last one does not hold: the one before it if that
+    holds (a search's trial sets often differ in one slot that comes and goes), else the
+    call remembered for the same pending set, else a new one. The two are remembered."""
+    run = tl._earlier_runs[k]
+    if not _holds(run, pending, keep):
+        key = (k, pending, pending & keep)
+        run = tl._runs.get(key)
+        if run is None:
+            run = tl._runs[key] = _run(tl, k, pending, keep)
+    tl._earlier_runs[k] = tl._last_runs[k]
+    tl._last_runs[k] = run
+    return run
+
+
 def _walk(tl: ConcreteTimeline, chosen: frozenset[int], keep: int) -> _Walk:
     """Which regenerate calls run when ``chosen`` are evicted, and what each materializes.
 
@@ -571,9 +598,7 @@ def _walk(tl: ConcreteTimeline, chosen: frozenset[int], keep: int) -> _Walk:
     part of it)``.
     """
     plan_masks = tl._plan_masks
-    known = tl._runs
     last = tl._last_runs
-    earlier = tl._earlier_runs
     chosen_mask = 0
     for k in chosen:
         chosen_mask |= 1 << k
@@ -589,11 +614,9 @@ def _walk(tl: ConcreteTimeline, chosen: frozenset[int], keep: int) -> _Walk:
         # regenerate call came earlier. (A plan of the slot alone leaves it pending: it is
         # evicted and not materialized.)
         pending = plan_masks[k] & chosen_mask & ~done
-        # One of the slot's last two calls holds when the pending set still has every input
-        # it materialized and none it reads beyond them, and it keeps the same of them: its
-        # recomputation then reaches the same slots (a search's trial sets mostly differ
-        # elsewhere, or in one slot that comes and goes).
-        # (Written out: the walk runs this for every evicted slot of every evaluation.)
+        # The slot's last call, when it holds (:func:`_holds`, written out: the walk runs
+        # this for every evicted slot of every evaluation); a search's trial sets mostly
+        # differ elsewhere.
         run = last[k]
         if (
             run is None
@@ -601,19 +624,7 @@ def _walk(tl: ConcreteTimeline, chosen: frozenset[int], keep: int) -> _Walk:
             or pending & run.inputs != run.inputs
             or keep & run.inputs != run.kept
         ):
-            run = earlier[k]
-            if (
-                run is None
-                or pending & run.frontier
-                or pending & run.inputs != run.inputs
-                or keep & run.inputs != run.kept
-            ):
-                key = (k, pending, pending & keep)
-                run = known.get(key)
-                if run is None:
-                    run = known[key] = _run(tl, k, pending, keep)
-            earlier[k] = last[k]
-            last[k] = run
+            run = _other_call(tl, k, pending, keep)
         done |= run.closes_mask
         index += run.closes
         ends += run.ends
