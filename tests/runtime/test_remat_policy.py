@@ -1026,11 +1026,16 @@ def test_a_budget_below_what_always_stays_runs_the_whole_search_at_once(seed):
 def test_a_budget_pass_runs_the_local_searches_of_every_round_first():
     """A budget the greedy misses is often met only by a round that keeps a tensor (the
     local searches all go through the regeneration that makes the peak): the first pass runs
-    the local searches of every round, here two, before any other search, and builds no
-    floor (a pass that meets the budget is the same without it)."""
+    the local searches of every round, here two, and builds no floor (a pass that meets the
+    budget is the same without it). None of them meets this budget: the whole search follows,
+    floor first, and one of its greedy starts does."""
     tl = _random_timeline(3)
     calls = []
-    real_local, real_greedy = policy._minimum, policy._greedy_minimum
+    real_local, real_greedy, real_floor = (
+        policy._minimum,
+        policy._greedy_minimum,
+        ConcreteTimeline._floor,
+    )
 
     def local(t, cache, limit=-1):
         calls.append(("local", bool(t._kept_set)))
@@ -1040,15 +1045,20 @@ def test_a_budget_pass_runs_the_local_searches_of_every_round_first():
         calls.append(("greedy", bool(t._kept_set)))
         return real_greedy(t, target, cache)
 
+    def floor(t):
+        calls.append(("floor", bool(t._kept_set)))
+        return real_floor(t)
+
     with (
         mock.patch.object(policy, "_minimum", local),
         mock.patch.object(policy, "_greedy_minimum", greedy),
-        mock.patch.object(ConcreteTimeline, "_floor", side_effect=AssertionError),
+        mock.patch.object(ConcreteTimeline, "_floor", floor),
     ):
         found = minimum_peak(tl, 130)
     assert found.reachable and found.peak <= 130
-    assert ("greedy", False) in calls
-    assert ("local", True) in calls[: calls.index(("greedy", False))]
+    first_greedy = calls.index(("greedy", False))
+    assert ("local", True) in calls[: calls.index(("floor", False))]
+    assert ("floor", False) in calls[:first_greedy]
     assert found.peak == predict_peak(tl, found.evicted, found.cache)
 
 
