@@ -1029,7 +1029,7 @@ def test_a_budget_pass_runs_the_local_searches_of_every_round_first():
     the local searches of every round, here two, and builds no floor (a pass that meets the
     budget is the same without it). None of them meets this budget: the whole search follows,
     floor first, and one of its greedy starts does."""
-    tl = _random_timeline(3)
+    tl = _random_timeline(45)
     calls = []
     real_local, real_greedy, real_floor = (
         policy._minimum,
@@ -1054,8 +1054,8 @@ def test_a_budget_pass_runs_the_local_searches_of_every_round_first():
         mock.patch.object(policy, "_greedy_minimum", greedy),
         mock.patch.object(ConcreteTimeline, "_floor", floor),
     ):
-        found = minimum_peak(tl, 130)
-    assert found.reachable and found.peak <= 130
+        found = minimum_peak(tl, 134)
+    assert found.reachable and found.peak <= 134
     first_greedy = calls.index(("greedy", False))
     assert ("local", True) in calls[: calls.index(("floor", False))]
     assert ("floor", False) in calls[:first_greedy]
@@ -1142,3 +1142,50 @@ def test_keeping_more_never_costs_more_or_breaks_the_budget(seed, fraction):
     assert keep <= more
     ev = _evaluate(tl, found.evicted, more)
     assert ev.peak <= budget and ev.cost <= found.cost
+
+
+@pytest.mark.parametrize("seed", [3, 7, 12])
+def test_the_first_pass_runs_the_cache_local_search_alone_in_its_first_round(seed):
+    """The first pass's first round runs the cache regime's local search alone; a round that
+    keeps a tensor runs the temp regime's first."""
+    tl = _random_timeline(seed)
+    calls = []
+    real_local = policy._minimum
+
+    def local(t, cache, limit=-1):
+        calls.append((bool(t._kept_set), cache))
+        return real_local(t, cache, limit)
+
+    with mock.patch.object(policy, "_minimum", local):
+        found = policy._minimum_sweeps(tl, int(0.5 * tl.base_peak))
+    assert [cache for kept, cache in calls if not kept] == [True]
+    later = [cache for kept, cache in calls if kept]
+    assert not later or later[0] is False
+    assert found.peak == predict_peak(tl, found.evicted, found.cache)
+
+
+def test_a_budget_the_temp_greedy_misses_runs_no_cache_greedy():
+    """The cache regime's greedy runs only when the temp regime's fits the budget; one that
+    misses goes to the minimum search."""
+    seen = {True: 0, False: 0}
+    real = policy._greedy
+
+    def greedy(t, candidates, budget, cache):
+        found = real(t, candidates, budget, cache)
+        regimes.append((cache, found is not None))
+        return found
+
+    for seed in range(40):
+        tl = _random_timeline(seed, npoints=40, nslots=16)
+        for fraction in (0.8, 0.6):
+            regimes = []
+            with mock.patch.object(policy, "_greedy", greedy):
+                decision = decide(tl, int(fraction * tl.base_peak))
+            if not regimes:
+                continue
+            assert regimes[0][0] is False
+            temp_fits = regimes[0][1]
+            assert [cache for cache, _ in regimes] == ([False, True] if temp_fits else [False])
+            seen[temp_fits] += 1
+            assert decision.peak == predict_peak(tl, decision.evicted, decision.cache)
+    assert seen[True] and seen[False]
