@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from blade_relax.bench.decision_time import main, table, time_timeline
+from blade_relax.bench.decision_time import CLOCKS, main, table, time_timeline
 from blade_relax.contract import REMAT_FORMAT
 from blade_relax.runtime.remat import RematProgram
 
@@ -55,6 +55,17 @@ def test_rows_of_a_program():
     assert "*" in text.splitlines()[-1]  # 0.5 is unreachable
 
 
+def test_rows_by_the_cpu_clock():
+    """The CPU time of the deciding thread: the same decisions, positive times."""
+    wall = time_timeline(_program(), [10], [0.9, 0.5], repeat=2)
+    cpu = time_timeline(_program(), [10], [0.9, 0.5], repeat=2, clock=CLOCKS["cpu"])
+    assert [(b.peak, b.reachable, b.evicted) for b in cpu.budgets] == [
+        (b.peak, b.reachable, b.evicted) for b in wall.budgets
+    ]
+    assert all(t >= 0 for b in cpu.budgets for t in b.uncached_samples)
+    assert cpu.minimum_peak == wall.minimum_peak and all(b.cached_us > 0 for b in cpu.budgets)
+
+
 def test_command_on_a_tiny_mlp(tmp_path, capsys):
     out = tmp_path / "decisions.json"
     argv = [
@@ -75,15 +86,19 @@ def test_command_on_a_tiny_mlp(tmp_path, capsys):
         "--max-seq-len",
         "64",
         "--quiet",
+        "--clock",
+        "cpu",
         "--json",
         str(out),
     ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "## Remat decision time" in printed and "Growth" not in printed
+    assert "CPU time of the deciding thread" in printed
     assert "| mlp-train | 2 | 8 |" in printed and "| mlp-train | 2 | 32 |" in printed
     payload = json.loads(out.read_text())
     assert [r["length"] for r in payload["rows"]] == [8, 32] and payload["sweep"] == []
+    assert payload["clock"] == "cpu"
     for row in payload["rows"]:
         assert [b["fraction"] for b in row["budgets"]] == [0.9, 0.8, 0.7]
         assert row["minimum_peak"] >= row["floor"]
@@ -99,6 +114,7 @@ def test_command_on_a_tiny_mlp(tmp_path, capsys):
         ["--fractions", "0.9,-1"],
         ["--repeat", "0"],
         ["--layers", "0"],
+        ["--clock", "sundial"],
     ],
 )
 def test_bad_arguments_exit_2(argv, capsys):

@@ -16,7 +16,10 @@ a device. Per length and budget (``--fractions`` of the unevicted peak) it times
 * the *minimum search*: :func:`~blade_relax.runtime._remat_policy.minimum_peak` alone, on a
   fresh timeline (what an unreachable budget pays, and ``RematProgram.minimum_peak``).
 
-Times are medians over ``--repeat`` repeats. A second table follows the number of slots
+Times are medians over ``--repeat`` repeats, on the wall clock (``--clock wall``, the default)
+or as the CPU time of the deciding thread (``--clock cpu``: on a shared machine, a thread that
+is not scheduled for a while counts only the time it ran, so medians taken minutes apart vary
+less). A second table follows the number of slots
 (evictable tensors) by building ``--sweep-workload`` (llama-train) with ``--layers`` decoder
 layers (default 1,2,4). ``--json PATH`` writes every row, samples included.
 
@@ -38,7 +41,7 @@ from typing import Any
 
 from .._cliutil import CliError, OneLineParser, check_output_path, first_line
 
-__all__ = ["BudgetTiming", "TimelineTiming", "build_parser", "main", "time_timeline"]
+__all__ = ["CLOCKS", "BudgetTiming", "TimelineTiming", "build_parser", "main", "time_timeline"]
 
 DEFAULT_PROG = "python -m blade_relax.bench.decision_time"
 DEFAULT_WORKLOADS = "llama-train,gpt2-train,mlp-train"
@@ -49,6 +52,9 @@ DEFAULT_LAYERS = "1,2,4"
 # Cached decisions are timed in loops of this many calls (one call is well under the clock's
 # resolution for a single reading to mean much).
 _CACHED_CALLS = 200
+# What ``--clock`` measures with.
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.thread_time}
+_CLOCK_WORDS = {"wall": "wall clock", "cpu": "CPU time of the deciding thread"}
 # The size flags that override single fields of the preset (``--layers`` is the sweep).
 _SIZE_FLAGS = ("hidden", "heads", "kv_heads", "intermediate", "vocab", "max_seq_len", "batch")
 
@@ -126,8 +132,11 @@ def _regime(cache: Any) -> str:
     return "mixed"
 
 
-def _fresh_times(tl: Any, run: Callable[[Any], Any], repeat: int) -> tuple[list[float], Any]:
-    """Seconds of ``run`` on a copy of ``tl`` with cold caches, ``repeat`` times; its result."""
+def _fresh_times(
+    tl: Any, run: Callable[[Any], Any], repeat: int, clock: Callable[[], float] = time.perf_counter
+) -> tuple[list[float], Any]:
+    """Seconds of ``run`` on a copy of ``tl`` with cold caches, ``repeat`` times, on
+    ``clock``; its result."""
     from ..runtime._remat_policy import ConcreteTimeline
 
     times, result = [], None
@@ -136,21 +145,27 @@ def _fresh_times(tl: Any, run: Callable[[Any], Any], repeat: int) -> tuple[list[
     gc.collect()
     for _ in range(repeat):
         fresh = ConcreteTimeline(base=tl.base, slots=tl.slots)
-        start = time.perf_counter()
+        start = clock()
         result = run(fresh)
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return times, result
 
 
-def _cached_us(program: Any, dims: tuple[int, ...], budget: int, repeat: int) -> float:
+def _cached_us(
+    program: Any,
+    dims: tuple[int, ...],
+    budget: int,
+    repeat: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
     """Median microseconds of a decision ``program`` has made before (the training loop's)."""
     program.decision(dims, budget)
     per_call = []
     for _ in range(repeat):
-        start = time.perf_counter()
+        start = clock()
         for _ in range(_CACHED_CALLS):
             program.decision(dims, budget)
-        per_call.append((time.perf_counter() - start) / _CACHED_CALLS * 1e6)
+        per_call.append((clock() - start) / _CACHED_CALLS * 1e6)
     return statistics.median(per_call)
 
 
@@ -163,6 +178,7 @@ def time_timeline(
     workload: str = "",
     layers: int = 0,
     length: int = 0,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> TimelineTiming:
     """Time the decisions of ``program`` at ``dims`` (see the module docstring).
 
@@ -178,6 +194,8 @@ def time_timeline(
         Repeats per measurement; the tables show medians.
     workload, layers, length
         Recorded in the result.
+    clock
+        Seconds by this clock (:data:`CLOCKS`).
 
     Returns
     -------
@@ -200,13 +218,13 @@ def time_timeline(
     )
     for fraction in fractions:
         budget = max(1, int(fraction * tl.base_peak))
-        times, decision = _fresh_times(tl, lambda t, b=budget: decide(t, b), repeat)
+        times, decision = _fresh_times(tl, lambda t, b=budget: decide(t, b), repeat, clock)
         row.budgets.append(
             BudgetTiming(
                 fraction=fraction,
                 budget=budget,
                 uncached_ms=statistics.median(times) * 1e3,
-                cached_us=_cached_us(program, key, budget, repeat),
+                cached_us=_cached_us(program, key, budget, repeat, clock),
                 peak=decision.peak,
                 reachable=decision.reachable,
                 evicted=len(decision.evicted),
@@ -214,7 +232,7 @@ def time_timeline(
                 uncached_samples=[t * 1e3 for t in times],
             )
         )
-    times, lowest = _fresh_times(tl, minimum_peak, repeat)
+    times, lowest = _fresh_times(tl, minimum_peak, repeat, clock)
     row.minimum_ms = statistics.median(times) * 1e3
     row.minimum_peak = lowest.peak
     row.minimum_samples = [t * 1e3 for t in times]
@@ -255,6 +273,7 @@ def measure(
     *,
     repeat: int = 5,
     progress: Callable[[str], None] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> list[TimelineTiming]:
     """Build each ``(name, sizes)`` workload and time its decisions at every length.
 
@@ -270,6 +289,8 @@ def measure(
         Repeats per measurement.
     progress
         Called with a line per stage.
+    clock
+        Seconds by this clock (:data:`CLOCKS`).
 
     Returns
     -------
@@ -299,6 +320,7 @@ def measure(
                     workload=name,
                     layers=sizes.layers,
                     length=length,
+                    clock=clock,
                 )
             )
     return rows
@@ -354,6 +376,12 @@ def build_parser(prog: str = DEFAULT_PROG) -> OneLineParser:
     )
     parser.add_argument("--sweep-workload", default="llama-train", help="workload of the sweep")
     parser.add_argument("--repeat", type=int, default=5, help="repeats per measurement (5)")
+    parser.add_argument(
+        "--clock",
+        default="wall",
+        choices=sorted(CLOCKS),
+        help="wall clock, or the CPU time of the deciding thread (default: wall)",
+    )
     for flag in _SIZE_FLAGS:
         parser.add_argument(f"--{flag.replace('_', '-')}", type=int, default=None)
     parser.add_argument("--json", default=None, help="write every row as JSON here")
@@ -401,20 +429,27 @@ def _run(args: Any) -> int:
         if not args.quiet:
             print(f"... {message}", file=sys.stderr, flush=True)
 
+    clock = CLOCKS[args.clock]
     main_rows = measure(
-        [(n, sizes) for n in names], lengths, fractions, repeat=args.repeat, progress=say
+        [(n, sizes) for n in names],
+        lengths,
+        fractions,
+        repeat=args.repeat,
+        progress=say,
+        clock=clock,
     )
     done = {(r.workload, r.layers) for r in main_rows}
     sweep_sizes = [dataclasses.replace(sizes, layers=n) for n in layers]
     todo = [
         (args.sweep_workload, s) for s in sweep_sizes if (args.sweep_workload, s.layers) not in done
     ]
-    extra = measure(todo, lengths, fractions, repeat=args.repeat, progress=say)
+    extra = measure(todo, lengths, fractions, repeat=args.repeat, progress=say, clock=clock)
     sweep_rows = sorted(
         [r for r in main_rows + extra if r.workload == args.sweep_workload and r.layers in layers],
         key=lambda r: (r.layers, r.length),
     )
-    print(f"## Remat decision time ({args.size}; medians of {args.repeat} repeats)\n")
+    words = _CLOCK_WORDS[args.clock]
+    print(f"## Remat decision time ({args.size}; medians of {args.repeat} repeats, {words})\n")
     print(table(main_rows, fractions))
     if layers:
         print(f"\n## Growth with the number of slots: {args.sweep_workload} by layers\n")
@@ -430,6 +465,7 @@ def _run(args: Any) -> int:
             "sizes": asdict(sizes),
             "fractions": fractions,
             "repeat": args.repeat,
+            "clock": args.clock,
             "rows": [asdict(r) for r in main_rows],
             "sweep": [asdict(r) for r in sweep_rows],
         }
