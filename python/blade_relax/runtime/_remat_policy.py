@@ -753,6 +753,18 @@ def _finish(tl: ConcreteTimeline, walks: Sequence[_Walk]) -> list[_Evaluation]:
     ]
 
 
+def _cost(tl: ConcreteTimeline, evicted: Iterable[int], cache: Regime) -> float:
+    """The recompute cost of evicting ``evicted``: :func:`_evaluate`'s, from the regenerate
+    calls alone (the walk) when the set has not been evaluated."""
+    chosen = frozenset(evicted)
+    if not chosen:
+        return 0.0
+    found = _store(tl, chosen).get((chosen, cache))
+    if found is not None:
+        return found.cost
+    return _walk(tl, chosen, _keep_mask(cache)).cost
+
+
 def predict_peak(tl: ConcreteTimeline, evicted: Iterable[int], cache: Regime = True) -> int:
     """The predicted peak bytes when the slots in ``evicted`` are evicted.
 
@@ -860,8 +872,12 @@ def _gains(tl: ConcreteTimeline, ev: _Evaluation, budget: int) -> np.ndarray:
         # does each regeneration above the budget, when a slot is missing at its site. (The
         # slot's bytes where its window covers a point, else 0: one minimum for both.)
         above = np.flatnonzero(ev.live > budget)
-        columns = np.concatenate((above, sites[high]))
-        over = np.concatenate((ev.live[above], values[high])) - budget
+        if high.any():
+            columns = np.concatenate((above, sites[high]))
+            over = np.concatenate((ev.live[above], values[high]))
+        else:
+            columns, over = above, ev.live[above]
+        over -= budget
         gain = np.minimum(tl.window_bytes()[:, columns], over).sum(axis=1)
     else:
         mask = tl.window_mask()
@@ -1097,9 +1113,7 @@ def _cheapen(
     for _ in range(_CHEAPEN_ROUNDS):
         # Dearest by the work putting it back saves: a chained input recomputed as a
         # temporary costs once per regeneration that reads it, not its own cost once.
-        returns = list(chosen)
-        results = _evaluate_many(tl, [(chosen - {x}, cache) for x in returns])
-        saving = {x: ev.cost - result.cost for x, result in zip(returns, results)}
+        saving = {x: ev.cost - _cost(tl, chosen - {x}, cache) for x in chosen}
         dearest = sorted(chosen, key=lambda s: (-saving[s], s))[:_CHEAPEN_TRIES]
         moves = [(_put_back, x) for x in dearest]
         # (A slot that alone costs what the set costs cannot take the place of anything.)
@@ -1131,10 +1145,14 @@ def _greedy(
 
 
 def _peak_event(ev: _Evaluation) -> tuple[int, int | None]:
-    """Where the predicted peak occurs: the point, and the slot being materialized if any."""
-    for site, value, slot in ev.events:
-        if value == ev.peak:
-            return site, slot
+    """Where the predicted peak occurs: the point, and the slot being materialized if any
+    (the first such materialization in program order)."""
+    if ev.calls:
+        sites, values = ev.event_values
+        hits = np.flatnonzero(values == ev.peak)
+        if hits.size:
+            first = int(hits[0])
+            return int(sites[first]), [x for run in ev.calls for x in run.sequence][first]
     return (int(np.argmax(ev.live)) if len(ev.live) else 0), None
 
 
