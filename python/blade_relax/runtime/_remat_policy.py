@@ -46,12 +46,13 @@ predicted peak fits the budget: exact (every subset that can win) when few slots
 memory, greedy otherwise (repeatedly the slot that removes the most bytes above the budget per
 unit of cost, then a pruning pass that puts back every slot the budget does not need, dearest
 first; in the temp regime, and in the cache regime too when the temp regime's fits). When no
-greedy set fits, :func:`minimum_peak` searches for the smallest peak, also
-in a *mixed* regime (each chained input kept or recomputed as a temporary, chosen per slot): a
-first pass of the local searches alone, round by round, then the whole search when that pass
-neither fits the budget nor reaches the floor (at once, and without the greedy, when the
-budget is below what stays live at some point whatever is evicted). When one of its results fits the budget, the first that does is the decision, else
-the decision runs at the smallest peak found and says the budget is not reachable. A set that
+greedy set fits, :func:`minimum_peak` searches for the smallest peak, also in a *mixed* regime
+(each chained input kept or recomputed as a temporary, chosen per slot): a first pass of the
+local searches alone, round by round, then the whole search when that pass neither fits the
+budget nor reaches the floor (at once, and without the greedy, when the budget is below what
+stays live at some point whatever is evicted). When one of its results fits the budget, the
+first that does is the decision, else the decision runs at the smallest peak found and says
+the budget is not reachable. A set that
 fits, from either path, is then made cheaper while it still fits (:func:`_cheapen`: put back
 one of its dearest evictions, repair with cheaper ones evaluated exactly, put back what is not
 needed; for the greedy's set, also swap a large tensor in for what it makes unnecessary), since
@@ -1615,11 +1616,11 @@ def _minimum_sweeps(tl: ConcreteTimeline, budget: int | None) -> Decision:
     and one of 3,600 random ones, 7 % cheaper, for one more local search wherever the first
     round misses the budget, as at 0.7x on the bench's llama-train and gpt2-train at
     s = 256); a round that keeps a tensor runs the temp regime's first, and the cache
-    regime's when that is not enough. The rounds stop at the first result within the budget. They do not build the
-    floor (about as dear as the local searches of a round): a pass that meets the budget is
-    the same without it, since the floor is below the budget then and a search that reaches
-    it stops there anyway, no move going lower; one that misses it is followed by the whole
-    search.
+    regime's when that is not enough. The rounds stop at the first result within the budget.
+    They do not build the floor (about as dear as the local searches of a round): a pass that
+    meets the budget is the same without it, since the floor is below the budget then and a
+    search that reaches it stops there anyway, no move going lower; one that misses it is
+    followed by the whole search.
     """
     floor = -1
     best: Decision | None = None
