@@ -52,12 +52,11 @@ local searches alone, round by round, then the whole search when that pass neith
 budget nor reaches the floor (at once, and without the greedy, when the budget is below what
 stays live at some point whatever is evicted). When one of its results fits the budget, the
 first that does is the decision, else the decision runs at the smallest peak found and says
-the budget is not reachable. A set that
-fits, from either path, is then made cheaper while it still fits (:func:`_cheapen`: put back
-one of its dearest evictions, repair with cheaper ones evaluated exactly, put back what is not
-needed; for the greedy's set, also swap a large tensor in for what it makes unnecessary), since
-the greedy's choices one at a time and the minimum search's choices by peak leave work that
-the budget does not need.
+the budget is not reachable. A set that fits, from either path, is then made cheaper while it
+still fits (:func:`_cheapen`: put back one of its dearest evictions, repair with cheaper ones
+evaluated exactly, put back what is not needed; for the greedy's set, also swap a large
+tensor in for what it makes unnecessary), since the greedy's choices one at a time and the
+minimum search's choices by peak leave work that the budget does not need.
 """
 
 from __future__ import annotations
