@@ -980,8 +980,8 @@ def test_sets_that_differ_in_one_slot_follow_the_plain_model(tl, data):
         ev = _evaluate(tl, evicted, cache)
         peak, cost, live, events = _plain_evaluate(tl, evicted, cache)
         assert (ev.peak, ev.cost, ev.live.tolist(), ev.events) == (peak, cost, live, events)
-        sites, values = ev.event_values
-        assert list(zip(sites.tolist(), values.tolist())) == [(s, v) for s, v, _ in events]
+        for limit in sorted({v for _, v, _ in events} | {ev.peak, -1}):
+            assert ev.events_above(limit) == [e for e in events if e[1] > limit]
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -1189,3 +1189,57 @@ def test_a_budget_the_temp_greedy_misses_runs_no_cache_greedy():
             seen[temp_fits] += 1
             assert decision.peak == predict_peak(tl, decision.evicted, decision.cache)
     assert seen[True] and seen[False]
+
+
+@settings(max_examples=120, deadline=None)
+@given(chained_timelines(), st.data())
+def test_neighbours_in_the_temp_regime_follow_the_plain_model(tl, data):
+    """A temp-regime step evaluates each trial (one slot more, or one put back) from the set's
+    own evaluation: its live bytes plus or minus the slot's window, and only the calls that
+    read or materialize the slot walked again. Every number is the plain model's, for slots
+    the set already has (or lacks), slots that free nothing, and repeats too."""
+    indices = st.sampled_from(range(len(tl.slots)))
+    chosen = data.draw(st.frozensets(indices))
+    if data.draw(st.booleans()):
+        policy._evaluate(tl, chosen ^ {data.draw(indices)}, False)  # one trial already known
+    for add in (True, False):
+        slots = data.draw(st.lists(indices, max_size=6))
+        ev = _evaluate(tl, chosen, False)
+        results = policy._evaluate_neighbours(tl, chosen, ev, slots, add)
+        for x, result in zip(slots, results, strict=True):
+            trial = chosen | {x} if add else chosen - {x}
+            peak, cost, live, events = _plain_evaluate(tl, trial, False)
+            assert (result.peak, result.cost, result.live.tolist(), result.events) == (
+                peak,
+                cost,
+                live,
+                events,
+            )
+            if trial:  # (remembered: the empty set's evaluation is made afresh)
+                assert _evaluate(tl, trial, False) is result
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_kept_timeline_derives_what_one_built_from_its_slots_does(seed):
+    """A timeline with slots kept shares the arrays of the plans with the one it was made from
+    and derives the rest again: the same arrays as a timeline built from its slots."""
+    tl = _random_timeline(seed, 40, 16)
+    keep = frozenset(policy._effective(tl)[::3])
+    kept = policy._kept(tl, keep)
+    built = ConcreteTimeline(base=kept.base, slots=kept.slots)
+    policy._evaluate(tl, policy._effective(tl)[:5], False)  # (fills the shared caches)
+    caches = {"_plan_reads", "_runs", "_runs_by_sequence", "_last_runs", "_earlier_runs"}
+    caches |= {"_evaluations", "_kept_set", "_kept_evaluations"}
+    assert set(vars(kept)) == set(vars(built))
+    for name, value in vars(built).items():
+        if name not in caches:
+            found = getattr(kept, name)
+            if isinstance(value, np.ndarray):
+                assert np.array_equal(found, value), name
+            else:
+                assert found == value, name
+    assert kept._kept_set == keep
+    for k in keep:
+        assert not kept._effective_mask[k] and kept.slots[k].start == tl.slots[k].site + 1
+    assert np.array_equal(kept.window_bytes(), built.window_bytes())
+    assert kept.unevictable() == built.unevictable()

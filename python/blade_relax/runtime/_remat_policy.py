@@ -61,6 +61,7 @@ minimum search's choices by peak leave work that the budget does not need.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 from collections.abc import Callable, Iterable, Sequence
@@ -151,16 +152,41 @@ class ConcreteTimeline:
                 )
             if not slot.plan or slot.plan[-1][0] != k:
                 raise ValueError(f"slot {k} ({slot.name}): its plan must end with the slot itself")
-        # Arrays and caches of the searches (not part of the value).
+        self._derive_plans()
+        self._derive_windows()
+
+    def _derive_plans(self) -> None:
+        """The arrays of the searches that the plans, sizes, costs and sites give (not part
+        of the value): a timeline with slots kept shares them (see :func:`_build_kept`)."""
         slots = self.slots
         object.__setattr__(self, "_nbytes", np.array([x.nbytes for x in slots], dtype=np.int64))
         object.__setattr__(self, "_regen", np.array([x.regen_peak for x in slots], dtype=np.int64))
         # Costs as the greedy searches divide by them (never zero).
         object.__setattr__(self, "_costs", np.array([max(x.cost, 1e-9) for x in slots]))
-        object.__setattr__(self, "_start", np.array([x.start for x in slots], dtype=np.int64))
         object.__setattr__(self, "_site", np.array([x.site for x in slots], dtype=np.int64))
         object.__setattr__(self, "_plan_slots", [frozenset(x for x, _ in s.plan) for s in slots])
         object.__setattr__(self, "_refs", [dict(s.plan) for s in slots])
+        # Sizes and costs as the regenerate calls sum them (see _build_run).
+        object.__setattr__(
+            self,
+            "_sizes",
+            ([x.nbytes for x in slots], [x.regen_peak for x in slots], [x.cost for x in slots]),
+        )
+        object.__setattr__(
+            self, "_plan_masks", [sum(1 << x for x in plan) for plan in self._plan_slots]
+        )
+        # Each slot's place in the order its regenerate call runs (site, then index).
+        order = sorted(range(len(slots)), key=lambda k: (slots[k].site, k))
+        rank = [0] * len(slots)
+        for place, k in enumerate(order):
+            rank[k] = place
+        object.__setattr__(self, "_rank", rank)
+        object.__setattr__(self, "_sizes_nonnegative", bool((self._nbytes >= 0).all()))
+
+    def _derive_windows(self) -> None:
+        """The arrays of the searches that the starts give, and their caches."""
+        slots = self.slots
+        object.__setattr__(self, "_start", np.array([x.start for x in slots], dtype=np.int64))
         # Each plan backwards with what each entry reads as a bit mask (built when first
         # walked: most timelines are decided without a search).
         object.__setattr__(self, "_plan_reads", [None] * len(slots))
@@ -168,9 +194,6 @@ class ConcreteTimeline:
         object.__setattr__(self, "_runs_by_sequence", {})
         object.__setattr__(self, "_last_runs", [None] * len(slots))
         object.__setattr__(self, "_earlier_runs", [None] * len(slots))
-        object.__setattr__(
-            self, "_plan_masks", [sum(1 << x for x in plan) for plan in self._plan_slots]
-        )
         object.__setattr__(self, "_evaluations", {})
         # Results of the greedy runs (see _greedy_toward).
         object.__setattr__(self, "_greedy_runs", {})
@@ -179,13 +202,6 @@ class ConcreteTimeline:
         # Slots kept by _kept, and the evaluations of the sets that evict one of them.
         object.__setattr__(self, "_kept_set", frozenset())
         object.__setattr__(self, "_kept_evaluations", self._evaluations)
-        # Each slot's place in the order its regenerate call runs (site, then index).
-        order = sorted(range(len(slots)), key=lambda k: (slots[k].site, k))
-        rank = [0] * len(slots)
-        for place, k in enumerate(order):
-            rank[k] = place
-        object.__setattr__(self, "_rank", rank)
-        object.__setattr__(self, "_sizes_nonnegative", bool((self._nbytes >= 0).all()))
         object.__setattr__(self, "_peak_fixed", None)
         object.__setattr__(self, "_window_mask", None)
         object.__setattr__(self, "_window_bytes", None)
@@ -332,6 +348,21 @@ class ConcreteTimeline:
         return best
 
 
+# What ConcreteTimeline._derive_plans sets.
+_PLAN_ARRAYS = (
+    "_nbytes",
+    "_regen",
+    "_costs",
+    "_site",
+    "_plan_slots",
+    "_refs",
+    "_sizes",
+    "_plan_masks",
+    "_rank",
+    "_sizes_nonnegative",
+)
+
+
 def _product(counts: np.ndarray, values: np.ndarray) -> np.ndarray:
     """``counts @ values`` of two integer matrices, in floating point when every partial sum
     is an integer it holds exactly (a matrix product of integers has no fast routine)."""
@@ -392,30 +423,37 @@ class _Evaluation:
     excess: dict[int, int] = field(default_factory=dict)
 
     @functools.cached_property
+    def held(self) -> list[int]:
+        """The live bytes at the site of every call, in program order."""
+        if not self.calls:
+            return []
+        return self.live[[run.site for run in self.calls]].tolist()
+
+    @functools.cached_property
     def events(self) -> list[tuple[int, int, int]]:
         """(site, value, slot materialized) of every materialization, in program order.
 
         Built on first use: most evaluations of a search are only compared by peak and cost.
         """
-        held = self.live[[run.site for run in self.calls]].tolist()
         return [
             (run.site, at + offset, x)
-            for run, at in zip(self.calls, held)
+            for run, at in zip(self.calls, self.held)
             for offset, x in zip(run.offsets, run.sequence)
         ]
 
-    @functools.cached_property
-    def event_values(self) -> tuple[np.ndarray, np.ndarray]:
-        """The sites and values of :attr:`events` as arrays (what the estimates sum)."""
-        calls = self.calls
-        counts = [len(run.offsets) for run in calls]
-        sites = np.repeat(np.array([run.site for run in calls], dtype=np.intp), counts)
-        offsets = np.fromiter(
-            itertools.chain.from_iterable(run.offsets for run in calls),
-            dtype=np.int64,
-            count=sum(counts),
-        )
-        return sites, self.live[sites] + offsets
+    def events_above(self, limit: int) -> list[tuple[int, int, int]]:
+        """The :attr:`events` whose value is above ``limit``, in program order.
+
+        What the estimates and the peak's event need: only a call whose top reaches above
+        the limit is gone through (most are well below).
+        """
+        out = []
+        for run, at in zip(self.calls, self.held):
+            if at + run.top > limit:
+                for offset, x in zip(run.offsets, run.sequence):
+                    if at + offset > limit:
+                        out.append((run.site, at + offset, x))
+        return out
 
 
 class _Run(NamedTuple):
@@ -457,82 +495,118 @@ def _run(tl: ConcreteTimeline, k: int, pending: int, keep: int) -> _Run:
     if reads is None:
         reads = tl._plan_reads[k] = _reads(tl.slots[k].plan)
     needed = 1 << k
-    if isinstance(reads, dict):
+    if reads.by_slot is not None:
         # What the recomputation reads, directly or through one another: followed from k
         # over the pending slots only (a few of a long plan).
-        todo = reads[k] & pending
+        by_slot = reads.by_slot
+        todo = by_slot[k] & pending
         while todo:
             low = todo & -todo
             needed |= low
-            todo = (todo ^ low) | (reads[low.bit_length() - 1] & pending & ~needed)
+            todo = (todo ^ low) | (by_slot[low.bit_length() - 1] & pending & ~needed)
     else:
-        for x, refs in reads:
+        for x, refs in reads.backwards:
             if needed >> x & 1:
                 needed |= refs & pending
     # Many pending sets lead to the same materializations (a search's sets differ in slots
     # the recomputation does not read): the call is the same when they and what it keeps are.
-    inputs = needed & ~(1 << k)
     key = (k, needed, needed & keep & ~(1 << k))
     found = tl._runs_by_sequence.get(key)
-    if found is not None:
-        return found
+    if found is None:
+        found = tl._runs_by_sequence[key] = _build_run(tl, k, reads, needed, keep, key[2])
+    return found
+
+
+def _build_run(
+    tl: ConcreteTimeline, k: int, reads: _PlanReads, needed: int, keep: int, kept: int
+) -> _Run:
+    """:func:`_run` of the materializations ``needed`` (a bit mask), built."""
     frontier = 0
-    if isinstance(reads, dict):
+    members = 0  # the temporaries: chained inputs not kept
+    if reads.by_slot is not None:
+        # Each slot once in the plan: the materializations are the set bits, in plan order.
+        by_slot = reads.by_slot
+        sequence = []
         todo = needed
         while todo:
             low = todo & -todo
             todo ^= low
-            frontier |= reads[low.bit_length() - 1]
+            x = low.bit_length() - 1
+            sequence.append(x)
+            frontier |= by_slot[x]
+        if len(sequence) > 1:
+            sequence.sort(key=reads.position.__getitem__)
+        members = needed & ~keep & ~(1 << k)
     else:
-        for x, refs in reads:
+        for x, refs in reads.backwards:
             if needed >> x & 1:
                 frontier |= refs
-    slots = tl.slots
-    sequence = tuple(x for x, _ in slots[k].plan if needed >> x & 1)
-    # A temporary (a chained input not kept) lives until its last reader in the run.
-    last_reader: dict[int, int] = {}
-    members = {x for x in sequence[:-1] if not keep >> x & 1}
-    if members:
-        refs = tl._refs[k]
-        for i, x in enumerate(sequence):
-            for t in refs[x]:
-                if t in members:
-                    last_reader[t] = i
-    # The bytes of the temporaries whose last reader is each materialization.
+        sequence = [x for x, _ in tl.slots[k].plan if needed >> x & 1]
+        for x in sequence[:-1]:
+            if not keep >> x & 1:
+                members |= 1 << x
+    nbytes, regen, costs = tl._sizes
+    # A temporary lives until its last reader in the run: its bytes are dropped after it.
     dropped = [0] * len(sequence)
-    for t, reader in last_reader.items():
-        dropped[reader] += slots[t].nbytes
+    if members:
+        masks = reads.by_slot if reads.by_slot is not None else reads.last_masks
+        last_reader: dict[int, int] = {}
+        for i, x in enumerate(sequence):
+            read = masks[x] & members
+            while read:
+                low = read & -read
+                read ^= low
+                last_reader[low.bit_length() - 1] = i
+        for t, reader in last_reader.items():
+            dropped[reader] += nbytes[t]
     offsets = []
     held = 0
     for x, drop in zip(sequence, dropped):
-        offsets.append(held + slots[x].regen_peak)
-        held += slots[x].nbytes - drop
+        offsets.append(held + regen[x])
+        held += nbytes[x] - drop
     closes = tuple(x for x in sequence if x == k or keep >> x & 1)
-    site = slots[k].site
-    run = _Run(
+    site = tl.slots[k].site
+    return _Run(
         slot=k,
         site=site,
-        sequence=sequence,
-        cost=sum(slots[x].cost for x in sequence),
+        sequence=tuple(sequence),
+        cost=sum(costs[x] for x in sequence),
         closes=closes,
         closes_mask=sum(1 << x for x in closes),
         ends=(site,) * len(closes),
         offsets=tuple(offsets),
         top=max(offsets),
-        inputs=inputs,
-        kept=key[2],
+        inputs=needed & ~(1 << k),
+        kept=kept,
         frontier=frontier & ~needed,
     )
-    tl._runs_by_sequence[key] = run
-    return run
 
 
-def _reads(plan: tuple[tuple[int, tuple[int, ...]], ...]) -> dict | list:
-    """What each entry of a plan reads, as bit masks: by slot when every entry is listed once,
-    after what it reads (what reaches the slot is then all :func:`_run` follows); else the
-    entries backwards, walked in that order as the plan's order says."""
-    masks = {x: sum(1 << t for t in set(r)) for x, r in plan}
-    listed = sum(1 << x for x in masks)
+class _PlanReads(NamedTuple):
+    """What each entry of a plan reads, as bit masks (see :func:`_reads`)."""
+
+    # By slot, when every entry is listed once, after what it reads (what reaches the slot is
+    # then all :func:`_run` follows); else ``None``.
+    by_slot: dict[int, int] | None
+    # Each slot's place in the plan (with ``by_slot``).
+    position: dict[int, int] | None
+    # The entries backwards, walked in that order as the plan's order says (without
+    # ``by_slot``), and what the last entry of each slot reads.
+    backwards: list[tuple[int, int]] | None
+    last_masks: dict[int, int] | None
+
+
+def _reads(plan: tuple[tuple[int, tuple[int, ...]], ...]) -> _PlanReads:
+    """What each entry of ``plan`` reads, as bit masks."""
+    masks = {}
+    for x, refs in plan:
+        mask = 0
+        for t in refs:
+            mask |= 1 << t
+        masks[x] = mask
+    listed = 0
+    for x in masks:
+        listed |= 1 << x
     seen = 0
     for x, _ in plan:
         if masks[x] & listed & ~seen:
@@ -540,8 +614,14 @@ def _reads(plan: tuple[tuple[int, tuple[int, ...]], ...]) -> dict | list:
         seen |= 1 << x
     else:
         if len(masks) == len(plan):
-            return masks
-    return [(x, sum(1 << t for t in set(r))) for x, r in reversed(plan)]
+            return _PlanReads(masks, {x: i for i, (x, _) in enumerate(plan)}, None, None)
+    backwards = []
+    for x, refs in reversed(plan):
+        mask = 0
+        for t in refs:
+            mask |= 1 << t
+        backwards.append((x, mask))
+    return _PlanReads(None, None, backwards, masks)
 
 
 def _keep_mask(cache: Regime) -> int:
@@ -740,17 +820,148 @@ def _finish(tl: ConcreteTimeline, walks: Sequence[_Walk]) -> list[_Evaluation]:
     np.subtract.at(delta, tl._start[closed] + row_start, nbytes)
     np.add.at(delta, np.array(ends, dtype=np.int64) + 1 + row_start, nbytes)
     live = base + np.cumsum(delta.reshape(rows, width)[:, :npoints], axis=1)
-    peaks = live.max(axis=1) if npoints else np.zeros(rows, dtype=np.int64)
-    # A regenerate call peaks at the live bytes at its site plus its own top.
-    call_rows = np.repeat(np.arange(rows), [len(walk.calls) for walk in walks])
-    sites = [run.site for walk in walks for run in walk.calls]
-    tops = [run.top for walk in walks for run in walk.calls]
-    if npoints:
-        np.maximum.at(peaks, call_rows, live[call_rows, sites] + np.array(tops, dtype=np.int64))
-    return [
-        _Evaluation(peak=int(peak), cost=walk.cost, live=row, calls=walk.calls)
-        for walk, peak, row in zip(walks, peaks.tolist(), live)
-    ]
+    return _with_peaks(walks, live)
+
+
+def _with_peaks(walks: Sequence[_Walk], live: np.ndarray) -> list[_Evaluation]:
+    """The evaluations of ``walks`` whose live bytes are the rows of ``live``: each peaks at
+    the most bytes live at a point, or at a regenerate call (the live bytes at its site plus
+    its own top)."""
+    rows, npoints = live.shape
+    if not npoints:
+        return [
+            _Evaluation(peak=0, cost=walk.cost, live=row, calls=walk.calls)
+            for walk, row in zip(walks, live)
+        ]
+    peaks = live.max(axis=1).tolist()
+    # The live bytes at every call's site, all rows at once (a few numbers per row).
+    held = live.ravel()[
+        [row * npoints + run.site for row, walk in enumerate(walks) for run in walk.calls]
+    ].tolist()
+    out = []
+    at = iter(held)
+    for walk, peak, row in zip(walks, peaks, live):
+        for run in walk.calls:
+            value = next(at) + run.top
+            if value > peak:
+                peak = value
+        out.append(_Evaluation(peak=peak, cost=walk.cost, live=row, calls=walk.calls))
+    return out
+
+
+class _TempNeighbours:
+    """The walks of the sets one slot away from an evicted set in the temp regime, from the
+    set's own evaluation, without walking.
+
+    In that regime each evicted slot has its own regenerate call, and nothing it
+    materializes is kept: adding a slot ``x`` adds its call and changes only the calls
+    before it whose recomputation reads ``x`` (it is then pending there too); putting ``x``
+    back drops its call and changes only the calls before it that materialize ``x``. The
+    other calls are the set's. (The walk goes through every evicted slot.)
+    """
+
+    def __init__(self, tl: ConcreteTimeline, ev: _Evaluation) -> None:
+        self.tl = tl
+        self.calls = calls = ev.calls
+        rank = tl._rank
+        self.ranks = [rank[run.slot] for run in calls]
+        # Before each call: the slots whose calls came earlier (done when the walk reaches
+        # it), what the earlier calls read and do not materialize (their frontiers) and what
+        # they materialize, and their cost summed in order as the walk sums it.
+        self.done_before = done_before = [0]
+        self.read_before = read_before = [0]
+        self.made_before = made_before = [0]
+        self.cost_before = cost_before = [0.0]
+        for run in calls:
+            done_before.append(done_before[-1] | 1 << run.slot)
+            read_before.append(read_before[-1] | run.frontier)
+            made_before.append(made_before[-1] | run.inputs)
+            cost_before.append(cost_before[-1] + run.cost)
+        self.chosen_mask = done_before[-1]
+
+    def _walk(self, x: int, add: bool) -> _Walk:
+        tl = self.tl
+        plan_masks = tl._plan_masks
+        done_before = self.done_before
+        place = bisect.bisect_left(self.ranks, tl._rank[x])
+        trial_mask = self.chosen_mask | 1 << x if add else self.chosen_mask & ~(1 << x)
+        new_calls = self.calls[:place]
+        first = place
+        # The calls before x that read it (adding) or materialize it (putting back).
+        if (self.read_before if add else self.made_before)[place] >> x & 1:
+            for i in range(place):
+                run = new_calls[i]
+                if (run.frontier if add else run.inputs) >> x & 1:
+                    pending = plan_masks[run.slot] & trial_mask & ~done_before[i]
+                    new_calls[i] = _call(tl, run.slot, pending, 0)
+                    first = min(first, i)
+        if add:
+            new_calls.append(_call(tl, x, plan_masks[x] & trial_mask & ~done_before[place], 0))
+            new_calls += self.calls[place:]
+        else:
+            new_calls += self.calls[place + 1 :]
+        cost = self.cost_before[first]
+        for run in new_calls[first:]:
+            cost += run.cost
+        return _Walk(cost, new_calls, [], [])
+
+    def added(self, x: int) -> _Walk:
+        """The walk of the set with ``x`` (not in it) evicted too."""
+        return self._walk(x, True)
+
+    def removed(self, x: int) -> _Walk:
+        """The walk of the set with ``x`` (in it) put back."""
+        return self._walk(x, False)
+
+
+def _evaluate_neighbours(
+    tl: ConcreteTimeline,
+    chosen: frozenset[int],
+    ev: _Evaluation,
+    slots: Sequence[int],
+    add: bool,
+) -> list[_Evaluation]:
+    """:func:`_evaluate` in the temp regime of ``chosen`` with each slot of ``slots`` added
+    (``add``) or put back, from ``ev``, the evaluation of ``chosen`` in that regime.
+
+    The live bytes are ``ev``'s less (or plus) the slot's bytes on its window, the walk is
+    :class:`_TempNeighbours`'s: the numbers are :func:`_evaluate`'s. A slot that frees
+    nothing (its window is not :func:`_evaluate`'s there) or that the set already has (or
+    lacks) is evaluated as it is.
+    """
+    out: list[_Evaluation | None] = [None] * len(slots)
+    todo: dict[int, list[int]] = {}
+    effective = tl._effective_mask
+    for i, x in enumerate(slots):
+        trial = chosen | {x} if add else chosen - {x}
+        found = _store(tl, trial).get((trial, False))
+        if found is not None:
+            out[i] = found
+        elif (x in chosen) == add or not effective[x]:
+            out[i] = _evaluate(tl, trial, False)
+        else:
+            todo.setdefault(x, []).append(i)
+    if not todo:
+        return out  # type: ignore[return-value]
+    neighbours = _TempNeighbours(tl, ev)
+    step = neighbours.added if add else neighbours.removed
+    walks = [step(x) for x in todo]
+    window = tl.window_bytes()[list(todo)]
+    live = ev.live[None, :] - window if add else ev.live[None, :] + window
+    for (x, places), result in zip(todo.items(), _with_peaks(walks, live)):
+        trial = chosen | {x} if add else chosen - {x}
+        _store(tl, trial)[(trial, False)] = result
+        for i in places:
+            out[i] = result
+    return out  # type: ignore[return-value]
+
+
+def _call(tl: ConcreteTimeline, k: int, pending: int, keep: int) -> _Run:
+    """Slot ``k``'s regenerate call for ``pending`` and ``keep``, as :func:`_walk` finds it."""
+    run = tl._last_runs[k]
+    if _holds(run, pending, keep):
+        return run  # type: ignore[return-value]
+    return _other_call(tl, k, pending, keep)
 
 
 def _cost(tl: ConcreteTimeline, evicted: Iterable[int], cache: Regime) -> float:
@@ -865,16 +1076,15 @@ def _exact(tl: ConcreteTimeline, candidates: Sequence[int], budget: int) -> Deci
 def _gains(tl: ConcreteTimeline, ev: _Evaluation, budget: int) -> np.ndarray:
     """For every slot, the bytes above ``budget`` its eviction would remove (chains ignored)."""
     nbytes = tl._nbytes
-    sites, values = ev.event_values
-    high = values > budget
+    high = ev.events_above(budget)
     if tl._sizes_nonnegative:
         # Only the points above the budget gain anything, at most the slot's bytes each; so
         # does each regeneration above the budget, when a slot is missing at its site. (The
         # slot's bytes where its window covers a point, else 0: one minimum for both.)
         above = np.flatnonzero(ev.live > budget)
-        if high.any():
-            columns = np.concatenate((above, sites[high]))
-            over = np.concatenate((ev.live[above], values[high]))
+        if high:
+            columns = np.concatenate((above, [site for site, _, _ in high]))
+            over = np.concatenate((ev.live[above], [value for _, value, _ in high]))
         else:
             columns, over = above, ev.live[above]
         over -= budget
@@ -884,9 +1094,10 @@ def _gains(tl: ConcreteTimeline, ev: _Evaluation, budget: int) -> np.ndarray:
         over = np.maximum(ev.live - budget, 0)
         after = np.maximum(ev.live[None, :] - nbytes[:, None] - budget, 0)
         gain = ((over[None, :] - after) * mask).sum(axis=1)
-        if high.any():
-            excess = np.minimum(values[None, high] - budget, nbytes[:, None])
-            gain = gain + np.where(mask[:, sites[high]], excess, 0).sum(axis=1)
+        if high:
+            values = np.array([value for _, value, _ in high], dtype=np.int64)
+            excess = np.minimum(values[None, :] - budget, nbytes[:, None])
+            gain = gain + np.where(mask[:, [site for site, _, _ in high]], excess, 0).sum(axis=1)
     own = ev.live[tl._site] - nbytes + tl._regen
     return gain - np.maximum(own - budget, 0)
 
@@ -919,12 +1130,18 @@ def _returns_above(tl: ConcreteTimeline, lowest: np.ndarray | None, k: int, limi
 def _prune(tl: ConcreteTimeline, chosen: set[int], cache: Regime, limit: int) -> set[int]:
     """Put back every slot (dearest first) whose eviction the limit does not need."""
     lowest = _lowest_live(tl, chosen)
+    # (In the temp regime, each trial from the set's evaluation: see _TempNeighbours.)
+    ev = _evaluate(tl, chosen, cache) if cache is False else None
     for x in sorted(chosen, key=lambda s: (-tl.slots[s].cost, s)):
         if _returns_above(tl, lowest, x, limit):
             continue
         trial = chosen - {x}
-        if predict_peak(tl, trial, cache) <= limit:
-            chosen = trial
+        if ev is not None:
+            (result,) = _evaluate_neighbours(tl, frozenset(chosen), ev, [x], False)
+        else:
+            result = _evaluate(tl, trial, cache)
+        if result.peak <= limit:
+            chosen, ev = trial, result if ev is not None else None
             if lowest is not None and tl._effective_mask[x]:
                 lowest[tl.slots[x].start : tl.slots[x].site + 1] += tl.slots[x].nbytes
     return chosen
@@ -957,9 +1174,12 @@ def _greedy_run(
         if gains.max() <= 0:
             break
         best = int(np.argmax(gains / tl._costs))
+        if cache is False:
+            (ev,) = _evaluate_neighbours(tl, frozenset(chosen), ev, [best], True)
+        else:
+            ev = _evaluate(tl, chosen | {best}, cache)
         chosen.add(best)
         allowed[best] = False
-        ev = _evaluate(tl, chosen, cache)
     return chosen, ev
 
 
@@ -980,8 +1200,8 @@ def _excess(ev: _Evaluation, budget: int) -> int:
     found = ev.excess.get(budget)
     if found is None:
         over = ev.live - budget
-        values = ev.event_values[1] - budget
-        found = ev.excess[budget] = int(over[over > 0].sum()) + int(values[values > 0].sum())
+        above = sum(value - budget for _, value, _ in ev.events_above(budget))
+        found = ev.excess[budget] = int(over[over > 0].sum()) + above
     return found
 
 
@@ -1017,7 +1237,11 @@ def _repair(
         excess = _excess(ev, budget)
         fits: tuple[float, int] | None = None
         best: tuple[float, int, _Evaluation] | None = None
-        for x, result in zip(order, _evaluate_many(tl, [(chosen | {x}, cache) for x in order])):
+        if cache is False:
+            results = _evaluate_neighbours(tl, frozenset(chosen), ev, order, True)
+        else:
+            results = _evaluate_many(tl, [(chosen | {x}, cache) for x in order])
+        for x, result in zip(order, results):
             if result.peak <= budget:
                 if fits is None or result.cost < fits[0]:
                     fits = (result.cost, x)
@@ -1113,7 +1337,11 @@ def _cheapen(
     for _ in range(_CHEAPEN_ROUNDS):
         # Dearest by the work putting it back saves: a chained input recomputed as a
         # temporary costs once per regeneration that reads it, not its own cost once.
-        saving = {x: ev.cost - _cost(tl, chosen - {x}, cache) for x in chosen}
+        if cache is False:
+            removed = _TempNeighbours(tl, ev).removed
+            saving = {x: ev.cost - removed(x).cost for x in chosen}
+        else:
+            saving = {x: ev.cost - _cost(tl, chosen - {x}, cache) for x in chosen}
         dearest = sorted(chosen, key=lambda s: (-saving[s], s))[:_CHEAPEN_TRIES]
         moves = [(_put_back, x) for x in dearest]
         # (A slot that alone costs what the set costs cannot take the place of anything.)
@@ -1147,12 +1375,10 @@ def _greedy(
 def _peak_event(ev: _Evaluation) -> tuple[int, int | None]:
     """Where the predicted peak occurs: the point, and the slot being materialized if any
     (the first such materialization in program order)."""
-    if ev.calls:
-        sites, values = ev.event_values
-        hits = np.flatnonzero(values == ev.peak)
-        if hits.size:
-            first = int(hits[0])
-            return int(sites[first]), [x for run in ev.calls for x in run.sequence][first]
+    # (No event is above the peak: those above one byte less are at it.)
+    hits = ev.events_above(ev.peak - 1)
+    if hits:
+        return hits[0][0], hits[0][2]
     return (int(np.argmax(ev.live)) if len(ev.live) else 0), None
 
 
@@ -1179,14 +1405,19 @@ def _minimum(tl: ConcreteTimeline, cache: bool, limit: int = -1) -> tuple[set[in
         trials: list[set[int]] = []
         gains = _gains(tl, ev, ev.peak - 1).tolist()
         covering = [x for x in _covering(tl, at) if x not in chosen]
-        order = sorted(covering, key=lambda c: -gains[c])
-        trials.extend(chosen | {x} for x in order[:_TRIALS])
-        if making is not None:
-            # A regeneration makes the peak: keep one of the slots it recomputes instead.
-            plan_slots = tl._plan_slots[making]
-            trials.extend(chosen - {x} for x in chosen & plan_slots)
+        order = sorted(covering, key=lambda c: -gains[c])[:_TRIALS]
+        trials.extend(chosen | {x} for x in order)
+        # A regeneration makes the peak: keep one of the slots it recomputes instead.
+        returns = [] if making is None else list(chosen & tl._plan_slots[making])
+        trials.extend(chosen - {x} for x in returns)
+        if cache is False:
+            # (From this set's evaluation: see _TempNeighbours.)
+            results = _evaluate_neighbours(tl, frozenset(chosen), ev, order, True)
+            results += _evaluate_neighbours(tl, frozenset(chosen), ev, returns, False)
+        else:
+            results = _evaluate_many(tl, [(t, cache) for t in trials])
         best: tuple[int, float, set[int]] | None = None
-        for trial, result in zip(trials, _evaluate_many(tl, [(t, cache) for t in trials])):
+        for trial, result in zip(trials, results):
             key = (result.peak, result.cost)
             if best is None or key < best[:2]:
                 best = (result.peak, result.cost, trial)
@@ -1427,7 +1658,14 @@ def _build_kept(tl: ConcreteTimeline, keep: frozenset[int]) -> ConcreteTimeline:
     slots = tuple(
         replace(slot, start=slot.site + 1) if k in keep else slot for k, slot in enumerate(tl.slots)
     )
-    kept = ConcreteTimeline(base=tl.base, slots=slots)
+    # Keeping a slot moves its start only: the arrays of the plans, sizes, costs and sites
+    # are the original's (no search writes them), the others are derived again.
+    kept = object.__new__(ConcreteTimeline)
+    object.__setattr__(kept, "base", tl.base)
+    object.__setattr__(kept, "slots", slots)
+    for name in _PLAN_ARRAYS:
+        object.__setattr__(kept, name, getattr(tl, name))
+    kept._derive_windows()
     # What a regenerate call materializes and its peaks depend on the plans, sizes and costs
     # alone, which keeping a slot leaves as they are: the rounds share them. A set that
     # evicts no kept slot has the same windows in both timelines, hence the same evaluation.
