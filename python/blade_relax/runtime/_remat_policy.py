@@ -1271,8 +1271,11 @@ def _put_back(
     """``chosen`` with slot ``x`` put back and other evictions in its place, or ``None``."""
     allowed = effective.copy()
     allowed[x] = False
-    cost_limit = _evaluate(tl, chosen, cache).cost
-    repaired = _repair(tl, chosen - {x}, allowed, budget, cache, cost_limit)
+    ev = _evaluate(tl, chosen, cache)
+    if cache is False:
+        # (The repair starts from the set without x: evaluated from the set's evaluation.)
+        _evaluate_neighbours(tl, frozenset(chosen), ev, [x], False)
+    repaired = _repair(tl, chosen - {x}, allowed, budget, cache, ev.cost)
     return None if repaired is None else _prune(tl, repaired, cache, budget)
 
 
