@@ -879,7 +879,8 @@ class _TempNeighbours:
             cost_before.append(cost_before[-1] + run.cost)
         self.chosen_mask = done_before[-1]
 
-    def _walk(self, x: int, add: bool) -> _Walk:
+    def _neighbour(self, x: int, add: bool) -> _Walk:
+        """The walk of the set with ``x`` added (``add``) or put back."""
         tl = self.tl
         plan_masks = tl._plan_masks
         done_before = self.done_before
@@ -907,11 +908,11 @@ class _TempNeighbours:
 
     def added(self, x: int) -> _Walk:
         """The walk of the set with ``x`` (not in it) evicted too."""
-        return self._walk(x, True)
+        return self._neighbour(x, True)
 
     def removed(self, x: int) -> _Walk:
         """The walk of the set with ``x`` (in it) put back."""
-        return self._walk(x, False)
+        return self._neighbour(x, False)
 
 
 def _evaluate_neighbours(
@@ -925,9 +926,9 @@ def _evaluate_neighbours(
     (``add``) or put back, from ``ev``, the evaluation of ``chosen`` in that regime.
 
     The live bytes are ``ev``'s less (or plus) the slot's bytes on its window, the walk is
-    :class:`_TempNeighbours`'s: the numbers are :func:`_evaluate`'s. A slot that frees
-    nothing (its window is not :func:`_evaluate`'s there) or that the set already has (or
-    lacks) is evaluated as it is.
+    :class:`_TempNeighbours`'s: the numbers are :func:`_evaluate`'s. A slot that is not
+    effective (no bytes, or a storage held past its copy: not one window of its bytes) or
+    that the set already has (or lacks) is evaluated as any set is.
     """
     out: list[_Evaluation | None] = [None] * len(slots)
     todo: dict[int, list[int]] = {}
