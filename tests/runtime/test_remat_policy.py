@@ -1243,3 +1243,43 @@ def test_a_kept_timeline_derives_what_one_built_from_its_slots_does(seed):
         assert not kept._effective_mask[k] and kept.slots[k].start == tl.slots[k].site + 1
     assert np.array_equal(kept.window_bytes(), built.window_bytes())
     assert kept.unevictable() == built.unevictable()
+
+
+class _WalkedNeighbours:
+    """:class:`policy._TempNeighbours` by walking every set in full (what it saves)."""
+
+    def __init__(self, tl: ConcreteTimeline, ev) -> None:
+        self.tl, self.chosen = tl, frozenset(run.slot for run in ev.calls)
+
+    def added(self, x: int):
+        return policy._walk(self.tl, self.chosen | {x}, 0)
+
+    def removed(self, x: int):
+        return policy._walk(self.tl, self.chosen - {x}, 0)
+
+
+def _walked_neighbours(tl, chosen, ev, slots, add):
+    return [_evaluate(tl, chosen | {x} if add else chosen - {x}, False) for x in slots]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_decisions_are_the_same_with_every_set_walked_in_full(seed):
+    """The searches evaluate temp-regime sets one slot away from an evaluated one from its
+    evaluation: the decisions are those of evaluating every set in full."""
+    npoints, nslots = (30, 12) if seed % 2 else (80, 30)
+    tl = _random_timeline(seed, npoints, nslots)
+    budgets = [int(f * tl.base_peak) for f in (0.9, 0.75, 0.6, 0.45)]
+
+    def decisions() -> list[policy.Decision]:
+        fresh = [_random_timeline(seed, npoints, nslots) for _ in range(len(budgets) + 1)]
+        found = [decide(t, b, exact_limit=0) for t, b in zip(fresh, budgets)]
+        return found + [minimum_peak(fresh[-1])]
+
+    fast = decisions()
+    with (
+        mock.patch.object(policy, "_evaluate_neighbours", _walked_neighbours),
+        mock.patch.object(policy, "_TempNeighbours", _WalkedNeighbours),
+    ):
+        walked = decisions()
+    assert fast == walked
+    assert any(d.evicted for d in fast)

@@ -674,7 +674,8 @@ def _other_call(tl: ConcreteTimeline, k: int, pending: int, keep: int) -> _Run:
 def _walk(tl: ConcreteTimeline, chosen: frozenset[int], keep: int) -> _Walk:
     """Which regenerate calls run when ``chosen`` are evicted, and what each materializes.
 
-    The walk runs once per evaluation, thousands of times per search: sets of slots are bit
+    The walk runs once per evaluation (but a temp-regime set one slot away from an evaluated
+    one: see :class:`_TempNeighbours`), thousands of times per search: sets of slots are bit
     masks (Python integers) here, and each call is looked up by ``(slot, pending mask, kept
     part of it)``.
     """
