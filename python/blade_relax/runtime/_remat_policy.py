@@ -598,15 +598,9 @@ class _PlanReads(NamedTuple):
 
 def _reads(plan: tuple[tuple[int, tuple[int, ...]], ...]) -> _PlanReads:
     """What each entry of ``plan`` reads, as bit masks."""
-    masks = {}
-    for x, refs in plan:
-        mask = 0
-        for t in refs:
-            mask |= 1 << t
-        masks[x] = mask
-    listed = 0
-    for x in masks:
-        listed |= 1 << x
+    entries = [(x, _bit_mask(refs)) for x, refs in plan]
+    masks = dict(entries)
+    listed = _bit_mask(masks)
     seen = 0
     for x, _ in plan:
         if masks[x] & listed & ~seen:
@@ -615,13 +609,15 @@ def _reads(plan: tuple[tuple[int, tuple[int, ...]], ...]) -> _PlanReads:
     else:
         if len(masks) == len(plan):
             return _PlanReads(masks, {x: i for i, (x, _) in enumerate(plan)}, None, None)
-    backwards = []
-    for x, refs in reversed(plan):
-        mask = 0
-        for t in refs:
-            mask |= 1 << t
-        backwards.append((x, mask))
-    return _PlanReads(None, None, backwards, masks)
+    return _PlanReads(None, None, entries[::-1], masks)
+
+
+def _bit_mask(slots: Iterable[int]) -> int:
+    """The bit mask of ``slots``."""
+    mask = 0
+    for x in slots:
+        mask |= 1 << x
+    return mask
 
 
 def _keep_mask(cache: Regime) -> int:
@@ -727,6 +723,11 @@ def _store(tl: ConcreteTimeline, chosen: frozenset[int]) -> dict:
     return tl._kept_evaluations
 
 
+def _remembered(tl: ConcreteTimeline, chosen: frozenset[int], cache: Regime) -> _Evaluation | None:
+    """The evaluation of ``chosen`` in ``cache`` if the search has made it (see :func:`_store`)."""
+    return _store(tl, chosen).get((chosen, cache))
+
+
 def _evaluate(tl: ConcreteTimeline, evicted: Iterable[int], cache: Regime = True) -> _Evaluation:
     """Predict the live bytes, the peak and the cost when ``evicted`` are evicted."""
     chosen = frozenset(evicted)
@@ -777,12 +778,11 @@ def _evaluate_many(
         if not chosen:
             out[i] = _Evaluation(peak=tl.base_peak, cost=0.0, live=tl.base)
             continue
-        key = (chosen, cache)
-        found = _store(tl, chosen).get(key)
+        found = _remembered(tl, chosen, cache)
         if found is not None:
             out[i] = found
         else:
-            todo.setdefault(key, []).append(i)
+            todo.setdefault((chosen, cache), []).append(i)
     if len(todo) == 1:
         # (One set: the single evaluation's arrays are smaller.)
         ((key, places),) = todo.items()
@@ -932,17 +932,18 @@ def _evaluate_neighbours(
     that the set already has (or lacks) is evaluated as any set is.
     """
     out: list[_Evaluation | None] = [None] * len(slots)
-    todo: dict[int, list[int]] = {}
+    # Each slot to evaluate from ev: its trial set and where it goes in ``out``.
+    todo: dict[int, tuple[frozenset[int], list[int]]] = {}
     effective = tl._effective_mask
     for i, x in enumerate(slots):
         trial = chosen | {x} if add else chosen - {x}
-        found = _store(tl, trial).get((trial, False))
+        found = _remembered(tl, trial, False)
         if found is not None:
             out[i] = found
         elif (x in chosen) == add or not effective[x]:
             out[i] = _evaluate(tl, trial, False)
         else:
-            todo.setdefault(x, []).append(i)
+            todo.setdefault(x, (trial, []))[1].append(i)
     if not todo:
         return out  # type: ignore[return-value]
     neighbours = _TempNeighbours(tl, ev)
@@ -950,8 +951,7 @@ def _evaluate_neighbours(
     walks = [step(x) for x in todo]
     window = tl.window_bytes()[list(todo)]
     live = ev.live[None, :] - window if add else ev.live[None, :] + window
-    for (x, places), result in zip(todo.items(), _with_peaks(walks, live)):
-        trial = chosen | {x} if add else chosen - {x}
+    for (trial, places), result in zip(todo.values(), _with_peaks(walks, live)):
         _store(tl, trial)[(trial, False)] = result
         for i in places:
             out[i] = result
@@ -972,7 +972,7 @@ def _cost(tl: ConcreteTimeline, evicted: Iterable[int], cache: Regime) -> float:
     chosen = frozenset(evicted)
     if not chosen:
         return 0.0
-    found = _store(tl, chosen).get((chosen, cache))
+    found = _remembered(tl, chosen, cache)
     if found is not None:
         return found.cost
     return _walk(tl, chosen, _keep_mask(cache)).cost
@@ -1133,17 +1133,18 @@ def _prune(tl: ConcreteTimeline, chosen: set[int], cache: Regime, limit: int) ->
     """Put back every slot (dearest first) whose eviction the limit does not need."""
     lowest = _lowest_live(tl, chosen)
     # (In the temp regime, each trial from the set's evaluation: see _TempNeighbours.)
-    ev = _evaluate(tl, chosen, cache) if cache is False else None
+    temp = cache is False
+    ev = _evaluate(tl, chosen, cache) if temp else None
     for x in sorted(chosen, key=lambda s: (-tl.slots[s].cost, s)):
         if _returns_above(tl, lowest, x, limit):
             continue
         trial = chosen - {x}
-        if ev is not None:
+        if temp:
             (result,) = _evaluate_neighbours(tl, frozenset(chosen), ev, [x], False)
         else:
             result = _evaluate(tl, trial, cache)
         if result.peak <= limit:
-            chosen, ev = trial, result if ev is not None else None
+            chosen, ev = trial, result
             if lowest is not None and tl._effective_mask[x]:
                 lowest[tl.slots[x].start : tl.slots[x].site + 1] += tl.slots[x].nbytes
     return chosen
@@ -1273,11 +1274,8 @@ def _put_back(
     """``chosen`` with slot ``x`` put back and other evictions in its place, or ``None``."""
     allowed = effective.copy()
     allowed[x] = False
-    ev = _evaluate(tl, chosen, cache)
-    if cache is False:
-        # (The repair starts from the set without x: evaluated from the set's evaluation.)
-        _evaluate_neighbours(tl, frozenset(chosen), ev, [x], False)
-    repaired = _repair(tl, chosen - {x}, allowed, budget, cache, ev.cost)
+    cost_limit = _evaluate(tl, chosen, cache).cost
+    repaired = _repair(tl, chosen - {x}, allowed, budget, cache, cost_limit)
     return None if repaired is None else _prune(tl, repaired, cache, budget)
 
 
