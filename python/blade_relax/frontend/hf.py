@@ -91,7 +91,24 @@ def _make_wrappers():
             )
             return (out.loss,)
 
-    return InferenceStep, TrainingStep
+    class MaskedTrainingStep(torch.nn.Module):
+        """``(input_ids, attention_mask, labels) -> (loss,)``: padded batches, as collators
+        make them (``attention_mask`` 0 on padding, ``labels`` -100 where not counted)."""
+
+        def __init__(self, model: Any) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask, labels):
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                labels=labels,
+                use_cache=False,
+            )
+            return (out.loss,)
+
+    return InferenceStep, TrainingStep, MaskedTrainingStep
 
 
 @contextlib.contextmanager
@@ -144,17 +161,21 @@ def _check_lengths(model: Any, min_seq_len: int, max_seq_len: int) -> None:
         )
 
 
-def _example_inputs(model: Any, n_inputs: int, batch: int, length: int) -> tuple[Any, ...]:
+def _example_inputs(model: Any, names: Sequence[str], batch: int, length: int) -> tuple[Any, ...]:
+    """Example tensors for ``names``: random token ids (and labels), an all-ones mask."""
     torch = _torch()
     vocab = int(getattr(model.config, "vocab_size", 2))
     generator = torch.Generator().manual_seed(0)
     return tuple(
-        torch.randint(0, vocab, (batch, length), generator=generator) for _ in range(n_inputs)
+        torch.ones((batch, length), dtype=torch.int64)
+        if name == "attention_mask"
+        else torch.randint(0, vocab, (batch, length), generator=generator)
+        for name in names
     )
 
 
 def _dims_spec(
-    n_inputs: int,
+    names: Sequence[str],
     min_seq_len: int,
     max_seq_len: int,
     max_batch_size: int | None,
@@ -166,7 +187,6 @@ def _dims_spec(
     if max_batch_size is not None:
         axes[0] = torch.export.Dim("b", min=1, max=max_batch_size)
         ranges["b"] = DimRange("b", 1, max_batch_size)
-    names = ["input_ids", "labels"][:n_inputs]
     return {name: dict(axes) for name in names}, ranges
 
 
@@ -298,11 +318,13 @@ def import_inference(
     """
     torch = _torch()
     _check_lengths(model, min_seq_len, max_seq_len)
-    inference_cls, _ = _make_wrappers()
+    inference_cls, _, _ = _make_wrappers()
     wrapper = inference_cls(model)
-    dynamic, ranges = _dims_spec(1, min_seq_len, max_seq_len, max_batch_size)
+    dynamic, ranges = _dims_spec(["input_ids"], min_seq_len, max_seq_len, max_batch_size)
     example_batch = max(batch_size, 2) if max_batch_size is not None else batch_size
-    example = _example_inputs(model, 1, example_batch, min(max_seq_len, max(min_seq_len, 16)))
+    example = _example_inputs(
+        model, ["input_ids"], example_batch, min(max_seq_len, max(min_seq_len, 16))
+    )
     with _export_settings(model, attn_implementation):
         ep = torch.export.export(wrapper, example, dynamic_shapes=dynamic)
         mod = _import(ep, custom_converters, decompose=True)
@@ -368,6 +390,36 @@ def _untied(model: Any, groups: list[list[str]]) -> Iterator[None]:
             setattr(owner, attr, original)
 
 
+def _frozen_last(
+    mod: tvm.IRModule,
+    names: list[str],
+    arrays: list[np.ndarray],
+    trainable: set[str],
+    num_input: int,
+) -> tuple[tvm.IRModule, list[str], list[np.ndarray], int]:
+    """Reorder ``main``'s parameters: the trainable ones first, the frozen ones last.
+
+    torch lists a PEFT model's frozen base weights and its adapters interleaved; the graph's
+    convention (:class:`ImportedGraph`) keeps the frozen ones after the trainable ones. Returns
+    the module, the names and arrays in the new order, and how many are frozen.
+    """
+    order = [i for i, n in enumerate(names) if n in trainable]
+    order += [i for i, n in enumerate(names) if n not in trainable]
+    num_frozen = len(names) - sum(n in trainable for n in names)
+    if order == list(range(len(names))):
+        return mod, names, arrays, num_frozen
+    func = mod["main"]
+    params = list(func.params)
+    reordered = params[:num_input] + [params[num_input + i] for i in order]
+    new_func = relax.Function(reordered, func.body, func.ret_ty, func.is_pure, func.attrs)
+    return (
+        tvm.IRModule({"main": new_func}),
+        [names[i] for i in order],
+        [arrays[i] for i in order],
+        num_frozen,
+    )
+
+
 def _regroup_outputs(
     mod: tvm.IRModule,
     names: list[str],
@@ -378,8 +430,10 @@ def _regroup_outputs(
 ) -> tuple[tvm.IRModule, list[str], list[np.ndarray]]:
     """Put gradients in parameter order; make each tied alias its primary, summing gradients.
 
-    Returns the module, the parameter names and arrays left (aliases removed). Afterwards output
-    ``i + 1`` is the gradient of parameter ``i``.
+    ``names`` lists the trainable parameters first (every one has a gradient in
+    ``grad_targets``), then the frozen ones (none has). Returns the module, the parameter names
+    and arrays left (aliases removed). Afterwards output ``i + 1`` is the gradient of
+    parameter ``i``, for each trainable parameter.
     """
     func = mod["main"]
     params = list(func.params)
@@ -395,6 +449,8 @@ def _regroup_outputs(
     plan = [[0]]
     for i in kept:
         name = names[i]
+        if name not in position:  # frozen: no gradient
+            continue
         sources = [position[name]]
         sources += [position[a] for a in dropped if alias_of[a] == name]
         plan.append(sources)
@@ -446,13 +502,19 @@ def import_training_step(
     keep_upper_bound: bool = True,
     attn_implementation: str | None = "eager",
     tied_parameters: str = "sum",
+    attention_mask: bool = False,
     custom_converters: dict[str, Callable] | None = None,
 ) -> ImportedGraph:
     """Import a training step: loss and the gradient of every trainable parameter.
 
     The loss is the model's own cross-entropy on ``labels`` (shifted inside the model, as Hugging
-    Face causal LMs do). The graph is torch's joint forward+backward export; the relabelled
-    gradient outputs follow the loss in the order of ``param_names``.
+    Face causal LMs do: labels of -100 are not counted, the mean is over the counted tokens).
+    The graph is torch's joint forward+backward export; the relabelled gradient outputs follow
+    the loss in the order of ``param_names``.
+
+    Parameters with ``requires_grad=False`` (the base weights of a PEFT LoRA model, a frozen
+    embedding) are frozen: they stay inputs of ``main``, after the trainable ones
+    (``ImportedGraph.num_frozen``), and get no gradient.
 
     Parameters
     ----------
@@ -466,12 +528,17 @@ def import_training_step(
         with ``tie_word_embeddings=True``): ``"sum"`` exports them untied and adds the
         aliases' gradients in the graph, which is the gradient of the tied parameter (one
         parameter, one gradient output); ``"error"`` raises :class:`TiedParameterError`.
+    attention_mask
+        Take the batch's ``attention_mask`` as an input (padded batches, padding on either
+        side: 0 marks a pad token, which no token attends to); ``False``: every token is
+        attended, as with a mask of ones.
 
     Returns
     -------
     ImportedGraph
-        ``main(input_ids, labels, *params) -> (loss, grad_0, ..., grad_{n-1})``; ``reference``
-        runs the same step in torch and returns the loss and gradients as arrays.
+        ``main(input_ids, [attention_mask,] labels, *params) -> (loss, grad_0, ...,
+        grad_{k-1})`` for the ``k`` trainable parameters; ``reference`` runs the same step in
+        torch and returns the loss and gradients as arrays.
     """
     torch = _torch()
     if tied_parameters not in ("sum", "error"):
@@ -484,11 +551,17 @@ def import_training_step(
             f"the model ties parameters ({listed}); build it with tie_word_embeddings=False "
             f"(or call import_training_step(..., tied_parameters='sum'))"
         )
-    _, training_cls = _make_wrappers()
-    wrapper = training_cls(model)
-    dynamic, ranges = _dims_spec(2, min_seq_len, max_seq_len, max_batch_size)
+    _, plain_cls, masked_cls = _make_wrappers()
+    wrapper = masked_cls(model) if attention_mask else plain_cls(model)
+    input_names = (
+        ["input_ids", "attention_mask", "labels"] if attention_mask else ["input_ids", "labels"]
+    )
+    num_input = len(input_names)
+    dynamic, ranges = _dims_spec(input_names, min_seq_len, max_seq_len, max_batch_size)
     example_batch = max(batch_size, 2) if max_batch_size is not None else batch_size
-    example = _example_inputs(model, 2, example_batch, min(max_seq_len, max(min_seq_len, 16)))
+    example = _example_inputs(
+        model, input_names, example_batch, min(max_seq_len, max(min_seq_len, 16))
+    )
     with _export_settings(model, attn_implementation), _untied(model, groups):
         ep = torch.export.export(wrapper, example, dynamic_shapes=dynamic)
         try:
@@ -502,51 +575,54 @@ def import_training_step(
             raise
         grad_targets = _relabel_gradients(joint)
         mod = _import(joint, custom_converters, decompose=False)
-    mod, names, arrays = _finish(mod, joint, 2, dynamic["input_ids"], keep_upper_bound)
+    mod, names, arrays = _finish(mod, joint, num_input, dynamic["input_ids"], keep_upper_bound)
     targets = [t[len(_PREFIX) :] if t.startswith(_PREFIX) else t for t in grad_targets]
-    if set(targets) != set(names):
+    if not set(targets) <= set(names):
         raise RuntimeError(
-            "the joint graph's gradients do not match the trainable parameters: "
-            f"{sorted(set(targets) ^ set(names))}"
+            "the joint graph has gradients of tensors that are not parameters of the model: "
+            f"{sorted(set(targets) - set(names))}"
         )
-    mod, names, arrays = _regroup_outputs(mod, names, arrays, targets, groups, 2)
-    output_names = ["loss"] + [f"grad:{name}" for name in names]
+    if not targets:
+        raise ValueError("the model has no trainable parameter (every requires_grad is False)")
+    mod, names, arrays, num_frozen = _frozen_last(mod, names, arrays, set(targets), num_input)
+    mod, names, arrays = _regroup_outputs(mod, names, arrays, targets, groups, num_input)
+    trainable = names[: len(names) - num_frozen]
+    output_names = ["loss"] + [f"grad:{name}" for name in trainable]
     batch_axis: int | str = "b" if max_batch_size is not None else batch_size
     named = dict(model.named_parameters(remove_duplicate=False))
 
     def reference(inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
-        ids, labels = (torch.from_numpy(np.asarray(a)) for a in inputs)
+        tensors = [torch.from_numpy(np.asarray(a)) for a in inputs]
         with _export_settings(model, None):
             model.zero_grad(set_to_none=True)
-            (loss,) = wrapper(ids, labels)
+            (loss,) = wrapper(*tensors)
             loss.backward()
         grads = []
-        for name in names:
+        for i, name in enumerate(trainable):
             grad = named[name].grad
-            grads.append(
-                np.zeros_like(arrays[names.index(name)]) if grad is None else torch_to_numpy(grad)
-            )
+            grads.append(np.zeros_like(arrays[i]) if grad is None else torch_to_numpy(grad))
         model.zero_grad(set_to_none=True)
         return [torch_to_numpy(loss), *grads]
 
     return ImportedGraph(
         mod=mod,
         params=arrays,
-        input_names=["input_ids", "labels"],
+        input_names=input_names,
         param_names=names,
         output_names=output_names,
-        input_shapes=[(batch_axis, "s"), (batch_axis, "s")],
-        input_dtypes=["int64", "int64"],
+        input_shapes=[(batch_axis, "s")] * num_input,
+        input_dtypes=["int64"] * num_input,
         dims=ranges,
         kind="training",
         reference=reference,
         torch_module=wrapper,
-        torch_params=[named[name] for name in names],
+        torch_params=[named[name] for name in trainable],
         int_input_high=int(model.config.vocab_size),
         metadata={
             "model_type": getattr(model.config, "model_type", type(model).__name__),
             "tied": [list(g) for g in groups],
         },
+        num_frozen=num_frozen,
     )
 
 

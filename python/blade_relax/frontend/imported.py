@@ -4,7 +4,8 @@
 inference graphs, joint training steps, Relax-native training steps built by ``Gradient``). The
 calling convention of its ``main`` is fixed: the user inputs first (``input_names``), then the
 parameters (``param_names``, whose arrays are ``params``), and the outputs, flattened, are
-``output_names``.
+``output_names``. Of the parameters, the last ``num_frozen`` are frozen (a LoRA model's base
+weights): a training graph returns a gradient for each trainable parameter only, in order.
 
 The exported range of every symbolic dim is kept in ``dims`` whether or not the function keeps
 its ``tir_var_upper_bound`` attribute, so :meth:`ImportedGraph.bind_dims` refuses a length beyond
@@ -100,10 +101,13 @@ class ImportedGraph:
         For torch imports, the ``torch.nn.Module`` that was exported (its ``forward`` takes the
         inputs as torch tensors and returns ``(loss,)`` or the logits).
     torch_params
-        The torch parameters in the order of ``param_names`` (their ``.grad`` after a step are
-        the gradients ``main`` returns).
+        The trainable torch parameters in the order of ``param_names`` (their ``.grad`` after a
+        step are the gradients ``main`` returns).
     int_input_high
         Exclusive upper bound of values for integer inputs (the vocabulary size for token ids).
+    num_frozen
+        How many of the parameters, the last ones, are frozen: inputs of ``main`` that get no
+        gradient (and, in a training step, no optimizer state and no update).
     """
 
     mod: tvm.IRModule
@@ -120,6 +124,28 @@ class ImportedGraph:
     torch_params: list[Any] | None = None
     int_input_high: int | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    num_frozen: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.num_frozen <= len(self.param_names):
+            raise ValueError(
+                f"num_frozen must be in [0, {len(self.param_names)}], got {self.num_frozen}"
+            )
+
+    @property
+    def num_trainable(self) -> int:
+        """How many parameters, the first ones, are trained (get a gradient)."""
+        return len(self.param_names) - self.num_frozen
+
+    @property
+    def trainable_names(self) -> list[str]:
+        """The names of the trainable parameters (the first :attr:`num_trainable`)."""
+        return self.param_names[: self.num_trainable]
+
+    @property
+    def frozen_names(self) -> list[str]:
+        """The names of the frozen parameters (the last :attr:`num_frozen`)."""
+        return self.param_names[self.num_trainable :]
 
     @property
     def main(self) -> relax.Function:

@@ -4,15 +4,16 @@
 (from :func:`blade_relax.frontend.import_training_step` or
 :func:`blade_relax.frontend.relax_training_step`), into
 
-``main(*inputs, *params, *states, scalars) -> (loss, *params, *states)``
+``main(*inputs, *params, *frozen, *states, scalars) -> (loss, *params, *states)``
 
-where each parameter and its optimizer state are updated in place (``call_tir_inplace`` of the
+where each trainable parameter and its optimizer state are updated in place (``call_tir_inplace`` of the
 optimizer's kernel: the returned tensors *are* the caller's buffers) and ``scalars`` carries the
 per-step hyperparameters (:meth:`InPlaceOptimizer.scalars`). The updates are appended to the
 dataflow block that computes the gradients, so ``MemoryAwareSchedule`` can move each one next to
 the kernel that produces its gradient, after the last reader of the parameter: the gradient dies
 as soon as it is applied, and the step's peak is the forward/backward peak plus about one
-gradient, not plus all of them.
+gradient, not plus all of them. Frozen parameters (``ImportedGraph.num_frozen``: a LoRA model's
+base weights) are read where they are, never copied, and have no state and no update.
 
 Where it works: the gradients are computed in dataflow blocks (and pure binding blocks, merged
 into one dataflow block). A graph with anything else (control flow, impure calls) gets its
@@ -45,7 +46,8 @@ class TrainingStep:
     Attributes
     ----------
     mod
-        ``main(*inputs, *params, *states, scalars) -> (loss, *params, *states)``.
+        ``main(*inputs, *params, *frozen, *states, scalars) -> (loss, *params, *states)``:
+        ``params`` the trainable parameters, ``frozen`` the frozen ones.
     graph
         The training graph it was built from (inputs, parameter names, dims, reference).
     optimizer
@@ -69,11 +71,12 @@ class TrainingStep:
 
     @property
     def num_params(self) -> int:
+        """All parameters the step takes, trainable and frozen."""
         return len(self.graph.param_names)
 
     def initial_state(self) -> list[np.ndarray]:
-        """The zero optimizer state for :attr:`graph`'s parameters."""
-        return self.optimizer.initial_state(self.graph.params)
+        """The zero optimizer state for :attr:`graph`'s trainable parameters."""
+        return self.optimizer.initial_state(self.graph.params[: self.graph.num_trainable])
 
 
 def _identifier(name: str) -> str:
@@ -137,30 +140,34 @@ def build_training_step(graph: ImportedGraph, optimizer: InPlaceOptimizer) -> Tr
         raise ValueError(f"a training step needs a training graph, not a {graph.kind!r} graph")
     func = graph.main
     n_in, n_param = len(graph.input_names), len(graph.param_names)
+    n_train = graph.num_trainable
     if len(func.params) != n_in + n_param:
         raise ValueError(
             f"main takes {len(func.params)} arguments; the graph names {n_in} inputs and "
             f"{n_param} parameters"
         )
     fields = _result_fields(func)
-    if len(fields) != 1 + n_param:
+    if len(fields) != 1 + n_train:
         raise ValueError(
             f"main returns {len(fields)} values; a training graph returns the loss and "
-            f"{n_param} gradients"
+            f"{n_train} gradients"
         )
-    inputs, params = list(func.params[:n_in]), list(func.params[n_in:])
-    for name, param, grad in zip(graph.param_names, params, fields[1:]):
+    inputs = list(func.params[:n_in])
+    params = list(func.params[n_in : n_in + n_train])
+    frozen = list(func.params[n_in + n_train :])
+    for name, param, grad in zip(graph.trainable_names, params, fields[1:]):
         if not tvm_ffi.structural_equal(param.ty, grad.ty):
             raise ValueError(f"the gradient of {name} has type {grad.ty}, its parameter {param.ty}")
 
-    state_names = [f"{s}:{p}" for p in graph.param_names for s in optimizer.state_names]
+    state_names = [f"{s}:{p}" for p in graph.trainable_names for s in optimizer.state_names]
     state_vars = [
         relax.Var(_identifier(f"{p.name}_{s}"), p.ty) for p in params for s in optimizer.state_names
     ]
     scalars = relax.Var("optimizer_scalars", relax.TensorType((optimizer.num_scalars,), "float32"))
     why = _mergeable(func)
     bb = relax.BlockBuilder()
-    with bb.function("main", [*inputs, *params, *state_vars, scalars], pure=func.is_pure):
+    signature = [*inputs, *params, *frozen, *state_vars, scalars]
+    with bb.function("main", signature, pure=func.is_pure):
         if why is not None:
             warn_fallback(
                 "build_training_step",

@@ -102,7 +102,9 @@ def torch_fit(
             p.copy_(torch.from_numpy(np.asarray(value)))
     opt = torch_optimizer(optimizer, params)
     step_fn = torch.compile(module, dynamic=True) if compile else module
-    param_bytes = sum(p.untyped_storage().nbytes() for p in params)
+    # Frozen parameters (a LoRA model's base weights) are held too, as in blade_relax's step.
+    frozen = [p for p in module.parameters() if not p.requires_grad]
+    param_bytes = sum(p.untyped_storage().nbytes() for p in [*params, *frozen])
     history = History(label="torch-compile" if compile else "torch-eager")
     stream = iter(batches)
     count = 0

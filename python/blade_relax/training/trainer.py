@@ -128,63 +128,135 @@ def _to_numpy(value: Any) -> np.ndarray:
 def as_batch(graph: ImportedGraph, batch: Any) -> list[np.ndarray]:
     """The arrays of one batch, in the graph's input order.
 
-    A batch is a sequence of arrays (one per input), a mapping from input names to arrays, or,
-    for a causal LM whose inputs are ``input_ids`` and ``labels``, the token ids alone (the
-    labels are the ids: the model shifts them).
+    A batch is a sequence of arrays (one per input), a mapping from input names to arrays
+    (torch tensors, numpy arrays or nested lists: what ``transformers`` data collators such as
+    ``DataCollatorForSeq2Seq`` and ``DataCollatorWithPadding`` yield), or, for a causal LM whose
+    inputs are ``input_ids`` and ``labels``, the token ids alone (the labels are the ids: the
+    model shifts them). A mapping without ``labels`` takes the ids as labels (with ``-100``
+    where ``attention_mask`` is 0), one without ``attention_mask`` (for a step that takes one)
+    a mask of ones; a boolean ``attention_mask`` is read as 0/1.
+
+    A step imported without ``attention_mask`` takes a mapping that has one only when the
+    mask changes nothing: all ones, or padding on the right whose labels are all ``-100`` (no
+    real token attends to a later one). Any other mask raises: that step would attend to the
+    padding.
     """
     names = graph.input_names
+    if not isinstance(batch, (Mapping, list, tuple)) and _CAUSAL_LM_INPUTS.issuperset(names):
+        batch = {"input_ids": batch}
     if isinstance(batch, Mapping):
+        batch = _with_labels(dict(batch), names)
+        if "attention_mask" in names and "attention_mask" not in batch and "input_ids" in batch:
+            batch["attention_mask"] = np.ones_like(_to_numpy(batch["input_ids"]))
+        if "attention_mask" in batch and "attention_mask" not in names:
+            batch = _without_mask(batch)
         missing = [n for n in names if n not in batch]
-        if names == ["input_ids", "labels"] and missing == ["labels"]:
-            batch = {**batch, "labels": batch["input_ids"]}
-            missing = []
         if missing:
             raise ValueError(f"the batch lacks {missing}; the step takes {names}")
         extra = sorted(set(batch) - set(names))
         if extra:
             raise ValueError(f"the batch has unknown inputs {extra}; the step takes {names}")
-        return [_to_numpy(batch[n]) for n in names]
+        return [_input_array(n, batch[n]) for n in names]
     if isinstance(batch, (list, tuple)):
-        arrays = [_to_numpy(b) for b in batch]
-        if len(arrays) != len(names):
+        arrays = [_input_array(n, b) for n, b in zip(names, batch)]
+        if len(batch) != len(names):
             raise ValueError(
-                f"a batch has {len(names)} arrays ({', '.join(names)}), got {len(arrays)}"
+                f"a batch has {len(names)} arrays ({', '.join(names)}), got {len(batch)}"
             )
         return arrays
-    if names == ["input_ids", "labels"]:
-        ids = _to_numpy(batch)
-        return [ids, ids]
     raise TypeError(
         f"a batch is a sequence or a mapping of arrays for {names}, not {type(batch).__name__}"
     )
 
 
+#: The inputs of a Hugging Face causal LM's training step.
+_CAUSAL_LM_INPUTS = frozenset({"input_ids", "attention_mask", "labels"})
+
+
+def _input_array(name: str, value: Any) -> np.ndarray:
+    array = _to_numpy(value)
+    if name == "attention_mask" and array.dtype == np.bool_:
+        return array.astype("int64")
+    return array
+
+
+def _with_labels(batch: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """The batch with ``labels``: the ids, ``-100`` where the mask is 0, when it has none."""
+    if "labels" in batch or "labels" not in names or "input_ids" not in batch:
+        return batch
+    labels = np.array(_to_numpy(batch["input_ids"]), copy=True)
+    if "attention_mask" in batch:
+        mask = _input_array("attention_mask", batch["attention_mask"])
+        if mask.shape == labels.shape:
+            labels[mask == 0] = IGNORE_INDEX
+    return {**batch, "labels": labels}
+
+
+def _without_mask(batch: dict[str, Any]) -> dict[str, Any]:
+    """Drop an ``attention_mask`` the step was not imported with, if it changes nothing."""
+    mask = _input_array("attention_mask", batch["attention_mask"])
+    rest = {k: v for k, v in batch.items() if k != "attention_mask"}
+    if mask.size == 0 or bool((mask == 1).all()):
+        return rest
+    labels = _to_numpy(rest["labels"]) if "labels" in rest else None
+    right_padded = bool((np.diff(mask.astype("int64"), axis=-1) <= 0).all()) and bool(
+        np.isin(mask, (0, 1)).all()
+    )
+    if right_padded and labels is not None and labels.shape == mask.shape:
+        if bool((labels[mask == 0] == IGNORE_INDEX).all()):
+            return rest
+    raise ValueError(
+        "the batch pads with attention_mask, but the step was imported without one and would "
+        "attend to the padding; import with attention_mask=True (import_training_step, "
+        "Trainer(model, attention_mask=True)) or pad on the right with labels -100 there"
+    )
+
+
 def check_batch(graph: ImportedGraph, arrays: Sequence[np.ndarray]) -> dict[str, int]:
-    """Check a batch against the graph (dtypes, shapes, dim ranges, token ids); its dims.
+    """Check a batch against the graph (dtypes, shapes, dim ranges, token ids, masks, labels);
+    its dims.
 
     Raises
     ------
     TypeError
         A wrong dtype.
     ValueError, DimOutOfRangeError
-        A wrong shape, a length outside the declared range, a token id outside the vocabulary.
+        A wrong shape, a length outside the declared range, a token id outside the vocabulary,
+        an ``attention_mask`` holding anything but 0 and 1, or ``labels`` that count no token
+        (every one ``-100``: the mean loss would be 0 / 0).
     """
     for name, array, dtype in zip(graph.input_names, arrays, graph.input_dtypes):
         if str(array.dtype) != dtype:
             raise TypeError(f"input {name!r} has dtype {array.dtype}, the step takes {dtype}")
     dims = graph.bind_dims(arrays)
     high = graph.int_input_high
-    if high is not None:
-        for name, array in zip(graph.input_names, arrays):
-            if array.dtype.kind not in "iu" or array.size == 0:
-                continue
-            low = IGNORE_INDEX if name == "labels" else 0
-            bad = (array >= high) | ((array < 0) & (array != low))
+    for name, array in zip(graph.input_names, arrays):
+        if array.dtype.kind not in "iu" or array.size == 0:
+            continue
+        if name == "attention_mask":
+            bad = (array != 0) & (array != 1)
             if bad.any():
-                value = int(array[bad].flat[0])
                 raise ValueError(
-                    f"input {name!r} holds {value}, outside [0, {high})"
-                    + (f" (or {IGNORE_INDEX}, ignored)" if name == "labels" else "")
+                    f"input 'attention_mask' holds {int(array[bad].flat[0])}; a mask is 0 "
+                    f"(padding) or 1 (a token)"
+                )
+            continue
+        if high is None:
+            continue
+        low = IGNORE_INDEX if name == "labels" else 0
+        bad = (array >= high) | ((array < 0) & (array != low))
+        if bad.any():
+            value = int(array[bad].flat[0])
+            raise ValueError(
+                f"input {name!r} holds {value}, outside [0, {high})"
+                + (f" (or {IGNORE_INDEX}, ignored)" if name == "labels" else "")
+            )
+        if name == "labels":
+            # The model shifts the labels: position 0 is never a target.
+            if not (array[..., 1:] != IGNORE_INDEX).any():
+                raise ValueError(
+                    f"input 'labels' counts no token (all {IGNORE_INDEX} after the first "
+                    "position): the mean loss would be 0 / 0"
                 )
     return dims
 
@@ -194,7 +266,10 @@ def _is_hf_model(source: Any) -> bool:
 
 
 def _as_step(
-    source: Any, optimizer: InPlaceOptimizer | None, max_seq_len: int | None
+    source: Any,
+    optimizer: InPlaceOptimizer | None,
+    max_seq_len: int | None,
+    max_batch_size: int | None = None,
 ) -> TrainingStep:
     if isinstance(source, TrainingStep):
         if optimizer is not None and optimizer is not source.optimizer:
@@ -209,7 +284,10 @@ def _as_step(
         limit = max_seq_len or getattr(source.config, "max_position_embeddings", None)
         if not limit:
             raise ValueError("give max_seq_len: the model's config has no position limit")
-        return build_training_step(import_training_step(source, max_seq_len=int(limit)), optimizer)
+        graph = import_training_step(
+            source, max_seq_len=int(limit), max_batch_size=max_batch_size, attention_mask=True
+        )
+        return build_training_step(graph, optimizer)
     raise TypeError(
         "train a TrainingStep, a training ImportedGraph or a Hugging Face causal LM, not "
         f"{type(source).__name__}"
@@ -223,7 +301,8 @@ class Trainer:
     ----------
     source
         A :class:`TrainingStep`, a training :class:`~blade_relax.frontend.ImportedGraph`, or a
-        Hugging Face causal LM (imported with ``max_seq_len``, default its position limit).
+        Hugging Face causal LM, a PEFT model included (imported with ``attention_mask``,
+        ``max_seq_len``, default its position limit, and ``max_batch_size``).
     optimizer
         The optimizer (default :class:`AdamW` with torch's defaults); not with a
         :class:`TrainingStep`, which has one.
@@ -233,6 +312,8 @@ class Trainer:
         The Relax pipeline (default :func:`blade_relax.get_pipeline` for ``target``).
     max_seq_len
         For a Hugging Face model: the longest sequence the step accepts.
+    max_batch_size
+        For a Hugging Face model: the largest batch the step accepts (``None``: batches of one).
     """
 
     def __init__(
@@ -243,11 +324,12 @@ class Trainer:
         target: str | dict | tvm.target.Target = "llvm",
         pipeline: tvm.transform.Pass | None = None,
         max_seq_len: int | None = None,
+        max_batch_size: int | None = None,
     ) -> None:
         from ..pipeline import as_target
         from ..runtime.devices import device_for_target
 
-        self.step_ir = _as_step(source, optimizer, max_seq_len)
+        self.step_ir = _as_step(source, optimizer, max_seq_len, max_batch_size)
         self.graph = self.step_ir.graph
         self.optimizer = self.step_ir.optimizer
         self.target = as_target(target)
@@ -453,6 +535,7 @@ def fit(
     target: str | dict | tvm.target.Target = "llvm",
     progress: bool = True,
     max_seq_len: int | None = None,
+    max_batch_size: int | None = None,
 ) -> History:
     """Train ``source`` on ``batches``: :class:`Trainer` then :meth:`Trainer.fit`.
 
@@ -461,5 +544,7 @@ def fit(
     History
         Per step: length, loss, peak bytes, time, evictions.
     """
-    trainer = Trainer(source, optimizer, target=target, max_seq_len=max_seq_len)
+    trainer = Trainer(
+        source, optimizer, target=target, max_seq_len=max_seq_len, max_batch_size=max_batch_size
+    )
     return trainer.fit(batches, steps, budget, progress=progress)
