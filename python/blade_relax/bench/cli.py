@@ -20,7 +20,15 @@ __all__ = ["WORKLOAD_NAMES", "build_parser", "main"]
 DEFAULT_CONFIGS = "tvm-dynamic,tvm-bounded,tvm-static,torch-eager"
 DEFAULT_PROG = "python -m blade_relax.bench"
 #: The names of :data:`blade_relax.bench.workloads.WORKLOADS`, known without importing TVM.
-WORKLOAD_NAMES = ("gpt2-infer", "gpt2-train", "llama-train", "mlp-train", "tanh-mlp-train")
+WORKLOAD_NAMES = (
+    "gpt2-infer",
+    "gpt2-train",
+    "llama-lora-sft",
+    "llama-sft",
+    "llama-train",
+    "mlp-train",
+    "tanh-mlp-train",
+)
 
 
 def _progress(message: str) -> None:
@@ -133,10 +141,24 @@ def _explicit_lengths(text: str) -> list[int]:
 
 def _lengths(args: argparse.Namespace, sizes) -> tuple[list[int], dict]:
     from .trace import length_trace
+    from .workloads import SFT_WORKLOADS, workload_sizes
 
     if args.lengths:
         lengths = _explicit_lengths(args.lengths)
         return lengths, {"kind": "explicit", "lengths": lengths}
+    if args.workload in SFT_WORKLOADS:
+        from .sft import sft_trace
+
+        batch = workload_sizes(args.workload, sizes).batch
+        sft = sft_trace(args.trace_len, batch, sizes.min_seq_len, sizes.max_seq_len, args.seed)
+        info = {
+            "kind": "sft",
+            "seed": sft.seed,
+            "lengths": sft.lengths,
+            "pairs": [list(map(list, pairs)) for pairs in sft.steps],
+            "distribution": sft.distribution,
+        }
+        return sft.unique, info
     trace = length_trace(args.trace_len, sizes.min_seq_len, sizes.max_seq_len, seed=args.seed)
     info = {
         "kind": "lognormal",

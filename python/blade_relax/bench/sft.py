@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["IGNORE_INDEX", "SftTrace", "pad_batch", "sft_trace"]
+__all__ = ["IGNORE_INDEX", "SftTrace", "pad_batch", "pairs_at", "sft_trace"]
 
 #: The label Hugging Face's cross-entropy ignores.
 IGNORE_INDEX = -100
@@ -107,6 +107,30 @@ def sft_trace(steps: int, batch: int, min_len: int, max_len: int, seed: int = 0)
         f"[{min_len}, {max_len}] (response cut), last step reaches {max_len}, seed {seed}"
     )
     return SftTrace(grouped, seed, batch, min_len, max_len, description)
+
+
+def pairs_at(
+    length: int, batch: int, min_len: int, max_len: int, seed: int = 0
+) -> tuple[tuple[int, int], ...]:
+    """``batch`` pairs drawn as :func:`sft_trace` draws them, the longest exactly ``length``.
+
+    The first pair is cut (or grown) to ``length`` tokens, the others are drawn and cut to at
+    most ``length``: a step of the trace whose padded length is ``length``. The bench measures
+    each length of a trace on such a batch.
+    """
+    if not 2 <= min_len <= length <= max_len:
+        raise ValueError(
+            f"need 2 <= min_len <= length <= max_len, got {min_len}, {length}, {max_len}"
+        )
+    if batch < 1:
+        raise ValueError(f"a batch needs at least one pair, got {batch}")
+    rng = np.random.default_rng(seed)
+    prompts = rng.lognormal(np.log(max(1.0, max_len * PROMPT_MEDIAN_FRACTION)), SIGMA, batch)
+    responses = rng.lognormal(np.log(max(1.0, max_len * RESPONSE_MEDIAN_FRACTION)), SIGMA, batch)
+    pairs = [_pair(p, r, min(min_len, length), length) for p, r in zip(prompts, responses)]
+    prompt = min(pairs[0][0], length - 1)
+    pairs[0] = (prompt, length - prompt)
+    return tuple(pairs)
 
 
 def _pair(prompt: float, response: float, min_len: int, max_len: int) -> tuple[int, int]:

@@ -4,6 +4,16 @@
     ``LlamaForCausalLM`` training step (loss + every gradient), torch's joint export.
 ``gpt2-train``
     ``GPT2LMHeadModel`` training step (``tie_word_embeddings=False``).
+``llama-sft``
+    Supervised fine-tuning of the ``LlamaForCausalLM``, as users run it: batches of
+    ``sizes.batch`` (prompt, response) pairs (4 when ``sizes.batch`` is 1) padded to the
+    longest with an ``attention_mask``, labels of -100 on prompt and padding
+    (:mod:`.sft`); ``b`` and ``s`` symbolic; every parameter trained.
+``llama-lora-sft``
+    The same with LoRA adapters (PEFT, rank :data:`LORA_RANK` on every projection of every
+    layer) on the frozen model: only the adapters get gradients. Their ``lora_B`` starts
+    drawn (``N(0, 0.02)``) rather than at PEFT's zeros, as after a few steps of training, so
+    that every gradient is non-zero and checked against torch.
 ``gpt2-infer``
     ``GPT2LMHeadModel`` logits.
 ``mlp-train``
@@ -54,6 +64,8 @@ __all__ = [
     "build_workload",
     "gpt2_model",
     "llama_model",
+    "lora_model",
+    "workload_sizes",
 ]
 
 
@@ -110,7 +122,15 @@ PRESETS = {"small": SMALL, "real": REAL, "1b": LLAMA_1B}
 WEIGHTS = ("random", "empty")
 DTYPES = ("float32", "bfloat16")
 # The workloads built from a Hugging Face model (the others are Relax-native, float32).
-HF_WORKLOADS = ("llama-train", "gpt2-train", "gpt2-infer")
+HF_WORKLOADS = ("llama-train", "gpt2-train", "gpt2-infer", "llama-sft", "llama-lora-sft")
+# The fine-tuning workloads: padded batches of (prompt, response) pairs.
+SFT_WORKLOADS = ("llama-sft", "llama-lora-sft")
+#: Sequences a step of the fine-tuning workloads when ``ModelSizes.batch`` is 1.
+SFT_BATCH = 4
+#: LoRA rank, scale (``lora_alpha``) and target modules of ``llama-lora-sft``.
+LORA_RANK = 16
+LORA_ALPHA = 32
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass
@@ -136,8 +156,25 @@ class Workload:
     def kind(self) -> str:
         return self.graph.kind
 
+    @property
+    def is_sft(self) -> bool:
+        """Whether a step is a padded batch of (prompt, response) pairs (:mod:`.sft`)."""
+        return self.name in SFT_WORKLOADS
+
     def inputs(self, length: int, seed: int = 0) -> list[np.ndarray]:
-        """Seeded inputs at sequence length ``length`` (checked against the exported range)."""
+        """Seeded inputs at sequence length ``length`` (checked against the exported range).
+
+        For the fine-tuning workloads: ``sizes.batch`` pairs padded to ``length``, the longest
+        of them exactly ``length`` tokens (:func:`.sft.pairs_at`, on the right).
+        """
+        if self.is_sft:
+            from .sft import pad_batch, pairs_at
+
+            low, high = self.sizes.min_seq_len, self.sizes.max_seq_len
+            self.graph.check_dims({"s": length})
+            pairs = pairs_at(length, self.sizes.batch, low, high, seed=seed + length)
+            batch = pad_batch(pairs, self.sizes.vocab, seed=seed + length)
+            return [batch[name] for name in self.graph.input_names]
         dims = {"s": length}
         if "b" in self.graph.dims:
             dims["b"] = self.sizes.batch
@@ -276,6 +313,48 @@ def _gpt2_train(sizes: ModelSizes, seed: int, weights: str = "random") -> Import
         min_seq_len=sizes.min_seq_len,
         batch_size=sizes.batch,
     )
+
+
+def _sft_import(model: Any, sizes: ModelSizes) -> ImportedGraph:
+    return import_training_step(
+        model,
+        max_seq_len=sizes.max_seq_len,
+        min_seq_len=sizes.min_seq_len,
+        batch_size=sizes.batch,
+        max_batch_size=sizes.batch,
+        attention_mask=True,
+    )
+
+
+def lora_model(model: Any, *, seed: int = 0, rank: int = LORA_RANK) -> Any:
+    """``model`` with PEFT LoRA adapters of ``rank`` on :data:`LORA_TARGETS` (base frozen).
+
+    ``lora_B`` is drawn from ``N(0, 0.02)`` (seeded) instead of PEFT's zeros: see the module
+    docstring.
+    """
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=list(LORA_TARGETS), lora_dropout=0.0
+    )
+    lora = get_peft_model(model, config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in lora.named_parameters():
+            if "lora_B" in name:
+                draw = torch.randn(param.shape, generator=generator) * 0.02
+                param.copy_(draw.to(param.dtype))
+    return lora
+
+
+def _llama_sft(sizes: ModelSizes, seed: int, weights: str = "random") -> ImportedGraph:
+    return _sft_import(llama_model(sizes, seed=seed, weights=weights), sizes)
+
+
+def _llama_lora_sft(sizes: ModelSizes, seed: int, weights: str = "random") -> ImportedGraph:
+    model = lora_model(llama_model(sizes, seed=seed, weights=weights), seed=seed)
+    return _sft_import(model, sizes)
 
 
 def _gpt2_infer(sizes: ModelSizes, seed: int, weights: str = "random") -> ImportedGraph:
@@ -450,9 +529,19 @@ WORKLOADS: dict[str, Callable[[ModelSizes, int, str], ImportedGraph]] = {
     "llama-train": _llama_train,
     "gpt2-train": _gpt2_train,
     "gpt2-infer": _gpt2_infer,
+    "llama-sft": _llama_sft,
+    "llama-lora-sft": _llama_lora_sft,
     "mlp-train": _mlp_train,
     "tanh-mlp-train": _tanh_mlp_train,
 }
+
+
+def workload_sizes(name: str, sizes: ModelSizes) -> ModelSizes:
+    """The sizes ``name`` is built with: a fine-tuning workload pads :data:`SFT_BATCH`
+    sequences a step when ``sizes.batch`` is 1."""
+    if name in SFT_WORKLOADS and sizes.batch == 1:
+        return dataclasses.replace(sizes, batch=SFT_BATCH)
+    return sizes
 
 
 def build_workload(
@@ -473,6 +562,7 @@ def build_workload(
             f"a multiple of kv_heads ({sizes.kv_heads})"
         )
     _check_dtype(sizes.dtype)
+    sizes = workload_sizes(name, sizes)
     if sizes.dtype != "float32" and name not in HF_WORKLOADS:
         raise ValueError(
             f"{name} is built in float32 only; dtype {sizes.dtype} is offered for the Hugging "
