@@ -83,6 +83,23 @@ def test_ratios_are_medians_over_lengths(sweep):
     assert points["tc"].budget_met is None
 
 
+def test_checkpointing_configs_stay_out_of_the_torch_curve(sweep):
+    # Listed first, the checkpointed compile must not become the torch curve's time base.
+    ckpt = ConfigSummary(
+        "tc-ckpt",
+        "torch",
+        "",
+        True,
+        settings={"compile": True, "activation_memory_budget": None, "checkpointing": True},
+    )
+    sweep.configs.insert(0, ckpt)
+    sweep.measurements += [_row("tc-ckpt", n, 100 * n, 10.0) for n in (8, 16, 32)]
+    points = {p.config: p for p in budget_points(sweep)}
+    assert set(points) == {"ours", "ours@0.5", "tc", "tc@0.2"}
+    assert points["tc"].time_ratio == pytest.approx(1.0)
+    assert points["tc@0.2"].time_ratio == pytest.approx(1.2)
+
+
 def test_table_and_plot(sweep, tmp_path):
     table = budget_table(sweep)
     assert "| ours@0.5 | 0.5 | 0.53 | 1.20 | 2/3 |" in table

@@ -8,6 +8,7 @@ from blade_relax.bench import configs
 from blade_relax.bench.configs import (
     TorchConfig,
     TvmConfig,
+    available_configs,
     get_config,
     register_budget_family,
     register_config,
@@ -45,6 +46,23 @@ def test_family_argument_becomes_the_budget():
         get_config("torch-compile@half")
     with pytest.raises(ValueError, match="must be positive"):
         get_config("torch-compile@-1")
+
+
+def test_checkpointing_configs_are_registered():
+    eager, compiled = get_config("torch-eager-ckpt"), get_config("torch-compile-ckpt")
+    assert isinstance(eager, TorchConfig) and isinstance(compiled, TorchConfig)
+    assert eager.checkpointing and not eager.compile
+    assert compiled.checkpointing and compiled.compile
+    assert compiled.activation_memory_budget is None
+    assert not get_config("torch-eager").checkpointing
+    assert not get_config("torch-compile@0.5").checkpointing
+    budgeted = get_config("torch-compile-ckpt@0.25")
+    assert budgeted.name == "torch-compile-ckpt@0.25"
+    assert budgeted.checkpointing and budgeted.compile
+    assert budgeted.activation_memory_budget == 0.25
+    with pytest.raises(ValueError, match="expected a number"):
+        get_config("torch-compile-ckpt@all")
+    assert "torch-compile-ckpt@B" in available_configs()
 
 
 def test_unknown_and_duplicate_names_are_clear_errors():

@@ -10,7 +10,8 @@ A configuration says how one system runs a workload. Two kinds exist:
     length, applied with ``blade_relax.runtime.set_memory_budget``).
 :class:`TorchConfig`
     PyTorch eager, or ``torch.compile(dynamic=True)`` with an optional
-    ``torch._functorch.config.activation_memory_budget``.
+    ``torch._functorch.config.activation_memory_budget``; either with Hugging Face gradient
+    checkpointing (:mod:`.hf_checkpointing`).
 
 A TVM configuration whose pipeline is a :class:`FlagsPipeline` (every one registered here) says
 which :class:`~blade_relax.pipeline.PipelineFlags` it compiles with, so that the predicted mode
@@ -158,6 +159,11 @@ class TorchConfig:
     activation_memory_budget
         ``torch._functorch.config.activation_memory_budget`` while compiling (``None``: the
         default, 1.0).
+    checkpointing
+        Run the Hugging Face model with ``gradient_checkpointing_enable()`` (non-reentrant,
+        in train mode; restored after each measurement, see :mod:`.hf_checkpointing`): every
+        decoder layer recomputes its activations in the backward pass. Only for workloads whose
+        torch module holds a Hugging Face model.
     description
         One line for the README and ``--list-configs``.
     """
@@ -165,6 +171,7 @@ class TorchConfig:
     name: str
     compile: bool = False
     activation_memory_budget: float | None = None
+    checkpointing: bool = False
     description: str = ""
 
     kind = "torch"
@@ -365,6 +372,34 @@ register_config_family(
         description=f"torch.compile(dynamic=True), activation_memory_budget={argument}",
     ),
     description="torch.compile(dynamic=True) with activation_memory_budget=B",
+)
+register_config(
+    TorchConfig(
+        "torch-eager-ckpt",
+        checkpointing=True,
+        description="PyTorch eager with Hugging Face gradient checkpointing "
+        "(model.gradient_checkpointing_enable(), non-reentrant)",
+    )
+)
+register_config(
+    TorchConfig(
+        "torch-compile-ckpt",
+        compile=True,
+        checkpointing=True,
+        description="torch.compile(dynamic=True) of PyTorch with Hugging Face gradient "
+        "checkpointing (non-reentrant)",
+    )
+)
+register_config_family(
+    "torch-compile-ckpt",
+    lambda argument: TorchConfig(
+        f"torch-compile-ckpt@{argument}",
+        compile=True,
+        checkpointing=True,
+        activation_memory_budget=_fraction(argument, f"torch-compile-ckpt@{argument}"),
+        description=f"torch-compile-ckpt with activation_memory_budget={argument}",
+    ),
+    description="torch-compile-ckpt with activation_memory_budget=B",
 )
 
 # ---------------------------------------------------------------------------------------------

@@ -260,7 +260,8 @@ class BudgetPoint:
 
 def budget_points(result: BenchResult) -> list[BudgetPoint]:
     """The budget sweep in ``result``: every runtime-budget configuration and its reference,
-    and every ``torch.compile`` configuration, as ratios (see :class:`BudgetPoint`).
+    and every ``torch.compile`` configuration without gradient checkpointing, as ratios (see
+    :class:`BudgetPoint`).
 
     Returns an empty list when ``result`` holds no budgeted configuration.
     """
@@ -294,6 +295,7 @@ def budget_points(result: BenchResult) -> list[BudgetPoint]:
             for c in result.configs
             if c.kind == "torch"
             and c.settings.get("compile")
+            and not c.settings.get("checkpointing")
             and c.settings.get("activation_memory_budget") is None
         ),
         None,
@@ -305,7 +307,11 @@ def budget_points(result: BenchResult) -> list[BudgetPoint]:
             config.name == reference or settings.get("budget_of") == reference
         ):
             family, setting, time_base = "runtime budget", settings.get("budget"), reference
-        elif config.kind == "torch" and settings.get("compile"):
+        elif (
+            config.kind == "torch"
+            and settings.get("compile")
+            and not settings.get("checkpointing")  # another curve: not plotted
+        ):
             family = "activation_memory_budget"
             setting, time_base = settings.get("activation_memory_budget"), torch_base
         else:

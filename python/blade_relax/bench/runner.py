@@ -11,7 +11,8 @@ What is measured, per configuration and sequence length:
     see ``workspace_bytes``), minus the live bytes before the call, on a fresh VM
     (``blade_relax.runtime.measure_call``). PyTorch: the peak of :class:`~.torch_memory.LiveBytesCounter` over one step (every storage an ATen op
     creates, gradients included; ``.grad`` is reset to ``None`` before the step, as TVM returns
-    fresh gradients).
+    fresh gradients). With gradient checkpointing (``torch-*-ckpt``) the recomputation in the
+    backward pass is counted the same way.
 ``workspace_bytes`` (TVM)
     Kernel workspace included in ``step_peak_bytes``: the scratch buffers the kernel running at
     the peak allocates inside (``TVMBackendAllocWorkspace``), counted from the compiled module's
@@ -343,6 +344,13 @@ class _TorchRunner:
             memo: dict[int, Any] = {}
             self.module = copy.deepcopy(self.module, memo).to(f"cuda:{device.index}")
             self.params = [memo.get(id(p), p) for p in self.params]
+        if config.checkpointing:
+            from .hf_checkpointing import checkpointing_model
+
+            try:
+                checkpointing_model(self.module)
+            except ValueError as err:
+                raise ValueError(f"{config.name}: {err}") from None
         self.compilations = 0
         self.compile_time_s = 0.0
         self._graphs_at_start = 0
@@ -358,9 +366,13 @@ class _TorchRunner:
 
     @contextlib.contextmanager
     def _settings(self) -> Iterator[None]:
+        from .hf_checkpointing import gradient_checkpointing
         from .torch_memory import visible_inductor_allocations
 
         with contextlib.ExitStack() as stack:
+            if self.config.checkpointing:
+                # On for the steps only: the module is shared with the other configurations.
+                stack.enter_context(gradient_checkpointing(self.module))
             if self.config.compile:
                 stack.enter_context(visible_inductor_allocations())
                 # Cold compiles: a cache hit from an earlier config (or run) would hide the
@@ -627,6 +639,7 @@ def _summary(config: BenchConfig, requested: bool) -> ConfigSummary:
         settings = {
             "compile": config.compile,
             "activation_memory_budget": config.activation_memory_budget,
+            "checkpointing": config.checkpointing,
         }
     return ConfigSummary(
         name=config.name,

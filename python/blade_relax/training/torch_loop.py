@@ -8,6 +8,10 @@ batches. Peak bytes per step are counted the way blade_relax's are: the bytes he
 the dispatch counter of :mod:`blade_relax.bench.torch_memory` (PyTorch has no CPU allocator
 statistics). The gradients of the previous step are released before the step starts (the
 ``set_to_none`` in the loop), which is the most favourable accounting for PyTorch.
+
+With ``checkpointing=True`` the copy of the model runs with Hugging Face gradient checkpointing
+(non-reentrant, in train mode, :mod:`blade_relax.bench.hf_checkpointing`), the loop labelled
+``torch-eager-ckpt`` or ``torch-compile-ckpt``.
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ def torch_fit(
     steps: int | None = None,
     *,
     compile: bool = False,
+    checkpointing: bool = False,
 ) -> History:
     """Run the PyTorch loop for ``graph``'s model (a copy, from ``graph.params``).
 
@@ -87,13 +92,26 @@ def torch_fit(
     compile
         Run the model through ``torch.compile(dynamic=True)`` (the backward and the optimizer
         stay eager).
+    checkpointing
+        Enable Hugging Face gradient checkpointing on the copy (``torch-eager-ckpt``,
+        ``torch-compile-ckpt``): each decoder layer recomputes its activations in the backward
+        pass. The graph's torch module must hold a Hugging Face model.
+
+    Raises
+    ------
+    ValueError
+        When the graph has no torch module, or ``checkpointing`` is asked of one that holds no
+        Hugging Face model.
     """
     import torch
 
+    from ..bench.hf_checkpointing import checkpointing_model, gradient_checkpointing
     from ..bench.torch_memory import LiveBytesCounter, visible_inductor_allocations
 
     if graph.torch_module is None or graph.torch_params is None:
         raise ValueError("the graph was not imported from torch: there is no torch loop to run")
+    if checkpointing:
+        checkpointing_model(graph.torch_module)  # raises before anything is copied
     memo: dict[int, Any] = {}
     module = copy.deepcopy(graph.torch_module, memo)
     params = [memo.get(id(p), p) for p in graph.torch_params]
@@ -105,45 +123,48 @@ def torch_fit(
     # Frozen parameters (a LoRA model's base weights) are held too, as in blade_relax's step.
     frozen = [p for p in module.parameters() if not p.requires_grad]
     param_bytes = sum(p.untyped_storage().nbytes() for p in [*params, *frozen])
-    history = History(label="torch-compile" if compile else "torch-eager")
-    stream = iter(batches)
-    count = 0
-    compile_start = time.perf_counter()
-    compiled_once = False
-    while steps is None or count < steps:
-        batch = next(stream, None)
-        if batch is None:
-            break
-        arrays = as_batch(graph, batch)
-        dims = check_batch(graph, arrays)
-        tensors = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
-        count += 1
-        for group in opt.param_groups:
-            group["lr"] = optimizer.lr_at(count)
-        opt.zero_grad(set_to_none=True)
-        gc.collect()
-        held = param_bytes + _state_bytes(opt)
-        counter = LiveBytesCounter()
-        start = time.perf_counter()
-        with visible_inductor_allocations() if compile else contextlib.nullcontext(), counter:
-            (loss,) = step_fn(*tensors)
-            loss.backward()
-            opt.step()
-        elapsed = time.perf_counter() - start
-        counter.detach_all()
-        if compile and not compiled_once:
-            history.compile_time_s = time.perf_counter() - compile_start
-            compiled_once = True
-        history.records.append(
-            StepRecord(
-                step=count,
-                length=int(dims.get("s", arrays[0].shape[-1])),
-                loss=float(loss.detach()),
-                peak_bytes=held + int(counter.peak_bytes),
-                step_peak_bytes=int(counter.peak_bytes),
-                time_s=elapsed,
+    label = "torch-compile" if compile else "torch-eager"
+    history = History(label=f"{label}-ckpt" if checkpointing else label)
+    # On the copy, for the whole loop (and off again, as the copy is left behind).
+    with gradient_checkpointing(module) if checkpointing else contextlib.nullcontext():
+        stream = iter(batches)
+        count = 0
+        compile_start = time.perf_counter()
+        compiled_once = False
+        while steps is None or count < steps:
+            batch = next(stream, None)
+            if batch is None:
+                break
+            arrays = as_batch(graph, batch)
+            dims = check_batch(graph, arrays)
+            tensors = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+            count += 1
+            for group in opt.param_groups:
+                group["lr"] = optimizer.lr_at(count)
+            opt.zero_grad(set_to_none=True)
+            gc.collect()
+            held = param_bytes + _state_bytes(opt)
+            counter = LiveBytesCounter()
+            start = time.perf_counter()
+            with visible_inductor_allocations() if compile else contextlib.nullcontext(), counter:
+                (loss,) = step_fn(*tensors)
+                loss.backward()
+                opt.step()
+            elapsed = time.perf_counter() - start
+            counter.detach_all()
+            if compile and not compiled_once:
+                history.compile_time_s = time.perf_counter() - compile_start
+                compiled_once = True
+            history.records.append(
+                StepRecord(
+                    step=count,
+                    length=int(dims.get("s", arrays[0].shape[-1])),
+                    loss=float(loss.detach()),
+                    peak_bytes=held + int(counter.peak_bytes),
+                    step_peak_bytes=int(counter.peak_bytes),
+                    time_s=elapsed,
+                )
             )
-        )
     history.persistent_bytes = param_bytes + _state_bytes(opt)
     history.parameters = [p.detach().numpy().copy() for p in params]  # type: ignore[attr-defined]
     if compile:
