@@ -107,3 +107,71 @@ def test_synthetic_tokens_follow_the_chain():
             assert b in table[a]
     with pytest.raises(ValueError):
         MarkovTokens(vocab=1)
+
+
+# ------------------------------------------------------------------------------ fine-tuning
+@pytest.fixture(scope="module")
+def lora_comparison():
+    """Three LoRA fine-tuning steps on padded (prompt, response) batches, left-padded, with
+    PyTorch's eager loop and its gradient-checkpointed one beside blade_relax's."""
+    return training_bench.compare_training(
+        "llama",
+        size=TINY,
+        steps=3,
+        optimizer=AdamW(lr=1e-2),
+        lora=True,
+        padding_side="left",
+        torch_checkpointing=True,
+        progress=False,
+    )
+
+
+def test_lora_fine_tuning_matches_torch(lora_comparison):
+    result = lora_comparison
+    assert result.settings["workload"] == "llama-lora-sft"
+    assert result.max_loss_error < 1e-4
+    assert result.max_param_error < 1e-4
+    assert [run.label for run in result.torch_runs] == ["torch-eager", "torch-eager-ckpt"]
+    eager, ckpt = result.torch_runs
+    assert ckpt.losses == pytest.approx(eager.losses, rel=1e-5)
+    assert 0 < result.settings["trainable_bytes"] < result.param_bytes
+    assert result.lengths[-1] == TINY.max_seq_len
+    assert "padded on the left" in result.settings["data"]
+
+
+def test_lora_fine_tuning_holds_the_frozen_model_once(lora_comparison):
+    """Persistent bytes: every parameter once, AdamW's two moments of the adapters only."""
+    result = lora_comparison
+    trainable = result.settings["trainable_bytes"]
+    scalars = result.ours.persistent_bytes - result.param_bytes - 2 * trainable
+    assert 0 < scalars <= 64
+
+
+def test_command_passes_the_fine_tuning_flags(lora_comparison, monkeypatch, capsys):
+    calls = {}
+
+    def fake(model, **kwargs):
+        calls.update(kwargs, model=model)
+        return lora_comparison
+
+    monkeypatch.setattr(training_bench, "compare_training", fake)
+    argv = ["train", "--lora", "--batch", "2", "--dtype", "bf16", "--padding", "left"]
+    assert cli.main([*argv, "--torch-ckpt", "--steps", "3", "--no-plot"]) == 0
+    assert calls["lora"] and calls["sft"] and calls["torch_checkpointing"]
+    assert calls["padding_side"] == "left"
+    assert calls["size"].batch == 2 and calls["size"].dtype == "bfloat16"
+    out = capsys.readouterr().out
+    assert "trained, the rest frozen" in out
+    assert "torch-eager-ckpt" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--sft", "--model", "gpt2"], "fine-tune --model llama, not gpt2"),
+        (["--lora", "--batch", "0"], "--batch must be positive"),
+    ],
+)
+def test_command_refuses_bad_fine_tuning_flags(argv, message, capsys):
+    assert cli.main(["train", *argv, "--no-plot"]) == 2
+    assert message in capsys.readouterr().err

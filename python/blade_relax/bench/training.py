@@ -17,13 +17,16 @@ from typing import Any
 
 import numpy as np
 
+from .sft import pad_batch, sft_trace
 from .trace import length_trace
 from .workloads import PRESETS, ModelSizes, build_workload
 
-__all__ = ["TRAIN_MODELS", "TrainingComparison", "compare_training", "plot_training"]
+__all__ = ["SFT_MODELS", "TRAIN_MODELS", "TrainingComparison", "compare_training", "plot_training"]
 
 #: ``--model`` of ``blade-relax train`` -> bench workload.
 TRAIN_MODELS = {"llama": "llama-train", "gpt2": "gpt2-train"}
+#: The fine-tuning workloads of a model (``--sft``, ``--lora``): full, LoRA.
+SFT_MODELS = {"llama": ("llama-sft", "llama-lora-sft")}
 
 
 @dataclass
@@ -101,10 +104,21 @@ def compare_training(
     budget: float | None = None,
     seed: int = 0,
     torch_compile: bool = False,
+    torch_checkpointing: bool = False,
+    sft: bool = False,
+    lora: bool = False,
+    padding_side: str = "right",
     progress: bool = True,
     log: Callable[[str], None] | None = None,
 ) -> TrainingComparison:
     """Run blade_relax's loop and PyTorch's on the same model, init and batches.
+
+    Pre-training runs (the default) train on Markov-chain token batches whose lengths follow
+    the bench's trace. Fine-tuning runs (``sft`` or ``lora``) train as users fine-tune: each
+    step ``sizes.batch`` (prompt, response) pairs of the SFT trace (:mod:`.sft`; 4 when
+    ``sizes.batch`` is 1), padded to the longest with an ``attention_mask``, labels ``-100``
+    on prompt and padding; with ``lora`` only PEFT LoRA adapters are trained, the model
+    frozen.
 
     Parameters
     ----------
@@ -122,6 +136,13 @@ def compare_training(
         Seed of the weights, the trace and the tokens.
     torch_compile
         Also run PyTorch's loop with ``torch.compile``.
+    torch_checkpointing
+        Also run PyTorch's eager loop with Hugging Face gradient checkpointing
+        (``torch-eager-ckpt``), and with ``torch_compile`` the compiled one too.
+    sft, lora
+        Fine-tune (see above); ``lora`` implies ``sft``.
+    padding_side
+        Where fine-tuning batches are padded: ``"right"`` or ``"left"``.
     """
     from ..training import AdamW, Trainer, torch_fit
     from ..training.data import synthetic_batches
@@ -129,13 +150,26 @@ def compare_training(
     say = log or (lambda _m: None)
     if model not in TRAIN_MODELS:
         raise ValueError(f"unknown model {model!r}; one of {sorted(TRAIN_MODELS)}")
+    sft = sft or lora
+    if sft and model not in SFT_MODELS:
+        raise ValueError(f"fine-tuning runs take one of {sorted(SFT_MODELS)}, not {model!r}")
     sizes = PRESETS[size] if isinstance(size, str) else size
     optimizer = optimizer if optimizer is not None else AdamW(lr=1e-3)
-    say(f"building {model} ({TRAIN_MODELS[model]}) and its training graph")
-    workload = build_workload(TRAIN_MODELS[model], sizes, seed=seed)
-    graph = workload.graph
-    trace = length_trace(steps, sizes.min_seq_len, sizes.max_seq_len, seed=seed)
-    batches = synthetic_batches(sizes.vocab, trace.lengths, batch=sizes.batch, seed=seed)
+    name = SFT_MODELS[model][int(lora)] if sft else TRAIN_MODELS[model]
+    say(f"building {model} ({name}) and its training graph")
+    workload = build_workload(name, sizes, seed=seed)
+    graph, sizes = workload.graph, workload.sizes
+    if sft:
+        trace = sft_trace(steps, sizes.batch, sizes.min_seq_len, sizes.max_seq_len, seed=seed)
+        lengths, description = trace.lengths, trace.distribution
+        batches = [
+            pad_batch(pairs, sizes.vocab, padding_side=padding_side, seed=seed + i)
+            for i, pairs in enumerate(trace.steps)
+        ]
+    else:
+        trace = length_trace(steps, sizes.min_seq_len, sizes.max_seq_len, seed=seed)
+        lengths, description = list(trace.lengths), trace.distribution
+        batches = synthetic_batches(sizes.vocab, trace.lengths, batch=sizes.batch, seed=seed)
     trainer = Trainer(graph, optimizer)
     say("compiling the training step (once for every length)")
     trainer.compile()
@@ -147,6 +181,14 @@ def compare_training(
     if torch_compile:
         say(f"torch-compile: {steps} steps")
         torch_runs.append(torch_fit(graph, optimizer, batches, steps, compile=True))
+    if torch_checkpointing:
+        say(f"torch-eager-ckpt: {steps} steps")
+        torch_runs.append(torch_fit(graph, optimizer, batches, steps, checkpointing=True))
+        if torch_compile:
+            say(f"torch-compile-ckpt: {steps} steps")
+            torch_runs.append(
+                torch_fit(graph, optimizer, batches, steps, compile=True, checkpointing=True)
+            )
     eager = torch_runs[0]
     loss_error = max(
         abs(a.loss - b.loss) / max(abs(b.loss), 1e-12) for a, b in zip(ours.records, eager.records)
@@ -158,21 +200,27 @@ def compare_training(
     return TrainingComparison(
         ours=ours,
         torch_runs=torch_runs,
-        lengths=list(trace.lengths),
-        trace=trace.distribution,
+        lengths=list(lengths),
+        trace=description,
         max_loss_error=loss_error,
         max_param_error=param_error,
         budget=budget,
         param_bytes=graph.param_bytes,
         settings={
             "model": model,
-            "workload": TRAIN_MODELS[model],
+            "workload": name,
+            "trainable_bytes": int(sum(p.nbytes for p in graph.params[: graph.num_trainable])),
             "sizes": {k: getattr(sizes, k) for k in sizes.__dataclass_fields__},
             "steps": steps,
             "optimizer": type(optimizer).__name__,
             "lr": optimizer.lr,
             "seed": seed,
-            "data": "first-order Markov chain, 4 likely successors per token, 5 % noise",
+            "data": (
+                f"SFT: {sizes.batch} (prompt, response) pairs a step, padded on the "
+                f"{padding_side}, random tokens, labels -100 on prompt and padding"
+                if sft
+                else "first-order Markov chain, 4 likely successors per token, 5 % noise"
+            ),
         },
     )
 
