@@ -17,12 +17,21 @@ Why each one exists:
     Must return the triple ``(out, mean, rstd)``: the backward graph reads ``mean`` and ``rstd``.
     The built-in converter returns ``out`` alone, and ``getitem(out, 1)`` on a tensor then
     silently yields ``out`` again, which corrupts GPT-2's gradients without any error.
-``mm.default``, ``matmul.default``, ``bmm.default``
+``mm.default``, ``matmul.default``, ``bmm.default``, ``addmm.default``
     The built-in converters compute every product in float32 (``out_dtype="float32"``
     whatever the inputs), which turns a bfloat16 graph into a mixed one: twice the bytes for
     every product, and ops that require equal dtypes (``slice_scatter`` in the backward of
-    rotary embeddings) are rejected. The product takes the dtype torch gives it (the FX
-    node's value; float32 graphs are unchanged).
+    rotary embeddings; ``addmm``'s bias add, which rejects a bfloat16 GPT-2 outright) are
+    rejected. The product takes the dtype torch gives it (the FX node's value; float32
+    graphs are unchanged). By default a 16-bit product also sums in that dtype; with
+    ``custom_convert_map(accumulate="float32")`` it sums in float32 and is rounded once at the
+    end (``addmm`` adds its bias before that rounding), as torch's CPU and CUDA kernels do:
+    what mixed-precision (autocast) imports use.
+``pow.Tensor_Scalar`` on bfloat16
+    TVM's ``power`` accepts no bfloat16 operand (``power only applies to float`` when it is
+    legalized; GPT-2's ``gelu_new`` cubes its input). As torch's CPU kernel does, a square or
+    a cube is computed by bfloat16 multiplications (``(x * x) * x``, each rounded), any other
+    exponent in float32, rounded once.
 ``slice.Tensor`` on a symbolic axis
     ``labels[..., 1:]`` arrives with ``end = 2**63 - 1``. The built-in converter keeps that end,
     so shapes become ``min(2**63 - 2, s)`` and byte counts overflow int64 during lowering. The
@@ -144,40 +153,114 @@ def _slice(node: Any, importer: Any) -> relax.Var:
     )
 
 
-def _matmul(node: Any, importer: Any) -> relax.Var:
+def _pow(node: Any, importer: Any) -> relax.Var:
+    base, exponent = importer.retrieve_args(node)[:2]
+    ty = getattr(base, "ty", None)
+    if (
+        not isinstance(ty, relax.TensorType)
+        or ty.dtype != "bfloat16"
+        or not isinstance(exponent, int | float)
+        or isinstance(exponent, bool)
+    ):
+        return importer._pow(node)
+    bb = importer.block_builder
+    if exponent in (2, 3):
+        result = bb.emit(relax.op.multiply(base, base))
+        if exponent == 3:
+            result = bb.emit(relax.op.multiply(result, base))
+        return result
+    wide = bb.emit(relax.op.astype(base, "float32"))
+    raised = bb.emit(relax.op.power(wide, relax.const(float(exponent), "float32")))
+    return bb.emit(relax.op.astype(raised, "bfloat16"))
+
+
+def _product_dtype(node: Any, importer: Any, fallback: str) -> str:
+    """The dtype torch gives the product (the FX node's value), else ``fallback``."""
+    dtype = getattr(node.meta.get("val"), "dtype", None)
+    return fallback if dtype is None else importer._convert_data_type(dtype, importer.env)
+
+
+def _widened(dtype: str, accumulate: str | None) -> str:
+    """The dtype a product of ``dtype`` sums in (``accumulate`` only widens 16-bit floats)."""
+    return accumulate if accumulate and dtype in ("float16", "bfloat16") else dtype
+
+
+def _cast(bb: Any, value: relax.Expr, dtype: str) -> relax.Expr:
+    return value if value.ty.dtype == dtype else bb.emit(relax.op.astype(value, dtype))
+
+
+def _matmul(node: Any, importer: Any, accumulate: str | None = None) -> relax.Var:
     lhs, rhs = importer.retrieve_args(node)[:2]
     tensors = (lhs, rhs)
     if not all(isinstance(getattr(t, "ty", None), relax.TensorType) for t in tensors):
         # Not two tensors: what the built-in converter does.
         builtin = functools.partial(relax.op.linear_algebra.matmul, out_dtype="float32")
         return importer._binary_op(builtin, operator.matmul)(node)
-    value = node.meta.get("val")
-    dtype = getattr(value, "dtype", None)
-    if dtype is None:
-        dtype = lhs.ty.dtype
-    else:
-        dtype = importer._convert_data_type(dtype, importer.env)
+    dtype = _product_dtype(node, importer, lhs.ty.dtype)
+    wide = _widened(dtype, accumulate)
     bb = importer.block_builder
-    if lhs.ty.dtype != dtype:
-        lhs = bb.emit(relax.op.astype(lhs, dtype))
-    if rhs.ty.dtype != dtype:
-        rhs = bb.emit(relax.op.astype(rhs, dtype))
-    return bb.emit(relax.op.linear_algebra.matmul(lhs, rhs, out_dtype=dtype))
+    lhs, rhs = _cast(bb, lhs, dtype), _cast(bb, rhs, dtype)
+    product = bb.emit(relax.op.linear_algebra.matmul(lhs, rhs, out_dtype=wide))
+    return _cast(bb, product, dtype)
+
+
+def _addmm(node: Any, importer: Any, accumulate: str | None = None) -> relax.Var:
+    """``beta * bias + alpha * (lhs @ rhs)`` in the dtype torch gives it."""
+    bias, lhs, rhs = importer.retrieve_args(node)[:3]
+    alpha = node.kwargs.get("alpha", 1)
+    beta = node.kwargs.get("beta", 1)
+    tensors = (bias, lhs, rhs)
+    if alpha == 0 or not all(isinstance(getattr(t, "ty", None), relax.TensorType) for t in tensors):
+        return importer._addmm(node)
+    dtype = _product_dtype(node, importer, lhs.ty.dtype)
+    wide = _widened(dtype, accumulate)
+    bb = importer.block_builder
+    lhs, rhs = _cast(bb, lhs, dtype), _cast(bb, rhs, dtype)
+    result = bb.emit(relax.op.linear_algebra.matmul(lhs, rhs, out_dtype=wide))
+    if alpha != 1:
+        result = bb.emit(relax.op.multiply(result, relax.const(alpha, wide)))
+    if beta != 0:
+        bias = _cast(bb, bias, wide)
+        if beta != 1:
+            bias = bb.emit(relax.op.multiply(bias, relax.const(beta, wide)))
+        result = bb.emit(relax.op.add(bias, result))
+    return _cast(bb, result, dtype)
 
 
 CUSTOM_CONVERTERS: dict[str, Callable[[Any, Any], relax.Var]] = {
+    "addmm.default": _addmm,
     "bmm.default": _matmul,
     "empty_permuted.default": _empty_permuted,
     "index_put.default": _index_put,
     "matmul.default": _matmul,
     "mm.default": _matmul,
     "native_layer_norm.default": _native_layer_norm,
+    "pow.Tensor_Scalar": _pow,
     "slice.Tensor": _slice,
 }
 
 
-def custom_convert_map(extra: dict[str, Callable[[Any, Any], relax.Var]] | None = None) -> dict:
-    """The converters above, updated with ``extra`` (a user's own converters win)."""
+def custom_convert_map(
+    extra: dict[str, Callable[[Any, Any], relax.Var]] | None = None,
+    *,
+    accumulate: str | None = None,
+) -> dict:
+    """The converters above, updated with ``extra`` (a user's own converters win).
+
+    Parameters
+    ----------
+    extra
+        More converters, by ATen name; they replace ours.
+    accumulate
+        ``None``: a product sums in its own dtype. ``"float32"``: a float16 or bfloat16 product
+        sums in float32 and is rounded to its dtype once, at the end.
+    """
+    if accumulate not in (None, "float32"):
+        raise ValueError(f"accumulate must be None or 'float32', not {accumulate!r}")
     converters = dict(CUSTOM_CONVERTERS)
+    if accumulate is not None:
+        for name, convert in CUSTOM_CONVERTERS.items():
+            if convert in (_matmul, _addmm):
+                converters[name] = functools.partial(convert, accumulate=accumulate)
     converters.update(extra or {})
     return converters

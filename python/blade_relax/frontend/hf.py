@@ -16,6 +16,12 @@ Conventions that hold for both: the model runs with ``attention_mask = ones_like
 attention is exported with the ``eager`` implementation (matmul + softmax, which the joint graph
 can differentiate and TVM can import), restored afterwards. Symbolic dims are renamed to ``s``
 and ``b`` and keep the exported ``Dim`` range in ``ImportedGraph.dims``.
+
+Mixed precision (``import_training_step(..., autocast="bfloat16")``) enters
+``torch.autocast`` inside the exported wrapper's ``forward``: the casts are then recorded in
+the graph. An ``autocast`` context around ``torch.export.export`` instead is not: the exported
+program holds float32 ``linear`` calls with bfloat16 metadata, and the joint export's
+decomposition fails on them (``Tensor dtype mismatch! Expected: torch.bfloat16``).
 """
 
 from __future__ import annotations
@@ -37,9 +43,17 @@ from .imported import (
     drop_upper_bounds,
 )
 
-__all__ = ["TiedParameterError", "import_inference", "import_training_step", "torch_to_numpy"]
+__all__ = [
+    "AUTOCAST_DTYPES",
+    "TiedParameterError",
+    "import_inference",
+    "import_training_step",
+    "torch_to_numpy",
+]
 
 _PREFIX = "model."
+#: The ``autocast`` values :func:`import_training_step` accepts.
+AUTOCAST_DTYPES = ("bfloat16", "float16")
 
 
 class TiedParameterError(ValueError):
@@ -76,37 +90,41 @@ def _make_wrappers():
             return out.logits
 
     class TrainingStep(torch.nn.Module):
-        """``(input_ids, labels) -> (loss,)``: the model's own shifted cross-entropy."""
+        """``(input_ids, labels) -> (loss,)``: the model's own shifted cross-entropy, every
+        token attended.
 
-        def __init__(self, model: Any) -> None:
+        With ``autocast`` (a torch dtype), the forward runs under ``torch.autocast`` of that
+        dtype; the backward follows the casts it recorded.
+        """
+
+        def __init__(self, model: Any, autocast: Any = None) -> None:
             super().__init__()
             self.model = model
+            self.autocast = autocast
 
         def forward(self, input_ids, labels):
-            out = self.model(
-                input_ids=input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                labels=labels,
-                use_cache=False,
-            )
+            return self.loss(input_ids, torch.ones_like(input_ids), labels)
+
+        def loss(self, input_ids, attention_mask, labels):
+            if self.autocast is None:
+                region = contextlib.nullcontext()
+            else:
+                region = torch.autocast(device_type=input_ids.device.type, dtype=self.autocast)
+            with region:
+                out = self.model(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    labels=labels,
+                    use_cache=False,
+                )
             return (out.loss,)
 
-    class MaskedTrainingStep(torch.nn.Module):
+    class MaskedTrainingStep(TrainingStep):
         """``(input_ids, attention_mask, labels) -> (loss,)``: padded batches, as collators
         make them (``attention_mask`` 0 on padding, ``labels`` -100 where not counted)."""
 
-        def __init__(self, model: Any) -> None:
-            super().__init__()
-            self.model = model
-
         def forward(self, input_ids, attention_mask, labels):
-            out = self.model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                labels=labels,
-                use_cache=False,
-            )
-            return (out.loss,)
+            return self.loss(input_ids, attention_mask, labels)
 
     return InferenceStep, TrainingStep, MaskedTrainingStep
 
@@ -269,14 +287,16 @@ def _finish(
     return out, names, arrays
 
 
-def _import(ep: Any, custom_converters: dict | None, decompose: bool) -> tvm.IRModule:
+def _import(
+    ep: Any, custom_converters: dict | None, decompose: bool, accumulate: str | None = None
+) -> tvm.IRModule:
     from tvm.relax.frontend.torch import from_exported_program
 
     return from_exported_program(
         ep,
         keep_params_as_input=True,
         run_ep_decomposition=decompose,
-        custom_convert_map=custom_convert_map(custom_converters),
+        custom_convert_map=custom_convert_map(custom_converters, accumulate=accumulate),
     )
 
 
@@ -354,6 +374,30 @@ def import_inference(
         int_input_high=int(model.config.vocab_size),
         metadata={"model_type": getattr(model.config, "model_type", type(model).__name__)},
     )
+
+
+def _autocast_dtype(model: Any, autocast: str | None) -> Any:
+    """The torch dtype of ``autocast`` (``None`` stays ``None``), checked against the model."""
+    if autocast is None:
+        return None
+    if autocast not in AUTOCAST_DTYPES:
+        raise ValueError(f"autocast must be None or one of {AUTOCAST_DTYPES}, not {autocast!r}")
+    torch = _torch()
+    other = sorted(
+        {
+            f"{name} ({param.dtype})"
+            for name, param in model.named_parameters()
+            if param.is_floating_point() and param.dtype != torch.float32
+        }
+    )
+    if other:
+        shown = ", ".join(other[:3]) + (f" and {len(other) - 3} more" if len(other) > 3 else "")
+        raise ValueError(
+            f"autocast={autocast!r} needs float32 parameters (mixed precision keeps float32 "
+            f"master weights and gradients), but the model has {shown}; build the model in "
+            "float32, or import it without autocast"
+        )
+    return getattr(torch, autocast)
 
 
 def _tied_groups(model: Any) -> list[list[str]]:
@@ -503,6 +547,7 @@ def import_training_step(
     attn_implementation: str | None = "eager",
     tied_parameters: str = "sum",
     attention_mask: bool = False,
+    autocast: str | None = None,
     custom_converters: dict[str, Callable] | None = None,
 ) -> ImportedGraph:
     """Import a training step: loss and the gradient of every trainable parameter.
@@ -532,6 +577,17 @@ def import_training_step(
         Take the batch's ``attention_mask`` as an input (padded batches, padding on either
         side: 0 marks a pad token, which no token attends to); ``False``: every token is
         attended, as with a mask of ones.
+    autocast
+        ``None``: the model's own precision. ``"bfloat16"`` or ``"float16"``: mixed
+        precision with ``torch.autocast`` semantics. The exported forward (and the
+        ``reference``, and ``torch_module``) runs inside ``torch.autocast(device_type,
+        dtype=autocast)``, so the operators autocast lowers (``linear``, ``matmul``, ``bmm``,
+        ``addmm``, ...) compute in that dtype, summing their products in float32 as torch's
+        kernels do, while the parameters, their gradients and the loss stay float32. Needs a
+        float32 model (``ValueError`` otherwise). No loss scaling is applied. Compared with
+        the reference, expect errors near the dtype's precision (norm-relative gradient
+        errors up to about 1e-2 for bfloat16, as large as autocast's own error against
+        float32), not float32 agreement.
 
     Returns
     -------
@@ -551,8 +607,9 @@ def import_training_step(
             f"the model ties parameters ({listed}); build it with tie_word_embeddings=False "
             f"(or call import_training_step(..., tied_parameters='sum'))"
         )
+    autocast_dtype = _autocast_dtype(model, autocast)
     _, plain_cls, masked_cls = _make_wrappers()
-    wrapper = masked_cls(model) if attention_mask else plain_cls(model)
+    wrapper = (masked_cls if attention_mask else plain_cls)(model, autocast=autocast_dtype)
     input_names = (
         ["input_ids", "attention_mask", "labels"] if attention_mask else ["input_ids", "labels"]
     )
@@ -574,7 +631,9 @@ def import_training_step(
                 ) from err
             raise
         grad_targets = _relabel_gradients(joint)
-        mod = _import(joint, custom_converters, decompose=False)
+        # torch sums 16-bit products in float32 and rounds once; autocast graphs do the same.
+        accumulate = None if autocast is None else "float32"
+        mod = _import(joint, custom_converters, decompose=False, accumulate=accumulate)
     mod, names, arrays = _finish(mod, joint, num_input, dynamic["input_ids"], keep_upper_bound)
     targets = [t[len(_PREFIX) :] if t.startswith(_PREFIX) else t for t in grad_targets]
     if not set(targets) <= set(names):
@@ -621,6 +680,7 @@ def import_training_step(
         metadata={
             "model_type": getattr(model.config, "model_type", type(model).__name__),
             "tied": [list(g) for g in groups],
+            "autocast": autocast,
         },
         num_frozen=num_frozen,
     )
