@@ -159,7 +159,8 @@ def test_command_passes_the_fine_tuning_flags(lora_comparison, monkeypatch, caps
     assert cli.main([*argv, "--torch-ckpt", "--steps", "3", "--no-plot"]) == 0
     assert calls["lora"] and calls["sft"] and calls["torch_checkpointing"]
     assert calls["padding_side"] == "left"
-    assert calls["size"].batch == 2 and calls["size"].dtype == "bfloat16"
+    assert calls["size"].batch == 2
+    assert (calls["size"].dtype, calls["size"].autocast) == ("float32", "bfloat16")
     out = capsys.readouterr().out
     assert "trained, the rest frozen" in out
     assert "torch-eager-ckpt" in out

@@ -89,6 +89,13 @@ def build_parser(prog: str = DEFAULT_PROG) -> argparse.ArgumentParser:
         choices=["float32", "bfloat16"],
         help="weights and computation of the Hugging Face workloads (default: float32)",
     )
+    parser.add_argument(
+        "--autocast",
+        default=None,
+        choices=["bfloat16", "float16"],
+        help="mixed precision of the Hugging Face training workloads: float32 weights, the "
+        "forward under torch.autocast of this dtype (default: none)",
+    )
     parser.add_argument("--trace-len", type=int, default=6, help="entries in the trace (6)")
     parser.add_argument("--seed", type=int, default=0, help="seed of trace and weights (0)")
     parser.add_argument(

@@ -85,6 +85,10 @@ class ModelSizes:
     dtype
         Floating-point type of the Hugging Face models' weights and computation
         (``"float32"`` or ``"bfloat16"``; :data:`DTYPES`). The Relax-native MLPs are float32.
+    autocast
+        Mixed precision of the Hugging Face training workloads: ``None``, or ``"bfloat16"`` /
+        ``"float16"`` for float32 weights with the forward under ``torch.autocast`` of that
+        dtype (:func:`blade_relax.frontend.import_training_step`); needs ``dtype="float32"``.
     """
 
     layers: int = 2
@@ -97,6 +101,7 @@ class ModelSizes:
     min_seq_len: int = 2
     batch: int = 1
     dtype: str = "float32"
+    autocast: str | None = None
 
 
 SMALL = ModelSizes()
@@ -303,6 +308,7 @@ def _llama_train(sizes: ModelSizes, seed: int, weights: str = "random") -> Impor
         max_seq_len=sizes.max_seq_len,
         min_seq_len=sizes.min_seq_len,
         batch_size=sizes.batch,
+        autocast=sizes.autocast,
     )
 
 
@@ -312,6 +318,7 @@ def _gpt2_train(sizes: ModelSizes, seed: int, weights: str = "random") -> Import
         max_seq_len=sizes.max_seq_len,
         min_seq_len=sizes.min_seq_len,
         batch_size=sizes.batch,
+        autocast=sizes.autocast,
     )
 
 
@@ -323,6 +330,7 @@ def _sft_import(model: Any, sizes: ModelSizes) -> ImportedGraph:
         batch_size=sizes.batch,
         max_batch_size=sizes.batch,
         attention_mask=True,
+        autocast=sizes.autocast,
     )
 
 
@@ -568,4 +576,12 @@ def build_workload(
             f"{name} is built in float32 only; dtype {sizes.dtype} is offered for the Hugging "
             f"Face workloads ({', '.join(HF_WORKLOADS)})"
         )
+    if sizes.autocast is not None:
+        if name not in HF_WORKLOADS or name == "gpt2-infer":
+            raise ValueError(f"autocast applies to the Hugging Face training workloads, not {name}")
+        if sizes.dtype != "float32":
+            raise ValueError(
+                f"autocast={sizes.autocast!r} keeps float32 weights; dtype {sizes.dtype} is a "
+                "model already in 16 bits (use one or the other)"
+            )
     return Workload(name=name, sizes=sizes, graph=WORKLOADS[name](sizes, seed, weights))
