@@ -1,13 +1,35 @@
-"""Step-time overhead of one configuration against another, measured in interleaved blocks.
+"""Step-time overhead of configurations against their bases, measured in interleaved blocks.
 
 ``python -m blade_relax.bench.overhead --workload llama-train --base blade-relax-schedule
 --configs blade-relax --lengths 16,28,64`` compiles each configuration once (dynamic length),
 then, per length, times ``--blocks`` blocks of ``--steps`` calls of each configuration in turn
 (the order rotates from block to block), so that a slow spell of a shared machine hits every
 configuration alike. A configuration's overhead at a length is the median over blocks of its
-block time divided by the base's block time of the same round. The ruler's own step times
+block time divided by its base's block time of the same round. The ruler's own step times
 (``python -m blade_relax.bench``) run one configuration after the other and are too noisy for
 differences of a few percent on a shared CPU.
+
+Every configuration is divided by ``--base`` unless ``--pairs`` names its own base, so that one
+run answers "what do memory savings cost in time" for both systems::
+
+    python -m blade_relax.bench.overhead --workload llama-train --base blade-relax-full \\
+        --configs blade-relax-full@0.5,torch-eager,torch-eager-ckpt \\
+        --pairs torch-eager:torch-eager,torch-eager-ckpt:torch-eager
+
+Configurations are dynamic TVM ones, with or without a runtime budget, and PyTorch ones
+(``torch-eager``, ``torch-eager-ckpt``, ``torch-compile``, ...). A budgeted configuration
+(``blade-relax-full@0.5``) runs under a budget taken, once per length before the timing, as the
+ruler (:func:`~blade_relax.bench.runner.run_benchmark`) takes it: the fraction times the step
+peak its ``budget_of`` configuration measures at that length, applied as the runtime budget
+(``set_memory_budget``) its own measured step ran under. A PyTorch configuration runs the
+ruler's step inside its settings (Hugging Face gradient checkpointing for ``*-ckpt``, switched
+on for that configuration's blocks only: the module is shared).
+
+Each row also reports the configuration's step peak at the length, measured as the ruler
+measures it (TVM: :func:`blade_relax.runtime.measure_call` on a fresh VM, under the budget;
+PyTorch: the step counted by :class:`~.torch_memory.LiveBytesCounter` on the CPU, the
+allocator's peak on CUDA), so that the peak a budget or checkpointing saves and the time it
+costs stand side by side.
 
 It also reports what the remat runtime's decision costs per call: the ``blade_relax.
 remat_active`` query that a rematerialized function's dispatcher makes when no budget is set
@@ -19,13 +41,14 @@ shape, as in a training loop).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -34,7 +57,7 @@ from tvm import relax
 
 from ..contract import REMAT_ACTIVE
 
-__all__ = ["OverheadRow", "active_query_us", "main", "measure_overhead"]
+__all__ = ["OverheadRow", "active_query_us", "main", "measure_overhead", "parse_pairs"]
 
 
 @dataclass
@@ -46,9 +69,9 @@ class OverheadRow:
     config, length
         What was measured.
     block_ratios
-        Per round, this configuration's block time over the base's.
+        Per round, this configuration's block time over its base's.
     median_ratio
-        The median of ``block_ratios`` (1.0 for the base itself).
+        The median of ``block_ratios`` (1.0 for a configuration that is its own base).
     median_step_s
         Median time of one call (block time / steps); absolute times from a CPU shared with
         other work are indicative only.
@@ -56,6 +79,16 @@ class OverheadRow:
         Median wall time of the remat decision under a budget of 0.9 of the unbudgeted step
         peak (cached decisions), in microseconds; None when the configuration has no remat
         runtime.
+    base
+        The configuration the ratios divide by.
+    step_peak_bytes
+        The step's peak at this length, under the budget for a budgeted configuration (see the
+        module docstring).
+    budget_bytes
+        The budget the step ran under (bytes it may add to those live before it); None without
+        one.
+    block_times_s
+        Per round, this configuration's block time (``steps`` calls), in seconds.
     """
 
     config: str
@@ -64,6 +97,10 @@ class OverheadRow:
     median_ratio: float = 1.0
     median_step_s: float = 0.0
     decision_us: float | None = None
+    base: str = ""
+    step_peak_bytes: int | None = None
+    budget_bytes: int | None = None
+    block_times_s: list[float] = field(default_factory=list)
 
 
 def active_query_us(calls: int = 100_000) -> float:
@@ -101,100 +138,271 @@ def _decision_us(vm: Any, args: Sequence[Any], calls: int) -> float | None:
     return statistics.median(times) if times else None
 
 
+def parse_pairs(text: str) -> dict[str, str]:
+    """``"a:b,c:d"`` as ``{"a": "b", "c": "d"}``: each configuration and the base it is divided by.
+
+    Raises
+    ------
+    ValueError
+        When an item is not ``config:base`` or a configuration is named twice.
+    """
+    pairs: dict[str, str] = {}
+    for item in text.split(","):
+        if not item.strip():
+            continue
+        config, colon, of = (part.strip() for part in item.partition(":"))
+        if not colon or not config or not of or ":" in of:
+            raise ValueError(f"--pairs: expected CONFIG:BASE, got {item.strip()!r}")
+        if config in pairs:
+            raise ValueError(f"--pairs: {config!r} is given a base twice")
+        pairs[config] = of
+    return pairs
+
+
+@dataclass
+class _Plan:
+    """What one run times: the timed names (base first), every configuration to build in run
+    order (budget references before their users, references that are not timed included), and
+    each timed name's base."""
+
+    timed: list[str]
+    configs: list[Any]
+    bases: dict[str, str]
+
+
+def _plan(base: str, configs: Sequence[str], pairs: Mapping[str, str] | None) -> _Plan:
+    """Resolve and check the configurations and the pairs; raises ValueError (or KeyError)."""
+    from .configs import TvmConfig, resolve_configs
+
+    timed = list(dict.fromkeys([base, *configs]))
+    ordered = [config for config, _requested in resolve_configs(timed)]
+    for config in ordered:
+        if isinstance(config, TvmConfig) and (config.static or config.bucket is not None):
+            raise ValueError(
+                f"{config.name}: only dynamic TVM configurations (with or without a budget) and "
+                "PyTorch configurations, no static or bucketed ones"
+            )
+    bases = dict.fromkeys(timed, base)
+    listed = ", ".join(timed)
+    for name, of in (pairs or {}).items():
+        if name not in bases:
+            raise ValueError(
+                f"pairs: {name!r} is not among the configurations timed ({listed}); "
+                "add it to the configurations"
+            )
+        if of not in bases:
+            raise ValueError(
+                f"pairs: the base {of!r} of {name!r} is not among the configurations timed "
+                f"({listed}); add it to the configurations"
+            )
+        bases[name] = of
+    return _Plan(timed=timed, configs=ordered, bases=bases)
+
+
 def measure_overhead(
     workload: Any,
     base: str,
     configs: Sequence[str],
     lengths: Sequence[int],
     *,
+    pairs: Mapping[str, str] | None = None,
     blocks: int = 15,
     steps: int = 5,
     target: str = "llvm",
-    progress: Any = None,
+    progress: Callable[[str], None] | None = None,
 ) -> list[OverheadRow]:
-    """Interleaved block timings of ``configs`` against ``base`` (see the module docstring).
+    """Interleaved block timings of ``configs`` against their bases (see the module docstring).
 
     Parameters
     ----------
     workload
         A :class:`~blade_relax.bench.workloads.Workload`.
     base
-        The configuration the others are divided by.
+        The configuration the others are divided by unless ``pairs`` names their own; it is
+        timed too.
     configs
-        Further configuration names (no budgeted or static configurations).
+        Further configuration names: dynamic TVM ones, with or without a budget, and PyTorch
+        ones. A budget's reference (``budget_of``) is built to measure its peak even when it
+        is not timed.
     lengths
         Sequence lengths.
+    pairs
+        Configuration name -> the name of its base; both among ``base`` and ``configs``.
     blocks, steps
         Rounds, and calls of each configuration per round.
     target
         ``"llvm"`` (CPU) or a CUDA target.
     progress
         Called with a line per stage.
+
+    Returns
+    -------
+    list[OverheadRow]
+        Per length, one row per timed configuration, ``base`` first, then ``configs`` in order.
+
+    Raises
+    ------
+    ValueError
+        For an unknown, static or bucketed configuration, a pair naming a configuration that
+        is not timed, a workload PyTorch cannot run, or fewer than one block or step.
     """
+    from ..analysis.workspace import compile_keeping_module
     from ..pipeline import as_target
-    from .configs import TvmConfig, get_config
+    from ..runtime import measure_call, set_memory_budget
+    from .configs import TvmConfig
+    from .runner import _TorchRunner
 
     if blocks < 1 or steps < 1:
         raise ValueError(f"blocks and steps must be at least 1, got {blocks} and {steps}")
     say = progress or (lambda _msg: None)
+    plan = _plan(base, configs, pairs)
     tgt = as_target(target)
-    device = tvm.cuda() if tgt.kind.name == "cuda" else tvm.cpu()
-    names = [base, *[c for c in configs if c != base]]
-    executables = {}
-    for name in names:
-        config = get_config(name)
-        if not isinstance(config, TvmConfig) or config.static or config.budget is not None:
-            raise ValueError(f"{name}: only dynamic TVM configurations without a budget")
-        say(f"compiling {name}")
+    cuda = tgt.kind.name == "cuda"
+    device = tvm.cuda() if cuda else tvm.cpu()
+    runners = {
+        c.name: _TorchRunner(c, workload.graph, device)
+        for c in plan.configs
+        if not isinstance(c, TvmConfig)
+    }
+    by_name = {c.name: c for c in plan.configs}
+    compiled: dict[str, Any] = {}
+    for config in plan.configs:  # run order: a budget's reference before its users
+        if not isinstance(config, TvmConfig):
+            continue
+        reference = compiled.get(config.budget_of or "")
+        same_build = (
+            config.budget is not None
+            and reference is not None
+            and _build_of(by_name[config.budget_of]) == _build_of(config)
+        )
+        if same_build:  # a budget changes what the runtime does, not the executable
+            compiled[config.name] = reference
+            continue
+        say(f"compiling {config.name}")
         variant = workload.graph.with_upper_bounds(config.keep_bounds)
-        executables[name] = tvm.compile(variant.mod, tgt, relax_pipeline=config.pipeline(tgt))
+        compiled[config.name] = compile_keeping_module(variant.mod, tgt, config.pipeline(tgt))
     params = [tvm.runtime.tensor(p, device) for p in workload.graph.params]
+    timed = plan.timed
     rows: list[OverheadRow] = []
     for length in lengths:
-        args = [tvm.runtime.tensor(a, device) for a in workload.inputs(length)] + params
-        vms = {n: relax.VirtualMachine(executables[n], device) for n in names}
-        mains = {n: vm["main"] for n, vm in vms.items()}
-        for main_fn in mains.values():  # warm up: first-call costs, caches
-            main_fn(*args)
-        block_times: dict[str, list[float]] = {n: [] for n in names}
+        inputs = workload.inputs(length)
+        args = [tvm.runtime.tensor(a, device) for a in inputs] + params
+        vms = {
+            n: relax.VirtualMachine(compiled[n].executable, device) for n in timed if n in compiled
+        }
+        tensors = {n: runners[n]._tensors(inputs) for n in timed if n in runners}
+        calls: dict[str, Callable[[], Any]] = {}
+        for name in timed:
+            if name in vms:
+                calls[name] = _bound(vms[name]["main"], args)
+            else:
+                calls[name] = _bound(runners[name]._step, [tensors[name]])
+        settings: dict[str, Callable[[], Any]] = {
+            n: (runners[n]._settings if n in runners else contextlib.nullcontext) for n in timed
+        }
+        for name in timed:  # warm up: first-call costs, caches, torch.compile's graphs
+            with settings[name]():
+                calls[name]()
+
+        say(f"s={length}: step peaks")
+        peaks: dict[str, int] = {}
+        budgets: dict[str, int | None] = {}
+        for config in plan.configs:  # a budget's reference comes before its users
+            name = config.name
+            if name in runners:
+                with runners[name]._settings():
+                    peak, outputs = runners[name]._peak_step(tensors[name])
+                del outputs
+                peaks[name] = peak
+                continue
+            budget = None
+            if config.budget is not None:
+                budget = max(1, int(config.budget * peaks[config.budget_of]))
+            measured = measure_call(
+                compiled[name].executable,
+                args,
+                budget=budget,
+                workspaces=compiled[name].workspaces,
+                device=device,
+                convert=None,
+            )
+            peaks[name], budgets[name] = int(measured.peak_bytes), budget
+            if budget is not None and name in vms:
+                # The timed calls run under the runtime budget the measured step ran under.
+                settings[name] = _budget_setting(set_memory_budget, measured.runtime_budget)
+                with settings[name]():
+                    calls[name]()  # the decision at this shape, cached as in a training loop
+
+        block_times: dict[str, list[float]] = {n: [] for n in timed}
         say(f"s={length}: {blocks} rounds of {steps} steps")
         for round_index in range(blocks):
-            shift = round_index % len(names)
-            for name in names[shift:] + names[:shift]:
+            shift = round_index % len(timed)
+            for name in timed[shift:] + timed[:shift]:
                 gc.collect()
-                start = time.perf_counter()
-                for _ in range(steps):
-                    out = mains[name](*args)
-                if tgt.kind.name == "cuda":
-                    device.sync()
-                block_times[name].append(time.perf_counter() - start)
-                del out
-        for name in names:
-            ratios = [t / b for t, b in zip(block_times[name], block_times[base])]
+                with settings[name]():
+                    call = calls[name]
+                    start = time.perf_counter()
+                    for _ in range(steps):
+                        out = call()
+                    if cuda:
+                        device.sync()
+                    block_times[name].append(time.perf_counter() - start)
+                    del out
+        for name in timed:
+            of = plan.bases[name]
+            ratios = [t / b for t, b in zip(block_times[name], block_times[of])]
             row = OverheadRow(
                 config=name,
                 length=length,
                 block_ratios=ratios,
                 median_ratio=statistics.median(ratios),
                 median_step_s=statistics.median(block_times[name]) / steps,
+                base=of,
+                step_peak_bytes=peaks[name],
+                budget_bytes=budgets.get(name),
+                block_times_s=block_times[name],
             )
-            row.decision_us = _decision_us(vms[name], args, max(3, steps))
+            if name in vms:
+                row.decision_us = _decision_us(vms[name], args, max(3, steps))
             rows.append(row)
-        del mains, vms
+        del calls, vms, tensors
     return rows
 
 
-def _table(rows: Sequence[OverheadRow], base: str, active_us: float) -> str:
+def _build_of(config: Any) -> tuple[Any, bool]:
+    """What a TVM configuration's executable depends on: its pipeline and its bounds."""
+    return config.pipeline, config.keep_bounds
+
+
+def _bound(fn: Callable[..., Any], args: Sequence[Any]) -> Callable[[], Any]:
+    return lambda: fn(*args)
+
+
+def _budget_setting(set_budget: Callable[[int], Any], budget: int) -> Callable[[], Any]:
+    return lambda: set_budget(budget)
+
+
+def _table(rows: Sequence[OverheadRow], active_us: float) -> str:
+    from .report import format_bytes
+
+    peaks = {(r.config, r.length): r.step_peak_bytes for r in rows}
     lines = [
-        f"| config | s | step time / {base} (median of rounds) | median step (ms) "
-        "| remat decision under a budget (us, cached) |",
-        "|---|---|---|---|---|",
+        "| config | base | s | step time / base (median of rounds) | median step (ms) "
+        "| step peak | peak / base's | budget | remat decision under a budget (us, cached) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         decision = "-" if r.decision_us is None else f"{r.decision_us:.1f}"
+        base_peak = peaks.get((r.base, r.length))
+        peak_ratio = (
+            f"{r.step_peak_bytes / base_peak:.3f}"
+            if r.step_peak_bytes is not None and base_peak
+            else "-"
+        )
         lines.append(
-            f"| {r.config} | {r.length} | {r.median_ratio:.3f} | {r.median_step_s * 1e3:.2f} "
-            f"| {decision} |"
+            f"| {r.config} | {r.base} | {r.length} | {r.median_ratio:.3f} "
+            f"| {r.median_step_s * 1e3:.2f} | {format_bytes(r.step_peak_bytes)} | {peak_ratio} "
+            f"| {format_bytes(r.budget_bytes)} | {decision} |"
         )
     lines.append("")
     lines.append(f"blade_relax.remat_active (the no-budget dispatch), per call: {active_us:.2f} us")
@@ -207,13 +415,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(
         prog="python -m blade_relax.bench.overhead",
-        description="Step-time overhead of configurations against a base, timed in "
-        "interleaved rounds on one machine.",
+        description="Step-time overhead of configurations against their bases, timed in "
+        "interleaved rounds on one machine, with each configuration's step peak.",
     )
     parser.add_argument("--workload", default="llama-train", choices=sorted(WORKLOADS))
     parser.add_argument("--size", default="small", choices=sorted(PRESETS))
     parser.add_argument("--base", default="blade-relax-schedule")
     parser.add_argument("--configs", default="blade-relax", help="comma-separated names")
+    parser.add_argument(
+        "--pairs",
+        default="",
+        help="comma-separated CONFIG:BASE, each configuration's own base (both timed; the "
+        "others are divided by --base), e.g. torch-eager-ckpt:torch-eager",
+    )
     parser.add_argument("--lengths", default="16,28,64", help="comma-separated lengths")
     parser.add_argument("--blocks", type=int, default=15, help="rounds (15)")
     parser.add_argument("--steps", type=int, default=5, help="calls per block (5)")
@@ -225,8 +439,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError:
         print(f"--lengths: not a list of integers: {args.lengths!r}", file=sys.stderr)
         return 2
-    workload = build_workload(args.workload, PRESETS[args.size])
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    try:
+        pairs = parse_pairs(args.pairs)
+        _plan(args.base, configs, pairs)  # refuse bad names before building the workload
+    except (KeyError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    workload = build_workload(args.workload, PRESETS[args.size])
 
     def say(message: str) -> None:
         print(f"... {message}", file=sys.stderr)
@@ -237,6 +457,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.base,
             configs,
             lengths,
+            pairs=pairs,
             blocks=args.blocks,
             steps=args.steps,
             target=args.target,
@@ -246,12 +467,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     active_us = active_query_us()
-    print(_table(rows, args.base, active_us))
+    print(_table(rows, active_us))
     if args.out:
         payload = {
             "workload": args.workload,
             "size": args.size,
             "base": args.base,
+            "pairs": pairs,
             "blocks": args.blocks,
             "steps": args.steps,
             "remat_active_us": active_us,

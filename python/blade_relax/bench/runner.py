@@ -423,6 +423,27 @@ class _TorchRunner:
         counter.detach_all()
         return int(counter.peak_bytes), outputs
 
+    def _tensors(self, inputs: Sequence[np.ndarray]) -> list[Any]:
+        """``inputs`` as torch tensors on the module's device."""
+        tensors = [self.torch.from_numpy(np.array(a)) for a in inputs]
+        if self.cuda:
+            tensors = [t.to(next(self.module.parameters()).device) for t in tensors]
+        return tensors
+
+    def _peak_step(self, tensors: Sequence[Any]) -> tuple[int, list[Any]]:
+        """One step and its peak bytes (the counted step on the CPU; on CUDA the allocator's
+        peak over the step minus the bytes allocated before it), and its outputs. Runs inside
+        :meth:`_settings`."""
+        if not self.cuda:
+            return self._counted_step(tensors)
+        for param in self.params:
+            param.grad = None  # released before the baseline is read, as _step does
+        self.torch.cuda.synchronize()
+        self.torch.cuda.reset_peak_memory_stats()
+        allocated_before = self.torch.cuda.memory_allocated()
+        outputs = self._step(tensors)
+        return int(self.torch.cuda.max_memory_allocated() - allocated_before), outputs
+
     def _compilations_so_far(self) -> int:
         return self._graph_count() - self._graphs_at_start
 
@@ -436,27 +457,13 @@ class _TorchRunner:
     ) -> list[np.ndarray]:
         if budget_bytes is not None:
             raise ValueError(f"{self.config.name}: runtime budgets apply to TVM configs only")
-        tensors = [self.torch.from_numpy(np.array(a)) for a in inputs]
-        if self.cuda:
-            tensors = [t.to(next(self.module.parameters()).device) for t in tensors]
+        tensors = self._tensors(inputs)
         with self._settings():
             first_call, compiled_now = self._first_step(tensors)
             gc.collect()
-            if self.cuda:
-                for param in self.params:
-                    param.grad = None  # released before the baseline is read, as _step does
-                self.torch.cuda.synchronize()
-                self.torch.cuda.reset_peak_memory_stats()
-                allocated_before = self.torch.cuda.memory_allocated()
-                outputs = self._step(tensors)
-                peak = self.torch.cuda.max_memory_allocated() - allocated_before
-                row.step_peak_bytes = int(peak)
-                arrays = [torch_to_numpy(o) for o in outputs]
-                del outputs
-            else:
-                row.step_peak_bytes, outputs = self._counted_step(tensors)
-                arrays = [torch_to_numpy(o) for o in outputs]
-                del outputs
+            row.step_peak_bytes, outputs = self._peak_step(tensors)
+            arrays = [torch_to_numpy(o) for o in outputs]
+            del outputs
             row.step_times_s = _timed(lambda: self._step(tensors), repeat)
         if self.config.compile:
             self.compilations = self._compilations_so_far()
