@@ -213,3 +213,27 @@ def test_torch_is_not_predicted_without_a_torch_module(tiny_llama):
     assert len(result.measurements) == 2
     for row in result.measurements:
         assert row.step_peak_bytes is None and row.error.startswith(NOT_PREDICTED), row
+
+
+@pytest.mark.parametrize("name", ["llama-sft", "llama-lora-sft"])
+def test_fine_tuning_predictions_are_the_measured_peaks(name):
+    """Padded batches (symbolic b), a PEFT model rebuilt on the meta device with its adapters,
+    Hugging Face checkpointing on the meta twin: predicted == measured, byte for byte."""
+    from blade_relax.bench.workloads import ModelSizes, build_workload
+
+    pytest.importorskip("peft")
+    sizes = ModelSizes(
+        layers=2, hidden=32, heads=2, kv_heads=1, intermediate=64, vocab=64, max_seq_len=48
+    )
+    workload = build_workload(name, sizes)
+    configs = ["blade-relax-full", "torch-eager", "torch-eager-ckpt"]
+    predicted = predict_benchmark(workload, configs, [20, 48])
+    measured = run_benchmark(workload, configs, [20, 48], repeat=1)
+    guess = {(m.config, m.seq_len): m for m in predicted.measurements}
+    for real in measured.measurements:
+        assert real.error is None and real.correct, real
+        row = guess[(real.config, real.seq_len)]
+        assert row.error is None, row
+        assert row.step_peak_bytes == real.step_peak_bytes, (real.config, real.seq_len)
+    peaks = {(m.config, m.seq_len): m.step_peak_bytes for m in measured.measurements}
+    assert peaks[("torch-eager-ckpt", 48)] < peaks[("torch-eager", 48)]

@@ -194,37 +194,59 @@ def meta_twin(graph: ImportedGraph) -> tuple[Any, list[Any]]:
     """
     import copy
 
-    import torch
 
     module = graph.torch_module
     if module is None:
         raise ValueError("the workload has no torch module")
     model = getattr(module, "model", None)
     if model is not None and hasattr(model, "config"):
-        with torch.device("meta"):
-            twin_model = type(model)(model.config)
-        # Built from the config, the twin has the default dtype: give it the model's.
-        dtype = next(model.parameters()).dtype
-        twin_model = twin_model.to(dtype)
+        twin_model = _meta_model(model)
         twin_model.train(model.training)
-        twin = type(module)(twin_model)
+        extra = {"autocast": module.autocast} if hasattr(module, "autocast") else {}
+        twin = type(module)(twin_model, **extra)
         named = dict(twin_model.named_parameters())
-        return twin, [named[name] for name in graph.param_names]
+        return twin, [named[name] for name in graph.param_names[: graph.num_trainable]]
     twin = copy.deepcopy(module).to("meta")
     positions = {id(p): i for i, p in enumerate(module.parameters())}
     moved = list(twin.parameters())
     return twin, [moved[positions[id(p)]] for p in graph.torch_params or []]
 
 
-def predict_torch_peak(graph: ImportedGraph, shapes: Sequence[tuple[int, ...]]) -> int:
+def _meta_model(model: Any) -> Any:
+    """``model`` rebuilt from its config on the meta device, in its dtype; a PEFT model is its
+    base model rebuilt so, with the same adapters (``peft_config``) attached."""
+    import torch
+
+    peft_config = getattr(model, "peft_config", None)
+    base = model.get_base_model() if peft_config is not None else model
+    with torch.device("meta"):
+        twin = type(base)(base.config)
+    # Built from the config, the twin has the default dtype: give it the model's.
+    twin = twin.to(next(base.parameters()).dtype)
+    if peft_config is None:
+        return twin
+    from peft import get_peft_model
+
+    (name, config), *others = peft_config.items()
+    if others:
+        raise ValueError("a PEFT model with several adapters cannot be predicted")
+    with torch.device("meta"):
+        return get_peft_model(twin, config, adapter_name=name)
+
+
+def predict_torch_peak(
+    graph: ImportedGraph, shapes: Sequence[tuple[int, ...]], *, checkpointing: bool = False
+) -> int:
     """The step peak PyTorch eager allocates for inputs of ``shapes``, counted on meta tensors.
 
     The step is the runner's: gradients reset to ``None``, the module's forward, and for a
     training graph ``loss.backward()``; the peak is what :class:`~.torch_memory.
-    LiveBytesCounter` counts on top of the parameters and inputs.
+    LiveBytesCounter` counts on top of the parameters and inputs. With ``checkpointing`` the
+    twin runs with Hugging Face gradient checkpointing (``torch-eager-ckpt``).
     """
     import torch
 
+    from .hf_checkpointing import gradient_checkpointing
     from .torch_memory import LiveBytesCounter
 
     twin, params = meta_twin(graph)
@@ -236,7 +258,8 @@ def predict_torch_peak(graph: ImportedGraph, shapes: Sequence[tuple[int, ...]]) 
         param.grad = None
     counter = LiveBytesCounter(meta=True)
     context = torch.enable_grad() if graph.kind == "training" else torch.no_grad()
-    with context, counter:
+    ckpt = gradient_checkpointing(twin) if checkpointing else contextlib.nullcontext()
+    with ckpt, context, counter:
         result = twin(*tensors)
         if graph.kind == "training":
             (loss,) = result
@@ -408,7 +431,9 @@ def _predict_row(
     step_peaks: dict[tuple[str, int], int | None],
 ) -> None:
     if isinstance(predictor, _EagerPredictor):
-        row.step_peak_bytes = predict_torch_peak(graph, [a.shape for a in inputs])
+        assert isinstance(config, TorchConfig)
+        shapes = [a.shape for a in inputs]
+        row.step_peak_bytes = predict_torch_peak(graph, shapes, checkpointing=config.checkpointing)
         row.peak_bytes = row.step_peak_bytes + row.caller_bytes
         return
     if isinstance(predictor, _CompiledPredictor):
