@@ -307,3 +307,84 @@ def test_without_a_budget_the_runtime_is_asked_once_per_call(executables):
     # Under a budget the rewritten copy runs: one decision, an evict and a regenerate per slot.
     assert counts[names[0]] == 2 and counts[names[1]] == 1
     assert counts[names[2]] == counts[names[3]] > 0
+
+
+# ------------------------------------------------------------------ two symbolic dims (b, s)
+def _two_dim_training_step() -> tvm.IRModule:
+    """A forward and a backward-like sweep over rows ``x: (b * s, W)`` with a per-position
+    term ``p: (s, W)``: every layer's output lives until the sweep comes back to it.
+
+    The rows are flattened, as in imported graphs: a tensor of shape ``(b * s, W)`` does not
+    define ``b`` and ``s``, so its regeneration takes them as a shape. (Written by hand:
+    ``relax.transform.Gradient`` cannot differentiate a reshape to a symbolic shape.)
+    """
+    bb = relax.BlockBuilder()
+    b, s = tvm.tirx.Var("b", "int64"), tvm.tirx.Var("s", "int64")
+    x = relax.Var("x", relax.TensorType([b * s, WIDTH], "float32"))
+    p = relax.Var("p", relax.TensorType([s, WIDTH], "float32"))
+    shape = relax.Var("shape", relax.ShapeType([b, s]))
+    ws = [relax.Var(f"w{i}", relax.TensorType([WIDTH, WIDTH], "float32")) for i in range(LAYERS)]
+    op = relax.op
+    with bb.function("main_adjoint", [shape, p, x, *ws]):  # the signature's dims: b, s
+        with bb.dataflow():
+            h, saved = x, []
+            for w in ws:
+                rows = bb.emit(op.reshape(op.matmul(h, w), [b, s, WIDTH]))
+                h = bb.emit(op.reshape(op.tanh(op.add(rows, p)), [b * s, WIDTH]))
+                saved.append(h)
+            g = h
+            for w, a in zip(reversed(ws), reversed(saved)):
+                g = bb.emit(op.matmul(op.multiply(g, a), op.permute_dims(w)))
+            loss = bb.emit(op.sum(op.multiply(g, g)))
+            out = bb.emit_output(relax.Tuple([loss, relax.Tuple([g])]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@pytest.fixture(scope="module")
+def two_dim_executables():
+    mod = _two_dim_training_step()
+    flags = {
+        "reference": dict(schedule=False, remat=False, plan=False),
+        "remat": dict(schedule=False, remat=True, plan=True),
+    }
+    return {
+        name: compile_keeping_module(mod, "llvm", blade_relax.get_pipeline("llvm", **f))
+        for name, f in flags.items()
+    }
+
+
+@pytest.mark.parametrize(("batch", "length"), [(3, 17), (2, 40), (4, 9)])
+def test_two_dims_regenerate_with_their_own_values(two_dim_executables, batch, length):
+    """Each regeneration binds ``b`` and ``s`` to their own values (a shape of the dims passed
+    by position in another order binds ``b`` to ``s``'s value: the call fails)."""
+    rng = np.random.default_rng(batch * length)
+    x = rng.standard_normal((batch * length, WIDTH)).astype("float32")
+    p = rng.standard_normal((length, WIDTH)).astype("float32")
+    ws = [(rng.standard_normal((WIDTH, WIDTH)) * 0.3).astype("float32") for _ in range(LAYERS)]
+    shape = tvm.runtime.ShapeTuple([batch, length])
+    args = [shape, *(tvm.runtime.tensor(a) for a in (p, x, *ws))]
+    reference, _ = _run(two_dim_executables["reference"], args)
+    _, free = _run(two_dim_executables["remat"], args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RematBudgetWarning)
+        values, stats = _run(two_dim_executables["remat"], args, int(0.5 * free["peak_bytes"]))
+    assert stats["regenerations"] > 0
+    assert _same(values, reference)
+
+
+def test_regenerations_take_the_signatures_dims_in_its_order():
+    pipeline = Variant(
+        "remat",
+        pipeline=lambda t: blade_relax.get_pipeline(t, schedule=False, remat=True, plan=True),
+    )
+    stage = compile_checked(_two_dim_training_step(), pipeline, well_formed=False).memory_stage
+    regens = [
+        func
+        for gv, func in stage.functions.items()
+        if isinstance(func, relax.Function) and "_remat" in gv.name_hint and func.params
+    ]
+    with_dims = [f for f in regens if f.params[-1].name == "remat_dims"]
+    assert with_dims
+    for func in with_dims:
+        assert [str(v) for v in func.params[-1].ty.values] == ["b", "s"]

@@ -81,6 +81,7 @@ outputs; the function's symbolic dims are all defined by its parameters' shapes.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -403,9 +404,15 @@ def _kernel_cost(op: Op, mod: tvm.IRModule, dims: set[str]) -> str:
 
 
 def _regen_function(
-    owner: str, slot: int, cand: Candidate, recipe: Recipe
+    owner: str, slot: int, cand: Candidate, recipe: Recipe, dims: Sequence[tvm.tirx.Var]
 ) -> tuple[relax.Function, bool]:
-    """The regeneration function of ``cand`` and whether it takes a trailing dims shape."""
+    """The regeneration function of ``cand`` and whether it takes a trailing dims shape.
+
+    The trailing shape is the caller's: every dim of the owner's signature, in the order of
+    ``dims`` (what the rewritten function passes), even where the regeneration reads fewer.
+    A shape of the dims it reads alone would bind them by position in another order (with two
+    dims, ``b`` would take the value of ``s``).
+    """
     params = [relax.Var(v.name, v.ty) for v in recipe.inputs]
     mapping: dict[relax.Var, relax.Var] = dict(zip(recipe.inputs, params))
 
@@ -433,7 +440,12 @@ def _regen_function(
     free = list(relax.analysis.free_symbolic_vars(func))
     takes_dims = bool(free)
     if takes_dims:
-        dims_param = relax.Var("remat_dims", relax.ShapeType(values=free))
+        outside = sorted(v.name for v in free if not any(v.same_as(d) for d in dims))
+        if outside:
+            raise UnsupportedFunction(
+                f"regenerating {cand.root.name} reads dims {outside} that no parameter defines"
+            )
+        dims_param = relax.Var("remat_dims", relax.ShapeType(values=list(dims)))
         func = make([*params, dims_param])
     func = relax.BlockBuilder().normalize(func)
     func = relax.utils.copy_with_new_vars(func)
@@ -561,7 +573,7 @@ def _rematerialize(
     gvs: dict[int, relax.GlobalVar] = {}
     takes_dims: dict[int, bool] = {}
     for cand in ordered:
-        fn, with_dims = _regen_function(name, cand.slot, cand, cand.recipe)
+        fn, with_dims = _regen_function(name, cand.slot, cand, cand.recipe, dims)
         regens[cand.slot] = fn
         gvs[cand.slot] = builder.add_func(fn, f"{name}_remat{cand.slot}")
         takes_dims[cand.slot] = with_dims
