@@ -194,7 +194,6 @@ def meta_twin(graph: ImportedGraph) -> tuple[Any, list[Any]]:
     """
     import copy
 
-
     module = graph.torch_module
     if module is None:
         raise ValueError("the workload has no torch module")
