@@ -235,5 +235,8 @@ def test_fine_tuning_predictions_are_the_measured_peaks(name):
         row = guess[(real.config, real.seq_len)]
         assert row.error is None, row
         assert row.step_peak_bytes == real.step_peak_bytes, (real.config, real.seq_len)
+        # The lower bound is evaluated at the batch's b too (b is symbolic here).
+        assert real.lower_bound_bytes is not None
+        assert row.lower_bound_bytes == real.lower_bound_bytes
     peaks = {(m.config, m.seq_len): m.step_peak_bytes for m in measured.measurements}
     assert peaks[("torch-eager-ckpt", 48)] < peaks[("torch-eager", 48)]

@@ -312,7 +312,7 @@ def predict_benchmark(
     dims = {n: graph.bind_dims(inputs[n]) for n in lengths}
     caller = {n: graph.param_bytes + int(sum(a.nbytes for a in inputs[n])) for n in lengths}
     say("computing lower bounds")
-    lower = _lower_bounds(graph, lengths, say)
+    lower = _lower_bounds(graph, dims, say)
 
     lowerings = _Lowerings(tgt)
     summaries = []

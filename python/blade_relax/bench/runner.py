@@ -478,7 +478,11 @@ class _TorchRunner:
 # --------------------------------------------------------------------------------------------
 
 
-def _lower_bounds(graph: ImportedGraph, lengths: Sequence[int], warn: Callable[[str], None]):
+def _lower_bounds(
+    graph: ImportedGraph, dims: dict[int, dict[str, int]], warn: Callable[[str], None]
+):
+    """Per length, the lower bound at that length's dims (``b`` too, where it is symbolic)."""
+    lengths = list(dims)
     try:
         from ..analysis import memory_timeline
 
@@ -489,7 +493,7 @@ def _lower_bounds(graph: ImportedGraph, lengths: Sequence[int], warn: Callable[[
     bounds: dict[int, int | None] = {}
     for length in lengths:
         try:
-            bounds[length] = int(timeline.evaluate({"s": length}).lower_bound)
+            bounds[length] = int(timeline.evaluate(dims[length]).lower_bound)
         except Exception as err:
             warn(f"lower bound at s={length} unavailable ({type(err).__name__}: {err})")
             bounds[length] = None
@@ -550,7 +554,7 @@ def run_benchmark(
 
     say("computing torch references and lower bounds")
     references = {n: graph.reference(inputs[n]) if graph.reference else None for n in lengths}
-    lower = _lower_bounds(graph, lengths, say)
+    lower = _lower_bounds(graph, dims, say)
 
     plan = resolve_configs(list(config_names))
     summaries: list[ConfigSummary] = []

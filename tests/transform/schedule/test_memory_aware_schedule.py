@@ -838,8 +838,9 @@ def test_five_thousand_bindings_schedule_in_seconds():
     after, report = schedule_module(before)
     seconds = time.perf_counter() - start
     # Measured about 7 s on a shared 2-core machine with three range versions (3 s with one
-    # order for all shapes); the bound leaves room for load.
-    assert seconds < 30, f"scheduling took {seconds:.1f} s"
+    # order for all shapes), and 32.9 s there with both cores busy with other work; the bound
+    # catches a search that blows up, not a slow machine.
+    assert seconds < 90, f"scheduling took {seconds:.1f} s"
     assert report.blocks[0].changed and not report.blocks[0].version
     for block in report.blocks:
         assert all(a <= b for a, b in zip(block.peak_after, block.peak_before))
