@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..training.trainer import IGNORE_INDEX
+
 __all__ = ["IGNORE_INDEX", "SftTrace", "pad_batch", "pairs_at", "sft_trace"]
 
-#: The label Hugging Face's cross-entropy ignores.
-IGNORE_INDEX = -100
 PROMPT_MEDIAN_FRACTION = 1 / 16
 RESPONSE_MEDIAN_FRACTION = 1 / 8
 SIGMA = 0.8

@@ -207,8 +207,8 @@ def _without_mask(batch: dict[str, Any]) -> dict[str, Any]:
             return rest
     raise ValueError(
         "the batch pads with attention_mask, but the step was imported without one and would "
-        "attend to the padding; import with attention_mask=True (import_training_step, "
-        "Trainer(model, attention_mask=True)) or pad on the right with labels -100 there"
+        "attend to the padding; import with import_training_step(..., attention_mask=True) "
+        "(a Trainer built from the model does) or pad on the right with labels -100 there"
     )
 
 
