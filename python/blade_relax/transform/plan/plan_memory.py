@@ -28,8 +28,9 @@ How it plans
    function attribute ``contract.NO_PLAN_ATTR`` (a list of variable names; ``Rematerialize``
    lists evictable tensors there). Sizes are canonical ``SymbolicExpr`` byte counts.
 2. **In-place** (``analysis.effects.inplace_verdict``): when a kernel's input dies at that call, every value the
-   kernel reads from it flows only into the output element at the same flat position (read
-   from the TIR: elementwise blocks, reshapes, fused chains; not transposes, reductions or
+   kernel reads from it flows only into the output element at the same flat position, or into
+   statistics of its row that the output element reads (read from the TIR: elementwise
+   blocks, reshapes, fused chains, softmax and log-softmax; not transposes, other reductions or
    splits), and the input's storage is provably no smaller (``ShapeGraph.compare``), the output
    is placed in the input's storage. Equal sizes are taken first, unconditionally: they only
    remove bytes; larger storages go through the peak check of step 3.
