@@ -731,6 +731,120 @@ def test_storage_grows_to_the_max_of_its_tensors():
     assert {str(size.a), str(size.b)} == {"n * T.int64(32)", "m * T.int64(16)"}
 
 
+def test_growth_refused_where_a_kernel_workspace_would_meet_it():
+    # Growing `a`'s storage to 32n bytes for `d` keeps them allocated while `scratch` runs,
+    # whose intermediate is a 16n-byte workspace: 32n + 16n + 16n there, above the unshared
+    # program's peak (48n, reached by `d` and `e`). `d` gets its own storage.
+    # fmt: off
+    @I.ir_module
+    class Before:
+        @T.prim_func(private=True, s_tir=True)
+        def exp(a: T.handle, b: T.handle):
+            n = T.int64()
+            A = T.match_buffer(a, (n, T.int64(4)), "float32")
+            B = T.match_buffer(b, (n, T.int64(4)), "float32")
+            for i, j in T.grid(n, T.int64(4)):
+                with T.sblock("exp"):
+                    vi, vj = T.axis.remap("SS", [i, j])
+                    B[vi, vj] = T.exp(A[vi, vj])
+
+        @T.prim_func(private=True, s_tir=True)
+        def scratch(a: T.handle, b: T.handle):
+            n = T.int64()
+            A = T.match_buffer(a, (n, T.int64(4)), "float32")
+            B = T.match_buffer(b, (n, T.int64(4)), "float32")
+            tmp = T.sblock_alloc_buffer((n, T.int64(4)), "float32")
+            for i, j in T.grid(n, T.int64(4)):
+                with T.sblock("first"):
+                    vi, vj = T.axis.remap("SS", [i, j])
+                    tmp[vi, vj] = A[vi, T.int64(3) - vj]
+            for i, j in T.grid(n, T.int64(4)):
+                with T.sblock("second"):
+                    vi, vj = T.axis.remap("SS", [i, j])
+                    B[vi, vj] = tmp[vi, T.int64(3) - vj] + A[vi, vj]
+
+        @T.prim_func(private=True, s_tir=True)
+        def widen(a: T.handle, b: T.handle):
+            n = T.int64()
+            A = T.match_buffer(a, (n, T.int64(4)), "float32")
+            B = T.match_buffer(b, (n, T.int64(8)), "float32")
+            for i, j in T.grid(n, T.int64(8)):
+                with T.sblock("widen"):
+                    vi, vj = T.axis.remap("SS", [i, j])
+                    B[vi, vj] = A[vi, vj % T.int64(4)]
+
+        @T.prim_func(private=True, s_tir=True)
+        def narrow(a: T.handle, b: T.handle):
+            n = T.int64()
+            A = T.match_buffer(a, (n, T.int64(8)), "float32")
+            B = T.match_buffer(b, (n, T.int64(4)), "float32")
+            for i, j in T.grid(n, T.int64(4)):
+                with T.sblock("narrow"):
+                    vi, vj = T.axis.remap("SS", [i, j])
+                    B[vi, vj] = A[vi, vj] + A[vi, vj + T.int64(4)]
+
+        @R.function
+        def main(x: R.Tensor(("n", 4), "float32")) -> R.Tensor(("n", 4), "float32"):
+            n = T.int64()
+            R.func_attr({"relax.force_pure": True})
+            cls = Before
+            a = R.builtin.alloc_tensor(R.shape([n, 4]), R.dtype("float32"), R.prim_value(0), R.str("global"))
+            _ = cls.exp(x, a)
+            b = R.builtin.alloc_tensor(R.shape([n, 4]), R.dtype("float32"), R.prim_value(0), R.str("global"))
+            _1 = cls.exp(a, b)
+            c = R.builtin.alloc_tensor(R.shape([n, 4]), R.dtype("float32"), R.prim_value(0), R.str("global"))
+            _2 = cls.scratch(b, c)
+            d = R.builtin.alloc_tensor(R.shape([n, 8]), R.dtype("float32"), R.prim_value(0), R.str("global"))
+            _3 = cls.widen(c, d)
+            e = R.builtin.alloc_tensor(R.shape([n, 4]), R.dtype("float32"), R.prim_value(0), R.str("global"))
+            _4 = cls.narrow(d, e)
+            return e
+
+    @I.ir_module
+    class Expected:
+        @T.prim_func(private=True, s_tir=True)
+        def exp(a: T.handle, b: T.handle):
+            T.evaluate(0)
+
+        @T.prim_func(private=True, s_tir=True)
+        def scratch(a: T.handle, b: T.handle):
+            T.evaluate(0)
+
+        @T.prim_func(private=True, s_tir=True)
+        def widen(a: T.handle, b: T.handle):
+            T.evaluate(0)
+
+        @T.prim_func(private=True, s_tir=True)
+        def narrow(a: T.handle, b: T.handle):
+            T.evaluate(0)
+
+        @R.function
+        def main(x: R.Tensor(("n", 4), "float32")) -> R.Tensor(("n", 4), "float32"):
+            n = T.int64()
+            R.func_attr({"relax.force_pure": True})
+            cls = Expected
+            storage = R.memory.alloc_storage(R.shape([n * 16]), R.prim_value(0), R.str("global"), R.dtype("float32"))
+            a = R.memory.alloc_tensor(storage, R.prim_value(0), R.shape([n, 4]), R.dtype("float32"), R.prim_value(0))
+            _ = cls.exp(x, a)
+            b = R.memory.alloc_tensor(storage, R.prim_value(0), R.shape([n, 4]), R.dtype("float32"), R.prim_value(0))
+            _1 = cls.exp(a, b)
+            storage1 = R.memory.alloc_storage(R.shape([n * 16]), R.prim_value(0), R.str("global"), R.dtype("float32"))
+            c = R.memory.alloc_tensor(storage1, R.prim_value(0), R.shape([n, 4]), R.dtype("float32"), R.prim_value(0))
+            _2 = cls.scratch(b, c)
+            storage2 = R.memory.alloc_storage(R.shape([n * 32]), R.prim_value(0), R.str("global"), R.dtype("float32"))
+            d = R.memory.alloc_tensor(storage2, R.prim_value(0), R.shape([n, 8]), R.dtype("float32"), R.prim_value(0))
+            _3 = cls.widen(c, d)
+            e = R.builtin.alloc_tensor(R.shape([n, 4]), R.dtype("float32"), R.prim_value(0), R.str("global"))
+            _4 = cls.narrow(d, e)
+            return e
+    # fmt: on
+    after = PlanMemory()(Before)
+    _assert_main_equal(after, Expected)
+    killed = relax.transform.KillAfterLastUse()(after)
+    # n = 16: 256 bytes a tensor of 4 columns; `scratch` runs with b, c and its workspace.
+    assert memory_timeline(killed["main"], mod=killed).evaluate({"n": 16}).peak == 3 * 256
+
+
 @pytest.mark.parametrize(
     "options", [PlanOptions(max_grid_points=16), PlanOptions(max_grid_cells=16)]
 )
