@@ -1,0 +1,242 @@
+"""``python -m blade_relax.gpuprog``: the GPU program (``ci/gpu.sh`` calls it).
+
+``--plan`` prints the steps and their estimates; ``--dry-run`` prepares and checks everything
+on a machine without a GPU; no flag runs the program (on the GPU machine). ``bench`` is one
+benchmark step (the program runs it as a subprocess).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from .plan import (
+    BENCH_CONFIGS,
+    GPU_TESTS_LEFT_OUT,
+    PLAN_LIMIT_S,
+    SIZES,
+    TVM_BUILDS,
+    WORKLOADS,
+    ProgramOptions,
+    environment_python,
+    format_plan,
+    gpu_test_files,
+    program_steps,
+    read_manifest,
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bash ci/gpu.sh",
+        description="The GPU program: --plan prints it, --dry-run prepares and checks it "
+        "without a GPU, no flag runs it on the GPU machine.",
+    )
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--plan", action="store_true", help="print the steps and estimates")
+    mode.add_argument("--dry-run", action="store_true", help="everything but running on a GPU")
+    parser.add_argument(
+        "--size",
+        choices=sorted(SIZES),
+        default=None,
+        help="model sizes (default: the "
+        "prepared manifest's, else real); tiny is for checking the program itself",
+    )
+    parser.add_argument("--carried", default=".gpuprog", help="carried graphs (.gpuprog)")
+    parser.add_argument("--out", default=None, help="results folder (default: $OUT, else gpu-out)")
+    parser.add_argument("--only", default=None, help="comma-separated step names to run")
+    parser.add_argument(
+        "--deadline", type=float, default=570.0, help="seconds the run may take (570)"
+    )
+    parser.add_argument(
+        "--no-cubin", action="store_true", help="dry run: skip compiling kernels to cubins"
+    )
+    parser.add_argument(
+        "--reuse", action="store_true", help="dry run: keep carried graphs of the same size"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="dry run at its cheapest, to check the program itself (CI): the first workload "
+        "only, its stock build only, no cubins",
+    )
+    return parser
+
+
+def _options(args: argparse.Namespace, root: Path) -> ProgramOptions:
+    carried = (root / args.carried).resolve()
+    manifest = read_manifest(carried) or {}
+    size = args.size or manifest.get("size") or "real"
+    out = Path(args.out or os.environ.get("OUT") or root / "gpu-out").resolve()
+    return ProgramOptions(
+        root=root,
+        carried=carried,
+        out=out,
+        size=size,
+        python=environment_python(),
+        deadline_s=args.deadline,
+        workloads=WORKLOADS[:1] if args.quick else WORKLOADS,
+    )
+
+
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+def _check(name: str, ok: bool, detail: str, failures: list[str]) -> None:
+    _say(f"[{'ok' if ok else 'FAIL'}] {name}: {detail}")
+    if not ok:
+        failures.append(name)
+
+
+def _collect_gpu_tests(options: ProgramOptions) -> tuple[bool, str]:
+    files = gpu_test_files(options.root)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(options.root / "python"), env.get("PYTHONPATH")) if p
+    )
+    proc = subprocess.run(
+        [options.python, "-m", "pytest", "--collect-only", "-q", "-m", "gpu",
+         "-k", GPU_TESTS_LEFT_OUT, "-p", "no:cacheprovider", *files],
+        cwd=options.root, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    last = [line for line in proc.stdout.splitlines() if line.strip()][-1:] or [proc.stderr[-300:]]
+    return proc.returncode == 0, f"{last[0]} ({len(files)} files)"
+
+
+def dry_run(
+    options: ProgramOptions, *, reuse: bool, cubin: bool, builds: tuple[str, ...] = TVM_BUILDS
+) -> int:
+    """Prepare and check the program without a GPU; 0 when every check passed."""
+    from .carried import CARRY_LIMIT, build_executables, prepare, travel_bytes
+
+    failures: list[str] = []
+    start = time.perf_counter()
+    manifest = read_manifest(options.carried)
+    if reuse and manifest and manifest.get("size") == options.size:
+        _say(f"reusing the carried graphs in {options.carried} ({options.size})")
+    else:
+        prepare(options, say=_say)
+    report = build_executables(options, cubin=cubin, builds=builds, say=_say)
+    _check(
+        "CUDA builds",
+        True,
+        f"{sum(len(v) for v in report['compile_s'].values())} executables for sm_90; kernels "
+        + (f"compiled to {len(report['cubin'])} cubins" if report["cubin"] else
+           f"not compiled to cubins ({report['compiler']})"),
+        failures,
+    )  # fmt: skip
+    ok, detail = _collect_gpu_tests(options)
+    _check("GPU tests collect", ok, detail, failures)
+    tutorial = options.root / "tutorials" / "05_gpu.py"
+    compile(tutorial.read_text(), str(tutorial), "exec")
+    _check("tutorial 5 parses", True, str(tutorial.relative_to(options.root)), failures)
+    sizes = travel_bytes(options.root, options.carried)
+    mib = 1 << 20
+    parts = ", ".join(f"{k} {v / mib:.2f} MiB" for k, v in sizes.items() if v is not None)
+    if sizes["kit"] is None:
+        _check("what travels", True, f"{parts}; no .gpukit here (make-kit.sh builds it)", failures)
+    else:
+        fits = sizes["total"] < CARRY_LIMIT
+        _check("what travels", fits, f"{parts} (limit {CARRY_LIMIT / mib:.0f} MiB)", failures)
+        preflight = (options.root / ".gpukit" / "preflight.py").is_file()
+        _check("kit preflight", preflight, ".gpukit/preflight.py", failures)
+    steps = program_steps(options)
+    total = sum(s.estimate_s for s in steps)
+    _say("\n" + format_plan(steps))
+    _check("plan", total <= PLAN_LIMIT_S, f"{total:.0f} s of {PLAN_LIMIT_S:.0f} s", failures)
+    _say(
+        f"dry run: {'passed' if not failures else 'FAILED: ' + ', '.join(failures)} "
+        f"in {time.perf_counter() - start:.0f} s"
+    )
+    return 1 if failures else 0
+
+
+def bench(argv: Sequence[str]) -> int:
+    """One benchmark step on the GPU from a carried graph (``bench --workload W ...``)."""
+    parser = argparse.ArgumentParser(prog="python -m blade_relax.gpuprog bench")
+    parser.add_argument("--carried", required=True)
+    parser.add_argument("--workload", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--tolerance", type=float, default=5e-4)
+    args = parser.parse_args(list(argv))
+
+    import tvm
+
+    import blade_relax
+    from blade_relax.bench.report import budget_table, markdown_table, write_json
+    from blade_relax.bench.runner import run_benchmark
+
+    from .carried import carried_workload
+
+    blade_relax.quiet()
+    dev = tvm.cuda(0)
+    if not dev.exist:
+        raise SystemExit("no CUDA device (tvm.cuda(0).exist is False)")
+    major, minor = dev.compute_version.split(".")
+    target = {"kind": "cuda", "arch": f"sm_{major}{minor}"}
+    carried = Path(args.carried)
+    lengths = (read_manifest(carried) or {})["lengths"][args.workload]
+    start = time.perf_counter()
+    workload = carried_workload(carried, args.workload)
+    _say(f"{args.workload}: carried graph and model ready in {time.perf_counter() - start:.1f} s")
+    result = run_benchmark(
+        workload,
+        list(BENCH_CONFIGS),
+        lengths,
+        target=target,
+        repeat=args.repeat,
+        tolerance=args.tolerance,
+        trace={"kind": "explicit", "lengths": lengths},
+        progress=_say,
+        share_builds=True,
+    )
+    write_json(result, args.out)
+    table = f"{args.workload} on {dev.device_name} ({target['arch']})\n\n{markdown_table(result)}"
+    sweep = budget_table(result)
+    if sweep:
+        table += "\n\nPeak and step time against the budget:\n\n" + sweep
+    Path(args.out).with_suffix(".md").write_text(table + "\n")
+    _say(table)
+    return 0 if result.all_correct else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line (see the module docstring)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        return bench(argv[1:])
+    args = _parser().parse_args(argv)
+    root = Path.cwd()
+    options = _options(args, root)
+    if args.plan:
+        _say(format_plan(program_steps(options)))
+        return 0
+    import blade_relax
+
+    blade_relax.quiet()
+    if args.dry_run:
+        return dry_run(
+            options,
+            reuse=args.reuse,
+            cubin=not (args.no_cubin or args.quick),
+            builds=TVM_BUILDS[:1] if args.quick else TVM_BUILDS,
+        )
+    from .program import run_program
+
+    only = [s.strip() for s in args.only.split(",")] if args.only else None
+    summary = run_program(options, only=only, say=_say)
+    bad = [s["name"] for s in summary["steps"] if s["status"] != "ok"]
+    _say(f"gpu program: {len(summary['steps']) - len(bad)} of {len(summary['steps'])} steps ok"
+         + (f"; not ok: {', '.join(bad)}" if bad else ""))  # fmt: skip
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
