@@ -1,0 +1,181 @@
+"""The GPU program without a GPU: the plan, the step runner, what travels, and the dry run.
+
+The dry run itself (``bash ci/gpu.sh --dry-run --quick``) runs here at tiny sizes: the import
+and the carried graph, a CUDA build from the carried graph (no GPU needed), the collection of
+the GPU tests, the size check and the plan, so that the program cannot rot between GPU runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from blade_relax.gpuprog import plan, program
+from blade_relax.gpuprog.carried import travel_bytes
+from blade_relax.gpuprog.plan import (
+    BENCH_CONFIGS,
+    PLAN_LIMIT_S,
+    TVM_BUILDS,
+    Costs,
+    ProgramOptions,
+    Step,
+    bench_estimate,
+    format_plan,
+    program_steps,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _options(tmp_path: Path, **kw) -> ProgramOptions:
+    return ProgramOptions(root=ROOT, carried=tmp_path / "carried", out=tmp_path / "out", **kw)
+
+
+def test_the_plan_fits_one_command(tmp_path):
+    steps = program_steps(_options(tmp_path))
+    names = [s.name for s in steps]
+    assert names == [
+        "preflight",
+        "bench-llama-train",
+        "bench-gpt2-train",
+        "gpu-tests",
+        "tutorial-5",
+    ]
+    assert sum(s.estimate_s for s in steps) <= PLAN_LIMIT_S
+    assert all(s.estimate_s > 0 and s.budget_s >= s.estimate_s + 30 for s in steps)
+    bench = steps[1]
+    assert bench.command[bench.command.index("--out") + 1].endswith("bench-llama-train.json")
+    text = format_plan(steps)
+    assert "fits" in text and "DOES NOT FIT" not in text
+    assert "DOES NOT FIT" in format_plan(steps, limit_s=10)
+
+
+def test_measured_compile_times_replace_the_default(tmp_path):
+    costs = Costs()
+    lengths = [16, 64, 256]
+    default, detail = bench_estimate(costs, lengths)
+    measured = dict.fromkeys(TVM_BUILDS, 300.0)
+    slower, measured_detail = bench_estimate(costs, lengths, measured)
+    expected = len(TVM_BUILDS) * (300.0 / costs.host_speedup - costs.tvm_compile_s)
+    assert slower - default == pytest.approx(expected)
+    assert "not measured" in detail and "measured by the dry run" in measured_detail
+    # The plan reads the manifest the dry run wrote.
+    options = _options(tmp_path)
+    options.carried.mkdir()
+    (options.carried / plan.MANIFEST).write_text(
+        json.dumps(
+            {
+                "size": "real",
+                "lengths": {"llama-train": lengths},
+                "compile_s": {"llama-train": measured},
+            }
+        )  # fmt: skip
+    )
+    steps = {s.name: s for s in program_steps(options)}
+    assert steps["bench-llama-train"].estimate_s == pytest.approx(slower)
+    assert f"s in {lengths}" in steps["bench-llama-train"].summary
+    assert len(BENCH_CONFIGS) == 5
+
+
+def _step(name: str, kind: str, code: str, budget: float = 60.0) -> Step:
+    return Step(name, f"runs {name}", kind, [sys.executable, "-c", code], 1.0, budget)
+
+
+def test_steps_fail_time_out_and_are_skipped_independently(tmp_path, monkeypatch):
+    summary_path = "os.path.join(os.environ['OUT'], 'gpu-summary.json')"
+    steps = [
+        _step("counts", "pytest", "print('3 passed, 1 skipped in 0.1s')"),
+        _step(
+            "sees-itself-running",
+            "pytest",
+            f"import json, os; s = json.load(open({summary_path}));"
+            "print('statuses', [x['status'] for x in s['steps']]); raise SystemExit(3)",
+        ),
+        _step("hangs", "pytest", "import time; time.sleep(60)", budget=1.0),
+        _step("too-late", "pytest", "print('never')"),
+    ]
+    monkeypatch.setattr(program, "program_steps", lambda _options: steps)
+    options = _options(tmp_path, deadline_s=25.0)
+    summary = program.run_program(options, say=lambda _m: None)
+    by_name = {s["name"]: s for s in summary["steps"]}
+    assert by_name["counts"]["status"] == "ok"
+    assert by_name["counts"]["data"]["counts"] == {"passed": 3, "skipped": 1}
+    assert by_name["sees-itself-running"]["status"] == "failed"
+    assert by_name["sees-itself-running"]["returncode"] == 3
+    assert by_name["hangs"]["status"] == "timeout" and by_name["hangs"]["returncode"] is None
+    assert by_name["hangs"]["seconds"] < 30
+    # The deadline leaves less than MIN_STEP_S for the last step only when the others took
+    # long; here it runs, and a tighter deadline skips everything.
+    assert by_name["too-late"]["status"] == "ok"
+    out = options.out
+    log = (out / program.LOG).read_text()
+    # While a step runs, the summary on disk already names it as running.
+    assert "statuses ['ok', 'running', 'pending', 'pending']" in log
+    assert "=== hangs" in log
+    saved = json.loads((out / program.SUMMARY).read_text())
+    assert saved["complete"] and [s["status"] for s in saved["steps"]] == [
+        "ok", "failed", "timeout", "ok"
+    ]  # fmt: skip
+    assert len(saved["out_files"]) <= program.MAX_OUT_FILES
+    results = (out / program.RESULTS).read_text()
+    assert "| hangs | timeout |" in results and "| counts | ok |" in results
+
+    skipped = program.run_program(
+        _options(tmp_path / "late", deadline_s=program.MIN_STEP_S - 1), say=lambda _m: None
+    )
+    assert {s["status"] for s in skipped["steps"]} == {"skipped"}
+
+
+def _git(cwd: Path, *args: str) -> None:
+    subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def test_what_travels_counts_tracked_untracked_carried_and_kit(tmp_path):
+    _git(tmp_path, "init", "-q")
+    (tmp_path / ".gitignore").write_text("/.gpukit/\n/.gpuprog/\nignored.bin\n")
+    (tmp_path / "tracked.txt").write_bytes(b"x" * 1000)
+    _git(tmp_path, "add", ".gitignore", "tracked.txt")
+    (tmp_path / "untracked.txt").write_bytes(b"y" * 300)
+    (tmp_path / "ignored.bin").write_bytes(b"z" * 5000)
+    (tmp_path / ".gpuprog").mkdir()
+    (tmp_path / ".gpuprog" / "g.npz").write_bytes(b"c" * 200)
+    sizes = travel_bytes(tmp_path, tmp_path / ".gpuprog")
+    gitignore = len("/.gpukit/\n/.gpuprog/\nignored.bin\n")
+    assert sizes["tracked"] == 1000 + gitignore
+    assert sizes["untracked"] == 300
+    assert sizes["carried"] == 200 and sizes["kit"] is None
+    (tmp_path / ".gpukit").mkdir()
+    (tmp_path / ".gpukit" / "site.tar.xz").write_bytes(b"k" * 7000)
+    sizes = travel_bytes(tmp_path, tmp_path / ".gpuprog")
+    assert sizes["kit"] == 7000
+    assert sizes["total"] == 1000 + gitignore + 300 + 200 + 7000
+
+
+@pytest.mark.slow
+def test_dry_run_at_tiny_sizes(tmp_path):
+    """The dry run's every stage, at its cheapest (about a minute on 2 cores)."""
+    pytest.importorskip("transformers")
+    carried = tmp_path / "carried"
+    env = dict(os.environ, BLADE_RELAX_PYTHON=sys.executable)
+    proc = subprocess.run(
+        ["bash", "ci/gpu.sh", "--dry-run", "--size", "tiny", "--quick", "--carried", str(carried)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert "dry run: passed" in output
+    assert "[ok] GPU tests collect" in output and "[ok] plan" in output
+    manifest = json.loads((carried / plan.MANIFEST).read_text())
+    assert manifest["size"] == "tiny"
+    assert manifest["compile_s"]["llama-train"]["tvm-dynamic"] > 0
+    assert manifest["imported_with"]["torch"] != "missing"
+    from blade_relax.frontend.carry import load_graph
+
+    graph = load_graph(carried / "llama-train.npz")
+    assert graph.kind == "training" and graph.output_names[0] == "loss"
+    assert graph.info["sizes"]["hidden"] == plan.SIZES["tiny"]["hidden"]
