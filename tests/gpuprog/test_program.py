@@ -179,3 +179,36 @@ def test_dry_run_at_tiny_sizes(tmp_path):
     graph = load_graph(carried / "llama-train.npz")
     assert graph.kind == "training" and graph.output_names[0] == "loss"
     assert graph.info["sizes"]["hidden"] == plan.SIZES["tiny"]["hidden"]
+
+    # The benchmark step as the GPU machine runs it, on the CPU: the carried graph with a
+    # model built again, measured against torch, read back by the program.
+    out = tmp_path / "out" / "bench-llama-train.json"
+    bench = subprocess.run(
+        [sys.executable, "-m", "blade_relax.gpuprog", "bench", "--carried", str(carried),
+         "--workload", "llama-train", "--out", str(out), "--target", "llvm",
+         "--configs", "tvm-dynamic,torch-eager", "--lengths", "9", "--repeat", "1"],
+        cwd=ROOT, env=dict(env, PYTHONPATH=str(ROOT / "python")), capture_output=True,
+        text=True, timeout=900,
+    )  # fmt: skip
+    assert bench.returncode == 0, (bench.stdout + bench.stderr)[-4000:]
+    step = Step("bench-llama-train", "", "bench", ["x", "--out", str(out)], 1.0, 1.0)
+    detail, data = program._read_bench(out.parent, bench.stdout, step)
+    assert detail.startswith("2 of 2 rows correct against torch")
+    assert data["all_correct"] is True and "| 9 | tvm-dynamic |" in data["table"]
+    assert not out.with_suffix(".md").exists()  # folded into the summary: $OUT stays small
+
+
+def test_shared_builds_compile_a_budget_variant_once():
+    from blade_relax.bench import build_workload
+    from blade_relax.bench.runner import run_benchmark
+    from blade_relax.bench.workloads import ModelSizes
+
+    workload = build_workload("mlp-train", ModelSizes(layers=2, hidden=16, intermediate=32))
+    result = run_benchmark(
+        workload, ["blade-relax", "blade-relax@0.5"], [24], repeat=1, share_builds=True
+    )
+    rows = {m.config: m for m in result.measurements}
+    assert result.all_correct
+    assert rows["blade-relax"].compile_time_s > 0 and rows["blade-relax"].compilations == 1
+    assert rows["blade-relax@0.5"].compile_time_s == 0 and rows["blade-relax@0.5"].compilations == 0
+    assert rows["blade-relax@0.5"].evictions > 0

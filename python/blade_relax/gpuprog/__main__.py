@@ -157,17 +157,34 @@ def dry_run(
     return 1 if failures else 0
 
 
+def _bench_target(name: str) -> tuple[dict[str, str], str]:
+    """``"cuda"``: the GPU's own architecture and name (``SystemExit`` without a GPU);
+    anything else is a TVM target kind run on the CPU (to check the step without a GPU)."""
+    import tvm
+
+    if name != "cuda":
+        return {"kind": name}, "the CPU"
+    dev = tvm.cuda(0)
+    if not dev.exist:
+        raise SystemExit("no CUDA device (tvm.cuda(0).exist is False)")
+    major, minor = dev.compute_version.split(".")
+    arch = f"sm_{major}{minor}"
+    return {"kind": "cuda", "arch": arch}, f"{dev.device_name} ({arch})"
+
+
 def bench(argv: Sequence[str]) -> int:
-    """One benchmark step on the GPU from a carried graph (``bench --workload W ...``)."""
+    """One benchmark step from a carried graph (``bench --workload W ...``); 0 when every
+    row matched torch."""
     parser = argparse.ArgumentParser(prog="python -m blade_relax.gpuprog bench")
     parser.add_argument("--carried", required=True)
     parser.add_argument("--workload", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--tolerance", type=float, default=5e-4)
+    parser.add_argument("--target", default="cuda", help="cuda (the GPU's arch) or llvm")
+    parser.add_argument("--configs", default=",".join(BENCH_CONFIGS))
+    parser.add_argument("--lengths", default=None, help="default: the manifest's")
     args = parser.parse_args(list(argv))
-
-    import tvm
 
     import blade_relax
     from blade_relax.bench.report import budget_table, markdown_table, write_json
@@ -176,19 +193,18 @@ def bench(argv: Sequence[str]) -> int:
     from .carried import carried_workload
 
     blade_relax.quiet()
-    dev = tvm.cuda(0)
-    if not dev.exist:
-        raise SystemExit("no CUDA device (tvm.cuda(0).exist is False)")
-    major, minor = dev.compute_version.split(".")
-    target = {"kind": "cuda", "arch": f"sm_{major}{minor}"}
+    target, where = _bench_target(args.target)
     carried = Path(args.carried)
-    lengths = (read_manifest(carried) or {})["lengths"][args.workload]
+    if args.lengths:
+        lengths = [int(n) for n in args.lengths.split(",")]
+    else:
+        lengths = (read_manifest(carried) or {})["lengths"][args.workload]
     start = time.perf_counter()
     workload = carried_workload(carried, args.workload)
     _say(f"{args.workload}: carried graph and model ready in {time.perf_counter() - start:.1f} s")
     result = run_benchmark(
         workload,
-        list(BENCH_CONFIGS),
+        args.configs.split(","),
         lengths,
         target=target,
         repeat=args.repeat,
@@ -198,7 +214,7 @@ def bench(argv: Sequence[str]) -> int:
         share_builds=True,
     )
     write_json(result, args.out)
-    table = f"{args.workload} on {dev.device_name} ({target['arch']})\n\n{markdown_table(result)}"
+    table = f"{args.workload} on {where}\n\n{markdown_table(result)}"
     sweep = budget_table(result)
     if sweep:
         table += "\n\nPeak and step time against the budget:\n\n" + sweep

@@ -100,8 +100,9 @@ class Costs:
         One real-size training step compiled for CUDA, kernels included, when the dry run has
         not measured it.
     host_speedup
-        How much faster the GPU machine compiles than the CPU machine the dry run measured on
-        (16 cores there, 2 shared here; TVM's compilation is mostly one thread, NVRTC too).
+        Wall seconds on the GPU machine per CPU second the dry run measured for the same build
+        (an unshared machine with faster cores; TVM's compilation is mostly one thread, NVRTC
+        too).
     torch_compile_s
         ``torch.compile(dynamic=True)`` of a real-size training step, cold (Inductor and
         Triton; the runner turns the caches off).
@@ -238,8 +239,8 @@ def bench_estimate(
 ) -> tuple[float, str]:
     """Seconds of one benchmark step and how they add up.
 
-    ``compile_s`` maps a configuration to the seconds its executable took to build in the dry
-    run (on this machine), divided by :attr:`Costs.host_speedup` here.
+    ``compile_s`` maps a configuration to the CPU seconds its executable took to build in the
+    dry run (on this machine), divided by :attr:`Costs.host_speedup` here.
     """
     compile_s = compile_s or {}
     tvm = sum(
