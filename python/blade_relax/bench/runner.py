@@ -525,7 +525,7 @@ def run_benchmark(
     tolerance: float = 1e-4,
     trace: dict[str, Any] | None = None,
     progress: Callable[[str], None] | None = None,
-    share_builds: bool = False,
+    builds: dict[Any, Any] | None = None,
 ) -> BenchResult:
     """Measure every configuration at every length (see the module docstring).
 
@@ -547,10 +547,13 @@ def run_benchmark(
         Description of the trace, copied into the result.
     progress
         Called with one line per step of the run (e.g. print to stderr).
-    share_builds
-        Compile each (pipeline, bounds) of the dynamic TVM configurations once: a budget
-        variant then runs its base's executable, with a compile time of 0 (for the GPU
-        program, where compile minutes are scarce).
+    builds
+        Executables shared by the dynamic TVM configurations, keyed by ``(config.pipeline,
+        config.keep_bounds)`` with values ``(executable, workspace table)``: a configuration
+        whose key is there runs that executable (compile time 0), one whose key is not compiles
+        and adds its own. ``{}`` compiles each pipeline once (a budget variant runs its
+        base's); an entry built beforehand is used as it is (the GPU program compiles before
+        it takes the GPU). ``None``: every configuration compiles its own.
     """
     from ..pipeline import as_target
 
@@ -572,7 +575,6 @@ def run_benchmark(
     lower = _lower_bounds(graph, dims, say)
 
     plan = resolve_configs(list(config_names))
-    builds: dict[Any, Any] | None = {} if share_builds else None
     summaries: list[ConfigSummary] = []
     rows: list[Measurement] = []
     step_peaks: dict[tuple[str, int], int | None] = {}

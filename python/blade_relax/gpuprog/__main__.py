@@ -8,16 +8,19 @@ benchmark step (the program runs it as a subprocess).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from .plan import (
     BENCH_CONFIGS,
     GPU_TESTS_LEFT_OUT,
+    LOCK_ENV,
     PLAN_LIMIT_S,
     SIZES,
     TVM_BUILDS,
@@ -26,6 +29,7 @@ from .plan import (
     environment_python,
     format_plan,
     gpu_test_files,
+    plan_seconds,
     program_steps,
     read_manifest,
 )
@@ -147,7 +151,7 @@ def dry_run(
         preflight = (options.root / ".gpukit" / "preflight.py").is_file()
         _check("kit preflight", preflight, ".gpukit/preflight.py", failures)
     steps = program_steps(options)
-    total = sum(s.estimate_s for s in steps)
+    total = plan_seconds(steps)
     _say("\n" + format_plan(steps))
     _check("plan", total <= PLAN_LIMIT_S, f"{total:.0f} s of {PLAN_LIMIT_S:.0f} s", failures)
     _say(
@@ -170,6 +174,52 @@ def _bench_target(name: str) -> tuple[dict[str, str], str]:
     major, minor = dev.compute_version.split(".")
     arch = f"sm_{major}{minor}"
     return {"kind": "cuda", "arch": arch}, f"{dev.device_name} ({arch})"
+
+
+def _prebuild(workload, configs: list[str], target: dict, say) -> tuple[dict, dict[str, float]]:
+    """Compile the TVM configurations' executables before the GPU is taken: the ``builds``
+    of :func:`~blade_relax.bench.runner.run_benchmark`, and each build's seconds by the first
+    configuration that uses it."""
+    import tvm
+
+    from blade_relax.analysis.workspace import compile_keeping_module, workspace_table
+    from blade_relax.bench.configs import TvmConfig, get_config
+    from blade_relax.runtime.devices import configure_cuda_compiler
+
+    if target["kind"] == "cuda":
+        configure_cuda_compiler()
+    tgt = tvm.target.Target(target)
+    builds: dict = {}
+    seconds: dict[str, float] = {}
+    for name in configs:
+        config = get_config(name)
+        if not isinstance(config, TvmConfig) or config.static or config.bucket is not None:
+            continue
+        key = (config.pipeline, config.keep_bounds)
+        if key in builds:
+            continue
+        start = time.perf_counter()
+        variant = workload.graph.with_upper_bounds(config.keep_bounds)
+        compiled = compile_keeping_module(variant.mod, tgt, config.pipeline(tgt))
+        builds[key] = (compiled.executable, workspace_table(compiled.module, tgt))
+        seconds[name] = time.perf_counter() - start
+        say(f"{workload.name}: built {name} in {seconds[name]:.1f} s")
+    return builds, seconds
+
+
+@contextlib.contextmanager
+def gpu_lock(path: str | None) -> Iterator[None]:
+    """Hold the program's GPU lock (``flock`` on ``path``) while measuring; none when
+    ``path`` is ``None`` (a step run alone)."""
+    if not path:
+        yield
+        return
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def bench(argv: Sequence[str]) -> int:
@@ -202,17 +252,33 @@ def bench(argv: Sequence[str]) -> int:
     start = time.perf_counter()
     workload = carried_workload(carried, args.workload)
     _say(f"{args.workload}: carried graph and model ready in {time.perf_counter() - start:.1f} s")
-    result = run_benchmark(
-        workload,
-        args.configs.split(","),
-        lengths,
-        target=target,
-        repeat=args.repeat,
-        tolerance=args.tolerance,
-        trace={"kind": "explicit", "lengths": lengths},
-        progress=_say,
-        share_builds=True,
-    )
+    configs = args.configs.split(",")
+    builds, compile_s = _prebuild(workload, configs, target, _say)
+    lock = os.environ.get(LOCK_ENV)
+    waited = time.perf_counter()
+    with gpu_lock(lock):
+        if lock:
+            _say(f"{args.workload}: GPU taken after {time.perf_counter() - waited:.1f} s")
+        result = run_benchmark(
+            workload,
+            configs,
+            lengths,
+            target=target,
+            repeat=args.repeat,
+            tolerance=args.tolerance,
+            trace={"kind": "explicit", "lengths": lengths},
+            progress=_say,
+            builds=builds,
+        )
+    # The builds ran before the GPU was taken: their seconds go to the configuration that
+    # made each, at its first length, as the runner would have counted them.
+    for summary in result.configs:
+        if summary.name in compile_s:
+            summary.compile_time_s = compile_s[summary.name]
+            summary.compilations = 1
+            first = next(m for m in result.measurements if m.config == summary.name)
+            first.compile_time_s = compile_s[summary.name]
+            first.compilations = 1
     write_json(result, args.out)
     table = f"{args.workload} on {where}\n\n{markdown_table(result)}"
     sweep = budget_table(result)

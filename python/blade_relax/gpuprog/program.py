@@ -14,19 +14,21 @@ What comes back from ``$OUT`` is at most 8 files: ``gpu-summary.json``, ``gpu-re
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from .plan import PLAN_LIMIT_S, ProgramOptions, Step, program_steps
+from .plan import LOCK_ENV, PLAN_LIMIT_S, ProgramOptions, Step, plan_seconds, program_steps
 
 __all__ = [
     "MAX_OUT_FILES",
@@ -78,51 +80,100 @@ class StepResult:
     data: dict[str, Any] = field(default_factory=dict)
 
 
-def _pump(stream: Any, sinks: list[TextIO], tail: list[str]) -> None:
+_LOG_LOCK = threading.Lock()
+
+
+def _pump(stream: Any, sinks: list[TextIO], tail: list[str], prefix: str) -> None:
     for line in iter(stream.readline, ""):
-        for sink in sinks:
-            sink.write(line)
-            sink.flush()
+        with _LOG_LOCK:
+            for sink in sinks:
+                sink.write(prefix + line)
+                sink.flush()
         tail.append(line)
         del tail[:-200]
 
 
-def run_step(
-    step: Step, root: Path, limit_s: float, log: TextIO, out: Path
-) -> tuple[int | None, float, str]:
-    """Run ``step`` from ``root`` for at most ``limit_s`` seconds.
+@dataclass
+class _Running:
+    """A started step: its process, the thread copying its output, and that output's tail."""
 
-    Returns
-    -------
-    tuple
-        The exit status (``None`` when it was killed at the limit), its seconds, and the last
-        lines of its output.
-    """
-    env = dict(os.environ, **step.env, OUT=str(out), PYTHONUNBUFFERED="1")
+    step: Step
+    proc: subprocess.Popen
+    pump: threading.Thread
+    tail: list[str]
+    started: float
+
+
+def start_step(
+    step: Step, root: Path, log: TextIO, out: Path, env: dict[str, str] | None = None
+) -> _Running:
+    """Start ``step`` from ``root`` in a process group of its own; its output goes to the
+    terminal and ``log`` (each line prefixed with the step's name when it runs in the
+    background)."""
+    environ = dict(os.environ, **step.env, **(env or {}), OUT=str(out), PYTHONUNBUFFERED="1")
     python_dir = str(Path(root) / "python")
-    if python_dir not in env.get("PYTHONPATH", "").split(os.pathsep):
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (python_dir, env.get("PYTHONPATH")) if p)
-    start = time.monotonic()
+    if python_dir not in environ.get("PYTHONPATH", "").split(os.pathsep):
+        environ["PYTHONPATH"] = os.pathsep.join(
+            p for p in (python_dir, environ.get("PYTHONPATH")) if p
+        )
     proc = subprocess.Popen(
         step.command,
         cwd=root,
-        env=env,
+        env=environ,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
     )
     tail: list[str] = []
-    pump = threading.Thread(target=_pump, args=(proc.stdout, [sys.stdout, log], tail))
+    prefix = f"[{step.name}] " if step.background else ""
+    pump = threading.Thread(target=_pump, args=(proc.stdout, [sys.stdout, log], tail, prefix))
     pump.start()
+    return _Running(step, proc, pump, tail, time.monotonic())
+
+
+def finish_step(running: _Running, limit_s: float) -> tuple[int | None, float, str]:
+    """Wait at most ``limit_s`` more seconds for a started step, then kill its process group.
+
+    Returns
+    -------
+    tuple
+        The exit status (``None`` when it was killed), its seconds since it started, and the
+        last lines of its output.
+    """
     try:
-        code: int | None = proc.wait(timeout=limit_s)
+        code: int | None = running.proc.wait(timeout=max(limit_s, 0.0))
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        os.killpg(running.proc.pid, signal.SIGKILL)
+        running.proc.wait()
         code = None
-    pump.join(timeout=10)
-    return code, time.monotonic() - start, "".join(tail)
+    running.pump.join(timeout=10)
+    return code, time.monotonic() - running.started, "".join(running.tail)
+
+
+def run_step(
+    step: Step, root: Path, limit_s: float, log: TextIO, out: Path
+) -> tuple[int | None, float, str]:
+    """Run ``step`` from ``root`` for at most ``limit_s`` seconds (see :func:`finish_step`)."""
+    return finish_step(start_step(step, root, log, out), limit_s)
+
+
+class _GpuLock:
+    """The program's GPU lock: the program holds it while a foreground step runs; a
+    background step takes it only to measure (:data:`~.plan.LOCK_ENV`)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.handle = open(path, "a")  # noqa: SIM115 - held for the whole program
+
+    def take(self) -> None:
+        fcntl.flock(self.handle, fcntl.LOCK_EX)
+
+    def release(self) -> None:
+        fcntl.flock(self.handle, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        self.handle.close()
 
 
 # ------------------------------------------------------------------------------------------
@@ -234,7 +285,11 @@ def _device_name() -> str | None:
 def run_program(
     options: ProgramOptions, only: list[str] | None = None, say: Any = print
 ) -> dict[str, Any]:
-    """Run the program's steps (those named in ``only``, when given); returns the summary."""
+    """Run the program's steps (those named in ``only``, when given); returns the summary.
+
+    Background steps start first and prepare (compile) while the foreground steps before
+    them hold the GPU; when the program reaches one, it lets go of the GPU and waits for it.
+    """
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
     steps = [s for s in program_steps(options) if not only or s.name in only]
@@ -244,7 +299,7 @@ def run_program(
         "device": _device_name(),
         "command": "bash ci/gpu.sh" + (f" --only {','.join(only)}" if only else ""),
         "deadline_s": options.deadline_s,
-        "plan_s": sum(s.estimate_s for s in steps),
+        "plan_s": plan_seconds(steps),
         "plan_limit_s": PLAN_LIMIT_S,
         "seconds": 0.0,
         "complete": False,
@@ -258,40 +313,72 @@ def run_program(
         _write_atomic(out / SUMMARY, json.dumps(summary, indent=1, default=str) + "\n")
         _write_atomic(out / RESULTS, results_markdown(summary))
 
-    with open(out / LOG, "a") as log:
+    def record(index: int, result: StepResult) -> None:
+        summary["steps"][index] = asdict(result)
+        flush()
+
+    def left() -> float:
+        return options.deadline_s - (time.monotonic() - started)
+
+    with tempfile.TemporaryDirectory() as work, open(out / LOG, "a") as log:
+        lock = _GpuLock(Path(work) / "gpu.lock")
+        lock.take()
+        env = {LOCK_ENV: str(lock.path)}
+        background: dict[str, _Running] = {}
         for index, step in enumerate(steps):
-            left = options.deadline_s - (time.monotonic() - started)
-            result = StepResult(step.name, "running", 0.0, step.estimate_s, step.budget_s)
-            if left < MIN_STEP_S:
-                result.status, result.detail = "skipped", f"{left:.0f} s left of the deadline"
-                summary["steps"][index] = asdict(result)
-                flush()
-                continue
-            summary["steps"][index] = asdict(result)
-            flush()
-            banner = (
-                f"=== {step.name} (estimate {step.estimate_s:.0f} s, budget {step.budget_s:.0f} s)"
-            )
-            say(banner)
-            log.write(banner + "\n")
-            code, seconds, output = run_step(step, options.root, min(step.budget_s, left), log, out)
-            result.seconds, result.returncode = round(seconds, 1), code
-            try:
-                result.detail, result.data = _read(step, out, output)
-            except Exception as err:  # a result that cannot be read is a result too
-                result.detail = f"results unreadable: {type(err).__name__}: {err}"
-            if code is None:
-                result.status = "timeout"
-                result.detail = f"killed after {seconds:.0f} s; " + result.detail
-            else:
-                result.status = "ok" if code == 0 else "failed"
-            if code not in (0, None):
-                last = [line for line in output.splitlines() if line.strip()][-1:]
-                result.data["last_line"] = last[0][:300] if last else ""
-            summary["steps"][index] = asdict(result)
-            flush()
-            say(f"=== {step.name}: {result.status} in {seconds:.0f} s: {result.detail}")
+            if step.background and left() >= MIN_STEP_S:
+                background[step.name] = start_step(step, options.root, log, out, env)
+                record(index, StepResult(step.name, "running", 0.0, step.estimate_s, step.budget_s))
+                say(f"=== {step.name}: started in the background (budget {step.budget_s:.0f} s)")
+        try:
+            for index, step in enumerate(steps):
+                result = StepResult(step.name, "running", 0.0, step.estimate_s, step.budget_s)
+                if step.name not in background and left() < MIN_STEP_S:
+                    result.status, result.detail = "skipped", f"{left():.0f} s left of the deadline"
+                    record(index, result)
+                    continue
+                if step.background:
+                    running = background.pop(step.name)
+                    say(f"=== {step.name}: waiting for it (the GPU is its)")
+                    lock.release()
+                    limit = min(step.budget_s - (time.monotonic() - running.started), left())
+                    code, seconds, output = finish_step(running, limit)
+                    lock.take()
+                else:
+                    record(index, result)
+                    banner = f"=== {step.name} (estimate {step.estimate_s:.0f} s, budget {step.budget_s:.0f} s)"
+                    say(banner)
+                    log.write(banner + "\n")
+                    code, seconds, output = run_step(
+                        step, options.root, min(step.budget_s, left()), log, out
+                    )
+                _conclude(result, step, code, seconds, output, out)
+                record(index, result)
+                say(f"=== {step.name}: {result.status} in {seconds:.0f} s: {result.detail}")
+        finally:
+            for running in background.values():
+                finish_step(running, 0.0)
+            lock.close()
     summary["complete"] = True
     summary["out_files"] = sorted(p.name for p in out.iterdir())
     flush()
     return summary
+
+
+def _conclude(
+    result: StepResult, step: Step, code: int | None, seconds: float, output: str, out: Path
+) -> None:
+    """Fill ``result`` from a finished step's exit status and output."""
+    result.seconds, result.returncode = round(seconds, 1), code
+    try:
+        result.detail, result.data = _read(step, out, output)
+    except Exception as err:  # a result that cannot be read is a result too
+        result.detail = f"results unreadable: {type(err).__name__}: {err}"
+    if code is None:
+        result.status = "timeout"
+        result.detail = f"killed after {seconds:.0f} s; " + result.detail
+    else:
+        result.status = "ok" if code == 0 else "failed"
+    if code not in (0, None):
+        last = [line for line in output.splitlines() if line.strip()][-1:]
+        result.data["last_line"] = last[0][:300] if last else ""
