@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default=None, help="results folder (default: $OUT, else gpu-out)")
     parser.add_argument("--only", default=None, help="comma-separated step names to run")
     parser.add_argument(
-        "--deadline", type=float, default=570.0, help="seconds the run may take (570)"
+        "--deadline", type=float, default=560.0, help="seconds the run may take (560)"
     )
     parser.add_argument(
         "--no-cubin", action="store_true", help="dry run: skip compiling kernels to cubins"

@@ -179,7 +179,7 @@ class ProgramOptions:
     out: Path
     size: str = "real"
     python: str = sys.executable
-    deadline_s: float = 570.0
+    deadline_s: float = 560.0
     repeat: int = 3
     tolerance: float = 5e-4
     workloads: tuple[str, ...] = WORKLOADS
