@@ -182,7 +182,7 @@ def _prebuild(workload, configs: list[str], target: dict, say) -> tuple[dict, di
     configuration that uses it."""
     import tvm
 
-    from blade_relax.analysis.workspace import compile_keeping_module, workspace_table
+    from blade_relax.analysis.workspace import compile_keeping_module
     from blade_relax.bench.configs import TvmConfig, get_config
     from blade_relax.runtime.devices import configure_cuda_compiler
 
@@ -201,7 +201,7 @@ def _prebuild(workload, configs: list[str], target: dict, say) -> tuple[dict, di
         start = time.perf_counter()
         variant = workload.graph.with_upper_bounds(config.keep_bounds)
         compiled = compile_keeping_module(variant.mod, tgt, config.pipeline(tgt))
-        builds[key] = (compiled.executable, workspace_table(compiled.module, tgt))
+        builds[key] = (compiled.executable, compiled.workspaces)
         seconds[name] = time.perf_counter() - start
         say(f"{workload.name}: built {name} in {seconds[name]:.1f} s")
     return builds, seconds
