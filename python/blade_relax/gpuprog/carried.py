@@ -236,7 +236,9 @@ def build_executables(
                 )
             report["compile_s"][workload][name] = round(seconds, 2)
     manifest = read_manifest(options.carried) or {}
-    manifest["compile_s"] = report["compile_s"]
+    # Merged: a partial dry run (--quick) keeps what an earlier one measured.
+    for workload, seconds in report["compile_s"].items():
+        manifest.setdefault("compile_s", {}).setdefault(workload, {}).update(seconds)
     manifest["compiled_for"] = arch
     _write_manifest(options.carried, manifest)
     return report
