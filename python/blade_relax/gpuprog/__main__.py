@@ -130,7 +130,7 @@ def dry_run(
     _check(
         "CUDA builds",
         True,
-        f"{sum(len(v) for v in report['compile_s'].values())} executables for sm_90; kernels "
+        f"{sum(len(v) for v in report['compile_s'].values())} executable(s) for sm_90; kernels "
         + (f"compiled to {len(report['cubin'])} cubins" if report["cubin"] else
            f"not compiled to cubins ({report['compiler']})"),
         failures,

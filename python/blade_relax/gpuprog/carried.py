@@ -206,7 +206,7 @@ def build_executables(
     from ..runtime.devices import compile_cuda_source, cuda_source, find_cuda_compiler
 
     target = tvm.target.Target({"kind": "cuda", "arch": arch})
-    compiler, where = find_cuda_compiler() if cubin else (None, "not asked for (--no-cubin)")
+    compiler, where = find_cuda_compiler() if cubin else (None, "not asked for")
     report: dict[str, Any] = {"compile_s": {}, "cubin": {}, "compiler": compiler or where}
     for workload in options.workloads:
         graph = carried_workload(options.carried, workload, with_model=False).graph
