@@ -236,9 +236,13 @@ def build_executables(
                 )
             report["compile_s"][workload][name] = round(seconds, 2)
     manifest = read_manifest(options.carried) or {}
-    # Merged: a partial dry run (--quick) keeps what an earlier one measured.
+    # Merged: a partial dry run (--quick) keeps what an earlier one measured, and a build
+    # measured without its kernels never replaces one measured with them.
     for workload, seconds in report["compile_s"].items():
-        manifest.setdefault("compile_s", {}).setdefault(workload, {}).update(seconds)
+        known = manifest.setdefault("compile_s", {}).setdefault(workload, {})
+        for name, value in seconds.items():
+            if compiler is not None or name not in known:
+                known[name] = value
     manifest["compiled_for"] = arch
     _write_manifest(options.carried, manifest)
     return report
