@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from blade_relax.gpuprog import plan, program
-from blade_relax.gpuprog.carried import travel_bytes
+from blade_relax.gpuprog.carried import merge_build_seconds, travel_bytes
 from blade_relax.gpuprog.plan import (
     BENCH_CONFIGS,
     PLAN_LIMIT_S,
@@ -85,6 +85,18 @@ def test_measured_compile_times_replace_the_default(tmp_path):
     assert steps["bench-llama-train"].estimate_s == pytest.approx(slower)
     assert f"s in {lengths}" in steps["bench-llama-train"].summary
     assert len(BENCH_CONFIGS) == 5
+
+
+def test_a_partial_dry_run_keeps_earlier_build_seconds():
+    manifest = {"compile_s": {"llama-train": {"tvm-dynamic": 24.0, "blade-relax-full": 56.0}}}
+    merge_build_seconds(manifest, {"llama-train": {"tvm-dynamic": 14.0}}, with_kernels=False)
+    assert manifest["compile_s"]["llama-train"] == {"tvm-dynamic": 24.0, "blade-relax-full": 56.0}
+    merge_build_seconds(manifest, {"llama-train": {"tvm-dynamic": 20.0}}, with_kernels=True)
+    merge_build_seconds(manifest, {"gpt2-train": {"tvm-dynamic": 9.0}}, with_kernels=False)
+    assert manifest["compile_s"] == {
+        "llama-train": {"tvm-dynamic": 20.0, "blade-relax-full": 56.0},
+        "gpt2-train": {"tvm-dynamic": 9.0},
+    }
 
 
 def _step(name: str, kind: str, code: str, budget: float = 60.0) -> Step:

@@ -42,6 +42,7 @@ __all__ = [
     "build_executables",
     "carried_path",
     "carried_workload",
+    "merge_build_seconds",
     "model_sizes",
     "prepare",
     "travel_bytes",
@@ -236,16 +237,23 @@ def build_executables(
                 )
             report["compile_s"][workload][name] = round(seconds, 2)
     manifest = read_manifest(options.carried) or {}
-    # Merged: a partial dry run (--quick) keeps what an earlier one measured, and a build
-    # measured without its kernels never replaces one measured with them.
-    for workload, seconds in report["compile_s"].items():
-        known = manifest.setdefault("compile_s", {}).setdefault(workload, {})
-        for name, value in seconds.items():
-            if compiler is not None or name not in known:
-                known[name] = value
+    merge_build_seconds(manifest, report["compile_s"], with_kernels=compiler is not None)
     manifest["compiled_for"] = arch
     _write_manifest(options.carried, manifest)
     return report
+
+
+def merge_build_seconds(
+    manifest: dict[str, Any], measured: dict[str, dict[str, float]], *, with_kernels: bool
+) -> None:
+    """Merge build seconds into ``manifest["compile_s"]``: a partial dry run (``--quick``)
+    keeps what an earlier one measured, and a build measured without its kernels never
+    replaces one measured with them."""
+    for workload, seconds in measured.items():
+        known = manifest.setdefault("compile_s", {}).setdefault(workload, {})
+        for name, value in seconds.items():
+            if with_kernels or name not in known:
+                known[name] = value
 
 
 def _git_files(root: Path, *args: str) -> list[Path]:
