@@ -288,3 +288,25 @@ def test_the_readme_shows_the_programs_commands_and_steps(tmp_path):
     assert [".", ".gpukit/device-setup.sh"] in commands
     for step in program_steps(_options(tmp_path)):
         assert f"`{step.name}`" in section, step.name
+
+
+def test_the_steps_outputs_are_read(tmp_path):
+    (tmp_path / "preflight.json").write_text(
+        json.dumps({"steps": [{"step": "environment", "ok": True}, {"step": "torch", "ok": False}]})
+    )
+    detail, data = program._read_preflight(tmp_path, "")
+    assert detail == "1 of 2 checks ok; failed: torch" and len(data["steps"]) == 2
+    assert program._read_preflight(tmp_path / "none", "")[0] == "no preflight.json written"
+
+    tutorial = (
+        "   16 stock TVM             1.20    1.000     0     0     0.50  1.0e-07\n"
+        "   16 blade_relax @0.6      0.80    0.667     3     3     0.70  1.0e-07\n"
+        "s=256: counted peak 3.50 MiB, driver 4.00 MiB over 120 readings; agree: True\n"
+    )
+    detail, data = program._read_tutorial(tmp_path, tutorial)
+    assert detail.endswith("agree: True") and len(data["table"]) == 2
+
+    output = "FAILED tests/a.py::test_x - boom\nERROR tests/b.py::test_y\n1 failed, 2 passed, 1 error in 3s"
+    detail, data = program._read_pytest(tmp_path, output)
+    assert data["counts"] == {"failed": 1, "passed": 2, "error": 1}
+    assert data["failures"] == ["tests/a.py::test_x", "tests/b.py::test_y"]
