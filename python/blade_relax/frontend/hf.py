@@ -48,7 +48,9 @@ __all__ = [
     "TiedParameterError",
     "import_inference",
     "import_training_step",
+    "inference_reference",
     "torch_to_numpy",
+    "training_reference",
 ]
 
 _PREFIX = "model."
@@ -352,12 +354,6 @@ def import_inference(
     batch_axis: int | str = "b" if max_batch_size is not None else batch_size
     named = dict(model.named_parameters(remove_duplicate=False))
 
-    def reference(inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
-        (ids,) = inputs
-        with _export_settings(model, None), torch.no_grad():
-            logits = wrapper(torch.from_numpy(np.asarray(ids)))
-        return [torch_to_numpy(logits)]
-
     return ImportedGraph(
         mod=mod,
         params=arrays,
@@ -368,7 +364,7 @@ def import_inference(
         input_dtypes=["int64"],
         dims=ranges,
         kind="inference",
-        reference=reference,
+        reference=inference_reference(model, wrapper),
         torch_module=wrapper,
         torch_params=[named[name] for name in names],
         int_input_high=int(model.config.vocab_size),
@@ -650,19 +646,6 @@ def import_training_step(
     batch_axis: int | str = "b" if max_batch_size is not None else batch_size
     named = dict(model.named_parameters(remove_duplicate=False))
 
-    def reference(inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
-        tensors = [torch.from_numpy(np.asarray(a)) for a in inputs]
-        with _export_settings(model, None):
-            model.zero_grad(set_to_none=True)
-            (loss,) = wrapper(*tensors)
-            loss.backward()
-        grads = []
-        for i, name in enumerate(trainable):
-            grad = named[name].grad
-            grads.append(np.zeros_like(arrays[i]) if grad is None else torch_to_numpy(grad))
-        model.zero_grad(set_to_none=True)
-        return [torch_to_numpy(loss), *grads]
-
     return ImportedGraph(
         mod=mod,
         params=arrays,
@@ -673,7 +656,7 @@ def import_training_step(
         input_dtypes=["int64"] * num_input,
         dims=ranges,
         kind="training",
-        reference=reference,
+        reference=training_reference(model, wrapper, trainable),
         torch_module=wrapper,
         torch_params=[named[name] for name in trainable],
         int_input_high=int(model.config.vocab_size),
@@ -684,6 +667,49 @@ def import_training_step(
         },
         num_frozen=num_frozen,
     )
+
+
+def inference_reference(model: Any, wrapper: Any) -> Callable[[Sequence[np.ndarray]], list]:
+    """The reference of an inference graph: ``wrapper`` (an ``InferenceStep`` of ``model``)
+    run by torch on numpy token ids, in eval mode without gradients; returns ``[logits]``."""
+    torch = _torch()
+
+    def reference(inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+        (ids,) = inputs
+        with _export_settings(model, None), torch.no_grad():
+            logits = wrapper(torch.from_numpy(np.asarray(ids)))
+        return [torch_to_numpy(logits)]
+
+    return reference
+
+
+def training_reference(
+    model: Any, wrapper: Any, trainable: Sequence[str]
+) -> Callable[[Sequence[np.ndarray]], list]:
+    """The reference of a training graph: one step of ``wrapper`` (a ``TrainingStep`` of
+    ``model``) in torch; returns the loss and the gradients of ``trainable`` (by name in
+    ``model.named_parameters()``; zeros for a parameter the step leaves without one)."""
+    torch = _torch()
+    named = dict(model.named_parameters(remove_duplicate=False))
+
+    def reference(inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+        tensors = [torch.from_numpy(np.asarray(a)) for a in inputs]
+        with _export_settings(model, None):
+            model.zero_grad(set_to_none=True)
+            (loss,) = wrapper(*tensors)
+            loss.backward()
+        grads = []
+        for name in trainable:
+            grad = named[name].grad
+            grads.append(
+                torch_to_numpy(torch.zeros_like(named[name]))
+                if grad is None
+                else torch_to_numpy(grad)
+            )
+        model.zero_grad(set_to_none=True)
+        return [torch_to_numpy(loss), *grads]
+
+    return reference
 
 
 def _relabel_gradients(joint: Any) -> list[str]:

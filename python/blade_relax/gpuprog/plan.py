@@ -1,0 +1,436 @@
+"""What the GPU program runs, in which order, and how long each step is expected to take.
+
+The steps, most valuable first (a run cut short by the deadline loses the least):
+
+``preflight``
+    ``.gpukit/preflight.py``: the environment, TVM and blade_relax on the GPU, torch on the GPU
+    (``$OUT/preflight.json``).
+``bench-llama-train``, ``bench-gpt2-train``
+    The benchmark at the prepared size (``real``) on the GPU, from the graphs carried in
+    ``.gpuprog/``: ``tvm-dynamic``, ``blade-relax-full``, ``blade-relax-full@0.7`` against
+    ``torch-eager`` and ``torch-compile`` at three lengths of the trace (``$OUT/bench-*.json``).
+``gpu-tests``
+    The tests marked ``gpu``, but for :data:`GPU_TESTS_LEFT_OUT`.
+``tutorial-5``
+    ``tutorials/05_gpu.py`` in small mode.
+
+Estimates
+---------
+Every estimate is a sum of the costs in :class:`Costs` (seconds on the GPU machine: one H100,
+16 cores), each documented there. The largest one, compiling a real-size training step for
+CUDA, is measured: the dry run compiles every executable here and records its seconds in the
+manifest, and the plan then uses them divided by :attr:`Costs.host_speedup`. After a GPU run,
+``gpu-summary.json`` holds each step's seconds next to its estimate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "BENCH_CONFIGS",
+    "GPU_TESTS_LEFT_OUT",
+    "LOCK_ENV",
+    "MANIFEST",
+    "PLAN_LIMIT_S",
+    "SIZES",
+    "TVM_BUILDS",
+    "WORKLOADS",
+    "Costs",
+    "ProgramOptions",
+    "Step",
+    "bench_estimate",
+    "format_plan",
+    "plan_seconds",
+    "gpu_test_files",
+    "program_lengths",
+    "program_steps",
+    "read_manifest",
+]
+
+#: The estimated seconds of the whole plan may not exceed this (one command runs at most 10
+#: minutes on the GPU machine; a minute is left for starting it and for the unexpected).
+PLAN_LIMIT_S = 540.0
+#: The workloads benchmarked on the GPU.
+WORKLOADS = ("llama-train", "gpt2-train")
+#: The configurations benchmarked, in the order the runner measures them.
+BENCH_CONFIGS = (
+    "tvm-dynamic",
+    "blade-relax-full",
+    "blade-relax-full@0.7",
+    "torch-eager",
+    "torch-compile",
+)
+#: The configurations whose executables the benchmark builds, one each per workload (the
+#: budget variant runs its base's: ``run_benchmark(share_builds=True)``).
+TVM_BUILDS = ("tvm-dynamic", "blade-relax-full")
+#: The GPU tests left out of the ``gpu-tests`` step: tutorial 5's (the ``tutorial-5`` step runs
+#: it), and those the benchmark steps check at real size (numerics against torch with and
+#: without a budget, the driver's agreement on a training step, the benchmark itself): each of
+#: them compiles a tiny model with blade_relax's pipeline, half a minute apiece.
+GPU_TESTS_LEFT_OUT = (
+    "not gpu_tutorial_runs_on_cuda and not benchmark_runs_on_cuda and not matches_torch"
+    " and not agrees_with_driver_for_a_training_step"
+)
+#: ``size`` -> :class:`~blade_relax.bench.workloads.ModelSizes` keywords; ``real`` is the
+#: benchmark's ``--size real``, ``tiny`` what CI's dry run builds.
+SIZES: dict[str, dict[str, int]] = {
+    "real": {},
+    "tiny": dict(
+        layers=1, hidden=128, heads=2, kv_heads=1, intermediate=256, vocab=128, max_seq_len=64
+    ),
+}
+#: The environment variable naming the program's GPU lock file: a step holds it while it uses
+#: the GPU, so that a benchmark compiling in the background measures alone.
+LOCK_ENV = "BLADE_GPUPROG_LOCK"
+#: The manifest the dry run writes into the carried folder.
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds on the GPU machine that the estimates add up.
+
+    Attributes
+    ----------
+    start_s
+        A Python process that imports TVM, torch and transformers.
+    preflight_s
+        ``preflight.py`` (its docstring: about a minute on an H100).
+    tvm_compile_s
+        One real-size training step compiled for CUDA, kernels included, when the dry run has
+        not measured it (about the mean of the stock and the blade_relax build).
+    host_speedup
+        Wall seconds on the GPU machine per CPU second the dry run measured for the same build
+        (an unshared machine with faster cores; TVM's compilation is mostly one thread, NVRTC
+        too).
+    torch_compile_s
+        ``torch.compile(dynamic=True)`` of a real-size training step, cold (Inductor and
+        Triton; the runner turns the caches off).
+    model_s
+        Building a real-size model (random weights) and reading its carried graph.
+    reference_s
+        One torch reference step on the GPU machine's CPU at the largest length.
+    step_s
+        One real-size training step on the GPU at the largest length, with its synchronisation.
+    steps_per_row
+        Steps the runner makes per configuration and length: a warm-up, the measured step, the
+        timed repeats and, for TVM, the driver's reading (two calls).
+    tiny_compile_s
+        A tiny model compiled for CUDA (the GPU tests, tutorial 5).
+    tiny_import_s
+        A tiny Hugging Face import (``torch.export``) on the GPU machine.
+    tiny_blade_compile_s
+        A tiny Hugging Face training step compiled for CUDA by blade_relax's default pipeline
+        (its passes' analyses dominate, not the model's size).
+    """
+
+    start_s: float = 8.0
+    preflight_s: float = 60.0
+    tvm_compile_s: float = 60.0
+    host_speedup: float = 1.5
+    torch_compile_s: float = 60.0
+    model_s: float = 8.0
+    reference_s: float = 3.0
+    step_s: float = 0.1
+    steps_per_row: int = 7
+    tiny_compile_s: float = 4.0
+    tiny_import_s: float = 4.0
+    tiny_blade_compile_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class ProgramOptions:
+    """How the program runs.
+
+    Attributes
+    ----------
+    root
+        The project root (``ci/gpu.sh`` runs from there).
+    carried
+        The folder of carried graphs and the manifest (``.gpuprog``).
+    out
+        Where results go (``$OUT``; at most 8 files come back).
+    size
+        ``"real"`` or ``"tiny"`` (only for checking the program itself).
+    python
+        The interpreter that runs the steps.
+    deadline_s
+        Seconds the whole program may take; a step that no longer fits is skipped.
+    repeat
+        Timed steps per configuration and length.
+    tolerance
+        Largest relative error counted as correct against torch (GPU kernels reduce in another
+        order and use fast math).
+    workloads
+        The benchmarked workloads (the dry run builds theirs).
+    costs
+        What the estimates are built from.
+    """
+
+    root: Path
+    carried: Path
+    out: Path
+    size: str = "real"
+    python: str = sys.executable
+    deadline_s: float = 560.0
+    repeat: int = 3
+    tolerance: float = 5e-4
+    workloads: tuple[str, ...] = WORKLOADS
+    costs: Costs = field(default_factory=Costs)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of the program: a command with a time budget.
+
+    Attributes
+    ----------
+    name
+        Short name (``"bench-llama-train"``).
+    summary
+        One line: what it runs.
+    kind
+        ``"preflight"``, ``"bench"``, ``"pytest"`` or ``"tutorial"``: how its output is read.
+    command
+        The command line, run from the project root.
+    estimate_s
+        Expected seconds on the GPU machine.
+    budget_s
+        Seconds after which it is killed.
+    env
+        Extra environment variables.
+    detail
+        How the estimate is made up.
+    background
+        Started with the program, so that its part before the GPU (compiling) overlaps the
+        steps before it; it takes the GPU (:data:`LOCK_ENV`) to measure, and the program waits
+        for it at its place in the order. Its budget counts from the program's start.
+    gpu_s
+        The part of ``estimate_s`` that needs the GPU (background steps).
+    """
+
+    name: str
+    summary: str
+    kind: str
+    command: list[str]
+    estimate_s: float
+    budget_s: float
+    env: dict[str, str] = field(default_factory=dict)
+    detail: str = ""
+    background: bool = False
+    gpu_s: float = 0.0
+
+
+def read_manifest(carried: Path) -> dict[str, Any] | None:
+    """The manifest the dry run wrote into ``carried``, or ``None``."""
+    path = Path(carried) / MANIFEST
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
+
+
+def program_lengths(size: str, count: int = 3, seed: int = 0) -> list[int]:
+    """Three lengths of the benchmark's seeded trace at ``size``: its shortest, its median
+    and its longest distinct length."""
+    from ..bench.trace import length_trace
+    from ..bench.workloads import REAL, ModelSizes
+
+    sizes = dataclasses.replace(REAL, **SIZES[size]) if size in SIZES else ModelSizes()
+    unique = length_trace(6, sizes.min_seq_len, sizes.max_seq_len, seed=seed).unique
+    picks = sorted({unique[0], unique[len(unique) // 2], unique[-1]})
+    return picks[:count]
+
+
+def _budget(estimate: float) -> float:
+    """A step's budget: half its estimate again, and at least 30 s more."""
+    return round(max(1.5 * estimate, estimate + 30.0))
+
+
+def bench_estimate(
+    costs: Costs, lengths: list[int], compile_s: dict[str, float] | None = None
+) -> tuple[float, float, str]:
+    """Seconds of one benchmark step before it needs the GPU and on the GPU, and how they
+    add up.
+
+    ``compile_s`` maps a configuration to the CPU seconds its executable took to build in the
+    dry run (on this machine), divided by :attr:`Costs.host_speedup` here.
+    """
+    compile_s = compile_s or {}
+    tvm = sum(
+        compile_s[c] / costs.host_speedup if c in compile_s else costs.tvm_compile_s
+        for c in TVM_BUILDS
+    )
+    rows = len(lengths) * len(BENCH_CONFIGS)
+    run = rows * costs.steps_per_row * costs.step_s + len(lengths) * costs.reference_s
+    prep = costs.start_s + costs.model_s + tvm
+    gpu = costs.torch_compile_s + run
+    measured = "measured by the dry run" if compile_s else "not measured yet"
+    detail = (
+        f"before the GPU: start {costs.start_s:.0f} + model {costs.model_s:.0f} + TVM builds "
+        f"{tvm:.0f} ({measured}); on it: torch.compile {costs.torch_compile_s:.0f} + "
+        f"{rows} rows {run:.0f}"
+    )
+    return prep, gpu, detail
+
+
+def plan_seconds(steps: list[Step]) -> float:
+    """Wall seconds of the program: the foreground steps one after the other, each background
+    step's GPU part where the program reaches it, once its part before the GPU (started with
+    the program) is done."""
+    now = 0.0
+    for step in steps:
+        if step.background:
+            now = max(now, step.estimate_s - step.gpu_s) + step.gpu_s
+        else:
+            now += step.estimate_s
+    return now
+
+
+def _finish_times(steps: list[Step]) -> list[float]:
+    return [plan_seconds(steps[: i + 1]) for i in range(len(steps))]
+
+
+def gpu_test_files(root: Path) -> list[str]:
+    """The test files holding ``gpu``-marked tests, relative to ``root``."""
+    files = []
+    for path in sorted((Path(root) / "tests").rglob("test_*.py")):
+        if "pytest.mark.gpu" in path.read_text():
+            files.append(str(path.relative_to(root)))
+    return files
+
+
+def program_steps(options: ProgramOptions) -> list[Step]:
+    """The steps of the program, in the order they run."""
+    costs = options.costs
+    py = options.python
+    manifest = read_manifest(options.carried) or {}
+    steps = [
+        Step(
+            "preflight",
+            "the kit's preflight: environment, TVM and blade_relax on the GPU, torch",
+            "preflight",
+            [py, ".gpukit/preflight.py"],
+            costs.preflight_s,
+            _budget(costs.preflight_s),
+        )
+    ]
+    for workload in options.workloads:
+        lengths = manifest.get("lengths", {}).get(workload) or program_lengths(options.size)
+        compiled = manifest.get("compile_s", {}).get(workload)
+        prep, gpu, detail = bench_estimate(costs, lengths, compiled)
+        steps.append(
+            Step(
+                f"bench-{workload}",
+                f"{workload} at size {options.size}, s in {lengths}: " + ", ".join(BENCH_CONFIGS),
+                "bench",
+                [
+                    py,
+                    "-m",
+                    "blade_relax.gpuprog",
+                    "bench",
+                    "--carried",
+                    str(options.carried),
+                    "--workload",
+                    workload,
+                    "--out",
+                    str(options.out / f"bench-{workload}.json"),
+                    "--repeat",
+                    str(options.repeat),
+                    "--tolerance",
+                    str(options.tolerance),
+                ],
+                prep + gpu,
+                0.0,  # set below: counted from the program's start
+                detail=detail,
+                background=True,
+                gpu_s=gpu,
+            )
+        )
+    files = gpu_test_files(options.root)
+    # test_cuda_gpu: the accounting on the GPU (a tiny import, a blade_relax build) and the
+    # page-sized driver check (two MLP builds); test_accounting: one stock build.
+    tests = (
+        costs.start_s + costs.tiny_import_s + costs.tiny_blade_compile_s + 3 * costs.tiny_compile_s
+    )
+    steps.append(
+        Step(
+            "gpu-tests",
+            f"pytest -m gpu ({', '.join(Path(f).name for f in files)})",
+            "pytest",
+            [
+                py,
+                "-m",
+                "pytest",
+                "-q",
+                "-rfE",
+                "-m",
+                "gpu",
+                "-p",
+                "no:cacheprovider",
+                "-k",
+                GPU_TESTS_LEFT_OUT,
+                *files,
+            ],
+            tests,
+            _budget(tests),
+            detail="start + a tiny import + a tiny blade_relax build + 3 small stock builds",
+        )
+    )
+    tutorial = (
+        costs.start_s + costs.tiny_import_s + costs.tiny_compile_s + costs.tiny_blade_compile_s + 10
+    )
+    steps.append(
+        Step(
+            "tutorial-5",
+            "tutorials/05_gpu.py, small (BLADE_RELAX_TUTORIAL_SMALL=1)",
+            "tutorial",
+            [py, "tutorials/05_gpu.py"],
+            tutorial,
+            _budget(tutorial),
+            env={"BLADE_RELAX_TUTORIAL_SMALL": "1", "MPLBACKEND": "Agg"},
+            detail="start + a tiny import + a stock and a blade_relax build + 3 lengths x 4 runs",
+        )
+    )
+    finish = _finish_times(steps)
+    return [
+        dataclasses.replace(s, budget_s=_budget(end)) if s.background else s
+        for s, end in zip(steps, finish)
+    ]
+
+
+def format_plan(steps: list[Step], limit_s: float = PLAN_LIMIT_S) -> str:
+    """The plan as text: one line per step, its estimate and budget, and the program's wall
+    seconds (background steps overlap the steps before them)."""
+    width = max(len(s.name) for s in steps)
+    lines = [f"{'step':<{width}}  {'estimate':>8}  {'budget':>6}  what"]
+    for step in steps:
+        lines.append(
+            f"{step.name:<{width}}  {step.estimate_s:>7.0f}s  {step.budget_s:>5.0f}s  "
+            f"{step.summary}"
+        )
+        if step.detail:
+            lines.append(f"{'':<{width}}  {'':>8}  {'':>6}  ({step.detail})")
+        if step.background:
+            lines.append(
+                f"{'':<{width}}  {'':>8}  {'':>6}  (in the background from the start; "
+                f"{step.gpu_s:.0f} s on the GPU)"
+            )
+    total = plan_seconds(steps)
+    verdict = "fits" if total <= limit_s else "DOES NOT FIT"
+    lines.append(
+        f"total: {total:.0f} s estimated on the GPU machine ({total / 60:.1f} min; "
+        f"{verdict} the {limit_s / 60:.0f}-minute plan limit)"
+    )
+    return "\n".join(lines)
+
+
+def environment_python() -> str:
+    """The interpreter to run steps with: ``$BLADE_RELAX_PYTHON`` or this one."""
+    return os.environ.get("BLADE_RELAX_PYTHON", sys.executable)

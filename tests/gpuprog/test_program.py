@@ -1,0 +1,312 @@
+"""The GPU program without a GPU: the plan, the step runner, what travels, and the dry run.
+
+The dry run itself (``bash ci/gpu.sh --dry-run --quick``) runs here at tiny sizes: the import
+and the carried graph, a CUDA build from the carried graph (no GPU needed), the collection of
+the GPU tests, the size check and the plan, so that the program cannot rot between GPU runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from blade_relax.gpuprog import plan, program
+from blade_relax.gpuprog.carried import merge_build_seconds, travel_bytes
+from blade_relax.gpuprog.plan import (
+    BENCH_CONFIGS,
+    PLAN_LIMIT_S,
+    TVM_BUILDS,
+    Costs,
+    ProgramOptions,
+    Step,
+    bench_estimate,
+    format_plan,
+    program_steps,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _options(tmp_path: Path, **kw) -> ProgramOptions:
+    return ProgramOptions(root=ROOT, carried=tmp_path / "carried", out=tmp_path / "out", **kw)
+
+
+def test_the_plan_fits_one_command(tmp_path):
+    steps = program_steps(_options(tmp_path))
+    names = [s.name for s in steps]
+    assert names == [
+        "preflight",
+        "bench-llama-train",
+        "bench-gpt2-train",
+        "gpu-tests",
+        "tutorial-5",
+    ]
+    total = plan.plan_seconds(steps)
+    assert total <= PLAN_LIMIT_S
+    # The benchmarks compile in the background: the program takes less than its steps' sum.
+    assert [s.name for s in steps if s.background] == ["bench-llama-train", "bench-gpt2-train"]
+    assert total < sum(s.estimate_s for s in steps)
+    assert all(s.estimate_s > 0 and s.budget_s >= s.estimate_s + 30 for s in steps)
+    bench = steps[1]
+    assert bench.command[bench.command.index("--out") + 1].endswith("bench-llama-train.json")
+    text = format_plan(steps)
+    assert "fits" in text and "DOES NOT FIT" not in text
+    assert "DOES NOT FIT" in format_plan(steps, limit_s=10)
+
+
+def test_measured_compile_times_replace_the_default(tmp_path):
+    costs = Costs()
+    lengths = [16, 64, 256]
+    prep, gpu, detail = bench_estimate(costs, lengths)
+    measured = dict.fromkeys(TVM_BUILDS, 300.0)
+    slow_prep, slow_gpu, measured_detail = bench_estimate(costs, lengths, measured)
+    expected = len(TVM_BUILDS) * (300.0 / costs.host_speedup - costs.tvm_compile_s)
+    assert slow_prep - prep == pytest.approx(expected) and slow_gpu == gpu
+    slower = slow_prep + slow_gpu
+    assert "not measured" in detail and "measured by the dry run" in measured_detail
+    # The plan reads the manifest the dry run wrote.
+    options = _options(tmp_path)
+    options.carried.mkdir()
+    (options.carried / plan.MANIFEST).write_text(
+        json.dumps(
+            {
+                "size": "real",
+                "lengths": {"llama-train": lengths},
+                "compile_s": {"llama-train": measured},
+            }
+        )  # fmt: skip
+    )
+    steps = {s.name: s for s in program_steps(options)}
+    assert steps["bench-llama-train"].estimate_s == pytest.approx(slower)
+    assert f"s in {lengths}" in steps["bench-llama-train"].summary
+    assert len(BENCH_CONFIGS) == 5
+
+
+def test_a_partial_dry_run_keeps_earlier_build_seconds():
+    manifest = {"compile_s": {"llama-train": {"tvm-dynamic": 24.0, "blade-relax-full": 56.0}}}
+    merge_build_seconds(manifest, {"llama-train": {"tvm-dynamic": 14.0}}, with_kernels=False)
+    assert manifest["compile_s"]["llama-train"] == {"tvm-dynamic": 24.0, "blade-relax-full": 56.0}
+    merge_build_seconds(manifest, {"llama-train": {"tvm-dynamic": 20.0}}, with_kernels=True)
+    merge_build_seconds(manifest, {"gpt2-train": {"tvm-dynamic": 9.0}}, with_kernels=False)
+    assert manifest["compile_s"] == {
+        "llama-train": {"tvm-dynamic": 20.0, "blade-relax-full": 56.0},
+        "gpt2-train": {"tvm-dynamic": 9.0},
+    }
+
+
+def _step(name: str, kind: str, code: str, budget: float = 60.0) -> Step:
+    return Step(name, f"runs {name}", kind, [sys.executable, "-c", code], 1.0, budget)
+
+
+def test_plan_seconds_overlap_background_preparation():
+    steps = [
+        Step("first", "", "pytest", [], 50.0, 60.0),
+        Step("bench", "", "bench", [], 100.0, 60.0, background=True, gpu_s=30.0),
+        Step("last", "", "pytest", [], 10.0, 60.0),
+    ]
+    # The bench prepares for 70 s from the start: the GPU waits for it after "first" (50 s).
+    assert plan.plan_seconds(steps) == 70.0 + 30.0 + 10.0
+    steps[0] = Step("first", "", "pytest", [], 90.0, 60.0)
+    assert plan.plan_seconds(steps) == 90.0 + 30.0 + 10.0
+
+
+def test_a_background_step_measures_only_when_the_program_lets_go_of_the_gpu(tmp_path, monkeypatch):
+    takes_gpu = (
+        "import fcntl, os, time; t = time.monotonic(); print('prepared', flush=True);"
+        f"f = open(os.environ['{plan.LOCK_ENV}'], 'a'); fcntl.flock(f, fcntl.LOCK_EX);"
+        "print(f'gpu after {time.monotonic() - t:.1f} s', flush=True)"
+    )
+    steps = [
+        _step("holds-gpu", "pytest", "import time; time.sleep(2); print('1 passed')"),
+        Step("bg", "", "pytest", [sys.executable, "-c", takes_gpu], 1.0, 60.0, background=True),
+    ]
+    monkeypatch.setattr(program, "program_steps", lambda _options: steps)
+    options = _options(tmp_path)
+    summary = program.run_program(options, say=lambda _m: None)
+    assert [s["status"] for s in summary["steps"]] == ["ok", "ok"]
+    log = (options.out / program.LOG).read_text()
+    assert "[bg] prepared" in log
+    waited = float(log.split("[bg] gpu after ")[1].split()[0])
+    assert waited >= 1.5  # it prepared at once, and measured after the foreground step
+
+
+def test_steps_fail_time_out_and_are_skipped_independently(tmp_path, monkeypatch):
+    summary_path = "os.path.join(os.environ['OUT'], 'gpu-summary.json')"
+    steps = [
+        _step("counts", "pytest", "print('3 passed, 1 skipped in 0.1s')"),
+        _step(
+            "sees-itself-running",
+            "pytest",
+            f"import json, os; s = json.load(open({summary_path}));"
+            "print('statuses', [x['status'] for x in s['steps']]); raise SystemExit(3)",
+        ),
+        _step("hangs", "pytest", "import time; time.sleep(60)", budget=1.0),
+        _step("too-late", "pytest", "print('never')"),
+    ]
+    monkeypatch.setattr(program, "program_steps", lambda _options: steps)
+    options = _options(tmp_path, deadline_s=25.0)
+    summary = program.run_program(options, say=lambda _m: None)
+    by_name = {s["name"]: s for s in summary["steps"]}
+    assert by_name["counts"]["status"] == "ok"
+    assert by_name["counts"]["data"]["counts"] == {"passed": 3, "skipped": 1}
+    assert by_name["sees-itself-running"]["status"] == "failed"
+    assert by_name["sees-itself-running"]["returncode"] == 3
+    assert by_name["hangs"]["status"] == "timeout" and by_name["hangs"]["returncode"] is None
+    assert by_name["hangs"]["seconds"] < 30
+    # The deadline leaves less than MIN_STEP_S for the last step only when the others took
+    # long; here it runs, and a tighter deadline skips everything.
+    assert by_name["too-late"]["status"] == "ok"
+    out = options.out
+    log = (out / program.LOG).read_text()
+    # While a step runs, the summary on disk already names it as running.
+    assert "statuses ['ok', 'running', 'pending', 'pending']" in log
+    assert "=== hangs" in log
+    saved = json.loads((out / program.SUMMARY).read_text())
+    assert saved["complete"] and [s["status"] for s in saved["steps"]] == [
+        "ok", "failed", "timeout", "ok"
+    ]  # fmt: skip
+    assert len(saved["out_files"]) <= program.MAX_OUT_FILES
+    results = (out / program.RESULTS).read_text()
+    assert "| hangs | timeout |" in results and "| counts | ok |" in results
+
+    skipped = program.run_program(
+        _options(tmp_path / "late", deadline_s=program.MIN_STEP_S - 1), say=lambda _m: None
+    )
+    assert {s["status"] for s in skipped["steps"]} == {"skipped"}
+
+
+def _git(cwd: Path, *args: str) -> None:
+    subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def test_what_travels_counts_tracked_untracked_carried_and_kit(tmp_path):
+    _git(tmp_path, "init", "-q")
+    (tmp_path / ".gitignore").write_text("/.gpukit/\n/.gpuprog/\nignored.bin\n")
+    (tmp_path / "tracked.txt").write_bytes(b"x" * 1000)
+    _git(tmp_path, "add", ".gitignore", "tracked.txt")
+    (tmp_path / "untracked.txt").write_bytes(b"y" * 300)
+    (tmp_path / "ignored.bin").write_bytes(b"z" * 5000)
+    (tmp_path / ".gpuprog").mkdir()
+    (tmp_path / ".gpuprog" / "g.npz").write_bytes(b"c" * 200)
+    sizes = travel_bytes(tmp_path, tmp_path / ".gpuprog")
+    gitignore = len("/.gpukit/\n/.gpuprog/\nignored.bin\n")
+    assert sizes["tracked"] == 1000 + gitignore
+    assert sizes["untracked"] == 300
+    assert sizes["carried"] == 200 and sizes["kit"] is None
+    (tmp_path / ".gpukit").mkdir()
+    (tmp_path / ".gpukit" / "site.tar.xz").write_bytes(b"k" * 7000)
+    sizes = travel_bytes(tmp_path, tmp_path / ".gpuprog")
+    assert sizes["kit"] == 7000
+    assert sizes["total"] == 1000 + gitignore + 300 + 200 + 7000
+
+
+@pytest.mark.slow
+def test_dry_run_at_tiny_sizes(tmp_path):
+    """The dry run's every stage, at its cheapest (about a minute on 2 cores)."""
+    pytest.importorskip("transformers")
+    carried = tmp_path / "carried"
+    env = dict(os.environ, BLADE_RELAX_PYTHON=sys.executable)
+    proc = subprocess.run(
+        ["bash", "ci/gpu.sh", "--dry-run", "--size", "tiny", "--quick", "--carried", str(carried)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert "dry run: passed" in output
+    assert "[ok] GPU tests collect" in output and "[ok] plan" in output
+    manifest = json.loads((carried / plan.MANIFEST).read_text())
+    assert manifest["size"] == "tiny"
+    assert manifest["compile_s"]["llama-train"]["tvm-dynamic"] > 0
+    assert manifest["imported_with"]["torch"] != "missing"
+    from blade_relax.frontend.carry import load_graph
+
+    graph = load_graph(carried / "llama-train.npz")
+    assert graph.kind == "training" and graph.output_names[0] == "loss"
+    assert graph.info["sizes"]["hidden"] == plan.SIZES["tiny"]["hidden"]
+
+    # The benchmark step as the GPU machine runs it, on the CPU: the carried graph with a
+    # model built again, measured against torch, read back by the program.
+    out = tmp_path / "out" / "bench-llama-train.json"
+    bench = subprocess.run(
+        [sys.executable, "-m", "blade_relax.gpuprog", "bench", "--carried", str(carried),
+         "--workload", "llama-train", "--out", str(out), "--target", "llvm",
+         "--configs", "tvm-dynamic,torch-eager", "--lengths", "9", "--repeat", "1"],
+        cwd=ROOT, env=dict(env, PYTHONPATH=str(ROOT / "python")), capture_output=True,
+        text=True, timeout=900,
+    )  # fmt: skip
+    assert bench.returncode == 0, (bench.stdout + bench.stderr)[-4000:]
+    step = Step("bench-llama-train", "", "bench", ["x", "--out", str(out)], 1.0, 1.0)
+    detail, data = program._read_bench(out.parent, bench.stdout, step)
+    assert detail.startswith("2 of 2 rows correct against torch")
+    assert data["all_correct"] is True and "| 9 | tvm-dynamic |" in data["table"]
+    assert not out.with_suffix(".md").exists()  # folded into the summary: $OUT stays small
+
+
+def test_shared_builds_compile_a_budget_variant_once():
+    from blade_relax.bench import build_workload
+    from blade_relax.bench.runner import run_benchmark
+    from blade_relax.bench.workloads import ModelSizes
+
+    workload = build_workload("mlp-train", ModelSizes(layers=2, hidden=16, intermediate=32))
+    result = run_benchmark(workload, ["blade-relax", "blade-relax@0.5"], [24], repeat=1, builds={})
+    rows = {m.config: m for m in result.measurements}
+    assert result.all_correct
+    assert rows["blade-relax"].compile_time_s > 0 and rows["blade-relax"].compilations == 1
+    assert rows["blade-relax@0.5"].compile_time_s == 0 and rows["blade-relax@0.5"].compilations == 0
+    assert rows["blade-relax@0.5"].evictions > 0
+
+
+def test_the_readme_shows_the_programs_commands_and_steps(tmp_path):
+    import re
+    import shlex
+
+    from blade_relax.gpuprog.__main__ import _parser
+
+    text = (ROOT / "README.md").read_text()
+    start = text.index("\n## Running on a GPU\n")
+    end = text.find("\n## ", start + 1)
+    section = text[start : end if end > 0 else len(text)]
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", section, re.S):
+        for line in block.splitlines():
+            words = shlex.split(line, comments=True)
+            while "&&" in words:
+                cut = words.index("&&")
+                commands.append(words[:cut])
+                words = words[cut + 1 :]
+            commands.append(words)
+    programs = [c for c in commands if c[:2] == ["bash", "ci/gpu.sh"]]
+    assert {"--dry-run", "--plan"} <= {w for c in programs for w in c}
+    for command in programs:
+        _parser().parse_args(command[2:])  # exits on an unknown flag
+    assert ["bash", "../shared/gpu/make-kit.sh"] in commands
+    assert [".", ".gpukit/device-setup.sh"] in commands
+    for step in program_steps(_options(tmp_path)):
+        assert f"`{step.name}`" in section, step.name
+
+
+def test_the_steps_outputs_are_read(tmp_path):
+    (tmp_path / "preflight.json").write_text(
+        json.dumps({"steps": [{"step": "environment", "ok": True}, {"step": "torch", "ok": False}]})
+    )
+    detail, data = program._read_preflight(tmp_path, "")
+    assert detail == "1 of 2 checks ok; failed: torch" and len(data["steps"]) == 2
+    assert program._read_preflight(tmp_path / "none", "")[0] == "no preflight.json written"
+
+    tutorial = (
+        "   16 stock TVM             1.20    1.000     0     0     0.50  1.0e-07\n"
+        "   16 blade_relax @0.6      0.80    0.667     3     3     0.70  1.0e-07\n"
+        "s=256: counted peak 3.50 MiB, driver 4.00 MiB over 120 readings; agree: True\n"
+    )
+    detail, data = program._read_tutorial(tmp_path, tutorial)
+    assert detail.endswith("agree: True") and len(data["table"]) == 2
+
+    output = "FAILED tests/a.py::test_x - boom\nERROR tests/b.py::test_y\n1 failed, 2 passed, 1 error in 3s"
+    detail, data = program._read_pytest(tmp_path, output)
+    assert data["counts"] == {"failed": 1, "passed": 2, "error": 1}
+    assert data["failures"] == ["tests/a.py::test_x", "tests/b.py::test_y"]
