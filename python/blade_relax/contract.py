@@ -18,6 +18,16 @@ Packed functions (registered by :mod:`blade_relax.runtime.remat`, called from th
 * :data:`REMAT_ACTIVE` ``() -> bool``: whether this thread has a memory budget (a dispatcher
   calls the rewritten copy then, the plain one otherwise).
 
+Packed functions registered by :mod:`blade_relax.runtime.gemm` (when PyTorch is installed) and
+called from the IR that :class:`~blade_relax.transform.DispatchGemm` writes:
+
+* :data:`GEMM_FUNCS` ``[layout]`` ``(a, b, out)``: ``out = op_a(a) @ op_b(b)`` in destination
+  passing style (``R.call_dps_packed``), ``op`` the identity (``N``) or the swap of the last
+  two axes (``T``), for ``layout`` in :data:`GEMM_LAYOUTS` (``"NT"``: ``a @ b^T``). Batch axes
+  are equal in ``a``, ``b`` and ``out``, or ``b`` is two-dimensional and ``a`` is not
+  transposed (its batch axes are rows of one GEMM). ``out`` is the VM's tensor: nothing else
+  is allocated as a tensor.
+
 Function attributes:
 
 * :data:`REMAT_META_ATTR`: the metadata JSON of a rematerialized function (format
@@ -34,6 +44,10 @@ Function attributes:
   already asserts in a function.
 * :data:`UPPER_BOUND_ATTR`, :data:`LOWER_BOUND_ATTR`: TVM's own per-function dim bounds,
   read by TVM's memory planner and by ours.
+* :data:`GEMM_LAYOUT_ATTR`: on a PrimFunc that computes ``matmul`` of its two arguments read
+  with a layout of :data:`GEMM_LAYOUTS` (the ``NT_matmul`` / ``TN_matmul`` / ``TT_matmul``
+  kernels :class:`~blade_relax.transform.SimplifyTransposes` emits), so that
+  :class:`~blade_relax.transform.DispatchGemm` knows what the kernel computes.
 """
 
 from __future__ import annotations
@@ -43,6 +57,9 @@ import hashlib
 __all__ = [
     "CHECKED_DIMS_ATTR",
     "EVICT",
+    "GEMM_FUNCS",
+    "GEMM_LAYOUTS",
+    "GEMM_LAYOUT_ATTR",
     "LOWER_BOUND_ATTR",
     "NO_PLAN_ATTR",
     "REGENERATE",
@@ -63,6 +80,9 @@ REMAT_BEGIN = "blade_relax.remat_begin"
 EVICT = "blade_relax.evict"
 REGENERATE = "blade_relax.regenerate"
 REMAT_ACTIVE = "blade_relax.remat_active"
+#: The layouts of a GEMM's operands: ``N`` as stored, ``T`` with the last two axes swapped.
+GEMM_LAYOUTS = ("NN", "NT", "TN", "TT")
+GEMM_FUNCS = {layout: f"blade_relax.gemm_{layout}" for layout in GEMM_LAYOUTS}
 
 # --------------------------------------------------------------------- function attributes
 REMAT_META_ATTR = "blade_relax.remat"
@@ -72,6 +92,7 @@ REMAT_COPY_ATTR = "blade_relax.remat_copy"
 NO_PLAN_ATTR = "blade_relax.no_plan"
 SCHEDULE_VERSION_ATTR = "blade_relax.schedule_version"
 CHECKED_DIMS_ATTR = "blade_relax.checked_dims"
+GEMM_LAYOUT_ATTR = "blade_relax.gemm_layout"
 UPPER_BOUND_ATTR = "tir_var_upper_bound"
 LOWER_BOUND_ATTR = "tir_var_lower_bound"
 

@@ -16,6 +16,10 @@ Where each pass runs, and why there:
 * ``CloneGeneratedTensors`` runs after it, still on high-level ops: a tensor computed from
   inputs alone (a causal mask, a one-hot) is built again before each later reader, so that
   ``FuseOps`` fuses it into every reader instead of keeping one copy live across the layers.
+* ``DispatchGemm`` (off by default; ``dispatch_gemm=True``) runs first in the
+  ``library_dispatch`` phase on CPU targets, on the high-level ops ``SimplifyTransposes`` left:
+  matmuls (plain, batched, transposed) become ``call_dps_packed`` calls of ATen's GEMMs, before
+  ``LegalizeOps`` would turn them into TVM's loop nests and ``FuseOps`` fuse them.
 * ``InlineKernelIntermediates`` runs right after ``FuseTIR`` on CPU targets: it computes the
   elementwise chains inside fused kernels without scratch buffers (kernel workspaces), which
   dlight's schedules do on GPU targets.
@@ -41,7 +45,8 @@ explicit list of phases, :data:`PHASES`, run in order:
     ``FoldZeroScatter``, ``CloneGeneratedTensors``).
 ``library_dispatch``, ``legalize``, ``dataflow_lower``
     TVM's phases of the same names for the target, as TVM returns them (``legalize`` ends with
-    ``FuseTIR``, and dlight's GPU schedules on CUDA).
+    ``FuseTIR``, and dlight's GPU schedules on CUDA); ``DispatchGemm`` first in
+    ``library_dispatch`` when on.
 ``fused``
     Our passes on the fused dataflow graph (``InlineKernelIntermediates``,
     ``MemoryAwareSchedule``, ``RecomputeCheapValues``).
@@ -114,6 +119,8 @@ class PipelineFlags:
     simplify: bool = _flag(True, "SimplifyTransposes", "graph", "simplify_options")
     fold_scatter: bool = _flag(True, "FoldZeroScatter", "graph", "fold_scatter_options")
     clone_generated: bool = _flag(True, "CloneGeneratedTensors", "graph", "clone_options")
+    # Off by default: ATen's GEMMs sum in another order than TVM's kernels (equal to rounding).
+    dispatch_gemm: bool = _flag(False, "DispatchGemm", "graph", "gemm_options")
     inline_kernels: bool = _flag(True, "InlineKernelIntermediates", "graph", "inline_options")
     recompute: bool = _flag(True, "RecomputeCheapValues", "graph", "recompute_options")
     # The dim-range check.
@@ -126,6 +133,7 @@ class PipelineFlags:
     simplify_options: Any = None
     fold_scatter_options: Any = None
     clone_options: Any = None
+    gemm_options: Any = None
     inline_options: Any = None
     recompute_options: Any = None
     check_options: Any = None
@@ -303,6 +311,9 @@ def _phases(
         graph.append(_ours("FoldZeroScatter", flags.fold_scatter_options))
     if flags.clone_generated:
         graph.append(_ours("CloneGeneratedTensors", flags.clone_options))
+    library: list[tvm.transform.Pass] = []
+    if flags.dispatch_gemm and cpu:
+        library.append(_ours("DispatchGemm", flags.gemm_options))
     fused: list[tvm.transform.Pass] = []
     if flags.inline_kernels and cpu:
         fused.append(_ours("InlineKernelIntermediates", flags.inline_options))
@@ -324,7 +335,7 @@ def _phases(
     finalize, vm_lower = _finalize_phases(target, flags, plan_memory)
     return {
         "graph": graph,
-        "library_dispatch": list(phases.library_dispatch_passes(target)),
+        "library_dispatch": library + list(phases.library_dispatch_passes(target)),
         "legalize": list(phases.legalize_passes(target)),
         "fused": fused,
         "dataflow_lower": list(phases.dataflow_lower_passes(target)),
@@ -367,6 +378,7 @@ def get_pipeline(
     recompute: bool = True,
     clone_generated: bool = True,
     fuse_attention: bool = True,
+    dispatch_gemm: bool = False,
     schedule_options: Any = None,
     remat_options: Any = None,
     plan_options: Any = None,
@@ -376,6 +388,7 @@ def get_pipeline(
     recompute_options: Any = None,
     clone_options: Any = None,
     attention_options: Any = None,
+    gemm_options: Any = None,
     check_dims: bool = True,
     check_options: Any = None,
 ) -> tvm.transform.Pass:
@@ -392,12 +405,18 @@ def get_pipeline(
         ``FuseAttention`` and ``InlineKernelIntermediates`` (both on CPU targets only) and
         ``RecomputeCheapValues``. With these, the three above and ``check_dims`` off, the
         result is TVM's default pipeline for the target.
+    dispatch_gemm
+        Enable ``DispatchGemm`` (CPU targets): matmuls run on ATen's GEMMs (PyTorch's BLAS),
+        writing into the VM's tensors; without PyTorch installed the pass logs one line and
+        TVM's kernels compute them. Off by default: results then equal TVM's kernels' bit for
+        bit; on, they agree to rounding.
     check_dims
         Enable ``CheckDimRanges``: a call whose dims lie outside the ranges the function
         declares (``tir_var_lower_bound`` / ``tir_var_upper_bound``) fails before any kernel
         runs, with an error naming the dim, its value and the range.
     schedule_options, remat_options, plan_options, simplify_options, fold_scatter_options,
-    inline_options, recompute_options, clone_options, attention_options, check_options
+    inline_options, recompute_options, clone_options, attention_options, gemm_options,
+    check_options
         Option dataclasses handed to the passes (``None`` for their defaults).
 
     The keywords are the fields of :class:`PipelineFlags`, with its defaults.
