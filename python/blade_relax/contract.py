@@ -21,8 +21,8 @@ Packed functions (registered by :mod:`blade_relax.runtime.remat`, called from th
 Packed functions registered by :mod:`blade_relax.runtime.gemm` (when PyTorch is installed) and
 called from the IR that :class:`~blade_relax.transform.DispatchGemm` writes:
 
-* :data:`GEMM_FUNCS` ``[layout]`` ``(a, b, out)``: ``out = op_a(a) @ op_b(b)`` in destination
-  passing style (``R.call_dps_packed``), ``op`` the identity (``N``) or the swap of the last
+* :data:`GEMM_FUNCS` ``[layout]`` ``(a, b, out)``: ``out = op_a(a) @ op_b(b)``, written into
+  ``out`` (destination passing, as the kernel call it replaces), ``op`` the identity (``N``) or the swap of the last
   two axes (``T``), for ``layout`` in :data:`GEMM_LAYOUTS` (``"NT"``: ``a @ b^T``). Batch axes
   are equal in ``a``, ``b`` and ``out``, or ``b`` is two-dimensional and ``a`` is not
   transposed (its batch axes are rows of one GEMM). ``out`` is the VM's tensor: nothing else
@@ -44,10 +44,6 @@ Function attributes:
   already asserts in a function.
 * :data:`UPPER_BOUND_ATTR`, :data:`LOWER_BOUND_ATTR`: TVM's own per-function dim bounds,
   read by TVM's memory planner and by ours.
-* :data:`GEMM_LAYOUT_ATTR`: on a PrimFunc that computes ``matmul`` of its two arguments read
-  with a layout of :data:`GEMM_LAYOUTS` (the ``NT_matmul`` / ``TN_matmul`` / ``TT_matmul``
-  kernels :class:`~blade_relax.transform.SimplifyTransposes` emits), so that
-  :class:`~blade_relax.transform.DispatchGemm` knows what the kernel computes.
 """
 
 from __future__ import annotations
@@ -59,7 +55,6 @@ __all__ = [
     "EVICT",
     "GEMM_FUNCS",
     "GEMM_LAYOUTS",
-    "GEMM_LAYOUT_ATTR",
     "LOWER_BOUND_ATTR",
     "NO_PLAN_ATTR",
     "REGENERATE",
@@ -92,7 +87,6 @@ REMAT_COPY_ATTR = "blade_relax.remat_copy"
 NO_PLAN_ATTR = "blade_relax.no_plan"
 SCHEDULE_VERSION_ATTR = "blade_relax.schedule_version"
 CHECKED_DIMS_ATTR = "blade_relax.checked_dims"
-GEMM_LAYOUT_ATTR = "blade_relax.gemm_layout"
 UPPER_BOUND_ATTR = "tir_var_upper_bound"
 LOWER_BOUND_ATTR = "tir_var_lower_bound"
 

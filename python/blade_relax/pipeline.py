@@ -16,10 +16,11 @@ Where each pass runs, and why there:
 * ``CloneGeneratedTensors`` runs after it, still on high-level ops: a tensor computed from
   inputs alone (a causal mask, a one-hot) is built again before each later reader, so that
   ``FuseOps`` fuses it into every reader instead of keeping one copy live across the layers.
-* ``DispatchGemm`` (off by default; ``dispatch_gemm=True``) runs first in the
-  ``library_dispatch`` phase on CPU targets, on the high-level ops ``SimplifyTransposes`` left:
-  matmuls (plain, batched, transposed) become ``call_dps_packed`` calls of ATen's GEMMs, before
-  ``LegalizeOps`` would turn them into TVM's loop nests and ``FuseOps`` fuse them.
+* ``DispatchGemm`` (off by default; ``dispatch_gemm=True``, CPU targets) runs last in the
+  memory stage, after ``KillAfterLastUse`` and ``RematTimeline``: the kernels that are a GEMM
+  and nothing else become calls of ATen's GEMMs with the same arguments, once every memory
+  decision was taken on TVM's kernels, so peaks are unchanged byte for byte (see
+  dispatch_gemm.py).
 * ``InlineKernelIntermediates`` runs right after ``FuseTIR`` on CPU targets: it computes the
   elementwise chains inside fused kernels without scratch buffers (kernel workspaces), which
   dlight's schedules do on GPU targets.
@@ -45,8 +46,7 @@ explicit list of phases, :data:`PHASES`, run in order:
     ``FoldZeroScatter``, ``CloneGeneratedTensors``).
 ``library_dispatch``, ``legalize``, ``dataflow_lower``
     TVM's phases of the same names for the target, as TVM returns them (``legalize`` ends with
-    ``FuseTIR``, and dlight's GPU schedules on CUDA); ``DispatchGemm`` first in
-    ``library_dispatch`` when on.
+    ``FuseTIR``, and dlight's GPU schedules on CUDA).
 ``fused``
     Our passes on the fused dataflow graph (``InlineKernelIntermediates``,
     ``MemoryAwareSchedule``, ``RecomputeCheapValues``).
@@ -54,7 +54,8 @@ explicit list of phases, :data:`PHASES`, run in order:
     TVM's ``finalize_passes`` for the target, written out here with the ``relax.transform``
     constructors and split where the memory stage ends (``vm_lower`` starts at
     ``VMShapeLower``); ``Rematerialize`` and ``CheckDimRanges`` come first, ``PlanMemory`` takes
-    the place of ``StaticPlanBlockMemory`` and ``RematTimeline`` follows ``KillAfterLastUse``.
+    the place of ``StaticPlanBlockMemory``, ``RematTimeline`` follows ``KillAfterLastUse`` and
+    ``DispatchGemm`` follows them.
     :func:`check_tvm_phases` compares the pass names of TVM's list with this copy (once per
     target kind) and raises a ``RuntimeError`` naming the difference when TVM changes it, rather
     than silently dropping a pass placed by position.
@@ -237,6 +238,9 @@ def _finalize_phases(
     if flags.remat:
         # The remat runtime decides on the timeline of the planned IR (see rematerialize.py).
         finalize.append(_ours("RematTimeline"))
+    if flags.dispatch_gemm and not cuda:
+        # Last of the memory stage: every memory decision was taken on TVM's kernels.
+        finalize.append(_ours("DispatchGemm", flags.gemm_options))
     finalize.append(relax.transform.LowerRuntimeBuiltin())
     finalize.append(relax.transform.ComputePrimValue())
     vm_lower = [relax.transform.VMShapeLower(), relax.transform.AttachGlobalSymbol()]
@@ -311,9 +315,6 @@ def _phases(
         graph.append(_ours("FoldZeroScatter", flags.fold_scatter_options))
     if flags.clone_generated:
         graph.append(_ours("CloneGeneratedTensors", flags.clone_options))
-    library: list[tvm.transform.Pass] = []
-    if flags.dispatch_gemm and cpu:
-        library.append(_ours("DispatchGemm", flags.gemm_options))
     fused: list[tvm.transform.Pass] = []
     if flags.inline_kernels and cpu:
         fused.append(_ours("InlineKernelIntermediates", flags.inline_options))
@@ -335,7 +336,7 @@ def _phases(
     finalize, vm_lower = _finalize_phases(target, flags, plan_memory)
     return {
         "graph": graph,
-        "library_dispatch": library + list(phases.library_dispatch_passes(target)),
+        "library_dispatch": list(phases.library_dispatch_passes(target)),
         "legalize": list(phases.legalize_passes(target)),
         "fused": fused,
         "dataflow_lower": list(phases.dataflow_lower_passes(target)),

@@ -39,7 +39,7 @@ class Linear:
 class LinearExpected:
     @T.prim_func(private=True, s_tir=True)
     def NT_matmul(var_x: T.handle, w: T.Buffer((T.int64(16), T.int64(8)), "float32"), var_out: T.handle):
-        T.func_attr({"blade_relax.gemm_layout": "NT", "tirx.noalias": True})
+        T.func_attr({"tirx.noalias": True})
         s = T.int64()
         x = T.match_buffer(var_x, (s, T.int64(8)))
         NT_matmul = T.match_buffer(var_out, (s, T.int64(16)))
@@ -54,7 +54,7 @@ class LinearExpected:
 
     @T.prim_func(private=True, s_tir=True)
     def TN_matmul(var_dy: T.handle, var_x: T.handle, TN_matmul: T.Buffer((T.int64(16), T.int64(8)), "float32")):
-        T.func_attr({"blade_relax.gemm_layout": "TN", "tirx.noalias": True})
+        T.func_attr({"tirx.noalias": True})
         s = T.int64()
         dy = T.match_buffer(var_dy, (s, T.int64(16)))
         x = T.match_buffer(var_x, (s, T.int64(8)))
@@ -121,7 +121,7 @@ class Shared:
 class SharedExpected:
     @T.prim_func(private=True, s_tir=True)
     def NT_matmul(var_x: T.handle, w: T.Buffer((T.int64(8), T.int64(8)), "float32"), var_out: T.handle):
-        T.func_attr({"blade_relax.gemm_layout": "NT", "tirx.noalias": True})
+        T.func_attr({"tirx.noalias": True})
         s = T.int64()
         x = T.match_buffer(var_x, (s, T.int64(8)))
         NT_matmul = T.match_buffer(var_out, (s, T.int64(8)))

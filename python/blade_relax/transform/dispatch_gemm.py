@@ -1,74 +1,83 @@
-"""DispatchGemm: matmuls run on a vendor BLAS (ATen's), in the VM's own output tensors.
+"""DispatchGemm: GEMM kernels run on a vendor BLAS (ATen's), in the buffers TVM planned for them.
 
 TVM's CPU code for a matmul with a symbolic dimension is a naive loop nest (dlight has GEMV and
 reduction rules on the CPU, no GEMM rule), and the PyPI wheel is built without cBLAS, DNNL or
-cuBLAS, so TVM's BYOC dispatch to a vendor library is not there. This pass is that dispatch,
-by ``R.call_dps_packed``: each GEMM it accepts becomes a call of the packed function
-:data:`~blade_relax.contract.GEMM_FUNCS` ``[layout]``, which
-:mod:`blade_relax.runtime.gemm` runs with ``torch.mm`` / ``torch.bmm`` on DLPack views of the
-tensors. Destination passing keeps memory where the memory passes see it: the output is a
-tensor the VM allocates (``CallTIRRewrite`` gives it a ``builtin.alloc_tensor``, the planners
-plan it, the accounting counts it), exactly as for the ``call_tir`` it replaces.
+cuBLAS, so TVM's BYOC dispatch to a vendor library is not there. This pass is that dispatch for
+the kernels that are a GEMM and nothing else: each call of one becomes a call of the packed
+function :data:`~blade_relax.contract.GEMM_FUNCS` ``[layout]`` with the same arguments, which
+:mod:`blade_relax.runtime.gemm` runs with ``torch.mm`` / ``torch.bmm`` on zero-copy DLPack views
+and writes into the output buffer the VM allocated.
+
+Why at the end of the memory stage, not before legalization (where TVM's BYOC runs)
+---------------------------------------------------------------------------------
+The swap is made after memory planning (``PlanMemory`` or ``StaticPlanBlockMemory``),
+``KillAfterLastUse`` and ``RematTimeline``, on the destination-passing calls ``CallTIRRewrite``
+wrote (``cls.matmul(a, b, out)``), so every decision about memory was taken on TVM's kernels and
+the swap changes none of them: same allocations, same sharing, same kills, same remat timeline.
+Peaks are those of the undispatched program, byte for byte, by construction (the packed
+function allocates no tensor). A GEMM that ``FuseOps`` fused with an elementwise tail is a
+kernel of several blocks, which this pass leaves to TVM: fusion keeps what it saved. (Rewriting
+``relax.matmul`` before legalization instead takes every GEMM out of fusion; measured on the
+benchmark's workloads, that raised predicted peaks by up to 24%.)
 
 Stages
 ------
-1. *Match*: a ``relax.matmul`` call, each operand read through a ``permute_dims`` that swaps its
-   last two axes (``transposed``), or a ``call_tir`` of a kernel carrying
-   :data:`~blade_relax.contract.GEMM_LAYOUT_ATTR` (the ``NT_matmul`` / ``TN_matmul`` /
-   ``TT_matmul`` kernels ``SimplifyTransposes`` emits), whose layout the attribute names.
-2. *Accept*: operands and result are tensors of rank two or more with one dtype among
-   ``dtypes`` (no mixed precision: ``out_dtype`` casts stay with TVM), and either the right
-   operand is two-dimensional and the left one is not transposed (its batch axes become rows of
-   one GEMM) or every operand has the same batch axes, proven equal (``batched``): a batch axis
-   broadcast against another stays with TVM, which needs no copy for it.
-3. *Rewrite*: ``R.call_dps_packed(GEMM_FUNCS[layout], (a, b), out_ty)`` where ``a`` and ``b``
-   are the tensors as stored (a transposed operand is read in place); then
-   ``DeadCodeElimination`` drops the transposes and kernels nothing reads any more.
+1. *Recognize* (per PrimFunc, remembered): a kernel of exactly one block besides the root, with
+   three buffer parameters ``A, B, C`` of one dtype among ``dtypes``, whose block is
+   ``C[b.., i, j] = 0; C[b.., i, j] += A[..] * B[..]`` over one reduction variable ``k``;
+   ``A`` read at ``[b.., i, k]`` (``N``) or ``[b.., k, i]`` (``T``), ``B`` at ``[b.., k, j]``
+   or ``[b.., j, k]``. The batch indices of an operand are all of ``C``'s, or none (a
+   two-dimensional operand); a broadcast batch axis is not recognized. This is what TVM's
+   legalized ``relax.matmul`` and ``SimplifyTransposes``' ``NT_matmul`` / ``TN_matmul`` /
+   ``TT_matmul`` kernels are.
+2. *Accept* what the runtime computes without a copy: the right operand two-dimensional and the
+   left one two-dimensional or not transposed (its batch axes become rows of one GEMM), or both
+   batched (``batched``); transposed operands only with ``transposed``.
+3. *Swap*: each call ``kernel(a, b, out)`` of a Relax function becomes
+   ``ExternFunc(GEMM_FUNCS[layout])(a, b, out)``; kernels no function refers to any more are
+   removed.
 
 Where it runs
 -------------
-On high-level Relax, after ``SimplifyTransposes`` (which cancels the imported graph's double
-transposes and tags its kernels) and before ``LegalizeOps``: in :func:`blade_relax.get_pipeline`
-it is the first pass of the ``library_dispatch`` phase, on CPU targets. It may run on a module
-with or without dataflow blocks.
-
-Memory: a dispatched GEMM is no longer fused with its elementwise tail by ``FuseOps``. The
-result of the GEMM becomes a tensor of the VM where the fused kernel kept it in its workspace,
-and the tail reads it; ``PlanMemory`` lets an elementwise tail write in place over it. The
-pipeline keeps the dispatch only where the benchmark's peaks are byte for byte those of TVM's
-kernels (see the README's "Speed" section for what was measured).
+In :func:`blade_relax.get_pipeline` (``dispatch_gemm=True``, CPU targets): in the ``finalize``
+phase, after ``KillAfterLastUse`` (and ``RematTimeline``), before ``LowerRuntimeBuiltin``. It
+needs the lowered, planned form (no ``call_tir`` left); on a module that still has ``call_tir``
+it changes nothing.
 
 What it assumes
 ---------------
-The packed functions are registered (PyTorch is installed, see :mod:`blade_relax.runtime.gemm`)
-in the process that compiles the module and in the one that runs it. When they are not
-registered, the pass changes nothing and says once per process, in one logged line, that GEMMs
-are not dispatched. A kernel carrying :data:`~blade_relax.contract.GEMM_LAYOUT_ATTR` computes
-``matmul`` of its two arguments read in that layout, batch axes broadcast as ``relax.matmul``
-broadcasts them.
+The packed functions are registered (PyTorch installed, see :mod:`blade_relax.runtime.gemm`)
+in the process that compiles the module and in the one that runs it. When they are not, the
+pass changes nothing and says once per process, in one logged line, that GEMMs are not
+dispatched.
 
 Numerics: ATen's GEMMs sum in another order (blocked, vectorized) than TVM's loop nest, so
-results agree to rounding (relative errors of 1e-6 in float32), not bit for bit.
+results agree to rounding (relative errors about 1e-6 in float32), not bit for bit.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ..contract import GEMM_FUNCS, GEMM_LAYOUT_ATTR, GEMM_LAYOUTS
+from ..analysis.tir_fields import type_key
+from ..contract import GEMM_FUNCS
 from ._collection import pauses_collection
 from .result import PassResult, counted, function_results, publish
 
-__all__ = ["DispatchGemm", "GemmOptions", "GemmReport", "gemm_functions_registered"]
-
-_PERMUTE = tvm.ir.Op.get("relax.permute_dims")
-_MATMUL = tvm.ir.Op.get("relax.matmul")
-_CALL_TIR = tvm.ir.Op.get("relax.call_tir")
+__all__ = [
+    "NOT_DISPATCHED",
+    "DispatchGemm",
+    "GemmOptions",
+    "GemmReport",
+    "gemm_functions_registered",
+    "gemm_layout",
+]
 
 _LOG = logging.getLogger("blade_relax")
 #: Whether this process was told that GEMMs are not dispatched (told once).
@@ -76,6 +85,7 @@ _TOLD = False
 NOT_DISPATCHED = (
     "DispatchGemm: GEMMs are not dispatched (PyTorch is not installed): TVM's kernels compute them"
 )
+_REDUCE = 2  # IterVar.iter_type of a commutative reduction
 
 
 @dataclass(frozen=True)
@@ -85,8 +95,7 @@ class GemmOptions:
     Attributes
     ----------
     transposed
-        Dispatch GEMMs reading a transposed operand (``NT``, ``TN``, ``TT``): a matmul on a
-        ``permute_dims`` of the last two axes, or a tagged kernel of ``SimplifyTransposes``.
+        Dispatch GEMMs reading a transposed operand (``NT``, ``TN``, ``TT``).
     batched
         Dispatch GEMMs whose operands both have batch axes (``torch.bmm``); off, only GEMMs
         with a two-dimensional right operand are dispatched.
@@ -106,10 +115,9 @@ class GemmReport:
     Attributes
     ----------
     dispatched
-        Layout (``"NN"``, ``"NT"``, ...) -> GEMMs now calling the packed function.
+        Layout (``"NN"``, ``"NT"``, ...) -> kernel calls now calling the packed function.
     kept
-        GEMMs (operands of rank two or more) left to TVM's kernels: broadcast batch axes,
-        mixed precision, an option off.
+        Calls of GEMM kernels left to TVM (a layout, rank or dtype the options exclude).
     """
 
     dispatched: dict[str, int] = field(default_factory=dict)
@@ -120,117 +128,161 @@ class GemmReport:
         return sum(self.dispatched.values())
 
 
+@dataclass(frozen=True)
+class GemmKernel:
+    """A kernel recognized as a GEMM: its layout, ranks and dtype."""
+
+    layout: str
+    ranks: tuple[int, int, int]  # A, B, C
+    dtype: str
+
+
 def gemm_functions_registered() -> bool:
     """Whether every packed function of :data:`GEMM_FUNCS` is registered in this process."""
     return all(tvm.get_global_func(n, allow_missing=True) is not None for n in GEMM_FUNCS.values())
 
 
-def _is_last_two_swap(call: relax.Call) -> bool:
-    ndim = call.args[0].ty.ndim
-    if ndim < 2:
-        return False
-    axes = (
-        list(reversed(range(ndim)))
-        if call.attrs.axes is None
-        else [int(a) for a in call.attrs.axes]
+# ------------------------------------------------------------------------------ recognize
+_KERNELS: dict[Any, GemmKernel | None] = {}
+
+
+def gemm_layout(func: tvm.tirx.PrimFunc) -> GemmKernel | None:
+    """What ``func`` computes if it is a GEMM and nothing else (see the module docstring),
+    else ``None``. Remembered per kernel (kernels are immutable)."""
+    if func in _KERNELS:
+        return _KERNELS[func]
+    try:
+        kernel = _recognize(func)
+    except Exception:  # noqa: BLE001 - a kernel the schedule cannot read is no GEMM to us
+        kernel = None
+    _KERNELS[func] = kernel
+    return kernel
+
+
+def _recognize(func: tvm.tirx.PrimFunc) -> GemmKernel | None:
+    if len(func.params) != 3:
+        return None
+    # In TVM 0.27 a buffer parameter is the buffer: a variable of a BufferType, which stores
+    # and loads name directly.
+    buffers = list(func.params)
+    if not all(type_key(getattr(x, "ty", None)) == "tirx.BufferType" for x in buffers):
+        return None
+    a, b, c = buffers
+    dtypes = {str(x.ty.dtype) for x in buffers}
+    if len(dtypes) != 1:
+        return None
+    sch = tvm.s_tir.Schedule(func)
+    blocks = sch.get_child_blocks(sch.get_sblock("root"))
+    if len(blocks) != 1:
+        return None
+    block = sch.get(blocks[0])
+    if block.init is None or block.match_buffers or block.alloc_buffers:
+        return None
+    spatial = [iv.var for iv in block.iter_vars if iv.iter_type != _REDUCE]
+    reduce = [iv.var for iv in block.iter_vars if iv.iter_type == _REDUCE]
+    if len(reduce) != 1 or len(spatial) < 2:
+        return None
+    (k,) = reduce
+    init, body = block.init, block.body
+    if not (isinstance(init, tvm.tirx.BufferStore) and isinstance(body, tvm.tirx.BufferStore)):
+        return None
+    if not (init.buffer.same_as(c) and body.buffer.same_as(c)):
+        return None
+    if not (_same_vars(init.indices, spatial) and _same_vars(body.indices, spatial)):
+        return None
+    if not (isinstance(init.value, tvm.tirx.FloatImm) and float(init.value.value) == 0.0):
+        return None
+    value = body.value
+    if not isinstance(value, tvm.tirx.Add) or not isinstance(value.b, tvm.tirx.Mul):
+        return None
+    acc, product = value.a, value.b
+    if not (_is_load(acc) and acc.source.same_as(c)):
+        return None
+    if not _same_vars(acc.indices, spatial):
+        return None
+    lhs, rhs = product.a, product.b
+    if not (_is_load(lhs) and _is_load(rhs)):
+        return None
+    if not (lhs.source.same_as(a) and rhs.source.same_as(b)):
+        return None
+    batch, i, j = spatial[:-2], spatial[-2], spatial[-1]
+    op_a = _operand_layout(lhs.indices, batch, (i, k))
+    op_b = _operand_layout(rhs.indices, batch, (k, j))
+    if op_a is None or op_b is None:
+        return None
+    ranks = (len(lhs.indices), len(rhs.indices), len(spatial))
+    return GemmKernel(op_a + op_b, ranks, dtypes.pop())
+
+
+def _is_load(node: Any) -> bool:
+    return type_key(node) in ("ir.TensorLoad", "tirx.BufferLoad")
+
+
+def _same_vars(indices: Any, variables: list[Any]) -> bool:
+    return len(indices) == len(variables) and all(
+        isinstance(x, tvm.tirx.Var) and x.same_as(v) for x, v in zip(indices, variables)
     )
-    return axes == [*range(ndim - 2), ndim - 1, ndim - 2]
 
 
-def _tensor(expr: relax.Expr) -> relax.TensorType | None:
-    """The type of ``expr`` if it is a tensor of known rank (two or more) with a known shape."""
-    ty = expr.ty
-    if isinstance(ty, relax.TensorType) and ty.ndim >= 2 and ty.shape is not None:
-        return ty
+def _operand_layout(indices: Any, batch: list[Any], inner: tuple[Any, Any]) -> str | None:
+    """``"N"`` when an operand is read at ``[batch.., *inner]``, ``"T"`` at ``[batch..,
+    *reversed(inner)]`` (``batch`` all of the output's batch indices, or none)."""
+    indices = list(indices)
+    if len(indices) not in (2, len(batch) + 2):
+        return None
+    if len(indices) > 2 and not _same_vars(indices[:-2], batch):
+        return None
+    if _same_vars(indices[-2:], list(inner)):
+        return "N"
+    if _same_vars(indices[-2:], list(reversed(inner))):
+        return "T"
     return None
 
 
+# ------------------------------------------------------------------------------ rewrite
 @mutator
-class _Dispatcher(PyExprMutator):
+class _Swapper(PyExprMutator):
     def __init__(self, mod: tvm.IRModule, options: GemmOptions, report: GemmReport):
         super().__init__(mod)
         self.mod_ = mod
         self.options = options
         self.report = report
-        self.analyzer = tvm.sym.Analyzer()
-
-    def _producer(self, expr: relax.Expr) -> relax.Call | None:
-        """The ``permute_dims`` call bound to ``expr``, if it is one."""
-        value = expr
-        while isinstance(value, relax.Var):
-            value = self.lookup_binding(value)
-        if isinstance(value, relax.Call) and value.op.same_as(_PERMUTE):
-            return value
-        return None
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: D102
         new_call = super().visit_call_(call)
-        if not isinstance(new_call, relax.Call):
+        op = new_call.op if isinstance(new_call, relax.Call) else None
+        if not isinstance(op, tvm.ir.GlobalVar) or op not in self.mod_.functions:
             return new_call
-        if new_call.op.same_as(_MATMUL):
-            site = self._matmul_site(new_call)
-        elif new_call.op.same_as(_CALL_TIR):
-            site = self._kernel_site(new_call)
-        else:
+        func = self.mod_[op]
+        if not isinstance(func, tvm.tirx.PrimFunc) or len(new_call.args) != 3:
             return new_call
-        if site is None or any(_tensor(e) is None for e in (site[0], site[1], new_call)):
-            return new_call  # not a GEMM: a vector operand, or a rank or shape unknown
-        a, b, layout = site
-        if not self._accepts(a, b, layout, new_call):
+        kernel = gemm_layout(func)
+        if kernel is None:
+            return new_call
+        if not self._accepts(kernel):
             self.report.kept += 1
             return new_call
-        self.report.dispatched[layout] = self.report.dispatched.get(layout, 0) + 1
-        return relax.call_dps_packed(GEMM_FUNCS[layout], relax.Tuple([a, b]), new_call.ty)
-
-    def _matmul_site(self, call: relax.Call) -> tuple[relax.Expr, relax.Expr, str] | None:
-        operands = []
-        for arg in call.args:
-            producer = self._producer(arg) if self.options.transposed else None
-            if producer is not None and _is_last_two_swap(producer):
-                operands.append((producer.args[0], "T"))
-            else:
-                operands.append((arg, "N"))
-        (a, ta), (b, tb) = operands
-        return a, b, ta + tb
-
-    def _kernel_site(self, call: relax.Call) -> tuple[relax.Expr, relax.Expr, str] | None:
-        callee, args = call.args[0], call.args[1]
-        if len(call.args) != 2 or not isinstance(callee, tvm.ir.GlobalVar):
-            return None
-        func = self.mod_[callee] if callee in self.mod_.functions else None
-        if not isinstance(func, tvm.tirx.PrimFunc) or func.attrs is None:
-            return None
-        if GEMM_LAYOUT_ATTR not in func.attrs:
-            return None
-        layout = str(func.attrs[GEMM_LAYOUT_ATTR])
-        fields = list(args.fields) if isinstance(args, relax.Tuple) else []
-        if layout not in GEMM_LAYOUTS or len(fields) != 2:
-            return None
-        return fields[0], fields[1], layout
-
-    def _accepts(self, a: relax.Expr, b: relax.Expr, layout: str, call: relax.Call) -> bool:
-        if layout != "NN" and not self.options.transposed:
-            return False
-        tys = [_tensor(a), _tensor(b), _tensor(call)]
-        ta, tb, to = tys
-        dtypes = {str(t.dtype) for t in tys}
-        if len(dtypes) != 1 or dtypes.pop() not in self.options.dtypes:
-            return False
-        if tb.ndim == 2:
-            # A weight: the batch axes of `a` fold into rows, which needs `a` as stored.
-            return ta.ndim == 2 or layout[0] == "N"
-        if not self.options.batched or not ta.ndim == tb.ndim == to.ndim:
-            return False
-        batch = zip(ta.shape.values[:-2], tb.shape.values[:-2], to.shape.values[:-2])
-        return all(
-            self.analyzer.can_prove_equal(x, y) and self.analyzer.can_prove_equal(x, z)
-            for x, y, z in batch
+        self.report.dispatched[kernel.layout] = self.report.dispatched.get(kernel.layout, 0) + 1
+        ty = new_call.ty if isinstance(new_call.ty, relax.TupleType) else relax.TupleType([])
+        return relax.Call(
+            relax.ExternFunc(GEMM_FUNCS[kernel.layout]), list(new_call.args), ty_args=[ty]
         )
+
+    def _accepts(self, kernel: GemmKernel) -> bool:
+        rank_a, rank_b, rank_c = kernel.ranks
+        if kernel.dtype not in self.options.dtypes:
+            return False
+        if kernel.layout != "NN" and not self.options.transposed:
+            return False
+        if rank_b == 2:
+            # A weight: the batch axes of `a` fold into rows, which needs `a` as stored.
+            return rank_a == 2 or kernel.layout[0] == "N"
+        return self.options.batched and rank_a == rank_b == rank_c
 
 
 @tvm.transform.module_pass(opt_level=0, name="DispatchGemm")
 class DispatchGemm:
-    """Run matmuls (plain, batched, with transposed operands) on ATen's GEMMs.
+    """Run the kernels that are GEMMs (plain, batched, transposed) on ATen, after planning.
 
     Parameters
     ----------
@@ -239,8 +291,7 @@ class DispatchGemm:
 
     After the pass ran, ``pass_obj.report`` is a :class:`GemmReport` of the last run and
     ``pass_obj.last_result`` a :class:`~blade_relax.transform.result.PassResult` (no byte
-    figures: the pass runs before legalization, where a dispatched GEMM allocates what the
-    ``call_tir`` it replaces would; what changes is fusion, which the later passes see).
+    figures: the pass changes no allocation, so a function's peak is what it was).
     """
 
     def __init__(self, options: GemmOptions | None = None) -> None:
@@ -258,23 +309,22 @@ class DispatchGemm:
             note = "GEMMs not dispatched: the packed functions are not registered (no PyTorch)"
             publish(self, PassResult("DispatchGemm", notes=(note,), detail=self.report))
             return mod
-        dispatcher = _Dispatcher(mod, self.options, self.report)
+        swapper = _Swapper(mod, self.options, self.report)
         changes: dict[str, list[str]] = {}
         for gv, func in list(mod.functions.items()):
             if not isinstance(func, relax.Function):
                 continue
             before = self.report.total
-            new_func = dispatcher.visit_expr(func)
+            new_func = swapper.visit_expr(func)
             if self.report.total != before:
-                dispatcher.builder_.update_func(gv, new_func)
+                swapper.builder_.update_func(gv, new_func)
                 changes[gv.name_hint] = [
                     f"{counted(self.report.total - before, 'GEMM')} dispatched to ATen"
                 ]
         if not changes:
             self._publish(mod, mod, changes)
             return mod
-        # The transposes and tagged kernels nothing reads any more.
-        out = relax.transform.DeadCodeElimination()(dispatcher.builder_.get())
+        out = _without_unused_kernels(swapper.builder_.get())
         self._publish(mod, out, changes)
         return out
 
@@ -283,6 +333,28 @@ class DispatchGemm:
     ) -> None:
         functions = function_results(before, after, changes)
         publish(self, PassResult("DispatchGemm", functions, detail=self.report))
+
+
+def _without_unused_kernels(mod: tvm.IRModule) -> tvm.IRModule:
+    """``mod`` without the GEMM kernels no Relax function refers to any more (called or
+    passed)."""
+    used: set[str] = set()
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function):
+            used.update(gv.name_hint for gv in relax.analysis.all_global_vars(func))
+    unused = [
+        gv
+        for gv, func in mod.functions.items()
+        if isinstance(func, tvm.tirx.PrimFunc)
+        and gv.name_hint not in used
+        and gemm_layout(func) is not None
+    ]
+    if not unused:
+        return mod
+    out = tvm.IRModule(dict(mod.functions), attrs=mod.attrs, global_infos=mod.global_infos)
+    for gv in unused:
+        del out[gv]
+    return out
 
 
 def _tell_not_dispatched() -> None:

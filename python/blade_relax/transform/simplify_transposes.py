@@ -51,7 +51,6 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ..contract import GEMM_LAYOUT_ATTR
 from ._collection import pauses_collection
 from .result import PassResult, counted, function_results, publish
 
@@ -230,14 +229,8 @@ class _Simplifier(PyExprMutator):
         kernel = _matmul_kernel(trans_a, trans_b, out_dtype)
         self.report.fused += 1
         name = ("T" if trans_a else "N") + ("T" if trans_b else "N") + "_matmul"
-        # The layout attribute tells DispatchGemm what the kernel computes.
         return self.builder_.call_te(
-            kernel,
-            a,
-            b,
-            list(call.ty.shape.values),
-            primfunc_name_hint=name,
-            primfunc_attrs={GEMM_LAYOUT_ATTR: name[:2]},
+            kernel, a, b, list(call.ty.shape.values), primfunc_name_hint=name
         )
 
 
