@@ -3,7 +3,7 @@ run.
 
 Each function of :data:`~blade_relax.contract.GEMM_FUNCS` computes ``out = op_a(a) @ op_b(b)``
 with ``torch.mm`` / ``torch.bmm`` on zero-copy DLPack views of the VM's tensors and writes into
-``out``, the tensor the VM allocated for the result (``R.call_dps_packed``): the accounting
+``out``, the tensor the VM allocated for the result (destination passing): the accounting
 counts every byte as it counts a TVM kernel's output. A transposed operand is a strided view
 (BLAS reads it transposed); batch axes are folded with ``view``, which raises rather than copy.
 The library may use scratch memory of its own while it runs (oneDNN / MKL packing buffers on
