@@ -219,6 +219,17 @@ def test_our_passes_are_placed_by_phase():
     assert cuda.index("PlanMemory") < cuda.index("RewriteCUDAGraph")
 
 
+def test_gemm_dispatch_is_an_option_on_cpu_targets():
+    assert "DispatchGemm" not in _all_names(pipeline_phases("llvm"))
+    phases = pipeline_phases("llvm", dispatch_gemm=True)
+    finalize = _names(phases["finalize"])
+    assert finalize.index("DispatchGemm") == finalize.index("RematTimeline") + 1
+    assert finalize[-3:] == ["DispatchGemm", "LowerRuntimeBuiltin", "ComputePrimValue"]
+    assert _all_names(phases).count("DispatchGemm") == 1
+    # On CUDA the GEMMs stay with dlight's schedules.
+    assert "DispatchGemm" not in _all_names(pipeline_phases(CUDA, dispatch_gemm=True))
+
+
 def test_stages_compose_and_reject_bad_names():
     fused = lower_to_memory_stage(Small, "llvm", stop_before="dataflow_lower", schedule=True)
     assert any(isinstance(b, relax.DataflowBlock) for b in fused["main"].body.blocks)
@@ -254,6 +265,7 @@ def test_get_pipeline_keywords_are_the_pipeline_flags():
         "recompute",
         "clone_generated",
         "fuse_attention",
+        "dispatch_gemm",
         "check_dims",
     }
     assert PipelineFlags.stock(plan=True) == PipelineFlags(

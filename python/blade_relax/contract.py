@@ -18,6 +18,16 @@ Packed functions (registered by :mod:`blade_relax.runtime.remat`, called from th
 * :data:`REMAT_ACTIVE` ``() -> bool``: whether this thread has a memory budget (a dispatcher
   calls the rewritten copy then, the plain one otherwise).
 
+Packed functions registered by :mod:`blade_relax.runtime.gemm` (when PyTorch is installed) and
+called from the IR that :class:`~blade_relax.transform.DispatchGemm` writes:
+
+* :data:`GEMM_FUNCS` ``[layout]`` ``(a, b, out)``: ``out = op_a(a) @ op_b(b)``, written into
+  ``out`` (destination passing, as the kernel call it replaces), ``op`` the identity (``N``) or the swap of the last
+  two axes (``T``), for ``layout`` in :data:`GEMM_LAYOUTS` (``"NT"``: ``a @ b^T``). Batch axes
+  are equal in ``a``, ``b`` and ``out``, or ``b`` is two-dimensional and ``a`` is not
+  transposed (its batch axes are rows of one GEMM). ``out`` is the VM's tensor: nothing else
+  is allocated as a tensor.
+
 Function attributes:
 
 * :data:`REMAT_META_ATTR`: the metadata JSON of a rematerialized function (format
@@ -43,6 +53,8 @@ import hashlib
 __all__ = [
     "CHECKED_DIMS_ATTR",
     "EVICT",
+    "GEMM_FUNCS",
+    "GEMM_LAYOUTS",
     "LOWER_BOUND_ATTR",
     "NO_PLAN_ATTR",
     "REGENERATE",
@@ -63,6 +75,9 @@ REMAT_BEGIN = "blade_relax.remat_begin"
 EVICT = "blade_relax.evict"
 REGENERATE = "blade_relax.regenerate"
 REMAT_ACTIVE = "blade_relax.remat_active"
+#: The layouts of a GEMM's operands: ``N`` as stored, ``T`` with the last two axes swapped.
+GEMM_LAYOUTS = ("NN", "NT", "TN", "TT")
+GEMM_FUNCS = {layout: f"blade_relax.gemm_{layout}" for layout in GEMM_LAYOUTS}
 
 # --------------------------------------------------------------------- function attributes
 REMAT_META_ATTR = "blade_relax.remat"

@@ -16,6 +16,11 @@ Where each pass runs, and why there:
 * ``CloneGeneratedTensors`` runs after it, still on high-level ops: a tensor computed from
   inputs alone (a causal mask, a one-hot) is built again before each later reader, so that
   ``FuseOps`` fuses it into every reader instead of keeping one copy live across the layers.
+* ``DispatchGemm`` (off by default; ``dispatch_gemm=True``, CPU targets) runs last in the
+  memory stage, after ``KillAfterLastUse`` and ``RematTimeline``: the kernels that are a GEMM
+  and nothing else become calls of ATen's GEMMs with the same arguments, once every memory
+  decision was taken on TVM's kernels, so peaks are unchanged byte for byte (see
+  dispatch_gemm.py).
 * ``InlineKernelIntermediates`` runs right after ``FuseTIR`` on CPU targets: it computes the
   elementwise chains inside fused kernels without scratch buffers (kernel workspaces), which
   dlight's schedules do on GPU targets.
@@ -49,7 +54,8 @@ explicit list of phases, :data:`PHASES`, run in order:
     TVM's ``finalize_passes`` for the target, written out here with the ``relax.transform``
     constructors and split where the memory stage ends (``vm_lower`` starts at
     ``VMShapeLower``); ``Rematerialize`` and ``CheckDimRanges`` come first, ``PlanMemory`` takes
-    the place of ``StaticPlanBlockMemory`` and ``RematTimeline`` follows ``KillAfterLastUse``.
+    the place of ``StaticPlanBlockMemory``, ``RematTimeline`` follows ``KillAfterLastUse`` and
+    ``DispatchGemm`` follows them.
     :func:`check_tvm_phases` compares the pass names of TVM's list with this copy (once per
     target kind) and raises a ``RuntimeError`` naming the difference when TVM changes it, rather
     than silently dropping a pass placed by position.
@@ -114,6 +120,8 @@ class PipelineFlags:
     simplify: bool = _flag(True, "SimplifyTransposes", "graph", "simplify_options")
     fold_scatter: bool = _flag(True, "FoldZeroScatter", "graph", "fold_scatter_options")
     clone_generated: bool = _flag(True, "CloneGeneratedTensors", "graph", "clone_options")
+    # Off by default: ATen's GEMMs sum in another order than TVM's kernels (equal to rounding).
+    dispatch_gemm: bool = _flag(False, "DispatchGemm", "graph", "gemm_options")
     inline_kernels: bool = _flag(True, "InlineKernelIntermediates", "graph", "inline_options")
     recompute: bool = _flag(True, "RecomputeCheapValues", "graph", "recompute_options")
     # The dim-range check.
@@ -126,6 +134,7 @@ class PipelineFlags:
     simplify_options: Any = None
     fold_scatter_options: Any = None
     clone_options: Any = None
+    gemm_options: Any = None
     inline_options: Any = None
     recompute_options: Any = None
     check_options: Any = None
@@ -229,6 +238,9 @@ def _finalize_phases(
     if flags.remat:
         # The remat runtime decides on the timeline of the planned IR (see rematerialize.py).
         finalize.append(_ours("RematTimeline"))
+    if flags.dispatch_gemm and not cuda:
+        # Last of the memory stage: every memory decision was taken on TVM's kernels.
+        finalize.append(_ours("DispatchGemm", flags.gemm_options))
     finalize.append(relax.transform.LowerRuntimeBuiltin())
     finalize.append(relax.transform.ComputePrimValue())
     vm_lower = [relax.transform.VMShapeLower(), relax.transform.AttachGlobalSymbol()]
@@ -367,6 +379,7 @@ def get_pipeline(
     recompute: bool = True,
     clone_generated: bool = True,
     fuse_attention: bool = True,
+    dispatch_gemm: bool = False,
     schedule_options: Any = None,
     remat_options: Any = None,
     plan_options: Any = None,
@@ -376,6 +389,7 @@ def get_pipeline(
     recompute_options: Any = None,
     clone_options: Any = None,
     attention_options: Any = None,
+    gemm_options: Any = None,
     check_dims: bool = True,
     check_options: Any = None,
 ) -> tvm.transform.Pass:
@@ -392,12 +406,18 @@ def get_pipeline(
         ``FuseAttention`` and ``InlineKernelIntermediates`` (both on CPU targets only) and
         ``RecomputeCheapValues``. With these, the three above and ``check_dims`` off, the
         result is TVM's default pipeline for the target.
+    dispatch_gemm
+        Enable ``DispatchGemm`` (CPU targets): matmuls run on ATen's GEMMs (PyTorch's BLAS),
+        writing into the VM's tensors; without PyTorch installed the pass logs one line and
+        TVM's kernels compute them. Off by default: results then equal TVM's kernels' bit for
+        bit; on, they agree to rounding.
     check_dims
         Enable ``CheckDimRanges``: a call whose dims lie outside the ranges the function
         declares (``tir_var_lower_bound`` / ``tir_var_upper_bound``) fails before any kernel
         runs, with an error naming the dim, its value and the range.
     schedule_options, remat_options, plan_options, simplify_options, fold_scatter_options,
-    inline_options, recompute_options, clone_options, attention_options, check_options
+    inline_options, recompute_options, clone_options, attention_options, gemm_options,
+    check_options
         Option dataclasses handed to the passes (``None`` for their defaults).
 
     The keywords are the fields of :class:`PipelineFlags`, with its defaults.

@@ -9,9 +9,11 @@ from .accounting import *  # noqa: F403
 from .accounting import __all__ as _accounting_all
 from .budget import *  # noqa: F403
 from .budget import __all__ as _budget_all
+from .gemm import *  # noqa: F403
+from .gemm import __all__ as _gemm_all
 from .measure import *  # noqa: F403
 from .measure import __all__ as _measure_all
 from .remat import *  # noqa: F403
 from .remat import __all__ as _remat_all
 
-__all__ = [*_accounting_all, *_budget_all, *_measure_all, *_remat_all]
+__all__ = [*_accounting_all, *_budget_all, *_gemm_all, *_measure_all, *_remat_all]

@@ -100,6 +100,7 @@ class Variant:
     recompute: bool = False
     clone_generated: bool = False
     fuse_attention: bool = False
+    dispatch_gemm: bool = False
     pipeline: Callable[[str], tvm.transform.Pass] | None = field(default=None, compare=False)
 
     @property

@@ -5,6 +5,7 @@ from ._warn import PassFallbackWarning
 from .check_dim_ranges import CheckDimRanges, DimRangeOptions
 from .clone_generated_tensors import CloneGeneratedTensors, CloneOptions
 from .dispatch import version_for
+from .dispatch_gemm import DispatchGemm, GemmOptions
 from .fold_zero_scatter import FoldZeroScatter, ZeroScatterOptions
 from .fuse_attention import AttentionOptions, FuseAttention
 from .inline_kernel_intermediates import InlineKernelIntermediates, InlineOptions
@@ -21,9 +22,11 @@ __all__ = [
     "CloneGeneratedTensors",
     "CloneOptions",
     "DimRangeOptions",
+    "DispatchGemm",
     "FoldZeroScatter",
     "FunctionResult",
     "FuseAttention",
+    "GemmOptions",
     "InlineKernelIntermediates",
     "InlineOptions",
     "MemoryAwareSchedule",
