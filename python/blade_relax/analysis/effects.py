@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import tvm
-import tvm_ffi
 from tvm import relax, tirx
 
 from ..contract import EVICT, REGENERATE, REMAT_BEGIN
@@ -711,32 +710,7 @@ def in_place_writes(bindings: Sequence[relax.Binding], mod: tvm.IRModule | None)
 # never written, ``Y`` is never read, ``X`` and ``Y`` have the same element size, and nothing
 # reaches memory through pointers (``address_of``, ``buffer.data``, ``match_buffer`` views).
 # ``exp``, ``add``, casts of equal width, ``reshape``-then-elementwise chains and fused elementwise
-# kernels qualify; matmuls, transposes and splits do not.
-#
-# Row statistics (softmax, log_softmax)
-# -------------------------------------
-# The condition above is sufficient, not necessary: what the argument needs is that every load
-# of ``X[q]`` whose value reaches ``Y`` is an ancestor of the store to ``Y[q]``. A row-wise
-# normalization ``Y[r, j] = f(X[r, j], S[r])`` whose statistic ``S[r]`` reduces row ``r`` of ``X``
-# (a maximum, a sum of exponentials) has that property: every load of ``X[r, k]`` flows into
-# ``S[r]``, which the store to every ``Y[r, k]`` reads. Two more states carry it, for kernels whose
-# ``X`` and ``Y`` have the same shape (a *row* is ``X`` without its last axis):
-#
-# - *row*: a buffer indexed by rows alone (``X``'s shape without its last axis, trailing axes
-#   of extent 1 allowed) whose element ``S[r]`` depends on ``X`` only within row ``r``. A block
-#   (spatial or reduction) writes one when it stores ``S[r]`` and reads ``X``-dependent data only
-#   within row ``r``: aligned or mixed buffers of ``X``'s shape at row ``r`` (any column), row
-#   buffers at ``r``.
-# - *mixed*: a buffer of ``X``'s shape whose element ``q`` depends on ``X`` at ``q`` and on row
-#   buffers at the row of ``q``. A spatial block writes one when its aligned and mixed loads are
-#   at the flat offset of its store and its row loads at the store's row.
-#
-# Every edge then keeps a position or its row, so a load of ``X[q]`` that reaches ``Y`` at all
-# reaches ``Y[q]`` (through its row's statistic), provided each element written has one writer:
-# the kernel also qualifies when ``Y`` is mixed and every mixed or row buffer (``Y`` included) is
-# written by one block. Loads that reach no output change nothing visible. A row buffer read at
-# another row, a reduction writing a buffer of ``X``'s shape (a cumulative sum), or a row that
-# does not cover every axis but the last stays misaligned.
+# kernels qualify; matmuls, reductions, transposes, splits and softmax do not.
 
 # Iterator type of a spatial (data-parallel) block iterator.
 _DATA_PAR = 0
@@ -745,7 +719,7 @@ _TIR_SKIPPED = frozenset({"span", "ty"})
 _POINTER_OPS = frozenset(
     {"tirx.address_of", "tirx.tvm_access_ptr", "tirx.ptr_byte_offset", "tirx.buffer_data"}
 )
-_NONE, _ALIGNED, _MIXED, _ROW, _MISALIGNED = 0, 1, 2, 3, 4
+_NONE, _ALIGNED, _MISALIGNED = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -878,38 +852,24 @@ def _verdict(
         return InplaceVerdict(False, "the kernel reads its output back")
 
     state = {id(v): _ALIGNED for v in in_vars}
-    rows = _Rows.of(in_vars, out_var)
     written_params = set()
     # Two rounds reach the fixed point when a buffer is read before a later block writes it.
     for _ in range(2):
         for entry in collector.blocks:
-            _propagate(entry, state, buffers, rows)
-    writers: dict[int, int] = {}
+            _propagate(entry, state, buffers)
     for entry in collector.blocks:
-        stored = {id(_canon(a.var, buffers)) for a in entry.accesses if a.kind == "store"}
-        for key in stored:
-            writers[key] = writers.get(key, 0) + 1
         for access in entry.accesses:
             if access.kind == "store":
                 written_params.add(id(_canon(access.var, params)))
-    out_state = state.get(id(out_var), _NONE)
-    if out_state in (_MISALIGNED, _ROW):
+    if state.get(id(out_var), _NONE) == _MISALIGNED:
         return InplaceVerdict(False, "an output element depends on other input elements")
     for param in params:
         if param.same_as(out_var) or id(param) not in written_params:
             continue
         if state.get(id(param), _NONE) != _NONE:
             return InplaceVerdict(False, f"output {param.name} also depends on the input")
-    if out_state == _NONE:
+    if state.get(id(out_var), _NONE) == _NONE:
         return InplaceVerdict(True, "the output does not depend on the input")
-    if out_state == _MIXED:
-        if any(s in (_MIXED, _ROW) and writers.get(k, 0) > 1 for k, s in state.items()):
-            return InplaceVerdict(False, "a buffer carrying row statistics has several writers")
-        return InplaceVerdict(
-            True,
-            "each output element depends on the input element it overwrites and on "
-            "statistics of its row, complete before it is written",
-        )
     return InplaceVerdict(
         True, "each output element depends only on the input element it overwrites"
     )
@@ -957,9 +917,7 @@ def inplace_inputs(
     )
 
 
-def _propagate(
-    entry: _TirBlock, state: dict[int, int], buffers: list[Any], rows: _Rows | None
-) -> None:
+def _propagate(entry: _TirBlock, state: dict[int, int], buffers: list[Any]) -> None:
     """Update the dependence state of the buffers ``entry`` writes."""
     stores = [a for a in entry.accesses if a.kind == "store"]
     if not stores:
@@ -969,151 +927,30 @@ def _propagate(
     ]
     if not dependent:
         return
-    result = _aligned(entry, stores, dependent, state, buffers)
-    if result == _MISALIGNED and rows is not None:
-        result = rows.classify(entry, stores, dependent, state, buffers)
-    for store in stores:
-        key = id(_canon(store.var, buffers))
-        state[key] = _merge(state.get(key, _NONE), result)
-
-
-def _merge(old: int, new: int) -> int:
-    """The state of a buffer written by blocks of states ``old`` and ``new``."""
-    if old == _NONE or old == new:
-        return new
-    if {old, new} == {_ALIGNED, _MIXED}:
-        return _MIXED
-    return _MISALIGNED
-
-
-def _aligned(
-    entry: _TirBlock,
-    stores: list[_Access],
-    dependent: list[_Access],
-    state: dict[int, int],
-    buffers: list[Any],
-) -> int:
-    """``_ALIGNED`` when every dependent load of a spatial block is aligned data at the flat
-    offset of its one store, else ``_MISALIGNED``."""
+    result = _ALIGNED
     blk = entry.block
     if any(int(iv.iter_type) != _DATA_PAR for iv in blk.iter_vars) or blk.init is not None:
-        return _MISALIGNED
-    if any(a.in_index for a in dependent) or len({id(_canon(s.var, buffers)) for s in stores}) > 1:
-        return _MISALIGNED
-    if any(state.get(id(_canon(a.var, buffers))) != _ALIGNED for a in dependent):
-        return _MISALIGNED
-    analyzer = _analyzer_for(blk)
-    for store in stores:
-        target = _flat(store.indices, store.var.ty.shape)
-        for load in dependent:
-            offset = _flat(load.indices, load.var.ty.shape)
-            if not _prove_equal(analyzer, offset, target):
-                return _MISALIGNED
-    return _ALIGNED
-
-
-@dataclass(frozen=True)
-class _Rows:
-    """The rows of the input ``X`` (its shape without the last axis), for the row-statistics
-    states (see the comment above :class:`InplaceVerdict`)."""
-
-    shape: tuple[Any, ...]
-
-    @staticmethod
-    def of(in_vars: Sequence[Any], out_var: Any) -> _Rows | None:
-        """The rows of ``in_vars`` when they and ``out_var`` have one shape of rank >= 1."""
-        shape = tuple(out_var.ty.shape)
-        if not shape:
-            return None
-        for var in in_vars:
-            if not _same_shape(tuple(var.ty.shape), shape):
-                return None
-        return _Rows(shape)
-
-    def is_full(self, var: Any) -> bool:
-        """Whether buffer ``var`` has the shape of ``X``."""
-        return _same_shape(tuple(var.ty.shape), self.shape)
-
-    def key(self, access: _Access) -> tuple[Any, ...] | None:
-        """The row an access to a row buffer (or to a buffer of ``X``'s shape) reads or writes;
-        ``None`` when the buffer is neither."""
-        if self.is_full(access.var):
-            return tuple(access.indices[:-1])
-        shape = list(access.var.ty.shape)
-        indices = list(access.indices)
-        while shape and len(shape) > len(self.shape) - 1 and _is_one(shape[-1]):
-            shape.pop()
-            indices.pop()
-        if len(shape) != len(self.shape) - 1:
-            return None
-        if not all(_equal_extent(a, b) for a, b in zip(shape, self.shape[:-1])):
-            return None
-        return tuple(indices)
-
-    def classify(
-        self,
-        entry: _TirBlock,
-        stores: list[_Access],
-        dependent: list[_Access],
-        state: dict[int, int],
-        buffers: list[Any],
-    ) -> int:
-        """The state a block writes under the row rule: ``_MIXED``, ``_ROW`` or
-        ``_MISALIGNED``."""
-        blk = entry.block
-        if (
-            any(a.in_index for a in dependent)
-            or len({id(_canon(s.var, buffers)) for s in stores}) > 1
-        ):
-            return _MISALIGNED
-        states = [state.get(id(_canon(a.var, buffers)), _NONE) for a in dependent]
-        if _MISALIGNED in states:
-            return _MISALIGNED
-        reduction = (
-            any(int(iv.iter_type) != _DATA_PAR for iv in blk.iter_vars) or blk.init is not None
-        )
+        result = _MISALIGNED
+    elif (
+        any(a.in_index for a in dependent) or len({id(_canon(s.var, buffers)) for s in stores}) > 1
+    ):
+        result = _MISALIGNED
+    elif any(state.get(id(_canon(a.var, buffers))) == _MISALIGNED for a in dependent):
+        result = _MISALIGNED
+    else:
         analyzer = _analyzer_for(blk)
-        full_store = self.is_full(stores[0].var)
-        if full_store and reduction:
-            return _MISALIGNED
         for store in stores:
-            row = self.key(store)
-            if row is None:
-                return _MISALIGNED
-            for load, load_state in zip(dependent, states):
-                if load_state == _ROW or not full_store:
-                    # A row buffer is read at the store's row; a row statistic reads rows of X.
-                    if load_state != _ROW and not self.is_full(load.var):
-                        return _MISALIGNED
-                    found = self.key(load)
-                    if found is None or not _prove_all_equal(analyzer, found, row):
-                        return _MISALIGNED
-                    continue
+            target = _flat(store.indices, store.var.ty.shape)
+            for load in dependent:
                 offset = _flat(load.indices, load.var.ty.shape)
-                target = _flat(store.indices, store.var.ty.shape)
                 if not _prove_equal(analyzer, offset, target):
-                    return _MISALIGNED
-        if not full_store:
-            return _ROW
-        return _MIXED if any(s in (_ROW, _MIXED) for s in states) else _ALIGNED
-
-
-def _same_shape(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
-    return len(a) == len(b) and all(_equal_extent(x, y) for x, y in zip(a, b))
-
-
-def _equal_extent(a: Any, b: Any) -> bool:
-    return bool(tvm_ffi.structural_equal(_int64(a), _int64(b)))
-
-
-def _is_one(e: Any) -> bool:
-    return isinstance(e, tirx.IntImm) and int(e.value) == 1
-
-
-def _prove_all_equal(analyzer: Any, a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
-    return len(a) == len(b) and all(
-        _prove_equal(analyzer, _int64(x), _int64(y)) for x, y in zip(a, b)
-    )
+                    result = _MISALIGNED
+                    break
+            if result == _MISALIGNED:
+                break
+    for store in stores:
+        key = id(_canon(store.var, buffers))
+        state[key] = max(state.get(key, _NONE), result)
 
 
 def _analyzer_for(blk: Any) -> Any:

@@ -12,31 +12,20 @@ cannot absorb it, lives only next to that reader.
 The rule
 --------
 A binding is *generated* when it is a call of a cheap operator (elementwise and comparison
-operators, ``cos``/``sin``, ``where``, casts, broadcasts, ``expand_dims``/``reshape``/
-``permute_dims``, ``strided_slice``/``pad``/``concat``, ``arange``/``full``/``zeros``/``ones``
-and their ``_like`` forms) whose tensor arguments are parameters, constants, rank-0 tensors or
-generated bindings (its *tree*, at most ``max_tree`` bindings). A generated binding with at
-least two readers in its block keeps its original for the first reader; before every later
-reader the whole tree is bound again, and that reader reads the copy. Bindings read after their
-block are left alone, and so are those with provably no more elements than a tensor their tree
-reads (the shifted labels of a causal loss, ``pad`` then ``strided_slice`` of ``labels``): a
-copy would save no more than the input it is built from, for one more kernel per reader.
-
-A rank-0 leaf may be computed (the loss gradient's ``1 / n`` of a mean over ``n`` labelled
-tokens): the one-hot gradient ``where(onehot, -1, 0) * where(label != -100, 1 / n, 0)`` of a
-cross-entropy, read by the row sum and by the subtraction of the softmax backward, is then
-fused into both instead of being materialized at the size of the logits. The rotary tables
-``cos(concat(p * f, p * f))`` and ``sin(...)`` of a Llama, read by every layer forward and
-backward, are fused into their readers instead of living through the step.
+operators, ``where``, casts, broadcasts, ``expand_dims``/``reshape``/``permute_dims``,
+``arange``/``full``/``zeros``/``ones`` and their ``_like`` forms) whose tensor arguments are
+parameters, constants or generated bindings (its *tree*, at most ``max_tree`` bindings). A
+generated binding with at least two readers in its block keeps its original for the first
+reader; before every later reader the whole tree is bound again, and that reader reads the
+copy. Bindings read after their block are left alone.
 
 Why it is safe for memory
 -------------------------
 The original now lives from its definition to its first reader only; each copy lives next to
 its reader, where the original was live before, and its tree's leaves are parameters,
-constants, scalars or rank-0 tensors (live anyway, or nothing; a rank-0 tensor read by a later
-copy lives until that copy, one element). Intermediate bindings of a tree are transient and
-fuse with it (all its operators are injective); ``MemoryAwareSchedule`` and the planners see
-the copies as any other kernels. The cost is the copy's elementwise work per reader.
+constants or scalars (live anyway, or nothing). Intermediate bindings of a tree are transient
+and fuse with it (all its operators are injective); ``MemoryAwareSchedule`` and the planners
+see the copies as any other kernels. The cost is the copy's elementwise work per reader.
 
 Where it runs
 -------------
@@ -55,7 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import tvm
-from tvm import relax, tirx
+from tvm import relax
 
 from ._block_edit import copy_chain, insert_copies, rewrite_dataflow_blocks, vars_read_after
 from ._collection import pauses_collection
@@ -71,8 +60,6 @@ GENERATOR_OPS = frozenset(
         "relax.multiply",
         "relax.divide",
         "relax.negative",
-        "relax.cos",
-        "relax.sin",
         "relax.where",
         "relax.equal",
         "relax.not_equal",
@@ -91,9 +78,6 @@ GENERATOR_OPS = frozenset(
         "relax.expand_dims",
         "relax.reshape",
         "relax.permute_dims",
-        "relax.strided_slice",
-        "relax.nn.pad",
-        "relax.concat",
         "relax.index_tensor",
         "relax.arange",
         "relax.full",
@@ -119,7 +103,7 @@ class CloneOptions:
     """
 
     enabled: bool = True
-    max_tree: int = 24
+    max_tree: int = 16
 
     def __post_init__(self) -> None:
         if self.max_tree < 1:
@@ -132,54 +116,6 @@ class CloneReport:
 
     cloned: int = 0
     copies: int = 0
-
-
-def _elements(ty: relax.TensorType) -> tirx.PrimExpr | None:
-    """The number of elements of a tensor type, or ``None`` when its shape is unknown."""
-    shape = ty.shape
-    if not isinstance(shape, relax.ShapeExpr):
-        return None
-    count = tirx.IntImm("int64", 1)
-    for dim in shape.values:
-        count = count * dim
-    return count
-
-
-def _no_larger_than_a_leaf(
-    var: relax.Var, tree: Sequence[int], bindings: Sequence[relax.Binding]
-) -> bool:
-    """Whether ``var`` provably has no more elements than a tensor its tree reads from outside
-    the tree (a parameter, a constant, a rank-0 tensor), for every value of the dims."""
-    own = _elements(var.ty)
-    if own is None:
-        return False
-    inside = {bindings[i].var for i in tree}
-    leaves: list[relax.Expr] = []
-    for i in tree:
-        for arg in _tensor_args(bindings[i].value):
-            if not (isinstance(arg, relax.Var) and arg in inside):
-                leaves.append(arg)
-    analyzer = tvm.sym.Analyzer()
-    for dim in tirx.analysis.undefined_vars(own):
-        analyzer.bind(dim, tvm.ir.Range(1, 1 << 40))  # a dim of a tensor is at least 1
-    for leaf in leaves:
-        other = _elements(leaf.ty) if isinstance(leaf.ty, relax.TensorType) else None
-        if other is None:
-            continue
-        for dim in tirx.analysis.undefined_vars(other):
-            analyzer.bind(dim, tvm.ir.Range(1, 1 << 40))
-        if analyzer.can_prove(own <= other):
-            return True
-    return False
-
-
-def _tensor_args(call: relax.Call) -> list[relax.Expr]:
-    """The tensor arguments of a call, tuples opened (``concat`` takes one)."""
-    found: list[relax.Expr] = []
-    for arg in call.args:
-        items = arg.fields if isinstance(arg, relax.Tuple) else [arg]
-        found.extend(a for a in items if isinstance(a.ty, relax.TensorType))
-    return found
 
 
 def _trees(
@@ -209,7 +145,7 @@ def _trees(
         tree: set[int] = {position}
         ok = True
         for var in relax.analysis.free_vars(value):
-            if var in params or not isinstance(var.ty, relax.TensorType) or var.ty.ndim == 0:
+            if var in params or not isinstance(var.ty, relax.TensorType):
                 continue  # parameters are live anyway; shapes and scalars cost nothing
             if var in trees:
                 tree.update(trees[var])
@@ -239,7 +175,7 @@ def _clone_block(
     renames_at: dict[int, dict[relax.Var, relax.Var]] = {}
     for var, tree in trees.items():
         reads = sorted(set(readers.get(var, [])))
-        if var in escaping or len(reads) < 2 or _no_larger_than_a_leaf(var, tree, bindings):
+        if var in escaping or len(reads) < 2:
             continue
         for reader in reads[1:]:
             copies, renames = copy_chain(bindings, tree, f"_for_{reader}")

@@ -899,9 +899,8 @@ def test_registered_pipeline_runs_the_pass():
 def test_order_is_compared_again_after_recomputation():
     """On the GPT-2 training step, the scheduled order peaks lower than the input order before
     RecomputeCheapValues but higher after it at long lengths: with ``recompute_after`` the
-    candidates are compared once more, recomputed, and the function runs a different order (at
-    every length, or dispatched per range of lengths where no order is best at all of them);
-    the peak drops at long lengths and rises nowhere."""
+    candidates are compared once more, recomputed, and the function dispatches to a different
+    order from some length on; the peak drops there and rises nowhere."""
     pytest.importorskip("transformers")
     from blade_relax.bench.workloads import SMALL, build_workload
     from blade_relax.frontend.imported import drop_upper_bounds
@@ -927,8 +926,7 @@ def test_order_is_compared_again_after_recomputation():
             and f.attrs
             and "blade_relax.schedule_version" in f.attrs
         ]
-        if not after:
-            assert not versions
+        assert bool(versions) == after
     assert peaks[True][20] <= peaks[False][20]
     assert peaks[True][256] < peaks[False][256]
 
@@ -973,14 +971,14 @@ def test_unreadable_reshape_check_warns_and_models_a_new_tensor(monkeypatch):
 
 
 def test_pool_orders_are_compared_again_after_recomputation(monkeypatch):
-    """Scored before RecomputeCheapValues, the orders of an MLP training step (the quickstart's,
-    with 3 layers) peak alike at s = 1024; recomputed, they differ. Comparing the pool's best
+    """Scored before RecomputeCheapValues, the orders of the quickstart's MLP training step
+    peak alike at s = 1024; recomputed, they differ by up to 3 MB. Comparing the pool's best
     ranked orders once more, recomputed (``recompute_candidates``), lowers the peak of the
     lowered step there against comparing only the pass's choice with the input order, and
     the recomputed figures the choice is made on are those of the lowered step."""
     from blade_relax.bench import ModelSizes, build_workload
 
-    sizes = ModelSizes(layers=3, hidden=64, intermediate=256, vocab=128, max_seq_len=1024)
+    sizes = ModelSizes(layers=4, hidden=64, intermediate=256, vocab=128, max_seq_len=1024)
     mod = build_workload("mlp-train", sizes).graph.mod
     flags = {**DEFAULT_VARIANT.flags, "remat": False}
     lengths = (16, 128, 1024)

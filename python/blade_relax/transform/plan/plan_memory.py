@@ -28,9 +28,8 @@ How it plans
    function attribute ``contract.NO_PLAN_ATTR`` (a list of variable names; ``Rematerialize``
    lists evictable tensors there). Sizes are canonical ``SymbolicExpr`` byte counts.
 2. **In-place** (``analysis.effects.inplace_verdict``): when a kernel's input dies at that call, every value the
-   kernel reads from it flows only into the output element at the same flat position, or into
-   statistics of its row that the output element reads (read from the TIR: elementwise
-   blocks, reshapes, fused chains, softmax and log-softmax; not transposes, other reductions or
+   kernel reads from it flows only into the output element at the same flat position (read
+   from the TIR: elementwise blocks, reshapes, fused chains; not transposes, reductions or
    splits), and the input's storage is provably no smaller (``ShapeGraph.compare``), the output
    is placed in the input's storage. Equal sizes are taken first, unconditionally: they only
    remove bytes; larger storages go through the peak check of step 3.
@@ -38,8 +37,7 @@ How it plans
    tensor is dead may take a new tensor when its size is proven ``>=`` (best fit), or, when the
    new tensor's dims are available where the storage is allocated, by growing to the ``Max`` of
    the two (evaluated at run time from the concrete dims). A decision is accepted only if it is
-   proven not to raise the peak of the unshared program at any allocation point or call of a
-   kernel with a workspace (which the runtime counts while the kernel runs; ``_peak``):
+   proven not to raise the peak of the unshared program at any allocation point (``_peak``):
    sharing keeps a storage allocated between its tensors and by the difference of sizes, which
    the runtime counts. Among safe choices the one adding the fewest live bytes wins.
 4. **Tuples**: a tuple read only through ``t[i]`` is never killed by ``KillAfterLastUse`` (its
@@ -74,7 +72,6 @@ import tvm_ffi
 from tvm import relax, tirx
 
 from ...analysis.effects import inplace_verdict
-from ...analysis.workspace import call_workspace
 from ...contract import LOWER_BOUND_ATTR, NO_PLAN_ATTR, REGENERATE, UPPER_BOUND_ATTR
 from ...symbolic import ShapeGraph, SymbolicExpr
 from .._collection import pauses_collection
@@ -434,10 +431,7 @@ def plan_function(
     for out_id, (source, index) in into_regenerated.items():
         ge_inplace.pop(out_id, None)
         inplace_pairs.append((source.name, facts.allocations[out_id].var.name, index))
-    workspaces = _workspaces(func, mod, graph, facts)
-    storages = _share(
-        facts, graph, sizes, groups, group_of, ge_inplace, options, inplace_pairs, workspaces
-    )
+    storages = _share(facts, graph, sizes, groups, group_of, ge_inplace, options, inplace_pairs)
     model_exhaustive = storages.exhaustive
     aliases = {facts.allocations[a].index: source for a, (source, _) in into_regenerated.items()}
     new_func = _rewrite(func, facts, storages.storages, released, aliases)
@@ -453,26 +447,6 @@ def plan_function(
         exhaustive=model_exhaustive,
     )
     return new_func, plan
-
-
-def _workspaces(
-    func: relax.Function, mod: tvm.IRModule, graph: ShapeGraph, facts: FunctionFacts
-) -> list[Interval]:
-    """The workspace of each kernel call, held at its binding only (what the runtime counts
-    while the kernel runs); calls whose workspace is zero or unreadable are left out."""
-    body = func.body
-    blocks = list(body.blocks) if isinstance(body, relax.SeqExpr) else []
-    bindings = [b for block in blocks for b in block.bindings]
-    if len(bindings) != facts.num_bindings:
-        return []
-    found = []
-    for index in sorted(facts.kernels):
-        binding = bindings[index]
-        size = call_workspace(binding.value, binding.var, mod, graph)
-        if size is None or size.is_unknown or (size.is_constant and size.expr == 0):
-            continue
-        found.append(Interval(index, index, size))
-    return found
 
 
 def _stock_or_unchanged(name: str, facts: FunctionFacts) -> FunctionPlan:
@@ -670,15 +644,10 @@ def _share(
     ge_inplace: dict[int, list[int]],
     options: PlanOptions,
     pairs: list[tuple[str, str, int]],
-    workspaces: Sequence[Interval] = (),
 ) -> _SharingResult:
     allocs = facts.allocations
     base = [Interval(g.start, g.mem_end, g.size) for g in groups]
     moments = [g.start for g in groups]
-    # A kernel's workspace is live while it runs: a moment of its own, where sharing must not
-    # raise the live bytes either.
-    base.extend(workspaces)
-    moments.extend(w.start for w in workspaces)
     for alloc in allocs:
         if not alloc.plannable and alloc.id in sizes and not sizes[alloc.id].is_unknown:
             end = alloc.mem_end(facts.num_bindings)
