@@ -281,7 +281,7 @@ def test_variants_and_configs_cover_every_switch():
     assert set(switches) <= variant_fields
     assert tuple(Variant("v").flags) == switches
     for switch in PipelineFlags.switches("graph"):
-        assert get_config(f"blade-relax-full-no-{switch.replace('_', '-')}")
+        assert get_config(f"blade-relax-no-{switch.replace('_', '-')}")
     # The differential reference is TVM's pipeline: no blade_relax pass, not even the check.
     target = tvm.target.Target("llvm")
     with target:

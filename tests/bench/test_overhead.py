@@ -10,6 +10,9 @@ from blade_relax.bench import ModelSizes, build_workload
 from blade_relax.bench import overhead as overhead_module
 from blade_relax.bench.overhead import active_query_us, main, measure_overhead, parse_pairs
 
+# MemoryAwareSchedule + Rematerialize, no PlanMemory: what the remat runtime costs over the schedule.
+REMAT = "blade-relax-schedule-remat"
+REMAT_BUDGET = f"{REMAT}@0.5"
 TINY = ModelSizes(layers=2, hidden=16, intermediate=64, vocab=8, max_seq_len=64, min_seq_len=2)
 
 
@@ -19,14 +22,12 @@ def workload():
 
 
 def test_rows_per_config_and_length(workload):
-    rows = measure_overhead(
-        workload, "blade-relax-schedule", ["blade-relax"], [8, 32], blocks=3, steps=1
-    )
+    rows = measure_overhead(workload, "blade-relax-schedule", [REMAT], [8, 32], blocks=3, steps=1)
     assert [(r.config, r.length) for r in rows] == [
         ("blade-relax-schedule", 8),
-        ("blade-relax", 8),
+        (REMAT, 8),
         ("blade-relax-schedule", 32),
-        ("blade-relax", 32),
+        (REMAT, 32),
     ]
     for row in rows:
         assert len(row.block_ratios) == 3 and all(r > 0 for r in row.block_ratios)
@@ -57,8 +58,8 @@ def test_bad_arguments_exit_2(argv, capsys):
 def test_ratios_divide_blocks_of_the_same_round(workload, monkeypatch):
     """A scripted clock gives every (config, round) block its own time: each ratio must be the
     block over its base's block of the same round, the order rotating from round to round."""
-    names = ["blade-relax-schedule", "blade-relax", "blade-relax@0.5"]
-    pairs = {"blade-relax@0.5": "blade-relax"}
+    names = ["blade-relax-schedule", REMAT, REMAT_BUDGET]
+    pairs = {REMAT_BUDGET: REMAT}
     blocks = 3
 
     def elapsed(name: str, round_index: int) -> float:
@@ -97,7 +98,7 @@ LLAMA = ModelSizes(
 # Two layers: with one, Hugging Face checkpointing has no layer boundary to save activations at,
 # and its recomputation raises the step peak instead of lowering it.
 MEMORY_VS_TIME = {
-    "blade-relax-full@0.5": "blade-relax-full",
+    "blade-relax@0.5": "blade-relax",
     "torch-eager-ckpt": "torch-eager",
     "torch-eager": "torch-eager",
 }
@@ -110,8 +111,8 @@ def cost_rows():
     llama = build_workload("llama-train", LLAMA)
     return measure_overhead(
         llama,
-        "blade-relax-full",
-        ["blade-relax-full@0.5", "torch-eager", "torch-eager-ckpt"],
+        "blade-relax",
+        ["blade-relax@0.5", "torch-eager", "torch-eager-ckpt"],
         [16, 32],
         pairs=MEMORY_VS_TIME,
         blocks=2,
@@ -125,16 +126,16 @@ def _row(rows, config, length):
 
 
 def test_memory_vs_time_rows(cost_rows):
-    configs = ["blade-relax-full", "blade-relax-full@0.5", "torch-eager", "torch-eager-ckpt"]
+    configs = ["blade-relax", "blade-relax@0.5", "torch-eager", "torch-eager-ckpt"]
     assert [(r.config, r.length) for r in cost_rows] == [(c, n) for n in (16, 32) for c in configs]
     for row in cost_rows:
-        assert row.base == MEMORY_VS_TIME.get(row.config, "blade-relax-full")
+        assert row.base == MEMORY_VS_TIME.get(row.config, "blade-relax")
         assert len(row.block_ratios) == len(row.block_times_s) == 2
         assert row.step_peak_bytes and row.step_peak_bytes > 0
         base = _row(cost_rows, row.base, row.length)
         assert row.block_ratios == [t / b for t, b in zip(row.block_times_s, base.block_times_s)]
         assert row.median_ratio > 0
-    for config in ("blade-relax-full", "torch-eager"):  # their own base: exactly 1
+    for config in ("blade-relax", "torch-eager"):  # their own base: exactly 1
         for n in (16, 32):
             own = _row(cost_rows, config, n)
             assert own.block_ratios == [1.0, 1.0] and own.median_ratio == 1.0
@@ -145,13 +146,13 @@ def test_memory_vs_time_rows(cost_rows):
 
 def test_budget_is_half_the_unbudgeted_peak_and_lowers_it(cost_rows):
     for n in (16, 32):
-        free = _row(cost_rows, "blade-relax-full", n)
-        budgeted = _row(cost_rows, "blade-relax-full@0.5", n)
+        free = _row(cost_rows, "blade-relax", n)
+        budgeted = _row(cost_rows, "blade-relax@0.5", n)
         assert budgeted.budget_bytes == max(1, int(0.5 * free.step_peak_bytes))
         assert budgeted.step_peak_bytes <= free.step_peak_bytes
     assert (
-        _row(cost_rows, "blade-relax-full@0.5", 32).step_peak_bytes
-        < _row(cost_rows, "blade-relax-full", 32).step_peak_bytes
+        _row(cost_rows, "blade-relax@0.5", 32).step_peak_bytes
+        < _row(cost_rows, "blade-relax", 32).step_peak_bytes
     )
 
 
@@ -179,8 +180,8 @@ def test_lora_sft_batches():
     assert len(sft.graph.input_names) == 3
     rows = measure_overhead(
         sft,
-        "blade-relax-full",
-        ["blade-relax-full@0.5", "torch-eager", "torch-eager-ckpt"],
+        "blade-relax",
+        ["blade-relax@0.5", "torch-eager", "torch-eager-ckpt"],
         [32],
         pairs=MEMORY_VS_TIME,
         blocks=1,
@@ -188,13 +189,13 @@ def test_lora_sft_batches():
     )
     peaks = {r.config: r.step_peak_bytes for r in rows}
     assert set(peaks) == {
-        "blade-relax-full",
-        "blade-relax-full@0.5",
+        "blade-relax",
+        "blade-relax@0.5",
         "torch-eager",
         "torch-eager-ckpt",
     }
     assert all(r.median_ratio > 0 for r in rows)
-    assert peaks["blade-relax-full@0.5"] <= peaks["blade-relax-full"]
+    assert peaks["blade-relax@0.5"] <= peaks["blade-relax"]
     assert peaks["torch-eager-ckpt"] < peaks["torch-eager"]
 
 
@@ -209,27 +210,65 @@ def test_parse_pairs():
 @pytest.mark.parametrize(
     ("pairs", "message"),
     [
-        ({"torch-eager": "blade-relax"}, "'torch-eager' is not among the configurations timed"),
-        ({"no-such-config": "blade-relax"}, "'no-such-config' is not among"),
-        ({"blade-relax@0.5": "torch-eager"}, "the base 'torch-eager' of 'blade-relax@0.5'"),
+        ({"torch-eager": REMAT}, "'torch-eager' is not among the configurations timed"),
+        ({"no-such-config": REMAT}, "'no-such-config' is not among"),
+        (
+            {REMAT_BUDGET: "torch-eager"},
+            "the base 'torch-eager' of 'blade-relax-schedule-remat@0.5'",
+        ),
     ],
 )
 def test_bad_pairs_are_refused(workload, pairs, message):
     with pytest.raises(ValueError, match=message):
-        measure_overhead(
-            workload, "blade-relax-schedule", ["blade-relax", "blade-relax@0.5"], [8], pairs=pairs
-        )
+        measure_overhead(workload, "blade-relax-schedule", [REMAT, REMAT_BUDGET], [8], pairs=pairs)
 
 
 @pytest.mark.parametrize(
     "argv",
     [
         ["--configs", "torch-eager-ckpt", "--pairs", "torch-eager-ckpt:torch-eager"],
-        ["--configs", "blade-relax", "--pairs", "torch-eager:blade-relax"],
-        ["--configs", "blade-relax", "--pairs", "blade-relax"],
+        ["--configs", REMAT, "--pairs", f"torch-eager:{REMAT}"],
+        ["--configs", REMAT, "--pairs", REMAT],
     ],
 )
 def test_bad_pairs_exit_2(argv, capsys):
     argv = ["--workload", "llama-lora-sft", "--blocks", "1", "--steps", "1", *argv]
     assert main(argv) == 2
     assert "pairs" in capsys.readouterr().err
+
+
+def test_old_names_are_timed_under_their_new_names(monkeypatch, capsys):
+    from blade_relax.bench import configs
+
+    monkeypatch.setattr(configs, "_WARNED", set())
+    plan = overhead_module._plan(
+        "blade-relax-full",
+        ["blade-relax-full@0.5", "torch-eager"],
+        {"blade-relax-full@0.5": "blade-relax-full"},
+    )
+    assert plan.timed == ["blade-relax", "blade-relax@0.5", "torch-eager"]
+    assert [c.name for c in plan.configs] == plan.timed
+    assert plan.bases == {
+        "blade-relax": "blade-relax",
+        "blade-relax@0.5": "blade-relax",
+        "torch-eager": "blade-relax",
+    }
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and all("the old name will be removed" in line for line in lines)
+
+
+def test_the_default_times_rematerialize_against_the_schedule():
+    import argparse
+
+    seen = {}
+
+    def parse(self, argv=None):
+        seen.update(vars(original(self, argv)))
+        raise SystemExit(0)
+
+    original = argparse.ArgumentParser.parse_args
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(argparse.ArgumentParser, "parse_args", parse)
+        with pytest.raises(SystemExit):
+            main([])
+    assert (seen["base"], seen["configs"]) == ("blade-relax-schedule", REMAT)

@@ -18,8 +18,8 @@ pytest.importorskip("transformers")
 CONFIGS = [
     "tvm-bounded",
     "tvm-bucketed@64",
-    "blade-relax-full",
-    "blade-relax-full@0.8",
+    "blade-relax",
+    "blade-relax@0.8",
     "torch-eager",
     "torch-compile",
 ]
@@ -71,12 +71,10 @@ def test_the_budget_is_predicted_where_the_runtime_evicts(both):
     rows = {(m.config, m.seq_len): m for m in measured.measurements}
     guess = {(m.config, m.seq_len): m for m in predicted.measurements}
     # At s=40 the runtime evicts to meet the budget: the prediction follows it there.
-    real = rows[("blade-relax-full@0.8", 40)]
+    real = rows[("blade-relax@0.8", 40)]
     assert real.evictions > 0
-    assert (
-        real.step_peak_bytes <= real.budget_bytes < rows[("blade-relax-full", 40)].step_peak_bytes
-    )
-    assert guess[("blade-relax-full@0.8", 40)].step_peak_bytes == real.step_peak_bytes
+    assert real.step_peak_bytes <= real.budget_bytes < rows[("blade-relax", 40)].step_peak_bytes
+    assert guess[("blade-relax@0.8", 40)].step_peak_bytes == real.step_peak_bytes
 
 
 def test_lowerings_are_counted_per_configuration(both):
@@ -85,8 +83,8 @@ def test_lowerings_are_counted_per_configuration(both):
     assert summary["tvm-bounded"].compilations == 1
     assert summary["tvm-bucketed@64"].compilations == 1  # 12 and 40 share the bucket
     # The budgeted config reads the lowering of its reference, but needs it as its own.
-    assert summary["blade-relax-full@0.8"].compilations == 1
-    assert summary["blade-relax-full"].compile_time_s > 0
+    assert summary["blade-relax@0.8"].compilations == 1
+    assert summary["blade-relax"].compile_time_s > 0
     assert summary["torch-eager"].compilations == 0
     assert summary["torch-compile"].compilations == 1  # dynamic: one graph for both lengths
     assert summary["torch-compile"].compile_time_s > 0
@@ -138,7 +136,7 @@ def test_the_acceptance_check_counts_trace_entries_and_every_bucket():
     # s = 10 appears 3 times in the trace: ours is above static there (3 of 5 entries).
     result = _result(
         {
-            "blade-relax-full": [5, 9, 7],
+            "blade-relax": [5, 9, 7],
             "tvm-static": [4, 9, 8],
             "tvm-bucketed@64": [6, 8, 9],
         },
@@ -149,7 +147,7 @@ def test_the_acceptance_check_counts_trace_entries_and_every_bucket():
     assert check.above_buckets == {"tvm-bucketed@64": [20]}
     lines = acceptance_lines(result)
     assert lines[0].endswith("(40 %; target >= 95 %: NOT met)")
-    assert lines[1] == "- blade-relax-full > tvm-bucketed@64 at s = 20"
+    assert lines[1] == "- blade-relax > tvm-bucketed@64 at s = 20"
     ours = over_trace(result)[0]
     assert ours.max_peak == 9 and ours.mean_peak == (5 * 3 + 9 + 7) / 5
     assert acceptance(_result({"tvm-static": [1]}, [10])) is None
@@ -182,7 +180,7 @@ def test_bfloat16_predictions_are_the_measured_peaks():
     )  # fmt: skip
     workload = build_workload("llama-train", sizes)
     assert {str(p.dtype) for p in workload.graph.params} == {"bfloat16"}
-    configs = ["tvm-dynamic", "blade-relax-full", "blade-relax-full@0.8", "torch-eager"]
+    configs = ["tvm-dynamic", "blade-relax", "blade-relax@0.8", "torch-eager"]
     predicted = predict_benchmark(workload, configs, [40])
     # bfloat16 keeps 8 bits of mantissa: TVM's kernels round differently from torch's.
     measured = run_benchmark(workload, configs, [40], repeat=1, tolerance=0.1)
@@ -226,7 +224,7 @@ def test_fine_tuning_predictions_are_the_measured_peaks(name):
         layers=2, hidden=32, heads=2, kv_heads=1, intermediate=64, vocab=64, max_seq_len=48
     )
     workload = build_workload(name, sizes)
-    configs = ["blade-relax-full", "torch-eager", "torch-eager-ckpt"]
+    configs = ["blade-relax", "torch-eager", "torch-eager-ckpt"]
     predicted = predict_benchmark(workload, configs, [20, 48])
     measured = run_benchmark(workload, configs, [20, 48], repeat=1)
     guess = {(m.config, m.seq_len): m for m in predicted.measurements}

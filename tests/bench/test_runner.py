@@ -148,12 +148,14 @@ def test_budget_is_a_fraction_of_the_reference_peak(budget_family):
 def test_unevictable_bytes_bound_the_budgeted_peak(budget_family):
     workload = build_workload("mlp-train", TINY_SIZES)
     # The rematerialized config first: the stock one after it must not inherit its decision.
-    result = run_benchmark(workload, ["blade-relax@0.01", "stock-again@0.5"], [12, 40], repeat=1)
+    result = run_benchmark(
+        workload, ["blade-relax-schedule-remat@0.01", "stock-again@0.5"], [12, 40], repeat=1
+    )
     rows = {(m.config, m.seq_len): m for m in result.measurements}
     for n in (12, 40):
-        budgeted = rows[("blade-relax@0.01", n)]
+        budgeted = rows[("blade-relax-schedule-remat@0.01", n)]
         assert budgeted.error is None and budgeted.correct
         # Unreachable budget: the runtime ran at its smallest peak, never below the floor.
-        assert rows[("blade-relax", n)].unevictable_bytes is None
+        assert rows[("blade-relax-schedule-remat", n)].unevictable_bytes is None
         assert budgeted.caller_bytes < budgeted.unevictable_bytes <= budgeted.peak_bytes
         assert rows[("stock-again@0.5", n)].unevictable_bytes is None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shlex
 import sys
 from collections.abc import Sequence
 
@@ -230,14 +231,18 @@ def _check_heavy(args: argparse.Namespace, names: Sequence[str]):
 
 
 def _print_configs() -> None:
-    from .configs import _CONFIGS, _FAMILIES
+    """Every registered name with its description, then the deprecated aliases."""
+    from .configs import _CONFIGS, _FAMILIES, deprecated_aliases
 
-    names = [*_CONFIGS, *(prefix + "@B" for prefix in _FAMILIES)]
+    aliases = deprecated_aliases()
+    names = [*_CONFIGS, *(prefix + "@B" for prefix in _FAMILIES), *aliases]
     width = max(map(len, names), default=0) + 1
     for name, config in sorted(_CONFIGS.items()):
         print(f"{name:<{width}} {config.description}")
     for prefix, family in sorted(_FAMILIES.items()):
         print(f"{prefix + '@B':<{width}} {family.description}")
+    for old, new in aliases.items():
+        print(f"{old:<{width}} deprecated: now {new}")
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = DEFAULT_PROG) -> int:
@@ -247,8 +252,10 @@ def main(argv: Sequence[str] | None = None, *, prog: str = DEFAULT_PROG) -> int:
     """
     from .._quiet import quiet_stderr
 
+    arglist = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = build_parser(prog).parse_args(list(sys.argv[1:] if argv is None else argv))
+        args = build_parser(prog).parse_args(arglist)
+        args.command = f"{prog} {shlex.join(arglist)}"
         _check_light(args)
     except CliError as err:
         print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
@@ -314,7 +321,7 @@ def _run(args: argparse.Namespace, prog: str) -> int:
         print("\n### Peak and step time against the budget (medians over the trace)\n")
         print(sweep)
     if args.out:
-        say(f"wrote {write_json(result, args.out)}")
+        say(f"wrote {write_json(result, args.out, command=args.command)}")
     if args.plot:
         say(f"wrote {write_plot(result, args.plot)}")
     if args.budget_plot:
@@ -367,7 +374,7 @@ def _predict(args: argparse.Namespace, workload, names, lengths, trace, say) -> 
     for m in failed:
         print(f"\n- {m.config} at s={m.seq_len}: {m.error}")
     if args.out:
-        say(f"wrote {write_json(result, args.out)}")
+        say(f"wrote {write_json(result, args.out, command=args.command)}")
     if args.plot:
         say(f"wrote {write_plot(result, args.plot)}")
     return 1 if failed else 0

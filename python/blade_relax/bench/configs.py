@@ -23,6 +23,13 @@ Names are either fixed (``register_config``) or parametrized as ``family@argumen
 configuration with argument ``"0.5"``; ``blade-relax@0.5`` is a budget of half the
 ``blade-relax`` peak once that family is registered (:func:`register_budget_family`).
 
+``blade-relax`` is the default pipeline (``get_pipeline(target)`` with ``DispatchGemm`` on) and
+``blade-relax-no-<flag>`` that pipeline without one graph pass; ``blade-relax-schedule-remat``
+is ``MemoryAwareSchedule`` + ``Rematerialize`` alone (the name ``blade-relax`` had before).
+Renamed configurations keep their old names as deprecated aliases (:data:`_DEPRECATED_ALIASES`):
+:func:`get_config` resolves one to the configuration under its new name, which the results
+carry, and says so once per process on stderr.
+
 Adding a configuration is a few lines, here (at the end of this file) or in the module that owns
 the passes, e.g.::
 
@@ -34,13 +41,14 @@ the passes, e.g.::
         pipeline=lambda target: get_pipeline(target, schedule=True, remat=False, plan=False),
         description="stock + MemoryAwareSchedule, bounds dropped",
     ))
-    register_config(TvmConfig("blade-relax", pipeline=lambda target: get_pipeline(target)))
-    register_budget_family("blade-relax")        # blade-relax@0.5, blade-relax@0.25, ...
+    register_config(TvmConfig("my-pipeline", pipeline=lambda target: get_pipeline(target)))
+    register_budget_family("my-pipeline")        # my-pipeline@0.5, my-pipeline@0.25, ...
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +56,7 @@ from typing import Any
 from ..pipeline import PipelineFlags
 
 __all__ = [
+    "DEFAULT_CONFIG",
     "BenchConfig",
     "ConfigFamily",
     "FlagsPipeline",
@@ -55,6 +64,8 @@ __all__ = [
     "TvmConfig",
     "available_configs",
     "budget_variant",
+    "canonical_name",
+    "deprecated_aliases",
     "get_config",
     "register_budget_family",
     "register_config",
@@ -192,6 +203,77 @@ class ConfigFamily:
 _CONFIGS: dict[str, BenchConfig] = {}
 _FAMILIES: dict[str, ConfigFamily] = {}
 
+#: The default pipeline's configuration (``get_pipeline(target)`` with ``DispatchGemm`` on).
+DEFAULT_CONFIG = "blade-relax"
+
+#: Old names that still resolve: old name -> (current name, what it is, for the message).
+#: An old name that was also a family prefix stands for the family too: ``blade-relax-full@0.5``
+#: is ``blade-relax@0.5``. Nothing may be registered under an old name, and a name whose meaning
+#: changed (``blade-relax``, once ``blade-relax-schedule-remat``) cannot be an alias.
+_DEPRECATED_ALIASES: dict[str, tuple[str, str]] = {
+    "blade-relax-full": (DEFAULT_CONFIG, "the default pipeline"),
+    **{
+        f"blade-relax-full-no-{flag.replace('_', '-')}": (
+            f"{DEFAULT_CONFIG}-no-{flag.replace('_', '-')}",
+            f"the default pipeline without {name}",
+        )
+        for flag, name in PipelineFlags.passes("graph").items()
+    },
+}
+#: The old names :func:`canonical_name` has warned about in this process.
+_WARNED: set[str] = set()
+
+
+def deprecated_aliases() -> dict[str, str]:
+    """The deprecated names that still resolve, each with the name it now stands for.
+
+    Returns
+    -------
+    dict[str, str]
+        Old name -> current name; an old family prefix appears as ``old@B`` -> ``new@B``.
+    """
+    aliases = {}
+    for old, (new, _what) in sorted(_DEPRECATED_ALIASES.items()):
+        aliases[old] = new
+        if new in _FAMILIES:
+            aliases[f"{old}@B"] = f"{new}@B"
+    return aliases
+
+
+def canonical_name(name: str) -> str:
+    """``name`` under its current spelling: a deprecated alias becomes its new name.
+
+    The first use of each old name in a process prints one line on stderr; any other name
+    (registered or not) comes back unchanged.
+
+    Parameters
+    ----------
+    name
+        A configuration name, fixed or ``family@argument``.
+
+    Returns
+    -------
+    str
+        The name to look the configuration up by and to report its results under.
+    """
+    if name in _DEPRECATED_ALIASES:
+        new, what = _DEPRECATED_ALIASES[name]
+    else:
+        prefix, at, argument = name.partition("@")
+        if not (at and prefix in _DEPRECATED_ALIASES):
+            return name
+        base, what = _DEPRECATED_ALIASES[prefix]
+        new, what = f"{base}@{argument}", f"{what} under a budget"
+    if name not in _WARNED:
+        _WARNED.add(name)
+        print(
+            f"blade-relax bench: config {name!r} is now {new!r} ({what}); "
+            "the old name will be removed",
+            file=sys.stderr,
+            flush=True,
+        )
+    return new
+
 
 def register_config(config: BenchConfig, *, override: bool = False) -> BenchConfig:
     """Add ``config`` under ``config.name``; returns it (so it can be used inline).
@@ -199,12 +281,14 @@ def register_config(config: BenchConfig, *, override: bool = False) -> BenchConf
     Raises
     ------
     ValueError
-        When the name is taken (unless ``override``) or contains ``@`` (use a family).
+        When the name is taken (unless ``override``), is a deprecated alias, or contains ``@``
+        (use a family).
     """
     if "@" in config.name:
         raise ValueError(
             f"config names with '@' are parametrized: register a family for {config.name!r}"
         )
+    _refuse_alias(config.name)
     if config.name in _CONFIGS and not override:
         raise ValueError(f"config {config.name!r} is already registered")
     _CONFIGS[config.name] = config
@@ -225,11 +309,20 @@ def register_config_family(
     """
     if "@" in prefix:
         raise ValueError(f"a family prefix may not contain '@': {prefix!r}")
+    _refuse_alias(prefix)
     if prefix in _FAMILIES and not override:
         raise ValueError(f"config family {prefix!r}@... is already registered")
     family = ConfigFamily(prefix, make, description)
     _FAMILIES[prefix] = family
     return family
+
+
+def _refuse_alias(name: str) -> None:
+    if name in _DEPRECATED_ALIASES:
+        raise ValueError(
+            f"{name!r} is the deprecated name of {_DEPRECATED_ALIASES[name][0]!r}: "
+            "choose another name"
+        )
 
 
 def _fraction(argument: str, name: str) -> float:
@@ -272,7 +365,16 @@ def register_budget_family(base_name: str, *, override: bool = False) -> ConfigF
 
 
 def get_config(name: str) -> BenchConfig:
-    """The configuration called ``name`` (fixed or ``family@argument``)."""
+    """The configuration called ``name`` (fixed or ``family@argument``).
+
+    A deprecated alias (:func:`canonical_name`) gives the configuration under its new name.
+
+    Raises
+    ------
+    ValueError
+        For an unknown name or a family argument its family refuses.
+    """
+    name = canonical_name(name)
     if name in _CONFIGS:
         return _CONFIGS[name]
     prefix, at, argument = name.partition("@")
@@ -286,7 +388,7 @@ def get_config(name: str) -> BenchConfig:
 
 
 def available_configs() -> list[str]:
-    """Registered names, families shown as ``prefix@B``."""
+    """Registered names, families shown as ``prefix@B`` (deprecated aliases left out)."""
     return sorted(_CONFIGS) + sorted(f"{p}@B" for p in _FAMILIES)
 
 
@@ -294,12 +396,14 @@ def resolve_configs(names: list[str]) -> list[tuple[BenchConfig, bool]]:
     """Configurations for ``names`` in run order, each budget reference before its users.
 
     Returns ``(config, requested)`` pairs; ``requested`` is False for a reference added only
-    because a budget needs its peak.
+    because a budget needs its peak. Deprecated aliases are resolved first (an old and a new
+    name of one configuration give one entry).
     """
     ordered: list[tuple[BenchConfig, bool]] = []
     seen: dict[str, int] = {}
 
     def add(name: str, requested: bool, chain: tuple[str, ...]) -> None:
+        name = canonical_name(name)
         if name in chain:
             raise ValueError(f"budget references form a cycle: {' -> '.join((*chain, name))}")
         if name in seen:
@@ -450,32 +554,34 @@ register_config(
 )
 register_config(
     TvmConfig(
-        "blade-relax",
+        "blade-relax-schedule-remat",
         pipeline=_blade_factory(schedule=True, remat=True, plan=False),
-        description="MemoryAwareSchedule + Rematerialize, no budget, bounds dropped",
+        description="MemoryAwareSchedule + Rematerialize (no PlanMemory, no graph cleanup), "
+        "no budget, bounds dropped",
     )
 )
-register_budget_family("blade-relax")
+register_budget_family("blade-relax-schedule-remat")
 # The default pipeline's passes beyond the three memory passes, by the flag that enables each.
 _GRAPH_PASSES = PipelineFlags.passes("graph")
 _DEFAULT_FLAGS = dict.fromkeys(PipelineFlags.switches("memory") + tuple(_GRAPH_PASSES), True)
 
 register_config(
     TvmConfig(
-        "blade-relax-full",
+        DEFAULT_CONFIG,
         pipeline=_blade_factory(**_DEFAULT_FLAGS),
-        description="every pass of the pipeline: "
+        description="the default pipeline (blade_relax.get_pipeline(target) with DispatchGemm "
+        "on), no budget: "
         + " + ".join(_GRAPH_PASSES.values())
         + " + MemoryAwareSchedule + Rematerialize + PlanMemory, bounds dropped (DispatchGemm, "
         "off in get_pipeline's defaults, on: GEMMs on ATen, peaks unchanged)",
     )
 )
-register_budget_family("blade-relax-full")
+register_budget_family(DEFAULT_CONFIG)
 for _flag, _pass in _GRAPH_PASSES.items():
     # What each pass removes from the default pipeline's peak: the default without it.
     register_config(
         TvmConfig(
-            f"blade-relax-full-no-{_flag.replace('_', '-')}",
+            f"{DEFAULT_CONFIG}-no-{_flag.replace('_', '-')}",
             pipeline=_blade_factory(**{**_DEFAULT_FLAGS, _flag: False}),
             description=f"the default pipeline without {_pass}, bounds dropped",
         )
@@ -525,12 +631,13 @@ def _register_static_twin(name: str, base: str) -> None:
     """``base``'s pipeline recompiled for every exact length, registered as ``name``."""
     config = _CONFIGS[base]
     assert isinstance(config, TvmConfig)
+    what = f"{base} (the default pipeline)" if base == DEFAULT_CONFIG else base
     register_config(
         TvmConfig(
             name,
             pipeline=config.pipeline,
             static=True,
-            description=f"{base} recompiled for every exact length",
+            description=f"{what} recompiled for every exact length",
         )
     )
 
@@ -542,7 +649,7 @@ register_config(
         description="MemoryAwareSchedule + PlanMemory, bounds dropped",
     )
 )
-_register_static_twin("blade-relax-static", "blade-relax-full")
+_register_static_twin("blade-relax-static", DEFAULT_CONFIG)
 _register_static_twin("blade-relax-schedule-static", "blade-relax-schedule")
 _register_static_twin("blade-relax-schedule-plan-static", "blade-relax-schedule-plan")
 

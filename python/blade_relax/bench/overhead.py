@@ -1,8 +1,9 @@
 """Step-time overhead of configurations against their bases, measured in interleaved blocks.
 
 ``python -m blade_relax.bench.overhead --workload llama-train --base blade-relax-schedule
---configs blade-relax --lengths 16,28,64`` compiles each configuration once (dynamic length),
-then, per length, times ``--blocks`` blocks of ``--steps`` calls of each configuration in turn
+--configs blade-relax-schedule-remat --lengths 16,28,64`` (the defaults: what ``Rematerialize``
+costs without a budget) compiles each configuration once (dynamic length), then, per length,
+times ``--blocks`` blocks of ``--steps`` calls of each configuration in turn
 (the order rotates from block to block), so that a slow spell of a shared machine hits every
 configuration alike. A configuration's overhead at a length is the median over blocks of its
 block time divided by its base's block time of the same round. The ruler's own step times
@@ -12,13 +13,13 @@ differences of a few percent on a shared CPU.
 Every configuration is divided by ``--base`` unless ``--pairs`` names its own base, so that one
 run answers "what do memory savings cost in time" for both systems::
 
-    python -m blade_relax.bench.overhead --workload llama-train --base blade-relax-full \\
-        --configs blade-relax-full@0.5,torch-eager,torch-eager-ckpt \\
+    python -m blade_relax.bench.overhead --workload llama-train --base blade-relax \\
+        --configs blade-relax@0.5,torch-eager,torch-eager-ckpt \\
         --pairs torch-eager:torch-eager,torch-eager-ckpt:torch-eager
 
 Configurations are dynamic TVM ones, with or without a runtime budget, and PyTorch ones
 (``torch-eager``, ``torch-eager-ckpt``, ``torch-compile``, ...). A budgeted configuration
-(``blade-relax-full@0.5``) runs under a budget taken, once per length before the timing, as the
+(``blade-relax@0.5``) runs under a budget taken, once per length before the timing, as the
 ruler (:func:`~blade_relax.bench.runner.run_benchmark`) takes it: the fraction times the step
 peak its ``budget_of`` configuration measures at that length, applied as the runtime budget
 (``set_memory_budget``) its own measured step ran under. A PyTorch configuration runs the
@@ -171,10 +172,15 @@ class _Plan:
 
 
 def _plan(base: str, configs: Sequence[str], pairs: Mapping[str, str] | None) -> _Plan:
-    """Resolve and check the configurations and the pairs; raises ValueError (or KeyError)."""
-    from .configs import TvmConfig, resolve_configs
+    """Resolve and check the configurations and the pairs; raises ValueError (or KeyError).
 
-    timed = list(dict.fromkeys([base, *configs]))
+    Deprecated names are replaced by their current ones (:func:`~.configs.canonical_name`), in
+    the pairs too, so that the rows carry the current names."""
+    from .configs import TvmConfig, canonical_name, resolve_configs
+
+    timed = list(dict.fromkeys(canonical_name(n) for n in [base, *configs]))
+    base = canonical_name(base)
+    pairs = {canonical_name(k): canonical_name(v) for k, v in (pairs or {}).items()}
     ordered = [config for config, _requested in resolve_configs(timed)]
     for config in ordered:
         if isinstance(config, TvmConfig) and (config.static or config.bucket is not None):
@@ -184,7 +190,7 @@ def _plan(base: str, configs: Sequence[str], pairs: Mapping[str, str] | None) ->
             )
     bases = dict.fromkeys(timed, base)
     listed = ", ".join(timed)
-    for name, of in (pairs or {}).items():
+    for name, of in pairs.items():
         if name not in bases:
             raise ValueError(
                 f"pairs: {name!r} is not among the configurations timed ({listed}); "
@@ -421,7 +427,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workload", default="llama-train", choices=sorted(WORKLOADS))
     parser.add_argument("--size", default="small", choices=sorted(PRESETS))
     parser.add_argument("--base", default="blade-relax-schedule")
-    parser.add_argument("--configs", default="blade-relax", help="comma-separated names")
+    parser.add_argument(
+        "--configs", default="blade-relax-schedule-remat", help="comma-separated names"
+    )
     parser.add_argument(
         "--pairs",
         default="",

@@ -16,7 +16,7 @@ TVM configurations
     side by side; ``tests/bench/test_predict.py`` asserts the equality for every configuration
     at a size where running is affordable). ``CheckDimRanges`` is left out of the lowering: its
     assertions allocate nothing.
-Runtime budgets (``blade-relax-full@0.8``)
+Runtime budgets (``blade-relax@0.8``)
     The budget is the fraction of the reference's predicted step peak; the decision is the
     remat runtime's own (:meth:`blade_relax.runtime.remat.RematProgram.decision`, the code
     ``remat_begin`` runs) on the concrete timeline of the rewritten copy's metadata, and its
@@ -81,8 +81,8 @@ class _Lowered:
 
 
 class _Lowerings:
-    """Lowerings shared by the configurations of one run (``blade-relax-full@0.8`` reads the
-    module ``blade-relax-full`` lowered), with the timelines read from them."""
+    """Lowerings shared by the configurations of one run (``blade-relax@0.8`` reads the
+    module ``blade-relax`` lowered), with the timelines read from them."""
 
     def __init__(self, target: tvm.target.Target) -> None:
         self.target = target

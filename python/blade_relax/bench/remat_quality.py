@@ -1,7 +1,7 @@
 """How close rematerialization gets to what is possible: floor, minimum, budgets and the optimum.
 
 ``python -m blade_relax.bench.remat_quality`` compiles each training workload once as the
-bench's ``blade-relax-full`` configuration does (the default pipeline, upper bounds dropped) and,
+bench's ``blade-relax`` configuration does (the default pipeline, upper bounds dropped) and,
 at each length:
 
 1. runs the step without a budget (the reference outputs and the unbudgeted peak);
@@ -144,8 +144,8 @@ def measure_workload(
 
     workload = build_workload(name, _sizes(name, lengths))
     say(f"... {name}: compiling")
-    # What the bench measures as blade-relax-full, so that the figures match its tables.
-    config = get_config("blade-relax-full")
+    # What the bench measures as blade-relax, so that the figures match its tables.
+    config = get_config("blade-relax")
     target = tvm.target.Target("llvm")
     exe = tvm.compile(
         workload.graph.with_upper_bounds(config.keep_bounds).mod,

@@ -1,29 +1,35 @@
 """Outputs of a benchmark run: the JSON document, the markdown table, the plot.
 
-The JSON document (schema ``blade_relax.bench/1``; the README's "Benchmarks" section documents
-every key) holds the workload, the environment, the trace, one summary per configuration and one
-row per configuration and length.
+The JSON document (schema ``blade_relax.bench/1``; ``docs/bench-format.md`` documents every key)
+holds the workload, the environment, where the figures come from (the command, the commit and
+the date), the trace, one summary per configuration and one row per configuration and length.
+:func:`read_json` reads a document back into a :class:`RecordedResult`, which every table and
+plot function here accepts in place of a live :class:`~.runner.BenchResult`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .runner import BenchResult, Measurement
+from .runner import BenchResult, ConfigSummary, Measurement
 
 __all__ = [
     "SCHEMA",
     "Acceptance",
     "BudgetPoint",
     "ConfigOverTrace",
+    "RecordedResult",
+    "RecordedWorkload",
     "acceptance",
     "acceptance_lines",
     "budget_points",
@@ -32,6 +38,8 @@ __all__ = [
     "markdown_table",
     "over_trace",
     "peak_grid",
+    "provenance",
+    "read_json",
     "result_to_json",
     "trace_summary_table",
     "write_budget_plot",
@@ -63,8 +71,41 @@ def _environment() -> dict[str, Any]:
     return env
 
 
-def result_to_json(result: BenchResult) -> dict[str, Any]:
-    """The JSON document of ``result`` (plain dicts, lists, numbers and strings)."""
+def _git(*args: str) -> str | None:
+    """``git args`` in the checkout this module was loaded from; ``None`` outside one."""
+    here = Path(__file__).resolve().parent
+    try:
+        done = subprocess.run(
+            ["git", *args], cwd=here, capture_output=True, text=True, timeout=10, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip()
+
+
+def provenance(command: str | None) -> dict[str, Any]:
+    """Where a run's figures come from: ``command``, ``commit``, ``dirty`` and ``date``.
+
+    ``commit`` is the short hash of the checkout's ``HEAD`` (``None`` for an installed
+    package); ``dirty`` says whether the tracked sources (``python/``) differed from it, in
+    which case the figures belong to no commit.
+    """
+    commit = _git("rev-parse", "--short=7", "HEAD")
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", "python")
+    return {
+        "command": command,
+        "commit": commit,
+        "dirty": bool(status) if commit else None,
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+def result_to_json(result: BenchResult, *, command: str | None = None) -> dict[str, Any]:
+    """The JSON document of ``result`` (plain dicts, lists, numbers and strings).
+
+    ``command`` is the command line that produced ``result``, kept with the commit and the
+    date (:func:`provenance`).
+    """
     graph = result.workload.graph
     return {
         "schema": SCHEMA,
@@ -79,6 +120,7 @@ def result_to_json(result: BenchResult) -> dict[str, Any]:
         },
         "target": result.target,
         "environment": _environment(),
+        "provenance": provenance(command),
         "trace": {**result.trace, "measured_lengths": list(result.lengths)},
         "repeat": result.repeat,
         "tolerance": result.tolerance,
@@ -88,12 +130,83 @@ def result_to_json(result: BenchResult) -> dict[str, Any]:
     }
 
 
-def write_json(result: BenchResult, path: str | os.PathLike) -> Path:
+def write_json(result: BenchResult, path: str | os.PathLike, *, command: str | None = None) -> Path:
     """Write :func:`result_to_json` to ``path`` (parent folders created)."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result_to_json(result), indent=2) + "\n")
+    out.write_text(json.dumps(result_to_json(result, command=command), indent=2) + "\n")
     return out
+
+
+@dataclass(frozen=True)
+class RecordedWorkload:
+    """The workload of a recorded run, as its JSON document describes it."""
+
+    name: str
+    kind: str
+    sizes: dict[str, Any]
+    dims: dict[str, list[int]]
+    param_bytes: int
+
+
+@dataclass(frozen=True)
+class RecordedResult:
+    """A benchmark run read back from its JSON document (:func:`read_json`).
+
+    It has the attributes of :class:`~.runner.BenchResult` that the tables and plots read, plus
+    the run's ``environment`` and ``provenance``; the workload is its description only (no
+    graph, no weights).
+    """
+
+    workload: RecordedWorkload
+    target: str
+    lengths: list[int]
+    trace: dict[str, Any]
+    repeat: int
+    tolerance: float
+    configs: list[ConfigSummary]
+    measurements: list[Measurement]
+    environment: dict[str, Any]
+    provenance: dict[str, Any]
+
+    @property
+    def all_correct(self) -> bool:
+        """Every requested measurement ran and matched the reference (as the run said)."""
+        requested = {c.name for c in self.configs if c.requested}
+        rows = [m for m in self.measurements if m.config in requested]
+        return bool(rows) and all(m.error is None and m.correct for m in rows)
+
+
+def read_json(path: str | os.PathLike) -> RecordedResult:
+    """Read a document that :func:`write_json` wrote.
+
+    Raises
+    ------
+    ValueError
+        When the file is not a ``blade_relax.bench/1`` document.
+    """
+    doc = json.loads(Path(path).read_text())
+    if doc.get("schema") != SCHEMA:
+        raise ValueError(f"{path}: schema {doc.get('schema')!r}, expected {SCHEMA!r}")
+    work = doc["workload"]
+    return RecordedResult(
+        workload=RecordedWorkload(
+            name=work["name"],
+            kind=work["kind"],
+            sizes=work["sizes"],
+            dims=work["dims"],
+            param_bytes=work["param_bytes"],
+        ),
+        target=doc["target"],
+        lengths=list(doc["trace"]["measured_lengths"]),
+        trace={k: v for k, v in doc["trace"].items() if k != "measured_lengths"},
+        repeat=doc["repeat"],
+        tolerance=doc["tolerance"],
+        configs=[ConfigSummary(**c) for c in doc["configs"]],
+        measurements=[Measurement(**m) for m in doc["results"]],
+        environment=doc.get("environment", {}),
+        provenance=doc.get("provenance", {}),
+    )
 
 
 def format_bytes(nbytes: int | None) -> str:
@@ -549,7 +662,7 @@ class Acceptance:
 
 def acceptance(
     result: BenchResult,
-    ours: str = "blade-relax-full",
+    ours: str = "blade-relax",
     static: str = "tvm-static",
     bucket_prefix: str = "tvm-bucketed@",
 ) -> Acceptance | None:
@@ -582,7 +695,7 @@ def acceptance(
 
 
 def acceptance_lines(result: BenchResult) -> list[str]:
-    """The acceptance check in words (empty when the run lacks ``blade-relax-full``)."""
+    """The acceptance check in words (empty when the run lacks ``blade-relax``)."""
     check = acceptance(result)
     if check is None:
         return []

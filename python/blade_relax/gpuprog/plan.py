@@ -7,7 +7,7 @@ The steps, most valuable first (a run cut short by the deadline loses the least)
     (``$OUT/preflight.json``).
 ``bench-llama-train``, ``bench-gpt2-train``
     The benchmark at the prepared size (``real``) on the GPU, from the graphs carried in
-    ``.gpuprog/``: ``tvm-dynamic``, ``blade-relax-full``, ``blade-relax-full@0.7`` against
+    ``.gpuprog/``: ``tvm-dynamic``, ``blade-relax``, ``blade-relax@0.7`` against
     ``torch-eager`` and ``torch-compile`` at three lengths of the trace (``$OUT/bench-*.json``).
 ``gpu-tests``
     The tests marked ``gpu``, but for :data:`GPU_TESTS_LEFT_OUT`.
@@ -62,14 +62,14 @@ WORKLOADS = ("llama-train", "gpt2-train")
 #: The configurations benchmarked, in the order the runner measures them.
 BENCH_CONFIGS = (
     "tvm-dynamic",
-    "blade-relax-full",
-    "blade-relax-full@0.7",
+    "blade-relax",
+    "blade-relax@0.7",
     "torch-eager",
     "torch-compile",
 )
 #: The configurations whose executables the benchmark builds, one each per workload (the
 #: budget variant runs its base's: ``run_benchmark(share_builds=True)``).
-TVM_BUILDS = ("tvm-dynamic", "blade-relax-full")
+TVM_BUILDS = ("tvm-dynamic", "blade-relax")
 #: The GPU tests left out of the ``gpu-tests`` step: tutorial 5's (the ``tutorial-5`` step runs
 #: it), and those the benchmark steps check at real size (numerics against torch with and
 #: without a budget, the driver's agreement on a training step, the benchmark itself): each of
