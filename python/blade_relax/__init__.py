@@ -7,6 +7,18 @@ Relax pipeline ``"blade_relax"``. The passes live in :mod:`blade_relax.transform
 The command lines (``blade-relax``, ``python -m blade_relax.bench``) are the one exception:
 they answer ``--help`` and reject bad input without importing TVM (seconds on a small
 machine), and import it, with everything above, when a command starts its work.
+
+The Hugging Face entry points are here too, imported on first use (PEP 562), so that
+``import blade_relax`` needs neither torch nor transformers::
+
+    import blade_relax
+
+    graph = blade_relax.import_training_step(model, max_seq_len=512, max_batch_size=8)
+    blade_relax.Trainer(graph).fit(batches)  # or blade_relax.Trainer(model, max_seq_len=512)
+
+:func:`import_training_step` and :func:`import_inference` come from
+:mod:`blade_relax.frontend`, :class:`Trainer`, :func:`fit`, :class:`AdamW` and :class:`SGD`
+from :mod:`blade_relax.training`; torch is imported when a model is imported.
 """
 
 from __future__ import annotations
@@ -20,7 +32,17 @@ from ._quiet import quiet
 
 __version__ = "0.1.0"
 
-__all__ = ["get_pipeline", "quiet", "runtime", "__version__"]
+#: The user-facing entry points, imported from these modules on first access.
+_LAZY = {
+    "import_inference": "frontend",
+    "import_training_step": "frontend",
+    "AdamW": "training",
+    "SGD": "training",
+    "Trainer": "training",
+    "fit": "training",
+}
+
+__all__ = ["get_pipeline", "quiet", "runtime", "__version__", *_LAZY]
 
 # The modules `python -m` runs as blade_relax's command lines.
 _COMMAND_MODULES = ("blade_relax.bench", "blade_relax.bench.cli", "blade_relax.cli")
@@ -47,10 +69,22 @@ if not _is_command_line():
 
 
 def __getattr__(name: str) -> _Any:
-    # Reached only in a command line before _load() (PEP 562).
+    # PEP 562: the entry points of _LAZY on first access; the rest only in a command line
+    # before _load().
+    if name in _LAZY:
+        if "get_pipeline" not in globals():
+            _load()  # what `import blade_relax` does outside a command line
+        module = _importlib.import_module(f"{__name__}.{_LAZY[name]}")
+        value = getattr(module, name)
+        globals()[name] = value
+        return value
     if name in ("get_pipeline", "runtime", "pipeline"):
         _load()
         if name == "get_pipeline":
             return globals()[name]
         return _sys.modules[f"{__name__}.{name}"]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

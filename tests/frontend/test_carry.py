@@ -21,6 +21,7 @@ pytest.importorskip("transformers")
 
 from blade_relax.bench.workloads import ModelSizes, build_workload, gpt2_model, llama_model  # noqa: E402
 from blade_relax.frontend.carry import FORMAT, attach_model, load_graph, save_graph  # noqa: E402
+from blade_relax.frontend.imported import SIZE_OPTIONS  # noqa: E402
 
 SIZES = ModelSizes(
     layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64, vocab=64, max_seq_len=32
@@ -48,6 +49,8 @@ def test_training_graph_travels_and_runs_with_the_new_models_weights(
     assert carried.info == {"seed": 3}
     assert carried.param_names == llama_train.graph.param_names
     assert carried.dims["s"].upper == SIZES.max_seq_len
+    # What shape errors name travels too.
+    assert carried.metadata[SIZE_OPTIONS] == llama_train.graph.metadata[SIZE_OPTIONS]
 
     import torch
 

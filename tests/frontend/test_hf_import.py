@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -13,11 +16,13 @@ import blade_relax  # noqa: F401  (installs the runtime accounting)
 from blade_relax.bench.workloads import ModelSizes, gpt2_model, llama_model
 from blade_relax.frontend import (
     DimOutOfRangeError,
+    DimRange,
     TiedParameterError,
     flatten_outputs,
     import_inference,
     import_training_step,
 )
+from blade_relax.frontend.imported import SIZE_OPTIONS
 from blade_relax.pipeline import stock_pipeline
 
 torch = pytest.importorskip("torch")
@@ -131,14 +136,144 @@ def test_tied_parameters_error_says_what_to_change():
 
 
 def test_import_rejects_a_maximum_beyond_the_position_table():
-    with pytest.raises(ValueError, match="position limit 64"):
+    with pytest.raises(ValueError, match="position limit 64 .*: pass max_seq_len=64 or less"):
         import_training_step(tiny_gpt2(tied=False), max_seq_len=2 * MAX_LEN)
+
+
+@pytest.fixture(scope="module")
+def llama_model_only():
+    return tiny_llama()
+
+
+@pytest.mark.parametrize("importer", [import_training_step, import_inference])
+def test_missing_max_seq_len_says_what_to_pass(llama_model_only, importer):
+    name = importer.__name__
+    with pytest.raises(TypeError) as info:
+        importer(llama_model_only)
+    assert str(info.value) == (
+        f"{name} needs max_seq_len=, the longest sequence (in tokens) the step will take (from 2 "
+        f"to {MAX_LEN}, the model's position limit); e.g. {name}(model, max_seq_len={MAX_LEN})"
+    )
+
+
+@pytest.mark.parametrize("importer", [import_training_step, import_inference])
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        ({"max_seq_len": "32"}, TypeError, "max_seq_len must be an int.*not '32'"),
+        ({"max_seq_len": 32.0}, TypeError, "max_seq_len must be an int.*e.g. max_seq_len=64"),
+        ({"max_seq_len": True}, TypeError, "max_seq_len must be an int"),
+        ({"max_seq_len": 1}, ValueError, "below min_seq_len 2: pass max_seq_len=2 or more"),
+        ({"max_seq_len": 8, "min_seq_len": 1}, ValueError, "pass min_seq_len=2 .*or more"),
+        ({"max_seq_len": 8, "batch_size": 0}, ValueError, "batch_size must be an int >= 1"),
+        ({"max_seq_len": 8, "max_batch_size": 0}, ValueError, "max_batch_size must be None"),
+        (
+            {"max_seq_len": 8, "batch_size": 3, "max_batch_size": 2},
+            ValueError,
+            "batch_size 3 is above max_batch_size 2: pass max_batch_size=3 or more",
+        ),
+    ],
+)
+def test_wrong_sizes_say_what_to_pass(llama_model_only, importer, options, error, match):
+    with pytest.raises(error, match=match):
+        importer(llama_model_only, **options)
+
+
+def test_shape_errors_name_the_import_option(llama_step):
+    def ids(*shape):
+        return np.zeros(shape, "int64")
+
+    message = (
+        "input 'input_ids' axis 0 (batch) is 2, but the step was imported for batch 1: pass "
+        "max_batch_size=2 (or more) to import_training_step"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        llama_step.bind_dims([ids(2, 8)] * 2)
+    with pytest.raises(ValueError, match=re.escape("rank 2 (batch, sequence length); a single")):
+        llama_step.bind_dims([ids(8)] * 2)
+    with pytest.raises(ValueError, match=re.escape("'labels' axis 1 (sequence length) is 6")):
+        llama_step.bind_dims([ids(1, 5), ids(1, 6)])
+    # Beyond the model's positions (the step's maximum here): no import runs it.
+    with pytest.raises(DimOutOfRangeError, match=f"position limit is {MAX_LEN} .*truncate"):
+        llama_step.bind_dims([ids(1, MAX_LEN + 1)] * 2)
+    with pytest.raises(DimOutOfRangeError, match="s >= 2; pad the sequence to 2 tokens"):
+        llama_step.bind_dims([ids(1, 1)] * 2)
+    # A step imported for lengths 8 to 32 names both ends.
+    narrow = dataclasses.replace(llama_step, dims={"s": DimRange("s", 8, 32)})
+    message = (
+        "sequence length s = 40 exceeds the exported upper bound s <= 32 (the torch.export Dim "
+        f"max); pass max_seq_len=40 (or more, at most {MAX_LEN}, the model's position limit) "
+        "to import_training_step"
+    )
+    with pytest.raises(DimOutOfRangeError, match=re.escape(message)):
+        narrow.bind_dims([ids(1, 40)] * 2)
+    with pytest.raises(DimOutOfRangeError, match=re.escape("pass min_seq_len=5 (or less) to")):
+        narrow.bind_dims([ids(1, 5)] * 2)
+    # Without the import's options (a graph built by hand): the plain messages.
+    bare = dataclasses.replace(narrow, metadata={})
+    with pytest.raises(ValueError, match=re.escape("axis 0 is 2, expected 1")):
+        bare.bind_dims([ids(2, 8)] * 2)
+    with pytest.raises(DimOutOfRangeError, match="import again with a larger maximum"):
+        bare.bind_dims([ids(1, 40)] * 2)
+
+
+def test_entry_points_are_at_the_top_level():
+    import blade_relax.frontend
+    import blade_relax.training
+
+    for name in ("import_training_step", "import_inference"):
+        assert getattr(blade_relax, name) is getattr(blade_relax.frontend, name)
+        assert name in blade_relax.__all__ and name in dir(blade_relax)
+    for name in ("Trainer", "fit", "AdamW", "SGD"):
+        assert getattr(blade_relax, name) is getattr(blade_relax.training, name)
+        assert name in blade_relax.__all__
+    from blade_relax import Trainer, import_training_step  # noqa: F401
+
+    with pytest.raises(AttributeError, match="no attribute 'import_everything'"):
+        blade_relax.import_everything  # noqa: B018
+
+
+_NO_TORCH = """
+import sys
+
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "transformers"):
+            raise ImportError(f"No module named {name!r} (blocked)")
+
+sys.meta_path.insert(0, Block())
+import blade_relax
+from blade_relax import Trainer, fit, import_inference, import_training_step
+assert "torch" not in sys.modules and "transformers" not in sys.modules
+
+class Config:
+    max_position_embeddings = 64
+
+class Model:
+    config = Config()
+
+try:
+    import_training_step(Model(), max_seq_len=16)
+except ImportError as err:
+    print(err)
+"""
+
+
+def test_top_level_import_needs_no_torch():
+    proc = subprocess.run(
+        [sys.executable, "-c", _NO_TORCH], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "pip install 'blade-relax[hf]'" in proc.stdout
 
 
 @pytest.mark.parametrize("make", [tiny_llama, lambda: tiny_gpt2(tied=True)], ids=["llama", "gpt2"])
 def test_inference_graph_matches_logits(make):
     graph = import_inference(make(), max_seq_len=MAX_LEN)
     assert graph.output_names == ["logits"]
+    assert graph.metadata[SIZE_OPTIONS]["call"] == "import_inference"
+    with pytest.raises(ValueError, match="pass max_batch_size=3 .* to import_inference"):
+        graph.bind_dims([np.zeros((3, 8), "int64")])
     results = run(graph, [6, 29])
     assert_matches(results, 1)
     assert results[1][0][0].shape == (1, 29, 96)
@@ -162,7 +297,7 @@ def test_symbolic_batch_and_length():
     assert graph.upper_bounds == {"b": 4, "s": MAX_LEN}
     names = [v.name for v in graph.main.params[0].ty.shape.values]
     assert names == ["b", "s"]
-    with pytest.raises(DimOutOfRangeError, match="b <= 4"):
+    with pytest.raises(DimOutOfRangeError, match=r"b <= 4 .*pass max_batch_size=5 \(or more\)"):
         graph.bind_dims([np.zeros((5, 8), "int64")] * 2)
     variant = graph.with_upper_bounds(False)
     exe = tvm.compile(variant.mod, "llvm", relax_pipeline=stock_pipeline("llvm"))

@@ -137,7 +137,19 @@ def _bad_batches():
         ("mask-of-two", mask_two, ValueError, "attention_mask' holds 2"),
         ("no-counted-label", unlabelled, ValueError, "counts no token"),
         ("mask-shorter", short_mask, ValueError, "axis 1"),
-        ("batch-of-five", five, DimOutOfRangeError, "batch size b = 5"),
+        (
+            "batch-of-five",
+            five,
+            DimOutOfRangeError,
+            "batch size b = 5 exceeds the exported upper bound b <= 4 .*; pass "
+            "max_batch_size=5 \\(or more\\) to import_training_step",
+        ),
+        (
+            "float-mask",
+            {**good, "attention_mask": good["attention_mask"] * 1.0},
+            TypeError,
+            "float",
+        ),
         ("unknown-key", extra, ValueError, "token_type_ids"),
         ("label-outside-vocab", label_out, ValueError, "outside"),
     ]
@@ -182,8 +194,35 @@ def test_unmasked_step_takes_a_mask_that_changes_nothing(unmasked):
     assert len(as_batch(unmasked, ones)) == 2
 
 
+def test_int32_collator_batches_train_as_int64_ones_do(graph, compiled):
+    """int32 ids, mask and labels (torch or numpy) are cast losslessly: the same steps, bit for
+    bit, as int64."""
+    batches = _seq2seq_batches("left", "np")[:2]
+    narrow = [
+        {k: torch.from_numpy(v).int() for k, v in batches[0].items()},
+        {k: v.astype("int32") for k, v in batches[1].items()},
+    ]
+    wide, cast = _trainer(graph, compiled), _trainer(graph, compiled)
+    want = [wide.step(b).loss for b in batches]
+    assert [cast.step(b).loss for b in narrow] == want
+    for before, after in zip(wide.parameters() + wide.state(), cast.parameters() + cast.state()):
+        np.testing.assert_array_equal(before, after)
+    assert not np.array_equal(cast.parameters()[0], graph.params[0])  # it trained
+
+
 def test_trainer_imports_a_hugging_face_model_with_its_mask():
     trainer = Trainer(llama_model(SIZES), max_seq_len=16, max_batch_size=2)
     assert trainer.graph.input_names == ["input_ids", "attention_mask", "labels"]
     assert trainer.graph.dims["b"].upper == 2
     assert trainer.graph.dims["s"].upper == 16
+    # Errors name the Trainer's own options (checked before anything compiles).
+    ids = np.ones((3, 8), "int32")
+    with pytest.raises(DimOutOfRangeError, match="pass max_batch_size=3 .* to Trainer"):
+        trainer.step(ids)
+    with pytest.raises(
+        DimOutOfRangeError,
+        match=f"pass max_seq_len=20 \\(or more, at most {SIZES.max_seq_len}, the model's "
+        "position limit\\) to Trainer",
+    ):
+        trainer.step(np.ones((1, 20), "int32"))
+    assert trainer.executable is None and trainer.steps_done == 0

@@ -149,18 +149,31 @@ def _bad_batches():
     too_high[0, 3] = SIZES.vocab
     negative = good.copy()
     negative[0, 1] = -5
+    # The graph is import_training_step's, at the model's position limit, batch 1.
+    limit = SIZES.max_seq_len
     return [
-        ("too-long", _ids((SIZES.max_seq_len + 1,))[0], DimOutOfRangeError, "upper bound"),
-        ("too-short", _ids((1,))[0], DimOutOfRangeError, "lower bound"),
-        ("int32", good.astype("int32"), TypeError, "int32"),
-        ("float", good.astype("float32"), TypeError, "float32"),
+        ("too-long", _ids((limit + 1,))[0], DimOutOfRangeError, f"position limit is {limit}"),
+        ("too-short", _ids((1,))[0], DimOutOfRangeError, "lower bound s >= 2; pad the sequence"),
+        ("float", good.astype("float32"), TypeError, "float32, but it holds integers"),
+        ("float-labels", [good, good.astype("float64")], TypeError, "'labels' has dtype float64"),
+        ("torch-float", torch.from_numpy(good).float(), TypeError, "float32"),
+        ("bool-ids", good > 3, TypeError, "bool"),
         ("id-outside-vocab", too_high, ValueError, f"outside \\[0, {SIZES.vocab}\\)"),
+        ("int32-outside-vocab", too_high.astype("int32"), ValueError, f"vocab_size {SIZES.vocab}"),
+        ("uint64-beyond-int64", np.full((1, 6), 2**63, "uint64"), ValueError, "cannot hold"),
         ("negative-id", negative, ValueError, "-5"),
         ("three-arrays", [good, good, good], ValueError, "2 arrays"),
         ("one-array", [good], ValueError, "2 arrays"),
         ("unknown-name", {"input_ids": good, "mask": good}, ValueError, "mask"),
         ("lengths-disagree", [good, _ids((7,))[0]], ValueError, "'s'"),
-        ("batch-of-two", np.concatenate([good, good]), ValueError, "axis 0"),
+        (
+            "batch-of-two",
+            np.concatenate([good, good]),
+            ValueError,
+            "input 'input_ids' axis 0 \\(batch\\) is 2, but the step was imported for batch 1: "
+            "pass max_batch_size=2 \\(or more\\) to import_training_step",
+        ),
+        ("one-sequence", good[0], ValueError, "expected rank 2 \\(batch, sequence length\\)"),
         ("not-a-batch", 3.5, TypeError, "float"),
     ]
 
@@ -203,6 +216,33 @@ def test_ignored_labels_are_accepted(run):
     labels[0, :2] = -100
     record = run.trainer.step({"input_ids": ids, "labels": labels})
     assert np.isfinite(record.loss)
+
+
+def test_int32_batches_train_as_int64_batches_do(graph, run):
+    """Token ids and labels of any integer dtype (numpy or torch) are cast losslessly: the same
+    steps, bit for bit, as with int64."""
+    wide, narrow = _twin(graph, run), _twin(graph, run)
+    batches = _ids((6, 11), seed=21)
+    labels = [b.copy() for b in batches]
+    labels[1][0, :3] = -100
+    want = [wide.step({"input_ids": b, "labels": y}) for b, y in zip(batches, labels)]
+    given = [
+        batches[0].astype("int32"),  # the ids, also the labels
+        {"input_ids": torch.from_numpy(batches[1]).int(), "labels": labels[1].astype("int16")},
+    ]
+    got = [narrow.step(b) for b in given]
+    assert [r.loss for r in got] == [r.loss for r in want]
+    for before, after in zip(
+        wide.parameters() + wide.state(), narrow.parameters() + narrow.state()
+    ):
+        np.testing.assert_array_equal(before, after)
+    assert not np.array_equal(narrow.parameters()[0], graph.params[0])  # it trained
+    ignored = batches[0].copy()
+    ignored[0, :2] = -100
+    arrays = as_batch(graph, [batches[0].astype("uint8"), torch.from_numpy(ignored).int()])
+    assert [a.dtype for a in arrays] == [np.dtype("int64")] * 2
+    np.testing.assert_array_equal(arrays[0], batches[0])
+    np.testing.assert_array_equal(arrays[1], ignored)
 
 
 def test_as_batch_forms(graph):

@@ -37,6 +37,7 @@ from tvm import relax
 from .converters import custom_convert_map
 from .imported import (
     LOWER_BOUND_ATTR,
+    SIZE_OPTIONS,
     UPPER_BOUND_ATTR,
     DimRange,
     ImportedGraph,
@@ -166,19 +167,81 @@ def _max_positions(model: Any) -> int | None:
     return None
 
 
-def _check_lengths(model: Any, min_seq_len: int, max_seq_len: int) -> None:
-    if min_seq_len < 2:
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
+
+
+def _check_sizes(
+    call: str,
+    model: Any,
+    min_seq_len: Any,
+    max_seq_len: Any,
+    batch_size: Any,
+    max_batch_size: Any,
+) -> tuple[int, int, int, int | None]:
+    """The size options of ``call`` as ints, checked; each error names the option and what to
+    pass."""
+    limit = _max_positions(model)
+    if not _is_int(min_seq_len) or min_seq_len < 2:
         raise ValueError(
-            f"min_seq_len must be >= 2 (torch.export specializes sizes 0 and 1), got {min_seq_len}"
+            f"min_seq_len must be an int >= 2 (torch.export specializes sizes 0 and 1), got "
+            f"{min_seq_len!r}: pass min_seq_len=2 (the default) or more"
+        )
+    example = min(512, limit) if limit is not None else 512
+    span = f"from {min_seq_len} to {limit}, the model's position limit" if limit else "an int"
+    if max_seq_len is None:
+        raise TypeError(
+            f"{call} needs max_seq_len=, the longest sequence (in tokens) the step will take "
+            f"({span}); e.g. {call}(model, max_seq_len={example})"
+        )
+    if not _is_int(max_seq_len):
+        raise TypeError(
+            f"max_seq_len must be an int, the longest sequence (in tokens) the step will take, "
+            f"not {max_seq_len!r}; e.g. max_seq_len={example}"
         )
     if max_seq_len < min_seq_len:
-        raise ValueError(f"max_seq_len {max_seq_len} is below min_seq_len {min_seq_len}")
-    limit = _max_positions(model)
+        raise ValueError(
+            f"max_seq_len {max_seq_len} is below min_seq_len {min_seq_len}: pass "
+            f"max_seq_len={min_seq_len} or more"
+        )
     if limit is not None and max_seq_len > limit:
         raise ValueError(
             f"max_seq_len {max_seq_len} exceeds the model's position limit {limit} "
-            f"(config.max_position_embeddings / n_positions)"
+            f"(config.max_position_embeddings / n_positions): pass max_seq_len={limit} or less"
         )
+    if not _is_int(batch_size) or batch_size < 1:
+        raise ValueError(
+            f"batch_size must be an int >= 1 (the batch of the exported example), got "
+            f"{batch_size!r}; for batches of several sizes pass max_batch_size= instead"
+        )
+    if max_batch_size is not None:
+        if not _is_int(max_batch_size) or max_batch_size < 1:
+            raise ValueError(
+                f"max_batch_size must be None (a static batch of batch_size) or an int >= 1, the "
+                f"largest batch the step will take, got {max_batch_size!r}"
+            )
+        if batch_size > max_batch_size:
+            raise ValueError(
+                f"batch_size {batch_size} is above max_batch_size {max_batch_size}: pass "
+                f"max_batch_size={batch_size} or more"
+            )
+    return (
+        int(min_seq_len),
+        int(max_seq_len),
+        int(batch_size),
+        None if max_batch_size is None else int(max_batch_size),
+    )
+
+
+def size_options(call: str, model: Any, *, min_option: bool = True) -> dict[str, Any]:
+    """The ``metadata[SIZE_OPTIONS]`` of a causal LM imported by ``call``: axis 0 is the batch
+    (``max_batch_size``), axis 1 the sequence (``max_seq_len``, and ``min_seq_len`` when
+    ``min_option``), within the model's position limit."""
+    seq: dict[str, Any] = {"what": "sequence length", "max": "max_seq_len"}
+    if min_option:
+        seq.update({"min": "min_seq_len", "lowest": 2})
+    seq["limit"] = _max_positions(model)
+    return {"call": call, "axes": [{"what": "batch", "max": "max_batch_size"}, seq]}
 
 
 def _example_inputs(model: Any, names: Sequence[str], batch: int, length: int) -> tuple[Any, ...]:
@@ -305,7 +368,7 @@ def _import(
 def import_inference(
     model: Any,
     *,
-    max_seq_len: int,
+    max_seq_len: int | None = None,
     min_seq_len: int = 2,
     batch_size: int = 1,
     max_batch_size: int | None = None,
@@ -320,11 +383,18 @@ def import_inference(
     model
         A ``transformers`` causal LM (``LlamaForCausalLM``, ``GPT2LMHeadModel``, ...).
     max_seq_len, min_seq_len
-        The exported range of the sequence length ``s`` (``torch.export.Dim``).
+        The exported range of the sequence length ``s`` (``torch.export.Dim``). ``max_seq_len``
+        is required (the default ``None`` raises a ``TypeError`` saying what to pass); it may
+        not exceed the model's position limit.
     batch_size
         Batch of the example used for export (and of ``input_shapes`` when static).
     max_batch_size
-        Make the batch symbolic too (``b`` in ``[1, max_batch_size]``); ``None``: static.
+        Make the batch symbolic too (``b`` in ``[1, max_batch_size]``); ``None``: static, so
+        every batch must have ``batch_size`` rows (pass ``max_batch_size`` for batches of more
+        than one, or of varying size).
+
+    A batch outside these sizes is refused before anything runs, by an error that names the
+    option to pass (:meth:`ImportedGraph.bind_dims`).
     keep_upper_bound
         Keep ``tir_var_upper_bound`` on ``main`` (stock TVM then plans every buffer at the
         bound); ``False`` drops it (sizes follow the actual length).
@@ -338,8 +408,10 @@ def import_inference(
     ImportedGraph
         ``main(input_ids, *params) -> logits``; ``reference`` runs the model in torch.
     """
+    min_seq_len, max_seq_len, batch_size, max_batch_size = _check_sizes(
+        "import_inference", model, min_seq_len, max_seq_len, batch_size, max_batch_size
+    )
     torch = _torch()
-    _check_lengths(model, min_seq_len, max_seq_len)
     inference_cls, _, _ = _make_wrappers()
     wrapper = inference_cls(model)
     dynamic, ranges = _dims_spec(["input_ids"], min_seq_len, max_seq_len, max_batch_size)
@@ -368,7 +440,10 @@ def import_inference(
         torch_module=wrapper,
         torch_params=[named[name] for name in names],
         int_input_high=int(model.config.vocab_size),
-        metadata={"model_type": getattr(model.config, "model_type", type(model).__name__)},
+        metadata={
+            "model_type": getattr(model.config, "model_type", type(model).__name__),
+            SIZE_OPTIONS: size_options("import_inference", model),
+        },
     )
 
 
@@ -535,7 +610,7 @@ def _rewrite_outputs(func: relax.Function, plan: list[list[int]]) -> relax.Funct
 def import_training_step(
     model: Any,
     *,
-    max_seq_len: int,
+    max_seq_len: int | None = None,
     min_seq_len: int = 2,
     batch_size: int = 1,
     max_batch_size: int | None = None,
@@ -592,10 +667,12 @@ def import_training_step(
         grad_{k-1})`` for the ``k`` trainable parameters; ``reference`` runs the same step in
         torch and returns the loss and gradients as arrays.
     """
+    min_seq_len, max_seq_len, batch_size, max_batch_size = _check_sizes(
+        "import_training_step", model, min_seq_len, max_seq_len, batch_size, max_batch_size
+    )
     torch = _torch()
     if tied_parameters not in ("sum", "error"):
         raise ValueError(f"tied_parameters must be 'sum' or 'error', not {tied_parameters!r}")
-    _check_lengths(model, min_seq_len, max_seq_len)
     groups = _tied_groups(model)
     if groups and tied_parameters == "error":
         listed = "; ".join(" = ".join(g) for g in groups)
@@ -664,6 +741,7 @@ def import_training_step(
             "model_type": getattr(model.config, "model_type", type(model).__name__),
             "tied": [list(g) for g in groups],
             "autocast": autocast,
+            SIZE_OPTIONS: size_options("import_training_step", model),
         },
         num_frozen=num_frozen,
     )

@@ -15,6 +15,7 @@ the range before anything runs (a graph exported by ``torch.export`` is only val
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,7 @@ from tvm import relax
 from ..contract import LOWER_BOUND_ATTR, UPPER_BOUND_ATTR
 
 __all__ = [
+    "SIZE_OPTIONS",
     "DimOutOfRangeError",
     "DimRange",
     "ImportedGraph",
@@ -38,6 +40,22 @@ __all__ = [
 
 class DimOutOfRangeError(ValueError):
     """A concrete size lies outside the range a symbolic dim was exported (or declared) with."""
+
+
+#: The ``ImportedGraph.metadata`` key that says which options of the import call bound each
+#: axis of the inputs, so that a shape error names the option to change. Plain JSON (it travels
+#: with carried graphs)::
+#:
+#:     {"call": "import_training_step",
+#:      "axes": [{"what": "batch", "max": "max_batch_size"},
+#:               {"what": "sequence length", "max": "max_seq_len", "min": "min_seq_len",
+#:                "lowest": 2, "limit": 2048}]}
+#:
+#: ``axes[i]`` describes axis ``i`` of every input: ``what`` it is, the option raising its
+#: maximum (``max``) and lowering its minimum (``min``, absent when the call has none), the
+#: smallest value ``min`` takes (``lowest``) and the largest any import can take (``limit``,
+#: the model's position limit; ``None`` when unknown).
+SIZE_OPTIONS = "size_options"
 
 
 @dataclass(frozen=True)
@@ -58,18 +76,31 @@ class DimRange:
     lower: int = 1
     upper: int | None = None
 
-    def check(self, value: int, *, what: str | None = None) -> None:
-        """Raise :class:`DimOutOfRangeError` naming the bound when ``value`` is outside."""
+    def check(
+        self,
+        value: int,
+        *,
+        what: str | None = None,
+        hint: Callable[[int, bool], str | None] | None = None,
+    ) -> None:
+        """Raise :class:`DimOutOfRangeError` naming the bound when ``value`` is outside.
+
+        ``hint(value, too_large)`` says what to change (the option of the import call); the
+        message ends with it when it returns a string.
+        """
         label = what or f"dim {self.name!r}"
         if value < self.lower:
+            advice = hint(value, False) if hint is not None else None
             raise DimOutOfRangeError(
                 f"{label} = {value} is below the exported lower bound {self.name} >= {self.lower}"
+                + (f"; {advice}" if advice else "")
             )
         if self.upper is not None and value > self.upper:
+            advice = hint(value, True) if hint is not None else None
             raise DimOutOfRangeError(
                 f"{label} = {value} exceeds the exported upper bound {self.name} <= "
-                f"{self.upper} (the torch.export Dim max); import again with a larger maximum "
-                f"to run it"
+                f"{self.upper} (the torch.export Dim max); "
+                + (advice or "import again with a larger maximum to run it")
             )
 
 
@@ -176,13 +207,57 @@ class ImportedGraph:
             mod = drop_upper_bounds(self.mod)
         return dataclasses.replace(self, mod=mod)
 
+    # ---------------------------------------------------------------- shape errors
+    # Every shape error of a batch (a Trainer's, a workload's) is raised below; with the
+    # import call's SIZE_OPTIONS in metadata it names the option to pass and its value.
+
+    def _axis_option(self, axis: int) -> Mapping[str, Any] | None:
+        """What the import call says of input axis ``axis`` (``None``: nothing)."""
+        options = self.metadata.get(SIZE_OPTIONS)
+        axes = options.get("axes", []) if isinstance(options, Mapping) else []
+        return axes[axis] if 0 <= axis < len(axes) else None
+
+    def _dim_option(self, name: str) -> Mapping[str, Any] | None:
+        """What the import call says of the axis that symbolic dim ``name`` sizes."""
+        for spec in self.input_shapes:
+            if name in spec:
+                return self._axis_option(list(spec).index(name))
+        return None
+
+    def _size_hint(
+        self, option: Mapping[str, Any], value: int, too_large: bool, lower: int = 1
+    ) -> str | None:
+        """What to pass to the import call so that an axis of size ``value`` fits (``lower``:
+        the axis' current minimum)."""
+        call = self.metadata[SIZE_OPTIONS].get("call") or "the import"
+        limit = option.get("limit")
+        if too_large:
+            if limit is not None and value > limit:
+                return (
+                    f"the model's position limit is {limit} (config.max_position_embeddings / "
+                    f"n_positions), so no import runs it: truncate or split the sequence"
+                )
+            if not option.get("max"):
+                return None
+            most = f", at most {limit}, the model's position limit" if limit is not None else ""
+            return f"pass {option['max']}={value} (or more{most}) to {call}"
+        if option.get("min") and value >= int(option.get("lowest", 1)):
+            return f"pass {option['min']}={value} (or less) to {call}"
+        if option.get("what") == "sequence length":
+            return f"pad the sequence to {lower} tokens or more"
+        return None
+
     def check_dims(self, dims: Mapping[str, int]) -> None:
         """Check concrete dims against :attr:`dims`; unknown names are an error too."""
         for name, value in dims.items():
             if name not in self.dims:
                 raise ValueError(f"unknown dim {name!r}; the graph has {sorted(self.dims)}")
             what = "sequence length" if name == "s" else ("batch size" if name == "b" else None)
-            self.dims[name].check(int(value), what=f"{what} {name}" if what else None)
+            dim, option = self.dims[name], self._dim_option(name)
+            hint = None
+            if option is not None:
+                hint = functools.partial(self._size_hint, option, lower=dim.lower)
+            dim.check(int(value), what=f"{what} {name}" if what else None, hint=hint)
 
     def bind_dims(self, inputs: Sequence[Any]) -> dict[str, int]:
         """Concrete dims from the shapes of ``inputs`` (arrays or shapes), checked.
@@ -203,18 +278,37 @@ class ImportedGraph:
         for name, spec, value in zip(self.input_names, self.input_shapes, inputs):
             shape = tuple(int(v) for v in getattr(value, "shape", value))
             if len(shape) != len(spec):
-                raise ValueError(f"input {name!r} has shape {shape}, expected rank {len(spec)}")
+                raise ValueError(self._rank_error(name, shape, len(spec)))
             for axis, (want, got) in enumerate(zip(spec, shape)):
+                option = self._axis_option(axis)
+                where = f"input {name!r} axis {axis}" + (
+                    f" ({option['what']})" if option and option.get("what") else ""
+                )
                 if isinstance(want, str):
                     if dims.setdefault(want, got) != got:
                         raise ValueError(
-                            f"input {name!r} axis {axis} is {got}, but dim {want!r} is "
-                            f"{dims[want]} in an earlier input"
+                            f"{where} is {got}, but dim {want!r} is {dims[want]} in an earlier "
+                            f"input"
                         )
                 elif want != got:
-                    raise ValueError(f"input {name!r} axis {axis} is {got}, expected {want}")
+                    hint = None if option is None else self._size_hint(option, max(want, got), True)
+                    if hint is None:
+                        raise ValueError(f"{where} is {got}, expected {want}")
+                    raise ValueError(
+                        f"{where} is {got}, but the step was imported for "
+                        f"{option.get('what', 'size')} {want}: {hint}"
+                    )
         self.check_dims(dims)
         return dims
+
+    def _rank_error(self, name: str, shape: tuple[int, ...], rank: int) -> str:
+        message = f"input {name!r} has shape {shape}, expected rank {rank}"
+        whats = [(self._axis_option(axis) or {}).get("what") for axis in range(rank)]
+        if all(whats):
+            message += f" ({', '.join(map(str, whats))})"
+            if len(shape) == rank - 1 and whats[0] == "batch":
+                message += "; a single sequence needs a batch axis: pass ids[None]"
+        return message
 
     def input_shapes_at(self, dims: Mapping[str, int]) -> list[tuple[int, ...]]:
         """The concrete input shapes at ``dims`` (checked against the ranges)."""

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import tvm
 
-from ..frontend.imported import ImportedGraph
+from ..frontend.imported import SIZE_OPTIONS, ImportedGraph
 from .optimizers import AdamW, InPlaceOptimizer
 from .step import TrainingStep, build_training_step
 
@@ -140,7 +140,43 @@ def as_batch(graph: ImportedGraph, batch: Any) -> list[np.ndarray]:
     mask changes nothing: all ones, or padding on the right whose labels are all ``-100`` (no
     real token attends to a later one). Any other mask raises: that step would attend to the
     padding.
+
+    Integer arrays of any integer dtype (``int32`` ids from a tokenizer, ``uint8`` masks, torch
+    or numpy) are cast to the step's integer dtype when no value changes; a float array for an
+    integer input raises ``TypeError``.
     """
+    arrays = _batch_arrays(graph, batch)
+    return [
+        _as_dtype(name, array, dtype)
+        for name, array, dtype in zip(graph.input_names, arrays, graph.input_dtypes)
+    ]
+
+
+def _as_dtype(name: str, array: np.ndarray, dtype: str) -> np.ndarray:
+    """``array`` as the step's ``dtype``: integers cast losslessly, anything else as it is
+    (:func:`check_batch` refuses a wrong dtype)."""
+    want = np.dtype(dtype)
+    if array.dtype == want or want.kind not in "iu":
+        return array
+    if array.dtype.kind not in "iu":
+        raise TypeError(
+            f"input {name!r} has dtype {array.dtype}, but it holds integers (token ids, labels, "
+            f"a 0/1 mask): pass an integer array (any integer dtype, int32 or int64 alike; it "
+            f"is cast to {want})"
+        )
+    if not np.can_cast(array.dtype, want) and array.size:
+        info = np.iinfo(want)
+        low, high = int(array.min()), int(array.max())
+        if low < info.min or high > info.max:
+            value = high if high > info.max else low
+            raise ValueError(
+                f"input {name!r} holds {value}, which the step's dtype {want} cannot hold"
+            )
+    return array.astype(want)
+
+
+def _batch_arrays(graph: ImportedGraph, batch: Any) -> list[np.ndarray]:
+    """The arrays of ``batch`` in the graph's input order, as given (see :func:`as_batch`)."""
     names = graph.input_names
     if not isinstance(batch, (Mapping, list, tuple)) and _CAUSAL_LM_INPUTS.issuperset(names):
         batch = {"input_ids": batch}
@@ -158,12 +194,11 @@ def as_batch(graph: ImportedGraph, batch: Any) -> list[np.ndarray]:
             raise ValueError(f"the batch has unknown inputs {extra}; the step takes {names}")
         return [_input_array(n, batch[n]) for n in names]
     if isinstance(batch, (list, tuple)):
-        arrays = [_input_array(n, b) for n, b in zip(names, batch)]
         if len(batch) != len(names):
             raise ValueError(
                 f"a batch has {len(names)} arrays ({', '.join(names)}), got {len(batch)}"
             )
-        return arrays
+        return [_input_array(n, b) for n, b in zip(names, batch)]
     raise TypeError(
         f"a batch is a sequence or a mapping of arrays for {names}, not {type(batch).__name__}"
     )
@@ -227,7 +262,8 @@ def check_batch(graph: ImportedGraph, arrays: Sequence[np.ndarray]) -> dict[str,
     """
     for name, array, dtype in zip(graph.input_names, arrays, graph.input_dtypes):
         if str(array.dtype) != dtype:
-            raise TypeError(f"input {name!r} has dtype {array.dtype}, the step takes {dtype}")
+            cast = " (as_batch casts integer arrays to it)" if array.dtype.kind in "iu" else ""
+            raise TypeError(f"input {name!r} has dtype {array.dtype}, the step takes {dtype}{cast}")
     dims = graph.bind_dims(arrays)
     high = graph.int_input_high
     for name, array in zip(graph.input_names, arrays):
@@ -250,6 +286,11 @@ def check_batch(graph: ImportedGraph, arrays: Sequence[np.ndarray]) -> dict[str,
             raise ValueError(
                 f"input {name!r} holds {value}, outside [0, {high})"
                 + (f" (or {IGNORE_INDEX}, ignored)" if name == "labels" else "")
+                + (
+                    f": token ids index the model's vocabulary (vocab_size {high})"
+                    if name in ("input_ids", "labels")
+                    else ""
+                )
             )
         if name == "labels":
             # The model shifts the labels: position 0 is never a target.
@@ -279,14 +320,20 @@ def _as_step(
     if isinstance(source, ImportedGraph):
         return build_training_step(source, optimizer)
     if _is_hf_model(source):
-        from ..frontend import import_training_step
+        from ..frontend.hf import _max_positions, import_training_step, size_options
 
-        limit = max_seq_len or getattr(source.config, "max_position_embeddings", None)
-        if not limit:
-            raise ValueError("give max_seq_len: the model's config has no position limit")
+        limit = max_seq_len if max_seq_len is not None else _max_positions(source)
+        if limit is None:
+            raise ValueError(
+                "Trainer needs max_seq_len= for this model, the longest sequence (in tokens) it "
+                "will train on (its config has no max_position_embeddings / n_positions); "
+                "e.g. Trainer(model, max_seq_len=512)"
+            )
         graph = import_training_step(
-            source, max_seq_len=int(limit), max_batch_size=max_batch_size, attention_mask=True
+            source, max_seq_len=limit, max_batch_size=max_batch_size, attention_mask=True
         )
+        # Shape errors then name the options of the call that imported the model.
+        graph.metadata[SIZE_OPTIONS] = size_options("Trainer (or fit)", source, min_option=False)
         return build_training_step(graph, optimizer)
     raise TypeError(
         "train a TrainingStep, a training ImportedGraph or a Hugging Face causal LM, not "
