@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -19,11 +20,14 @@ from tvm import relax
 from tvm.script import relax as R
 
 from blade_relax import _quiet, cli
-from blade_relax.analysis import compile_keeping_module
+from blade_relax._cliutil import available_memory
+from blade_relax.analysis import compile_keeping_module, memory_timeline
 from blade_relax.bench import WORKLOADS
 from blade_relax.bench.cli import WORKLOAD_NAMES
+from blade_relax.bench.floor import memory_floor, parameter_counts
+from blade_relax.bench.workloads import ModelSizes
 from blade_relax.frontend.builtin import BUILTIN_MODELS, attention_block, random_arguments
-from blade_relax.pipeline import stock_pipeline
+from blade_relax.pipeline import lower_to_memory_stage, stock_pipeline
 from blade_relax.runtime import measure_memory
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -585,3 +589,300 @@ def test_report_of_a_hugging_face_model_prints_no_tvm_warning(tmp_path):
     assert not TVM_LOG_LINE.search(proc.stderr), proc.stderr[-3000:]
     assert "[transformers]" not in proc.stderr
     assert all(line.startswith("... ") for line in proc.stderr.splitlines()), proc.stderr
+
+
+# ------------------------------------------------------------- sizes beyond available memory
+class _Reached(Exception):
+    """Raised by the stand-ins of the steps that allocate: the run got past the check."""
+
+
+def _forbid_allocation(monkeypatch) -> None:
+    """Make every step of ``demo`` that compiles or allocates fail the test if reached."""
+    import blade_relax.analysis as analysis
+
+    def reached(*_args, **_kwargs):
+        raise _Reached("an allocating step was reached")
+
+    monkeypatch.setattr(analysis, "compile_keeping_module", reached)
+    monkeypatch.setattr(cli, "_run_once", reached)
+    real_load = cli.load_model
+
+    def load_without_arrays(name):
+        model = real_load(name)
+        model.make_args = reached
+        return model
+
+    monkeypatch.setattr(cli, "load_model", load_without_arrays)
+
+
+def test_demo_refuses_sizes_beyond_available_memory_before_allocating(monkeypatch, capsys):
+    _forbid_allocation(monkeypatch)
+    monkeypatch.setattr(cli, "_free_memory", lambda: 1000)
+    code, out, err = _run(["demo", "--model", "mlp", "--sizes", "4,64", "--no-plot"], capsys)
+    assert code == 2 and out == ""
+    (line,) = err.strip().splitlines()  # one line: no progress line, no traceback
+    match = re.fullmatch(
+        r"blade-relax: error: --sizes: s=4 needs a predicted peak of (.+) \(stock TVM's call "
+        r"(.+) \+ (.+) of inputs and parameters\), more than the 1,000 B of memory available "
+        r"now; refused before compiling or allocating anything \(--force runs it anyway\)",
+        line,
+    )
+    assert match, line
+    # The figures are the stock timeline's, the same the table would show as predicted.
+    lowered = lower_to_memory_stage(BUILTIN_MODELS["mlp"]())
+    at = memory_timeline(lowered["main"], mod=lowered).evaluate({"s": 4})
+    assert match.groups() == tuple(
+        cli._human(n) for n in (at.peak + at.persistent, at.peak, at.persistent)
+    )
+
+
+def test_demo_runs_beyond_available_memory_with_force(monkeypatch, capsys):
+    _forbid_allocation(monkeypatch)
+    monkeypatch.setattr(cli, "_free_memory", lambda: 1000)
+    with pytest.raises(_Reached):
+        cli.main(["demo", "--model", "mlp", "--sizes", "4", "--no-plot", "--force"])
+    assert "error" not in capsys.readouterr().err
+
+
+def test_console_refuses_a_size_no_machine_holds():
+    """The newcomer's command: one line and exit 2 instead of numpy's 46.6 TiB traceback."""
+    proc = subprocess.run(
+        [_console_script(), "demo", "--sizes", "100000000000", "--no-plot"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("blade-relax: error: --sizes: s=100000000000 needs a predicted peak")
+    assert "GiB of memory available now" in line and "--force" in line
+    assert proc.stdout == ""
+
+
+def test_train_refuses_sizes_beyond_available_memory_before_building(monkeypatch, capsys):
+    from blade_relax.bench import training as training_bench
+    from blade_relax.bench import workloads
+
+    def reached(*_args, **_kwargs):
+        raise _Reached("the model was built")
+
+    monkeypatch.setattr(training_bench, "compare_training", reached)
+    monkeypatch.setattr(workloads, "build_workload", reached)
+    monkeypatch.setattr(cli, "_free_memory", lambda: 1000)
+    code, out, err = _run(["train", "--batch", "2", "--no-plot"], capsys)
+    assert code == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    floor = memory_floor(
+        "llama-train",
+        dataclasses.replace(workloads.SMALL, batch=2),
+        optimizer="AdamW",
+        state_per_param=2,
+    )
+    assert line == (
+        "blade-relax: error: --size small --batch 2: blade_relax's llama-train step at s=256 "
+        f"needs at least {cli._human(floor.total)} ({floor.describe()}), more than the "
+        "1,000 B of memory available now; refused before building the model "
+        "(--force runs it anyway)"
+    )
+    with pytest.raises(_Reached):
+        cli.main(["train", "--batch", "2", "--no-plot", "--force"])
+
+
+def test_bench_refuses_sizes_beyond_available_memory_before_building(monkeypatch, capsys):
+    from blade_relax.bench import cli as bench_cli
+    from blade_relax.bench import workloads
+
+    def reached(*_args, **_kwargs):
+        raise _Reached("the workload was built")
+
+    monkeypatch.setattr(workloads, "build_workload", reached)
+    monkeypatch.setattr(bench_cli, "available_memory", lambda: 1000)
+    argv = ["bench", "--workload", "mlp-train", "--lengths", "8", "--configs", "tvm-dynamic"]
+    code, out, err = _run(argv, capsys)
+    assert code == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    assert line.startswith("blade-relax bench: error: --size small: the mlp-train step at s=8 ")
+    assert "needs at least" in line and "1,000 B of memory available" in line
+    assert "--force" in line
+    with pytest.raises(_Reached):
+        cli.main([*argv, "--force", "--predict"])
+
+
+def test_available_memory_is_a_positive_count_here():
+    free = available_memory()
+    assert free is not None and 0 < free < 2**50
+
+
+TINY_SIZES = ModelSizes(
+    layers=2, hidden=32, heads=4, kv_heads=2, intermediate=48, vocab=64, max_seq_len=40
+)
+
+
+@pytest.mark.parametrize("workload", ["llama-train", "llama-lora-sft", "gpt2-train", "mlp-train"])
+def test_floor_counts_the_parameters_of_the_models_the_workloads_build(workload):
+    """The floor is counted without building the model: its counts are the built model's."""
+    from blade_relax.bench import workloads
+
+    if workload == "mlp-train":
+        params = workloads.mlp_forward_module(TINY_SIZES)["main"].params[2:]
+        counts = [int(np.prod([int(v) for v in p.ty.shape.values])) for p in params]
+        total = trainable = sum(counts)
+    else:
+        pytest.importorskip("transformers")
+        if workload.startswith("gpt2"):
+            model = workloads.gpt2_model(TINY_SIZES)
+        else:
+            model = workloads.llama_model(TINY_SIZES)
+        if workload == "llama-lora-sft":
+            pytest.importorskip("peft")
+            model = workloads.lora_model(model)
+        total = sum(p.numel() for p in model.parameters())
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert parameter_counts(workload, TINY_SIZES) == (total, trainable)
+
+
+# ------------------------------------------------------------------------ default outputs
+def _output_defaults(parser: argparse.ArgumentParser) -> dict[str, object]:
+    return {
+        f"{parser.prog} {action.option_strings[0]}": action.default
+        for action in parser._actions
+        if action.dest in {"plot", "json", "chrome_trace", "out", "budget_plot"}
+    }
+
+
+def test_default_outputs_go_under_out():
+    from blade_relax.bench.cli import build_parser as bench_parser
+
+    parser = cli.build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    defaults = {}
+    for command in ("demo", "report", "train"):
+        defaults.update(_output_defaults(subparsers.choices[command]))
+    defaults.update(_output_defaults(bench_parser()))
+    assert defaults["blade-relax demo --plot"] == "out/demo.png"
+    assert defaults["blade-relax train --plot"] == "out/train.png"
+    for flag, default in defaults.items():
+        assert default is None or str(default).startswith("out/"), flag
+
+
+@pytest.mark.parametrize("command", ["demo", "train"])
+def test_help_names_the_default_output(command, capsys):
+    code, out, _ = _run([command, "--help"], capsys)
+    assert code == 0
+    assert f"out/{command}.png" in " ".join(out.split())
+
+
+def test_demo_writes_its_default_plot_into_out(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = _run(["demo", "--model", "mlp", "--sizes", "4"], capsys)
+    assert code == 0, err
+    assert (tmp_path / "out" / "demo.png").read_bytes()[:8] == PNG_MAGIC
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # nothing loose in the cwd
+    assert "plot: out/demo.png" in out
+
+
+# ------------------------------------------------------------------------------ demo plot
+def test_demo_curves_top_out_at_the_peaks_their_legends_name(monkeypatch, capsys):
+    """The live-bytes curves count kernel scratch as the measured peaks do."""
+    seen = []
+    monkeypatch.setattr(cli, "_demo_plot", lambda *args: seen.append(args))
+    code, _, err = _run(["demo", "--model", "attention", "--sizes", "8,64"], capsys)
+    assert code == 0, err
+    ((_, _, _, rows, _),) = seen
+    for row in rows:
+        assert max(row.result.live_trace) == row.result.peak_bytes, row.pipeline
+    # Stock TVM's peak at s=64 falls inside a kernel that holds scratch: a curve without the
+    # scratch would top out below the peak.
+    lowered = lower_to_memory_stage(attention_block())
+    at = memory_timeline(lowered["main"], mod=lowered).evaluate({"s": 64})
+    assert at.peak_workspace > 0
+    stock = next(r for r in rows if r.size == 64 and r.pipeline == "stock TVM")
+    assert stock.result.peak_bytes == at.peak
+
+
+def _fake_row(size, pipeline, peak, budget=None, reachable=None, trace=None):
+    result = cli.RunResult(
+        peak_bytes=peak,
+        predicted_bytes=peak,
+        budget_bytes=budget,
+        reachable=reachable,
+        live_trace=trace or [0, peak // 2, peak, 0],
+    )
+    return cli.DemoRow(size, pipeline, result, peak, "identical", True)
+
+
+def test_demo_plot_marks_unreachable_budgets_and_labels_its_axes():
+    import matplotlib.pyplot as plt
+
+    mib = 2**20
+    rows = []
+    for size, stock, blade, budget_peak, reachable in (
+        (16, 1 * mib, mib, mib, False),
+        (128, 2 * mib, mib + mib // 4, mib + mib // 4, False),
+        (1024, 11 * mib, 6 * mib, 5 * mib, True),
+    ):
+        rows += [
+            _fake_row(size, "stock TVM", stock),
+            _fake_row(size, "blade_relax", blade),
+            _fake_row(size, "blade_relax @0.9", budget_peak, int(0.9 * blade), reachable),
+        ]
+    fig = cli._demo_figure("m", "s", rows, 0.9)
+    try:
+        left, right = fig.axes
+        fig.canvas.draw()
+        legend = [t.get_text() for t in right.get_legend().get_texts()]
+        assert any("unreachable" in t and "no eviction set" in t for t in legend)
+        assert any(t.endswith("budget met") for t in legend)
+        # Unreachable budget runs are hollow markers, met ones filled.
+        hollow = [
+            line
+            for line in right.get_lines()
+            if line.get_marker() == "^" and line.get_markerfacecolor() == "none"
+        ]
+        (points,) = hollow
+        assert list(points.get_xdata()) == [16, 128]
+        # Readable axes: the sizes that ran on x, more than two labelled values in MiB on y.
+        labels = [t.get_text() for t in right.get_xticklabels() if t.get_text()]
+        assert labels == ["16", "128", "1024"]
+        low, high = right.get_ylim()
+        ticks = [v for v in right.get_yticks() if low <= v <= high]
+        assert len(ticks) >= 3
+        assert "kernel scratch included" in left.get_ylabel()
+        # The legend's peak is the top of its curve.
+        for line in left.get_lines()[:3]:
+            peak = max(line.get_ydata()) * mib
+            assert cli._human(peak) in line.get_label()
+    finally:
+        plt.close(fig)
+
+
+def test_budget_unreachable():
+    assert not cli._budget_unreachable(cli.RunResult(peak_bytes=5, predicted_bytes=5))
+    assert cli._budget_unreachable(
+        cli.RunResult(peak_bytes=5, predicted_bytes=5, budget_bytes=4, reachable=False)
+    )
+    # Without the runtime's decision, a peak over the budget says it.
+    assert cli._budget_unreachable(cli.RunResult(peak_bytes=5, predicted_bytes=5, budget_bytes=4))
+    assert not cli._budget_unreachable(
+        cli.RunResult(peak_bytes=4, predicted_bytes=4, budget_bytes=4)
+    )
+
+
+# ---------------------------------------------------------------------- report lower bound
+def test_report_gives_every_version_the_same_lower_bound(tmp_path, capsys):
+    """One lower bound per function, read before the passes, and below every version's peak."""
+    path = tmp_path / "attention.json"
+    code, out, err = _run(["report", "attention", "--dims", "s=256", "--json", path], capsys)
+    assert code == 0, err
+    reports = [r["summary"] for r in json.loads(path.read_text())["reports"]]
+    assert len(reports) == 2
+    mod = attention_block()
+    bound = memory_timeline(mod["main"], mod=mod, workspaces=False).evaluate({"s": 256})
+    expected = bound.persistent + bound.output_bytes
+    for summary in reports:
+        assert summary["lower_bound_bytes"] == expected
+        assert summary["lower_bound_of"] == "main before the passes"
+        assert summary["lower_bound_bytes"] <= summary["peak_bytes"] + summary["persistent_bytes"]
+    lines = [line for line in out.splitlines() if line.strip().startswith("lower bound:")]
+    assert len(lines) == 2 and lines[0] == lines[1]
+    assert f"{bound.output_bytes:,} B" in lines[0]

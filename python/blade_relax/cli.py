@@ -23,7 +23,9 @@
     The benchmark ruler, :func:`blade_relax.bench.main`, with its own flags.
 
 Bad input (an unknown model, a missing or unparsable file, malformed ``--dims``/``--sizes``,
-an unwritable output path, ...) ends the command with status 2 and one line on stderr. Progress
+an unwritable output path, sizes whose predicted memory exceeds what is available now unless
+``--force``, ...) ends the command with status 2 and one line on stderr, before anything is
+compiled or allocated. Default outputs go under ``out/``, which is created when missing. Progress
 lines of long steps (building a model, compiling, lowering, every run) go to stderr, results to
 stdout. TVM's native warnings and transformers' notes are filtered from stderr unless
 ``--verbose`` (or ``BLADE_RELAX_VERBOSE=1``).
@@ -47,7 +49,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._cliutil import CliError, OneLineParser, check_output_path, first_line
+from ._cliutil import (
+    CliError,
+    OneLineParser,
+    available_memory,
+    check_output_path,
+    first_line,
+    human_bytes,
+    refuse_beyond_memory,
+)
 from .bench.cli import WORKLOAD_NAMES
 
 if TYPE_CHECKING:
@@ -58,7 +68,9 @@ __all__ = ["CliError", "Model", "build_parser", "load_model", "main", "model_nam
 DEFAULT_DEMO_MODEL = "mlp-deep-train"
 DEFAULT_DEMO_SIZES = "16,128,1024"
 DEFAULT_BUDGET = 0.9
-DEFAULT_DEMO_PLOT = "blade_relax_demo.png"
+# Default outputs go under out/ (created when missing), never loose into the current directory.
+DEFAULT_DEMO_PLOT = "out/demo.png"
+DEFAULT_TRAIN_PLOT = "out/train.png"
 # Report dims that the user leaves out are evaluated at this value (clipped to the dim's range).
 DEFAULT_REPORT_DIM = 128
 BENCH_PREFIX = "bench:"
@@ -324,13 +336,7 @@ def _write_text(path: str, text: str, flag: str) -> None:
         raise CliError(f"{flag}: cannot write {path}: {err.strerror}") from None
 
 
-def _human(nbytes: float) -> str:
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    return f"{nbytes} B"  # pragma: no cover - the loop always returns
+_human = human_bytes
 
 
 # ---------------------------------------------------------------------------------- the demo
@@ -354,7 +360,8 @@ class RunResult:
     reachable
         Whether the remat runtime found an eviction set within the budget.
     live_trace
-        Live bytes (minus those live before the call) after each VM instruction of the call.
+        Live bytes (minus those live before the call) during each VM instruction of the call,
+        kernel scratch (workspaces) included: its maximum is ``peak_bytes``.
     """
 
     peak_bytes: int
@@ -380,10 +387,20 @@ def _run_once(
 
     live: list[int] = []
 
-    def instrument(_func: Any, _name: str, before_run: bool, _ret: Any, *_args: Any) -> int:
-        # Memory over the program as the runtime sees it: the live bytes after every instruction.
+    scratch_of = workspaces or {}
+
+    def instrument(_func: Any, name: str, before_run: bool, _ret: Any, *args: Any) -> int:
+        # Memory over the program as the runtime sees it: the live bytes during every
+        # instruction. A kernel's scratch (its workspace) counts only while the kernel runs and
+        # is released before this hook sees the call end, so it is added back here: otherwise
+        # the curve would top out below the measured peak, which includes it. A kernel
+        # allocates nothing else (its outputs were allocated before the call), so the live
+        # bytes after it plus its scratch are the live bytes while it ran.
         if not before_run:
-            live.append(current_live_bytes())
+            nbytes_of = scratch_of.get(name)
+            on_device = any(hasattr(a, "device") for a in args)
+            scratch = int(nbytes_of(args)) if nbytes_of is not None and on_device else 0
+            live.append(current_live_bytes() + scratch)
         return 0  # run the instruction as usual
 
     # A fresh VM of ``exe`` (see measure_call); the kernels' workspaces (``workspaces``: the
@@ -475,6 +492,16 @@ def _demo_table(rows: Sequence[DemoRow], dim_label: str) -> str:
     return "\n".join(lines)
 
 
+def _budget_unreachable(result: RunResult) -> bool:
+    """Whether no eviction set could meet the run's budget (it then ran at the lowest peak the
+    runtime could reach): the remat runtime's decision says so, or, without one, the peak."""
+    if result.budget_bytes is None:
+        return False
+    if result.reachable is not None:
+        return not result.reachable
+    return result.peak_bytes > result.budget_bytes
+
+
 def _demo_plot(
     path: str,
     model: str,
@@ -482,66 +509,133 @@ def _demo_plot(
     rows: Sequence[DemoRow],
     budget_fraction: float,
 ) -> None:
-    """Left: live bytes over one call at the largest size; right: peak vs size."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    """Write :func:`_demo_figure` to ``path`` as a PNG."""
     import matplotlib.pyplot as plt
 
-    mib = float(2**20)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    at_size = max(r.size for r in rows)
-    budget_bytes = None
-    for row in (r for r in rows if r.size == at_size):
-        live = row.result.live_trace or [0]
-        n = max(len(live) - 1, 1)
-        label = f"{row.pipeline} (peak {_human(row.result.peak_bytes)})"
-        left.plot([i / n for i in range(len(live))], [v / mib for v in live], label=label)
-        budget_bytes = row.result.budget_bytes or budget_bytes
-    if budget_bytes is not None:
-        left.axhline(
-            budget_bytes / mib,
-            color="tab:red",
-            linestyle="--",
-            label=f"budget ({budget_fraction:g} x blade_relax peak)",
-        )
-    left.set_xlabel("position in the call (VM instructions, scaled to [0, 1])")
-    left.set_ylabel("live bytes allocated by the VM (MiB)")
-    left.set_title(f"{model}: memory during one call at {dim_label}={at_size}")
-    left.legend(loc="best", fontsize=8)
-
-    for pipeline, style in (("stock TVM", "o-"), ("blade_relax", "s-")):
-        points = [(r.size, r.result.peak_bytes) for r in rows if r.pipeline == pipeline]
-        right.plot([p[0] for p in points], [p[1] / mib for p in points], style, label=pipeline)
-    budget_rows = [r for r in rows if r.result.budget_bytes is not None]
-    right.plot(
-        [r.size for r in budget_rows],
-        [r.result.peak_bytes / mib for r in budget_rows],
-        "^-",
-        label=f"blade_relax under budget ({budget_fraction:g} x)",
-    )
-    right.plot(
-        [r.size for r in budget_rows],
-        [r.result.budget_bytes / mib for r in budget_rows],
-        ":",
-        color="tab:red",
-        label="budget",
-    )
-    sizes = sorted({r.size for r in rows})
-    if len(sizes) > 1 and sizes[-1] / sizes[0] >= 10:
-        right.set_xscale("log")
-        right.set_yscale("log")
-    right.set_xlabel(f"{dim_label}")
-    right.set_ylabel("measured peak (MiB)")
-    right.set_title("measured peak of one call vs size")
-    right.legend(loc="best", fontsize=8)
-    fig.tight_layout()
+    fig = _demo_figure(model, dim_label, rows, budget_fraction)
     try:
         fig.savefig(path, dpi=110)
     except OSError as err:
         raise CliError(f"--plot: cannot write {path}: {err.strerror}") from None
     finally:
         plt.close(fig)
+
+
+def _demo_figure(
+    model: str,
+    dim_label: str,
+    rows: Sequence[DemoRow],
+    budget_fraction: float,
+) -> Any:
+    """Left: live bytes over one call at the largest size; right: peak vs size.
+
+    Curves and legends are on one basis, the runtime accounting's: live bytes during each VM
+    instruction with the kernels' scratch (workspaces) included, so a curve tops out at the
+    peak its legend names. Budgets no eviction set can meet are drawn hollow and say so.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter, NullLocator
+
+    mib = float(2**20)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 6.5))
+    at_size = max(r.size for r in rows)
+    budget_row = None
+    for row in (r for r in rows if r.size == at_size):
+        live = row.result.live_trace or [0]
+        n = max(len(live) - 1, 1)
+        label = f"{row.pipeline} (peak {_human(row.result.peak_bytes)})"
+        left.plot([i / n for i in range(len(live))], [v / mib for v in live], label=label)
+        if row.result.budget_bytes is not None:
+            budget_row = row
+    if budget_row is not None:
+        unreachable = _budget_unreachable(budget_row.result)
+        left.axhline(
+            budget_row.result.budget_bytes / mib,
+            color="tab:red",
+            linestyle="--",
+            label=f"budget {_human(budget_row.result.budget_bytes)} ({budget_fraction:g} x "
+            "blade_relax peak)"
+            + ("; unreachable: no eviction set meets it" if unreachable else ""),
+        )
+    left.set_xlabel("position in the call (VM instructions, scaled to [0, 1])")
+    left.set_ylabel("live bytes allocated by the VM (MiB)\nkernel scratch included")
+    left.set_title(f"{model}: memory during one call at {dim_label}={at_size}")
+    left.set_ylim(bottom=0)
+    left.grid(alpha=0.3)
+    # Legends below the axes: inside they hide the tops of the curves they name.
+    below = {"loc": "upper center", "bbox_to_anchor": (0.5, -0.14), "fontsize": 8}
+    left.legend(**below)
+
+    for pipeline, style in (("stock TVM", "o-"), ("blade_relax", "s-")):
+        points = [(r.size, r.result.peak_bytes) for r in rows if r.pipeline == pipeline]
+        right.plot([p[0] for p in points], [p[1] / mib for p in points], style, label=pipeline)
+    budget_rows = [r for r in rows if r.result.budget_bytes is not None]
+    (line,) = right.plot(
+        [r.size for r in budget_rows], [r.result.peak_bytes / mib for r in budget_rows], "-"
+    )
+    color = line.get_color()
+    # Filled: the budget was met; hollow: no eviction set meets it, the run went as low as the
+    # runtime could reach.
+    for unreachable in (False, True):
+        points = [r for r in budget_rows if _budget_unreachable(r.result) == unreachable]
+        right.plot(
+            [r.size for r in points],
+            [r.result.peak_bytes / mib for r in points],
+            "^",
+            color=color,
+            markerfacecolor="none" if unreachable else color,
+            markersize=11 if unreachable else 8,
+            zorder=3,  # above blade_relax's point, which an unreachable budget run sits on
+        )
+    right.plot(
+        [r.size for r in budget_rows],
+        [r.result.budget_bytes / mib for r in budget_rows],
+        ":",
+        color="tab:red",
+        label=f"budget ({budget_fraction:g} x blade_relax peak)",
+    )
+    handles, labels = right.get_legend_handles_labels()
+    for unreachable, text in (
+        (False, "budget met"),
+        (True, "budget unreachable, no eviction set meets it (ran at its lowest peak)"),
+    ):
+        if any(_budget_unreachable(r.result) == unreachable for r in budget_rows):
+            handles.append(
+                Line2D(
+                    [],
+                    [],
+                    marker="^",
+                    color=color,
+                    linestyle="none",
+                    markerfacecolor="none" if unreachable else color,
+                    markersize=11 if unreachable else 8,
+                )
+            )
+            labels.append(f"blade_relax under the budget: {text}")
+    sizes = sorted({r.size for r in rows})
+    if len(sizes) > 1 and sizes[-1] / sizes[0] >= 10:
+        # Sizes and peaks span decades: log axes, labelled at the sizes that ran and at 1-2-5
+        # steps in MiB (matplotlib's default labels only the powers of ten, often just two).
+        right.set_xscale("log")
+        right.set_yscale("log")
+        right.xaxis.set_major_locator(NullLocator())
+        right.set_xticks(sizes)
+        right.xaxis.set_minor_formatter(NullFormatter())
+        right.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        right.yaxis.set_minor_formatter(NullFormatter())
+    right.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+    right.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+    right.set_xlabel(f"{dim_label}")
+    right.set_ylabel("measured peak of one call (MiB)\nkernel scratch included")
+    right.set_title("measured peak of one call vs size")
+    right.grid(alpha=0.3, which="major")
+    right.legend(handles, labels, **below)
+    fig.tight_layout()
+    return fig
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -571,21 +665,35 @@ def run_demo(args: argparse.Namespace) -> int:
             except ValueError as err:
                 raise CliError(f"--sizes: {first_line(err)}") from None
 
+    # The symbolic timelines first: they say, before anything is compiled or allocated, what
+    # each size needs. The stock run comes first and its lowering is the quicker, so sizes
+    # that cannot fit are refused on its prediction alone, in seconds and in one line (no
+    # progress line before it); blade_relax's prediction is checked as soon as it is known.
+    stock_low = lower_to_memory_stage(model.mod)
+    stock_tl = memory_timeline(stock_low["main"], mod=stock_low)
+    _refuse_sizes_beyond_memory(all_bindings, lambda _b: {"stock TVM": stock_tl}, args.force)
+    _progress(f"lowering {model.name} with the blade_relax passes for its symbolic timeline")
+    blade_low = lower_to_memory_stage(model.mod, **_blade_flags())
+    # `main` is a dispatcher: MemoryAwareSchedule may have made range copies, each scheduled
+    # for its range of lengths, and Rematerialize a plain copy that runs without a budget next
+    # to the rewritten one. The timeline to read is that of the copy that runs unbudgeted.
+    blade_fns = {version_for(blade_low, "main", b) for b in all_bindings}
+    blade_tls = {fn: memory_timeline(blade_low[fn], mod=blade_low) for fn in sorted(blade_fns)}
+    _refuse_sizes_beyond_memory(
+        all_bindings,
+        lambda b: {
+            "stock TVM": stock_tl,
+            "blade_relax": blade_tls[version_for(blade_low, "main", b)],
+        },
+        args.force,
+    )
+
     _progress(f"compiling {model.name} with the stock TVM pipeline (llvm)")
     stock_build = compile_keeping_module(model.mod, "llvm", stock_pipeline("llvm"))
     stock_exe, stock_ws = stock_build.executable, stock_build.workspaces
     _progress(f"compiling {model.name} with the blade_relax pipeline (llvm)")
     blade_build = compile_keeping_module(model.mod, "llvm", get_pipeline("llvm"))
     blade_exe, blade_ws = blade_build.executable, blade_build.workspaces
-    _progress("lowering both to the memory stage for the symbolic timelines")
-    stock_low = lower_to_memory_stage(model.mod)
-    blade_low = lower_to_memory_stage(model.mod, **_blade_flags())
-    stock_tl = memory_timeline(stock_low["main"], mod=stock_low)
-    # `main` is a dispatcher: MemoryAwareSchedule may have made range copies, each scheduled
-    # for its range of lengths, and Rematerialize a plain copy that runs without a budget next
-    # to the rewritten one. The timeline to read is that of the copy that runs unbudgeted.
-    blade_fns = {version_for(blade_low, "main", b) for b in all_bindings}
-    blade_tls = {fn: memory_timeline(blade_low[fn], mod=blade_low) for fn in sorted(blade_fns)}
 
     dim_label = ",".join(dims)
     _warn_far_beyond(model, func, sizes, all_bindings, stock_tl, blade_tls, blade_low)
@@ -660,10 +768,38 @@ def _blade_flags() -> dict[str, bool]:
 
 def _free_memory() -> int | None:
     """Memory available to this process now (bytes), where the platform says."""
-    try:
-        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
-    except (AttributeError, OSError, ValueError):
-        return None
+    return available_memory()
+
+
+def _refuse_sizes_beyond_memory(
+    all_bindings: Sequence[Mapping[str, int]],
+    timelines: Callable[[Mapping[str, int]], Mapping[str, Any]],
+    force: bool,
+) -> None:
+    """Refuse (one line, exit 2) sizes whose predicted peak exceeds the memory available now.
+
+    Called before anything is compiled or allocated, on the symbolic timelines alone: a call's
+    arrays (inputs and parameters) plus the largest peak among the pipelines that will run at
+    those sizes. ``timelines(bindings)`` maps each pipeline's label to its timeline.
+    """
+    if force:
+        return
+    free = _free_memory()
+    if free is None:
+        return
+    for bindings in all_bindings:
+        evaluated = {label: tl.evaluate(bindings) for label, tl in timelines(bindings).items()}
+        label, worst = max(evaluated.items(), key=lambda item: item[1].peak)
+        at = ", ".join(f"{dim}={value}" for dim, value in bindings.items())
+        refuse_beyond_memory(
+            f"--sizes: {at}",
+            worst.peak + worst.persistent,
+            f"{label}'s call {_human(worst.peak)} + {_human(worst.persistent)} of inputs and "
+            "parameters",
+            free,
+            force=force,
+            before="compiling or allocating anything",
+        )
 
 
 def _warn_far_beyond(
@@ -703,8 +839,8 @@ def _warn_far_beyond(
             "and parameters; each of the three runs takes time that grows with the size "
             "(progress lines follow)"
         )
-        if free is not None and need > free:
-            message += f"; that is more than the {_human(free)} of memory free now"
+        if free is not None and need > free:  # only with --force: refused up front otherwise
+            message += f"; that is more than the {_human(free)} of memory available now (--force)"
         _warn(message)
 
 
@@ -850,11 +986,23 @@ def run_report(args: argparse.Namespace) -> int:
     func = _function(model.mod, args.function, model.name)
 
     from .analysis import MemoryReport, memory_timeline
+    from .analysis.report import LowerBound
     from .pipeline import lower_to_memory_stage
     from .symbolic import ShapeGraph
 
     # Dims are checked on the function as given, before the (slower) lowering.
     bindings = _bind_dims(given, ShapeGraph.from_function(func).dims, model, args.function)
+    # One lower bound for every version, read once from the function before the passes: what
+    # each version's own timeline would give depends on its fusion and memory plan, and two
+    # versions of one function would report two "lower bounds" (one above the other's peak).
+    try:
+        bound = LowerBound.of_function(
+            func, bindings, mod=model.mod, source=f"{args.function} before the passes"
+        )
+    except Exception as err:  # the analysis raises TVM's and its own errors
+        raise CliError(
+            f"cannot build the memory timeline of {args.function}: {first_line(err)}"
+        ) from None
 
     target = {"llvm": "llvm", "cuda": {"kind": "cuda", "arch": "sm_90"}}[args.target]
     stages: list[tuple[str, Any]] = []
@@ -907,7 +1055,9 @@ def run_report(args: argparse.Namespace) -> int:
             evaluated = timeline.evaluate(bindings)
         except ValueError as err:
             raise CliError(f"--dims: {first_line(err)}") from None
-        reports.append(MemoryReport(label=label, timeline=timeline, evaluated=evaluated))
+        reports.append(
+            MemoryReport(label=label, timeline=timeline, evaluated=evaluated, bound=bound)
+        )
 
     print(f"input: {model.name}  ({model.description})")
     print(
@@ -980,6 +1130,15 @@ def _models_help() -> str:
     )
 
 
+def _add_force(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help=f"run even when {what} exceeds the memory available now (refused by default "
+        "with exit status 2, before anything is allocated)",
+    )
+
+
 def _add_verbose(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--verbose",
@@ -1049,10 +1208,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_DEMO_PLOT,
         metavar="PATH",
         help="PNG to write: live bytes during one call at the largest size (stock TVM, "
-        "blade_relax, blade_relax under the budget) and measured peak vs size (default: "
-        f"{DEFAULT_DEMO_PLOT})",
+        "blade_relax, blade_relax under the budget; kernel scratch included) and measured peak "
+        f"vs size (default: {DEFAULT_DEMO_PLOT}; missing folders are created)",
     )
     demo.add_argument("--no-plot", action="store_true", help="do not write the plot")
+    _add_force(
+        demo,
+        "the predicted peak at a size (the symbolic timelines' call plus its inputs and "
+        "parameters)",
+    )
     _add_verbose(demo)
 
     report = sub.add_parser(
@@ -1182,10 +1346,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run PyTorch's loop with Hugging Face gradient checkpointing "
         "(and compiled, with --torch-compile)",
     )
-    train.add_argument("--plot", default="train.png", metavar="PATH", help="PNG (train.png)")
+    train.add_argument(
+        "--plot",
+        default=DEFAULT_TRAIN_PLOT,
+        metavar="PATH",
+        help=f"PNG of loss and peak per step (default: {DEFAULT_TRAIN_PLOT}; missing folders "
+        "are created)",
+    )
     train.add_argument("--no-plot", action="store_true", help="do not write the plot")
     train.add_argument("--json", metavar="PATH", help="write the runs as JSON here")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_force(
+        train,
+        "what the step at --size and --batch holds at least (parameters, optimizer state, "
+        "token ids, logits of the longest batch)",
+    )
     _add_verbose(train)
 
     sub.add_parser(
@@ -1227,14 +1402,22 @@ def run_train(args: argparse.Namespace) -> int:
     plot = None if args.no_plot else check_output_path(args.plot, "--plot")
     json_path = check_output_path(args.json, "--json")
     _load_package()
-    from .bench.training import compare_training, plot_training, summary_lines
+    from .bench.training import (
+        SFT_MODELS,
+        TRAIN_MODELS,
+        compare_training,
+        plot_training,
+        summary_lines,
+    )
     from .bench.workloads import PRESETS
     from .training import SGD, AdamW
 
-    optimizer = AdamW(lr=args.lr) if args.optimizer == "adamw" else SGD(args.lr, momentum=0.9)
     sizes = dataclasses.replace(PRESETS[args.size], dtype=dtype, autocast=autocast)
     if args.batch is not None:
         sizes = dataclasses.replace(sizes, batch=args.batch)
+    workload = SFT_MODELS[args.model][int(args.lora)] if sft else TRAIN_MODELS[args.model]
+    _refuse_training_beyond_memory(args, workload, sizes)
+    optimizer = AdamW(lr=args.lr) if args.optimizer == "adamw" else SGD(args.lr, momentum=0.9)
     result = compare_training(
         args.model,
         size=sizes,
@@ -1303,6 +1486,31 @@ def run_train(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def _refuse_training_beyond_memory(args: argparse.Namespace, workload: str, sizes: Any) -> None:
+    """Refuse (one line, exit 2) a ``train`` whose step cannot fit, before the model is built.
+
+    The floor (:func:`blade_relax.bench.floor.memory_floor`) is counted from the sizes alone:
+    building the model draws its weights, and at such sizes the run would die of numpy's
+    ``MemoryError`` or the OOM killer long after the cause.
+    """
+    from .bench.floor import memory_floor
+
+    # Per trainable parameter: AdamW keeps two moments, SGD (with momentum) one buffer.
+    states = {"adamw": ("AdamW", 2), "sgd": ("SGD momentum", 1)}
+    name, per_param = states[args.optimizer]
+    floor = memory_floor(workload, sizes, optimizer=name, state_per_param=per_param)
+    batch = f" --batch {args.batch}" if args.batch is not None else ""
+    refuse_beyond_memory(
+        f"--size {args.size}{batch}: blade_relax's {workload} step at s={floor.length}",
+        floor.total,
+        floor.describe(),
+        _free_memory(),
+        force=args.force,
+        before="building the model",
+        floor=True,
+    )
 
 
 # --------------------------------------------------------------------------------------- main

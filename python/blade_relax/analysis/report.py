@@ -2,7 +2,16 @@
 
 A :class:`MemoryReport` holds per-binding live bytes (symbolic and evaluated), the peak, the
 lower bound and, when the program was run, the runtime's measured counters (evictions,
-regenerations). It renders as a text table, JSON, a Chrome trace (loads in Perfetto or
+regenerations).
+
+The lower bound (:class:`LowerBound`) is one figure per function, whichever version a report
+shows: the bytes every version must hold at once, read from the function before the passes.
+Those are its parameters and inputs (persistent) and its outputs (gradients, for a training
+step), which are all live when it returns. Working sets of single operators are not counted:
+they depend on the version (the stock pipeline fuses elementwise chains, ``FuseAttention`` keeps
+attention scores out of memory), so the working sets of one version are no bound on another's
+peak: the built-in attention block's largest operator of the function as given holds 2 MiB at
+``s=256``, and blade_relax's version of it peaks at 257 KiB. It renders as a text table, JSON, a Chrome trace (loads in Perfetto or
 ``chrome://tracing``: one counter track of live bytes and one slice per binding) and a
 matplotlib plot, optionally against a second report ("before" our passes).
 """
@@ -18,7 +27,7 @@ from tvm import relax
 
 from .timeline import EvaluatedTimeline, MemoryTimeline, memory_timeline
 
-__all__ = ["MemoryReport"]
+__all__ = ["LowerBound", "MemoryReport"]
 
 
 def _human(nbytes: int) -> str:
@@ -28,6 +37,76 @@ def _human(nbytes: int) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
         value /= 1024
     return f"{nbytes} B"
+
+
+@dataclass(frozen=True)
+class LowerBound:
+    """The bytes every version of a function holds at least, at concrete dims.
+
+    Attributes
+    ----------
+    nbytes
+        ``persistent + outputs``: no version (schedule, fusion, rematerialization) of the
+        function goes below it.
+    persistent
+        Parameters and inputs, owned by the caller.
+    outputs
+        What the function returns and allocates (views of parameters cost nothing), all live
+        when it returns.
+    symbolic
+        ``nbytes`` over the function's dims.
+    source
+        Which function it was read from (``"main before the passes"``).
+    """
+
+    nbytes: int
+    persistent: int
+    outputs: int
+    symbolic: str
+    source: str
+
+    @classmethod
+    def of_function(
+        cls,
+        func: relax.Function,
+        dims: Mapping[str, int],
+        *,
+        mod: Any = None,
+        source: str = "",
+    ) -> LowerBound:
+        """The bound of ``func``, read from it (pass the function before the passes).
+
+        Parameters
+        ----------
+        func
+            The function as given, before any pass: every version of it reports this bound.
+        dims
+            Concrete dims; those ``func`` does not have (lowering may add some) are ignored.
+        mod
+            The module ``func`` belongs to (tells its calls of PrimFuncs from those of Relax
+            functions).
+        source
+            Names the function in reports.
+        """
+        # Kernel scratch is left out: it depends on the target the kernels are built for.
+        return cls.of_timeline(memory_timeline(func, mod=mod, workspaces=False), dims, source)
+
+    @classmethod
+    def of_timeline(
+        cls, timeline: MemoryTimeline, dims: Mapping[str, int], source: str = ""
+    ) -> LowerBound:
+        """The bound from a function's timeline (see :meth:`of_function`)."""
+        graph = timeline.graph
+        bindings = {name: value for name, value in dims.items() if name in graph.dims}
+        persistent = graph.evaluate(timeline.persistent, bindings)
+        outputs = graph.evaluate(timeline.output_bytes, bindings)
+        return cls(
+            nbytes=persistent + outputs,
+            persistent=persistent,
+            outputs=outputs,
+            symbolic=str(timeline.persistent + timeline.output_bytes),
+            source=source,
+        )
 
 
 @dataclass
@@ -44,6 +123,10 @@ class MemoryReport:
         The timeline at ``dims``.
     measured
         The runtime's ``memory_stats()`` after running the program, if it was run.
+    bound
+        The function's :class:`LowerBound`, shared by every version of it (read from this
+        report's own timeline when not given: pass the one of the function before the passes
+        so that the reports of its versions agree).
     """
 
     label: str
@@ -51,6 +134,11 @@ class MemoryReport:
     evaluated: EvaluatedTimeline
     measured: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    bound: LowerBound | None = None
+
+    def __post_init__(self) -> None:
+        if self.bound is None:
+            self.bound = LowerBound.of_timeline(self.timeline, self.evaluated.bindings)
 
     @classmethod
     def from_function(
@@ -61,23 +149,33 @@ class MemoryReport:
         label: str = "",
         mod: Any = None,
         measured: Mapping[str, Any] | None = None,
+        bound: LowerBound | None = None,
     ) -> MemoryReport:
-        """Build a report for ``func`` evaluated at ``dims``."""
+        """Build a report for ``func`` evaluated at ``dims``.
+
+        ``bound``: the :class:`LowerBound` of the function before the passes
+        (:meth:`LowerBound.of_function`), the same for every version; read from ``func``
+        when omitted.
+        """
         timeline = memory_timeline(func, mod=mod)
         return cls(
             label=label,
             timeline=timeline,
             evaluated=timeline.evaluate(dict(dims)),
             measured=dict(measured) if measured is not None else None,
+            bound=bound,
         )
 
     @property
     def peak(self) -> int:
+        """The largest live bytes of any binding (parameters excluded), kernel scratch included."""
         return self.evaluated.peak
 
     @property
     def lower_bound(self) -> int:
-        return self.evaluated.lower_bound
+        """The function's :class:`LowerBound` in bytes, persistent bytes included."""
+        assert self.bound is not None  # set by __post_init__
+        return self.bound.nbytes
 
     def rows(self) -> list[dict[str, Any]]:
         """One row per binding: name, live bytes during and after it (``live_bytes`` includes
@@ -112,8 +210,10 @@ class MemoryReport:
             "peak_symbolic": str(self.timeline.peak),
             "peak_workspace_bytes": self.evaluated.peak_workspace,
             "persistent_bytes": self.evaluated.persistent,
-            "lower_bound_bytes": self.evaluated.lower_bound,
-            "lower_bound_symbolic": str(self.timeline.lower_bound),
+            "lower_bound_bytes": self.bound.nbytes,
+            "lower_bound_symbolic": self.bound.symbolic,
+            "lower_bound_outputs_bytes": self.bound.outputs,
+            "lower_bound_of": self.bound.source or "this function",
             "bindings": len(self.timeline.steps),
         }
         if self.measured is not None:
@@ -175,7 +275,7 @@ class MemoryReport:
     def to_text(self, max_rows: int = 30) -> str:
         """A readable table: the bindings with the largest live bytes, and the headline."""
         s = self.summary()
-        bound = s["lower_bound_bytes"] - s["persistent_bytes"]
+        bound = self.bound.nbytes - self.bound.persistent
         lines = [
             f"memory report {self.label}".rstrip() + f"  (stage: {s['stage']}, dims: {s['dims']})",
             f"  peak:        {s['peak_bytes']:>14,} B  ({_human(s['peak_bytes'])}) "
@@ -186,7 +286,8 @@ class MemoryReport:
                 else ""
             ),
             # On the peak's basis (parameters excluded), so that the two lines compare.
-            f"  lower bound: {bound:>14,} B  ({_human(bound)}) excl. persistent",
+            f"  lower bound: {bound:>14,} B  ({_human(bound)}) excl. persistent: the outputs "
+            f"of {s['lower_bound_of']}, the same for every version",
             f"  persistent:  {s['persistent_bytes']:>14,} B",
             f"  symbolic peak: {s['peak_symbolic']}",
         ]
@@ -233,10 +334,10 @@ class MemoryReport:
             label = f"{report.label or 'program'} (peak {_human(report.peak)})"
             ax.plot(xs, [v / 2**20 for v in live], label=label, linewidth=1.5)
         ax.axhline(
-            (self.lower_bound - self.evaluated.persistent) / 2**20,
+            self.bound.outputs / 2**20,
             color="gray",
             linestyle=":",
-            label="lower bound (excl. persistent)",
+            label="lower bound (excl. persistent): the function's outputs",
         )
         ax.set_xlabel("position in the program")
         ax.set_ylabel("live bytes allocated by the VM (MiB)")

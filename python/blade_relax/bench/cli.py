@@ -14,7 +14,14 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-from .._cliutil import CliError, OneLineParser, check_output_path, first_line
+from .._cliutil import (
+    CliError,
+    OneLineParser,
+    available_memory,
+    check_output_path,
+    first_line,
+    refuse_beyond_memory,
+)
 
 __all__ = ["WORKLOAD_NAMES", "build_parser", "main"]
 
@@ -114,6 +121,13 @@ def build_parser(prog: str = DEFAULT_PROG) -> argparse.ArgumentParser:
         default=None,
         help="write a PNG of step time vs peak for the budgeted configurations here "
         "(blade-relax@B and torch-compile@F, as ratios to their unbudgeted runs)",
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="run even when what a step at these sizes holds at least (parameters, inputs, "
+        "the logits or the gradients) exceeds the memory available now (refused by default "
+        "with exit status 2, before anything is built)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     parser.add_argument(
@@ -230,6 +244,27 @@ def _check_heavy(args: argparse.Namespace, names: Sequence[str]):
     return sizes, lengths, trace
 
 
+def _refuse_beyond_memory(args: argparse.Namespace, sizes, lengths: Sequence[int]) -> None:
+    """Refuse (one line, exit 2) sizes whose step cannot fit, before the workload is built.
+
+    The floor (:func:`blade_relax.bench.floor.memory_floor`) comes from the sizes alone; the
+    predicted mode allocates the parameters and the inputs only (no step runs).
+    """
+    from .floor import memory_floor
+
+    floor = memory_floor(args.workload, sizes, length=max(lengths), activations=not args.predict)
+    step = f"{'predicted run' if args.predict else 'step'} at s={floor.length}"
+    refuse_beyond_memory(
+        f"--size {args.size}: the {args.workload} {step}",
+        floor.total,
+        floor.describe(),
+        available_memory(),
+        force=args.force,
+        before="building the workload",
+        floor=True,
+    )
+
+
 def _print_configs() -> None:
     """Every registered name with its description, then the deprecated aliases."""
     from .configs import _CONFIGS, _FAMILIES, deprecated_aliases
@@ -280,6 +315,7 @@ def _run(args: argparse.Namespace, prog: str) -> int:
 
     _load()  # what `import blade_relax` does elsewhere: accounting, builtins, pipeline
     sizes, lengths, trace = _check_heavy(args, names)
+    _refuse_beyond_memory(args, sizes, lengths)
 
     from .report import budget_table, markdown_table, write_budget_plot, write_json, write_plot
     from .runner import run_benchmark
