@@ -54,7 +54,7 @@ def test_plain_pypi_users_get_the_cpu_build_of_torch():
 
 
 def test_examples_write_into_an_output_folder_not_the_checkout():
-    for title in ("Set up", "Command line", "Training end to end"):
+    for title in ("Set up", "Command line", "Train it"):
         for command in _commands(title):
             for flag, value in zip(command, command[1:]):
                 if flag in OUTPUT_FLAGS:
@@ -97,3 +97,27 @@ def test_quickstart_without_the_budget_peaks_where_the_readme_says():
     claimed = re.search(r"same executable peaks at\s+([\d,]+) bytes", claims).group(1)
     assert int(peak) == int(claimed.replace(",", ""))
     assert evictions == regenerations == "0"
+
+
+def test_the_readme_stays_short_and_its_figures_are_generated():
+    """At most ~400 lines; benchmark figures only in the generated block, none dated by hand."""
+    from blade_relax.bench import docs
+
+    text = README.read_text()
+    assert len(text.splitlines()) <= 400
+    for stale in ("Measured on the code up to", "measured before", "stale"):
+        assert stale not in text, stale
+    block = text[text.index(docs.HEADLINE_BEGIN) : text.index(docs.HEADLINE_END)]
+    assert "| s |" in block
+    assert "docs/benchmarks.md" in text
+
+
+def test_the_readme_names_entry_points_that_exist():
+    import blade_relax
+    import blade_relax.runtime as runtime
+
+    text = README.read_text()
+    for name in ("import_training_step", "import_inference", "get_pipeline"):
+        assert f"blade_relax.{name}(" in text and hasattr(blade_relax, name), name
+    for name in ("set_memory_budget", "set_relative_budget", "memory_stats"):
+        assert name in text and hasattr(runtime, name), name
