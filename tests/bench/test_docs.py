@@ -78,7 +78,7 @@ def test_ratio_grid_counts_lengths_at_or_below():
     ]
     grid = docs.ratio_grid(_recorded(rows, ["ours", "torch-eager"]), "ours", ["torch-eager"])
     assert "| 8 | 0.900 |" in grid and "| 16 | 1.200 |" in grid
-    assert "at or below torch-eager at 1 of 2 lengths" in grid
+    assert "`ours`: at or below `torch-eager` at 1 of 2 lengths." in grid
     assert docs.ratio_grid(_recorded(rows, ["ours"]), "ours", ["torch-eager"]) is None
 
 

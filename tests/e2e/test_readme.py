@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 README = Path(__file__).resolve().parents[2] / "README.md"
 # Flags of the command lines that name a file to write.
 OUTPUT_FLAGS = ("--plot", "--json", "--chrome-trace", "--out", "--budget-plot")
@@ -121,3 +123,17 @@ def test_the_readme_names_entry_points_that_exist():
         assert f"blade_relax.{name}(" in text and hasattr(blade_relax, name), name
     for name in ("set_memory_budget", "set_relative_budget", "memory_stats"):
         assert name in text and hasattr(runtime, name), name
+
+
+def test_the_training_example_runs():
+    """The "Train it" example: a LoRA model, a padded, prompt-masked batch, a budgeted step."""
+    pytest.importorskip("peft")
+    code = re.search(r"```python\n(.*?)```", _section("Train it"), re.S).group(1)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=900, check=True
+    )
+    line = done.stdout.strip().splitlines()[-1]
+    match = re.fullmatch(r"loss ([\d.]+) -> ([\d.]+); peak ([\d,]+) -> ([\d,]+) B", line)
+    assert match, line
+    assert float(match.group(2)) < float(match.group(1))  # the first step's update lowered it
+    assert int(match.group(4).replace(",", "")) <= int(match.group(3).replace(",", ""))

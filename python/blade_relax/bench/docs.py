@@ -44,6 +44,7 @@ __all__ = [
     "headline_block",
     "main",
     "ratio_grid",
+    "standing",
     "time_grid",
 ]
 
@@ -79,6 +80,9 @@ class Section:
         The configuration the ratios are taken of.
     against
         The configurations ``ours`` is compared with in ``"vs-torch"``.
+    budgeted, budgeted_against
+        A budgeted configuration of ours and what it is compared with in ``"vs-torch"`` too
+        (gradient checkpointing, for the fine-tuning runs).
     """
 
     results: str
@@ -87,6 +91,8 @@ class Section:
     tables: tuple[str, ...] = ("peaks", "vs-torch", "times")
     ours: str = "blade-relax"
     against: tuple[str, ...] = TORCH
+    budgeted: str | None = None
+    budgeted_against: tuple[str, ...] = ()
 
 
 SECTIONS: tuple[Section, ...] = (
@@ -124,14 +130,16 @@ SECTIONS: tuple[Section, ...] = (
         "Face gradient checkpointing; `@F` is a runtime memory budget of F times the "
         "unbudgeted peak (for `torch-compile@F`, `activation_memory_budget`).",
         tables=("peaks", "vs-torch", "times", "budget"),
-        against=("torch-eager", "torch-compile", "torch-eager-ckpt", "torch-compile-ckpt"),
+        budgeted="blade-relax@0.5",
+        budgeted_against=("torch-eager-ckpt", "torch-compile-ckpt", "torch-compile@0.5"),
     ),
     Section(
         "llama-sft.json",
         "Full fine-tuning against PyTorch and gradient checkpointing (small, CPU)",
         "The same padded, prompt-masked batches as above, every parameter trained.",
         tables=("peaks", "vs-torch", "times", "budget"),
-        against=("torch-eager", "torch-compile", "torch-eager-ckpt", "torch-compile-ckpt"),
+        budgeted="blade-relax@0.5",
+        budgeted_against=("torch-eager-ckpt", "torch-compile-ckpt", "torch-compile@0.5"),
     ),
     Section(
         "llama-train-budget.json",
@@ -164,31 +172,40 @@ def _requested(result: RecordedResult) -> list[str]:
     return [c.name for c in result.configs if c.requested]
 
 
-def ratio_grid(result: RecordedResult, ours: str, against: Sequence[str]) -> str | None:
-    """Markdown: per length, ``ours``'s peak over each of ``against``'s (``None`` when the run
-    has ``ours`` or none of them), and how many lengths are at or below each."""
+def standing(result: RecordedResult, ours: str, against: Sequence[str]) -> str | None:
+    """``at or below X at k of n lengths`` for each of ``against`` the run has, joined by
+    semicolons (``None`` when the run lacks ``ours`` or all of them)."""
     names = [n for n in against if n in _requested(result)]
     if ours not in _requested(result) or not names:
         return None
+    peaks = _peaks(result)
+    counts = []
+    for name in names:
+        pairs = [(peaks.get((ours, n)), peaks.get((name, n))) for n in result.lengths]
+        met = sum(a is not None and b is not None and a <= b for a, b in pairs)
+        counts.append(f"at or below `{name}` at {met} of {len(result.lengths)} lengths")
+    return "; ".join(counts)
+
+
+def ratio_grid(result: RecordedResult, ours: str, against: Sequence[str]) -> str | None:
+    """Markdown: per length, ``ours``'s peak over each of ``against``'s (``None`` when the run
+    lacks ``ours`` or all of them), then :func:`standing`."""
+    summary = standing(result, ours, against)
+    if summary is None:
+        return None
+    names = [n for n in against if n in _requested(result)]
     peaks = _peaks(result)
     lines = [
         f"| s | {' | '.join(f'{ours} / {n}' for n in names)} |",
         "|---:|" + "---:|" * len(names),
     ]
-    met = dict.fromkeys(names, 0)
     for n in result.lengths:
         cells = []
         for name in names:
             a, b = peaks.get((ours, n)), peaks.get((name, n))
             cells.append("-" if a is None or not b else f"{a / b:.3f}")
-            met[name] += a is not None and b is not None and a <= b
         lines.append(f"| {n} | {' | '.join(cells)} |")
-    total = len(result.lengths)
-    lines.append("")
-    lines.append(
-        "; ".join(f"at or below {name} at {met[name]} of {total} lengths" for name in names) + "."
-    )
-    return "\n".join(lines)
+    return "\n".join([*lines, "", f"`{ours}`: {summary}."])
 
 
 def time_grid(result: RecordedResult, ours: str) -> str | None:
@@ -263,15 +280,24 @@ def _source(result: RecordedResult) -> str:
     )
 
 
+def _comparisons(section: Section) -> list[tuple[str, tuple[str, ...]]]:
+    """(ours, against) pairs of a section's ``"vs-torch"`` tables."""
+    pairs = [(section.ours, section.against)]
+    if section.budgeted:
+        pairs.append((section.budgeted, section.budgeted_against))
+    return pairs
+
+
 def _section(section: Section, result: RecordedResult) -> str:
     parts = [f"## {section.title}", section.intro, _source(result)]
     for table in section.tables:
         if table == "peaks":
             parts.append(peak_grid(result))
         elif table == "vs-torch":
-            grid = ratio_grid(result, section.ours, section.against)
-            if grid:
-                parts.append(f"Peak of `{section.ours}` over PyTorch's, per length:\n\n{grid}")
+            for ours, against in _comparisons(section):
+                grid = ratio_grid(result, ours, against)
+                if grid:
+                    parts.append(f"Peak of `{ours}` over PyTorch's, per length:\n\n{grid}")
         elif table == "times":
             grid = time_grid(result, section.ours)
             if grid:
@@ -351,6 +377,18 @@ def headline_block(results: Path = RESULTS) -> str:
         f"training step, measured at commit `{prov.get('commit')}` on {prov.get('date')} by "
         f"`{prov.get('command')}`. {_correctness(result)}"
     )
+    lines.append("")
+    lines.append("Peaks over the length trace of every benchmark in docs/benchmarks.md:")
+    lines.append("")
+    for section in SECTIONS:
+        recorded = read_json(results / section.results)
+        said = [
+            f"`{ours}` {summary}"
+            for ours, against in _comparisons(section)
+            if (summary := standing(recorded, ours, against))
+        ]
+        if said:
+            lines.append(f"- {section.title}: {'; '.join(said)}.")
     lines.append(HEADLINE_END)
     return "\n".join(lines)
 

@@ -149,32 +149,16 @@ class RecordedWorkload:
     param_bytes: int
 
 
-@dataclass(frozen=True)
-class RecordedResult:
+@dataclass
+class RecordedResult(BenchResult):
     """A benchmark run read back from its JSON document (:func:`read_json`).
 
-    It has the attributes of :class:`~.runner.BenchResult` that the tables and plots read, plus
-    the run's ``environment`` and ``provenance``; the workload is its description only (no
-    graph, no weights).
+    A :class:`~.runner.BenchResult` whose workload is its description only (no graph, no
+    weights), plus the run's ``environment`` and ``provenance``.
     """
 
-    workload: RecordedWorkload
-    target: str
-    lengths: list[int]
-    trace: dict[str, Any]
-    repeat: int
-    tolerance: float
-    configs: list[ConfigSummary]
-    measurements: list[Measurement]
     environment: dict[str, Any]
     provenance: dict[str, Any]
-
-    @property
-    def all_correct(self) -> bool:
-        """Every requested measurement ran and matched the reference (as the run said)."""
-        requested = {c.name for c in self.configs if c.requested}
-        rows = [m for m in self.measurements if m.config in requested]
-        return bool(rows) and all(m.error is None and m.correct for m in rows)
 
 
 def read_json(path: str | os.PathLike) -> RecordedResult:
