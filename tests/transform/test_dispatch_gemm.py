@@ -347,3 +347,83 @@ def test_without_torch_the_pipeline_keeps_tvm_kernels_and_says_so_once(without_t
     told = [r.getMessage() for r in caplog.records if "not dispatched" in r.getMessage()]
     assert told == [dispatch_module.NOT_DISPATCHED]
     np.testing.assert_allclose(outputs[0], x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------- symbolic size parameters
+# fmt: off
+@I.ir_module
+class BeforeSized:
+    """A GEMM kernel that takes its symbolic size as a scalar parameter, as TVM writes it when
+    a buffer's shape is an expression (``b * s`` rows)."""
+
+    @T.prim_func(private=True, s_tir=True)
+    def NT_matmul(x_handle: T.handle, w: T.Buffer((T.int64(16), T.int64(8)), "float32"), n: T.int64, out_handle: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        x = T.match_buffer(x_handle, (n, T.int64(8)), "float32")
+        out = T.match_buffer(out_handle, (n, T.int64(16)), "float32")
+        for i, j, k in T.grid(n, T.int64(16), T.int64(8)):
+            with T.sblock("NT_matmul"):
+                vi, vj, vk = T.axis.remap("SSR", [i, j, k])
+                with T.init():
+                    out[vi, vj] = T.float32(0.0)
+                out[vi, vj] = out[vi, vj] + x[vi, vk] * w[vj, vk]
+
+    @R.function(pure=False)
+    def main(x: R.Tensor(("n", 8), "float32"), w: R.Tensor((16, 8), "float32")) -> R.Tensor(("n", 16), "float32"):
+        n = T.int64()
+        cls = BeforeSized
+        y = R.builtin.alloc_tensor(R.shape([n, 16]), R.dtype("float32"), R.prim_value(0))
+        _1 = cls.NT_matmul(x, w, R.prim_value(n), y)
+        return y
+
+
+@I.ir_module
+class ExpectedSized:
+    @R.function(pure=False)
+    def main(x: R.Tensor(("n", 8), "float32"), w: R.Tensor((16, 8), "float32")) -> R.Tensor(("n", 16), "float32"):
+        n = T.int64()
+        y = R.builtin.alloc_tensor(R.shape([n, 16]), R.dtype("float32"), R.prim_value(0))
+        _1 = R.call_packed("blade_relax.gemm_NT", x, w, y, ty_args=R.Tuple())
+        return y
+# fmt: on
+
+
+def test_a_kernel_with_size_parameters_is_dispatched_with_its_tensors_alone():
+    assert gemm_layout(BeforeSized["NT_matmul"]).buffers == (0, 1, 3)
+    pass_obj = DispatchGemm()
+    tvm.ir.assert_structural_equal(pass_obj(BeforeSized), ExpectedSized)
+    assert pass_obj.report.dispatched == {"NT": 1}
+
+
+# fmt: off
+@I.ir_module
+class RowsOfTwoDims:
+    @R.function
+    def main(x: R.Tensor(("b", "s", 8), "float32"), w: R.Tensor((16, 8), "float32")):
+        b, s = T.int64(), T.int64()
+        with R.dataflow():
+            rows = R.reshape(x, R.shape([b * s, 8]))
+            y = R.matmul(rows, R.permute_dims(w))   # a (b * s, 16) GEMM: b and s passed as sizes
+            g = R.matmul(R.permute_dims(y), rows)   # TN over the b * s rows
+            R.output(y, g)
+        return (y, g)
+# fmt: on
+
+
+def test_gemms_over_rows_of_two_symbolic_dims_are_dispatched_and_compute_what_numpy_does():
+    lowered = lower_to_memory_stage(RowsOfTwoDims, "llvm", simplify=True, dispatch_gemm=True)
+    assert "blade_relax.gemm_NT" in lowered.script() and "blade_relax.gemm_TN" in lowered.script()
+    exe = tvm.compile(
+        RowsOfTwoDims,
+        "llvm",
+        relax_pipeline=get_pipeline("llvm", simplify=True, dispatch_gemm=True),
+    )
+    vm = relax.VirtualMachine(exe, tvm.cpu())
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((16, 8)).astype("float32")
+    for b, s in ((1, 3), (2, 5), (4, 17)):
+        x = rng.standard_normal((b, s, 8)).astype("float32")
+        y, g = (o.numpy() for o in vm["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(w)))
+        rows = x.reshape(b * s, 8)
+        np.testing.assert_allclose(y, rows @ w.T, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(g, (rows @ w.T).T @ rows, rtol=1e-5, atol=1e-4)

@@ -23,7 +23,9 @@ benchmark's workloads, that raised the predicted peaks of the full pipeline by u
 Stages
 ------
 1. *Recognize* (per PrimFunc, remembered): a kernel of exactly one block besides the root, with
-   three buffer parameters ``A, B, C`` of one dtype among ``dtypes``, whose block is
+   three buffer parameters ``A, B, C`` of one dtype among ``dtypes`` (and any integer scalar
+   parameters: the symbolic sizes TVM passes when a buffer's shape is an expression such as
+   ``b * s``, which the GEMM reads from the tensors instead), whose block is
    ``C[b.., i, j] = 0; C[b.., i, j] += A[..] * B[..]`` over one reduction variable ``k``;
    ``A`` read at ``[b.., i, k]`` (``N``) or ``[b.., k, i]`` (``T``), ``B`` at ``[b.., k, j]``
    or ``[b.., j, k]``. The batch indices of an operand are all of ``C``'s, or none (a
@@ -33,9 +35,9 @@ Stages
 2. *Accept* what the runtime computes without a copy: the right operand two-dimensional and the
    left one two-dimensional or not transposed (its batch axes become rows of one GEMM), or both
    batched (``batched``); transposed operands only with ``transposed``.
-3. *Swap*: each call ``kernel(a, b, out)`` of a Relax function becomes
-   ``ExternFunc(GEMM_FUNCS[layout])(a, b, out)``; kernels no function refers to any more are
-   removed.
+3. *Swap*: each call ``kernel(a, b, out)`` of a Relax function (``kernel(a, b, n, m, out)``
+   with scalar sizes) becomes ``ExternFunc(GEMM_FUNCS[layout])(a, b, out)``; kernels no
+   function refers to any more are removed.
 
 Where it runs
 -------------
@@ -130,11 +132,13 @@ class GemmReport:
 
 @dataclass(frozen=True)
 class GemmKernel:
-    """A kernel recognized as a GEMM: its layout, ranks and dtype."""
+    """A kernel recognized as a GEMM: its layout, ranks and dtype, and where its three buffers
+    stand among its parameters (the others are scalar sizes)."""
 
     layout: str
     ranks: tuple[int, int, int]  # A, B, C
     dtype: str
+    buffers: tuple[int, int, int] = (0, 1, 2)
 
 
 def gemm_functions_registered() -> bool:
@@ -160,13 +164,18 @@ def gemm_layout(func: tvm.tirx.PrimFunc) -> GemmKernel | None:
 
 
 def _recognize(func: tvm.tirx.PrimFunc) -> GemmKernel | None:
-    if len(func.params) != 3:
-        return None
     # In TVM 0.27 a buffer parameter is the buffer: a variable of a BufferType, which stores
-    # and loads name directly.
-    buffers = list(func.params)
-    if not all(type_key(getattr(x, "ty", None)) == "tirx.BufferType" for x in buffers):
+    # and loads name directly. Other parameters may only be integer sizes.
+    positions = tuple(
+        i
+        for i, x in enumerate(func.params)
+        if type_key(getattr(x, "ty", None)) == "tirx.BufferType"
+    )
+    if len(positions) != 3:
         return None
+    if not all(i in positions or _is_int_scalar(x) for i, x in enumerate(func.params)):
+        return None
+    buffers = [func.params[i] for i in positions]
     a, b, c = buffers
     dtypes = {str(x.ty.dtype) for x in buffers}
     if len(dtypes) != 1:
@@ -211,7 +220,15 @@ def _recognize(func: tvm.tirx.PrimFunc) -> GemmKernel | None:
     if op_a is None or op_b is None:
         return None
     ranks = (len(lhs.indices), len(rhs.indices), len(spatial))
-    return GemmKernel(op_a + op_b, ranks, dtypes.pop())
+    return GemmKernel(op_a + op_b, ranks, dtypes.pop(), positions)
+
+
+def _is_int_scalar(param: Any) -> bool:
+    """Whether a kernel parameter is an integer scalar (a ``PrimType`` variable), not a buffer."""
+    ty = getattr(param, "ty", None)
+    if type_key(ty) != "ir.PrimType":
+        return False
+    return str(ty.dtype).startswith(("int", "uint"))
 
 
 def _is_load(node: Any) -> bool:
@@ -254,7 +271,7 @@ class _Swapper(PyExprMutator):
         if not isinstance(op, tvm.ir.GlobalVar) or op not in self.mod_.functions:
             return new_call
         func = self.mod_[op]
-        if not isinstance(func, tvm.tirx.PrimFunc) or len(new_call.args) != 3:
+        if not isinstance(func, tvm.tirx.PrimFunc) or len(new_call.args) != len(func.params):
             return new_call
         kernel = gemm_layout(func)
         if kernel is None:
@@ -264,9 +281,9 @@ class _Swapper(PyExprMutator):
             return new_call
         self.report.dispatched[kernel.layout] = self.report.dispatched.get(kernel.layout, 0) + 1
         ty = new_call.ty if isinstance(new_call.ty, relax.TupleType) else relax.TupleType([])
-        return relax.Call(
-            relax.ExternFunc(GEMM_FUNCS[kernel.layout]), list(new_call.args), ty_args=[ty]
-        )
+        # The scalar sizes are dropped: ATen reads the sizes from the tensors.
+        tensors = [new_call.args[i] for i in kernel.buffers]
+        return relax.Call(relax.ExternFunc(GEMM_FUNCS[kernel.layout]), tensors, ty_args=[ty])
 
     def _accepts(self, kernel: GemmKernel) -> bool:
         rank_a, rank_b, rank_c = kernel.ranks
