@@ -419,7 +419,7 @@ def test_demo_warns_before_a_size_far_beyond_what_was_tried(capsys):
     # With the bytes the symbolic timelines predict, the same the table then shows.
     stock_row = _table_rows(out)[0]
     predicted = int(stock_row[3].replace(",", ""))
-    assert f"a peak of {cli._human(predicted)} (stock TVM)" in text
+    assert f"a peak of {cli.human_bytes(predicted)} (stock TVM)" in text
 
 
 def test_function_label_names_copies_for_the_user():
@@ -617,7 +617,7 @@ def _forbid_allocation(monkeypatch) -> None:
 
 def test_demo_refuses_sizes_beyond_available_memory_before_allocating(monkeypatch, capsys):
     _forbid_allocation(monkeypatch)
-    monkeypatch.setattr(cli, "_free_memory", lambda: 1000)
+    monkeypatch.setattr(cli, "available_memory", lambda: 1000)
     code, out, err = _run(["demo", "--model", "mlp", "--sizes", "4,64", "--no-plot"], capsys)
     assert code == 2 and out == ""
     (line,) = err.strip().splitlines()  # one line: no progress line, no traceback
@@ -632,13 +632,13 @@ def test_demo_refuses_sizes_beyond_available_memory_before_allocating(monkeypatc
     lowered = lower_to_memory_stage(BUILTIN_MODELS["mlp"]())
     at = memory_timeline(lowered["main"], mod=lowered).evaluate({"s": 4})
     assert match.groups() == tuple(
-        cli._human(n) for n in (at.peak + at.persistent, at.peak, at.persistent)
+        cli.human_bytes(n) for n in (at.peak + at.persistent, at.peak, at.persistent)
     )
 
 
 def test_demo_runs_beyond_available_memory_with_force(monkeypatch, capsys):
     _forbid_allocation(monkeypatch)
-    monkeypatch.setattr(cli, "_free_memory", lambda: 1000)
+    monkeypatch.setattr(cli, "available_memory", lambda: 1000)
     with pytest.raises(_Reached):
         cli.main(["demo", "--model", "mlp", "--sizes", "4", "--no-plot", "--force"])
     assert "error" not in capsys.readouterr().err
@@ -668,7 +668,7 @@ def test_train_refuses_sizes_beyond_available_memory_before_building(monkeypatch
 
     monkeypatch.setattr(training_bench, "compare_training", reached)
     monkeypatch.setattr(workloads, "build_workload", reached)
-    monkeypatch.setattr(cli, "_free_memory", lambda: 1000)
+    monkeypatch.setattr(cli, "available_memory", lambda: 1000)
     code, out, err = _run(["train", "--batch", "2", "--no-plot"], capsys)
     assert code == 2 and out == ""
     (line,) = err.strip().splitlines()
@@ -680,7 +680,7 @@ def test_train_refuses_sizes_beyond_available_memory_before_building(monkeypatch
     )
     assert line == (
         "blade-relax: error: --size small --batch 2: blade_relax's llama-train step at s=256 "
-        f"needs at least {cli._human(floor.total)} ({floor.describe()}), more than the "
+        f"needs at least {cli.human_bytes(floor.total)} ({floor.describe()}), more than the "
         "1,000 B of memory available now; refused before building the model "
         "(--force runs it anyway)"
     )
@@ -851,7 +851,7 @@ def test_demo_plot_marks_unreachable_budgets_and_labels_its_axes():
         # The legend's peak is the top of its curve.
         for line in left.get_lines()[:3]:
             peak = max(line.get_ydata()) * mib
-            assert cli._human(peak) in line.get_label()
+            assert cli.human_bytes(peak) in line.get_label()
     finally:
         plt.close(fig)
 

@@ -336,9 +336,6 @@ def _write_text(path: str, text: str, flag: str) -> None:
         raise CliError(f"{flag}: cannot write {path}: {err.strerror}") from None
 
 
-_human = human_bytes
-
-
 # ---------------------------------------------------------------------------------- the demo
 @dataclass
 class RunResult:
@@ -547,7 +544,7 @@ def _demo_figure(
     for row in (r for r in rows if r.size == at_size):
         live = row.result.live_trace or [0]
         n = max(len(live) - 1, 1)
-        label = f"{row.pipeline} (peak {_human(row.result.peak_bytes)})"
+        label = f"{row.pipeline} (peak {human_bytes(row.result.peak_bytes)})"
         left.plot([i / n for i in range(len(live))], [v / mib for v in live], label=label)
         if row.result.budget_bytes is not None:
             budget_row = row
@@ -557,7 +554,7 @@ def _demo_figure(
             budget_row.result.budget_bytes / mib,
             color="tab:red",
             linestyle="--",
-            label=f"budget {_human(budget_row.result.budget_bytes)} ({budget_fraction:g} x "
+            label=f"budget {human_bytes(budget_row.result.budget_bytes)} ({budget_fraction:g} x "
             "blade_relax peak)"
             + ("; unreachable: no eviction set meets it" if unreachable else ""),
         )
@@ -715,16 +712,16 @@ def run_demo(args: argparse.Namespace) -> int:
         at = f"{dim_label}={size}"
         arrays = model.make_args(bindings) if model.make_args else []
         stock_predicted = stock_tl.evaluate(bindings).peak
-        _progress(f"{at} [1/3]: stock TVM (predicted peak {_human(stock_predicted)})")
+        _progress(f"{at} [1/3]: stock TVM (predicted peak {human_bytes(stock_predicted)})")
         stock = _run_once(stock_exe, arrays, bindings, workspaces=stock_ws)
         stock.predicted_bytes = stock_predicted
         blade_tl = blade_tls[version_for(blade_low, "main", bindings)]
         blade_predicted = blade_tl.evaluate(bindings).peak
-        _progress(f"{at} [2/3]: blade_relax (predicted peak {_human(blade_predicted)})")
+        _progress(f"{at} [2/3]: blade_relax (predicted peak {human_bytes(blade_predicted)})")
         blade = _run_once(blade_exe, arrays, bindings, workspaces=blade_ws)
         blade.predicted_bytes = blade_predicted
         budget = max(1, int(fraction * blade.peak_bytes))
-        _progress(f"{at} [3/3]: blade_relax under a budget of {_human(budget)}")
+        _progress(f"{at} [3/3]: blade_relax under a budget of {human_bytes(budget)}")
         budgeted = _run_once(blade_exe, arrays, bindings, budget=budget, workspaces=blade_ws)
         _progress(f"{at}: done in {time.perf_counter() - started:.1f} s")
         for label, result in (
@@ -766,11 +763,6 @@ def _blade_flags() -> dict[str, bool]:
     }
 
 
-def _free_memory() -> int | None:
-    """Memory available to this process now (bytes), where the platform says."""
-    return available_memory()
-
-
 def _refuse_sizes_beyond_memory(
     all_bindings: Sequence[Mapping[str, int]],
     timelines: Callable[[Mapping[str, int]], Mapping[str, Any]],
@@ -784,7 +776,7 @@ def _refuse_sizes_beyond_memory(
     """
     if force:
         return
-    free = _free_memory()
+    free = available_memory()
     if free is None:
         return
     for bindings in all_bindings:
@@ -794,7 +786,7 @@ def _refuse_sizes_beyond_memory(
         refuse_beyond_memory(
             f"--sizes: {at}",
             worst.peak + worst.persistent,
-            f"{label}'s call {_human(worst.peak)} + {_human(worst.persistent)} of inputs and "
+            f"{label}'s call {human_bytes(worst.peak)} + {human_bytes(worst.persistent)} of inputs and "
             "parameters",
             free,
             force=force,
@@ -823,7 +815,7 @@ def _warn_far_beyond(
     graph = ShapeGraph.from_function(func)
     if any(d.upper is not None for d in graph.dims.values()):
         return
-    free = _free_memory()
+    free = available_memory()
     for size, bindings in zip(sizes, all_bindings):
         if size <= FAR_BEYOND * TRIED_SIZE:
             continue
@@ -834,13 +826,15 @@ def _warn_far_beyond(
         message = (
             f"{','.join(bindings)}={size} is {size / TRIED_SIZE:.0f}x the largest size "
             f"{model.name} was tried at ({TRIED_SIZE}; it declares no upper bound). The symbolic "
-            f"timelines predict a peak of {_human(stock.peak)} (stock TVM) and "
-            f"{_human(blade.peak)} (blade_relax) per call, plus {_human(inputs)} of inputs "
+            f"timelines predict a peak of {human_bytes(stock.peak)} (stock TVM) and "
+            f"{human_bytes(blade.peak)} (blade_relax) per call, plus {human_bytes(inputs)} of inputs "
             "and parameters; each of the three runs takes time that grows with the size "
             "(progress lines follow)"
         )
         if free is not None and need > free:  # only with --force: refused up front otherwise
-            message += f"; that is more than the {_human(free)} of memory available now (--force)"
+            message += (
+                f"; that is more than the {human_bytes(free)} of memory available now (--force)"
+            )
         _warn(message)
 
 
@@ -848,16 +842,16 @@ def _demo_summary(rows: Sequence[DemoRow], dim_label: str, fraction: float) -> i
     largest = max(r.size for r in rows)
     stock, blade, budget = (r for r in rows if r.size == largest)
     print(
-        f"at {dim_label}={largest}: blade_relax peaks at {_human(blade.result.peak_bytes)}, "
+        f"at {dim_label}={largest}: blade_relax peaks at {human_bytes(blade.result.peak_bytes)}, "
         f"{blade.result.peak_bytes / stock.result.peak_bytes:.3f} x stock TVM's "
-        f"{_human(stock.result.peak_bytes)}"
+        f"{human_bytes(stock.result.peak_bytes)}"
     )
     b = budget.result
     met = b.budget_bytes is not None and b.peak_bytes <= b.budget_bytes
     print(
-        f"under a budget of {fraction:g} x that peak ({_human(b.budget_bytes or 0)}): "
+        f"under a budget of {fraction:g} x that peak ({human_bytes(b.budget_bytes or 0)}): "
         f"{b.evictions} evictions, {b.regenerations} regenerations, peak "
-        f"{_human(b.peak_bytes)} ({b.peak_bytes / stock.result.peak_bytes:.3f} x stock): "
+        f"{human_bytes(b.peak_bytes)} ({b.peak_bytes / stock.result.peak_bytes:.3f} x stock): "
         + ("budget met" if met else "over budget, the smallest peak the runtime could reach")
     )
     for row in rows:
@@ -1506,7 +1500,7 @@ def _refuse_training_beyond_memory(args: argparse.Namespace, workload: str, size
         f"--size {args.size}{batch}: blade_relax's {workload} step at s={floor.length}",
         floor.total,
         floor.describe(),
-        _free_memory(),
+        available_memory(),
         force=args.force,
         before="building the model",
         floor=True,

@@ -21,12 +21,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from .report import (
     RecordedResult,
+    _peaks,
+    _requested,
     budget_table,
     format_bytes,
     peak_grid,
@@ -44,6 +46,7 @@ __all__ = [
     "headline_block",
     "main",
     "ratio_grid",
+    "recorded_results",
     "standing",
     "time_grid",
 ]
@@ -158,18 +161,6 @@ SECTIONS: tuple[Section, ...] = (
         tables=("peaks", "vs-torch"),
     ),
 )
-
-
-def _peaks(result: RecordedResult) -> dict[tuple[str, int], int]:
-    return {
-        (m.config, m.seq_len): m.peak_bytes
-        for m in result.measurements
-        if m.peak_bytes is not None and m.error is None
-    }
-
-
-def _requested(result: RecordedResult) -> list[str]:
-    return [c.name for c in result.configs if c.requested]
 
 
 def standing(result: RecordedResult, ours: str, against: Sequence[str]) -> str | None:
@@ -335,24 +326,29 @@ compare ratios within one run only.
 """
 
 
-def benchmarks_page(results: Path = RESULTS) -> str:
-    """The Markdown of ``docs/benchmarks.md`` from the documents under ``results``.
+def recorded_results(results: Path = RESULTS) -> dict[str, RecordedResult]:
+    """Every section's document under ``results``, by file name, each read once.
 
     Raises
     ------
     FileNotFoundError
         When a section's results file is missing.
     """
+    return {s.results: read_json(results / s.results) for s in SECTIONS}
+
+
+def benchmarks_page(recorded: Mapping[str, RecordedResult]) -> str:
+    """The Markdown of ``docs/benchmarks.md`` from :func:`recorded_results`."""
     body = [PREAMBLE.rstrip()]
     for section in SECTIONS:
-        body.append(_section(section, read_json(results / section.results)))
+        body.append(_section(section, recorded[section.results]))
     return "\n\n".join(body) + "\n"
 
 
-def headline_block(results: Path = RESULTS) -> str:
+def headline_block(recorded: Mapping[str, RecordedResult]) -> str:
     """The README's headline table: the Llama training step's peak per length against
-    PyTorch and stock TVM, between the two marker lines."""
-    result = read_json(results / SECTIONS[0].results)
+    PyTorch and stock TVM, between the two marker lines, then each section's standing."""
+    result = recorded[SECTIONS[0].results]
     peaks = _peaks(result)
     names = [
         n
@@ -381,11 +377,10 @@ def headline_block(results: Path = RESULTS) -> str:
     lines.append("Peaks over the length trace of every benchmark in docs/benchmarks.md:")
     lines.append("")
     for section in SECTIONS:
-        recorded = read_json(results / section.results)
         said = [
             f"`{ours}` {summary}"
             for ours, against in _comparisons(section)
-            if (summary := standing(recorded, ours, against))
+            if (summary := standing(recorded[section.results], ours, against))
         ]
         if said:
             lines.append(f"- {section.title}: {'; '.join(said)}.")
@@ -400,11 +395,14 @@ def _replace_block(text: str, block: str) -> str:
     return text[:start] + block + text[end + len(HEADLINE_END) :]
 
 
-def expected_files(results: Path = RESULTS) -> dict[Path, str]:
-    """Every generated file and the text it should have."""
+def expected_files(recorded: Mapping[str, RecordedResult] | None = None) -> dict[Path, str]:
+    """Every generated file and the text it should have (``recorded``: the documents,
+    :func:`recorded_results` when ``None``)."""
+    if recorded is None:
+        recorded = recorded_results()
     return {
-        PAGE: benchmarks_page(results),
-        README: _replace_block(README.read_text(), headline_block(results)),
+        PAGE: benchmarks_page(recorded),
+        README: _replace_block(README.read_text(), headline_block(recorded)),
     }
 
 
@@ -420,8 +418,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--check", action="store_true", help="write nothing; exit 1 when a page differs"
     )
     args = parser.parse_args(argv)
+    recorded = recorded_results()
     stale = []
-    for path, text in expected_files().items():
+    for path, text in expected_files(recorded).items():
         if path.exists() and path.read_text() == text:
             continue
         if args.check:
@@ -430,7 +429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             path.write_text(text)
             print(f"wrote {path.relative_to(ROOT)}")
     if not args.check:
-        write_plot(read_json(RESULTS / SECTIONS[0].results), HEADLINE_PLOT)
+        write_plot(recorded[SECTIONS[0].results], HEADLINE_PLOT)
         print(f"wrote {HEADLINE_PLOT.relative_to(ROOT)}")
     if stale:
         print(
