@@ -175,6 +175,11 @@ BAD_INPUT = [
     (["report", "SCRIPT", "--json", "AFILE/sub/r.json"], "--json: "),
     (["report", "SCRIPT", "--chrome-trace", "TMPDIR"], "--chrome-trace: "),
     (["report", "bench:gpt2-infer", "--dims", "s=100000"], "outside bench:gpt2-infer's range"),
+    (["report", "bench:gpt2-infer", "--dims", "b=2"], "unknown dim 'b'; bench:gpt2-infer has s"),
+    (
+        ["report", "bench:llama-lora-sft", "--dims", "b=5"],
+        "b = 5 is outside bench:llama-lora-sft's range [1, 4]",
+    ),
     (["report", "BROKEN"], "cannot parse"),
     (["report", "GARBAGE"], "cannot parse"),
     (["report", "EMPTY"], "defines no IRModule or function"),

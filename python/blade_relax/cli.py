@@ -175,18 +175,21 @@ def _builtin_model(name: str) -> Model:
     return Model(name, mod, f"built-in: {doc}", make_args)
 
 
-def _bench_ranges() -> dict[str, tuple[int, int]]:
-    """The dim ranges the benchmark workloads are exported with (the ``small`` preset)."""
-    from .bench.workloads import SMALL
+def _bench_ranges(name: str) -> dict[str, tuple[int, int]]:
+    """The dim ranges benchmark workload ``name`` is exported with (the ``small`` preset)."""
+    from .bench.workloads import SFT_BATCH, SFT_WORKLOADS, SMALL
 
-    return {"s": (SMALL.min_seq_len, SMALL.max_seq_len)}
+    ranges = {"s": (SMALL.min_seq_len, SMALL.max_seq_len)}
+    if name[len(BENCH_PREFIX) :] in SFT_WORKLOADS:
+        ranges["b"] = (1, SMALL.batch if SMALL.batch > 1 else SFT_BATCH)
+    return ranges
 
 
 def _precheck_bench_dims(name: str, dims: Mapping[str, int], flag: str) -> None:
     """Refuse dims outside a benchmark workload's range before spending time on its export."""
     if not name.startswith(BENCH_PREFIX) or name not in model_names():
         return
-    ranges = _bench_ranges()
+    ranges = _bench_ranges(name)
     for dim, value in dims.items():
         if dim not in ranges:
             raise CliError(f"{flag}: unknown dim {dim!r}; {name} has {', '.join(sorted(ranges))}")
@@ -197,6 +200,7 @@ def _precheck_bench_dims(name: str, dims: Mapping[str, int], flag: str) -> None:
 
 def _bench_model(name: str) -> Model:
     from .bench.workloads import build_workload
+    from .frontend.imported import set_dim_bounds
 
     workload_name = name[len(BENCH_PREFIX) :]
     _progress(f"building the {workload_name} workload (small sizes; PyTorch export for HF models)")
@@ -204,7 +208,13 @@ def _bench_model(name: str) -> Model:
         workload = build_workload(workload_name)
     except ImportError as err:
         raise CliError(f"{name} needs PyTorch and transformers: {first_line(err)}") from None
+    # Without upper bounds stock TVM plans buffers at their actual sizes; the batch keeps its
+    # bound, the batch size the workload was exported for.
     graph = workload.graph.with_upper_bounds(False)
+    if "b" in workload.graph.dims and workload.graph.dims["b"].upper is not None:
+        graph = dataclasses.replace(
+            graph, mod=set_dim_bounds(graph.mod, upper={"b": workload.graph.dims["b"].upper})
+        )
     ranges = ", ".join(
         f"{d.lower} <= {n} <= {d.upper if d.upper is not None else 'inf'}"
         for n, d in graph.dims.items()

@@ -161,8 +161,9 @@ def test_training_loop_peaks_at_or_below_torch_at_every_length(tutorial_output):
 
 
 def test_training_loop_budget_and_plot(tutorial_output):
-    """Tutorial 6's budgeted step stays under 0.8 of the rematerializing copy's peak (or the
-    runtime warned), below the unbudgeted step; the plot is written when matplotlib exists."""
+    """Tutorial 6's budgeted step stays under 0.8 of the rematerializing copy's peak where the
+    runtime says the budget is reachable, and below the unbudgeted step either way; the plot is
+    written when matplotlib exists."""
     proc = tutorial_output("06_training_loop.py")
     out = proc.stdout
 
@@ -175,8 +176,12 @@ def test_training_loop_budget_and_plot(tutorial_output):
     used = value("with the budget:")
     assert abs(budget - copy * 0.8) <= 1 and copy >= plain
     evictions = int(re.search(r"with the budget:\s+[\d,]+ \((\d+) evictions", out).group(1))
-    if "cannot stay within the memory budget" not in out:
+    reachable = "the budget is reachable at this length" in out
+    assert reachable != ("the budget is not reachable at this length" in out)
+    if reachable:
         assert used <= budget and evictions > 0
+    else:
+        assert used > budget
     assert used <= plain
     try:
         import matplotlib  # noqa: F401

@@ -45,6 +45,7 @@ import argparse
 import contextlib
 import gc
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -417,6 +418,7 @@ def _table(rows: Sequence[OverheadRow], active_us: float) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line entry point; returns the exit status."""
+    from .report import environment, provenance
     from .workloads import PRESETS, WORKLOADS, build_workload
 
     parser = argparse.ArgumentParser(
@@ -441,7 +443,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="calls per block (5)")
     parser.add_argument("--target", default="llvm")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
-    args = parser.parse_args(argv)
+    arglist = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(arglist)
     try:
         lengths = [int(v) for v in args.lengths.split(",") if v.strip()]
     except ValueError:
@@ -478,6 +481,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(_table(rows, active_us))
     if args.out:
         payload = {
+            "environment": environment(),
+            "provenance": provenance(f"{parser.prog} {shlex.join(arglist)}"),
             "workload": args.workload,
             "size": args.size,
             "base": args.base,

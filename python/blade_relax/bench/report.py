@@ -34,6 +34,7 @@ __all__ = [
     "acceptance_lines",
     "budget_points",
     "budget_table",
+    "environment",
     "format_bytes",
     "markdown_table",
     "over_trace",
@@ -50,7 +51,8 @@ __all__ = [
 SCHEMA = "blade_relax.bench/1"
 
 
-def _environment() -> dict[str, Any]:
+def environment() -> dict[str, Any]:
+    """The machine and library versions a run's figures come from."""
     import numpy
     import tvm
 
@@ -119,7 +121,7 @@ def result_to_json(result: BenchResult, *, command: str | None = None) -> dict[s
             "outputs": list(graph.output_names),
         },
         "target": result.target,
-        "environment": _environment(),
+        "environment": environment(),
         "provenance": provenance(command),
         "trace": {**result.trace, "measured_lengths": list(result.lengths)},
         "repeat": result.repeat,

@@ -20,10 +20,17 @@ reads; if the reads after the gap all come no later than the last read of every 
 (``a``, ``b``, ... are then live at each of them anyway), a copy ``v' = k(a, b, ...)`` is bound
 just before the first late read, and the late reads read ``v'``.
 
+The reads of ``v`` include those of its views: a reshape kernel of ``v`` (which the VM runs as
+a view, ``RewriteDataflowReshape``) is the same memory, kept alive by the view's reads. An
+imported graph reshapes almost every matmul operand, so the late reads are mostly reads of a
+view made early (``h`` flattened for a projection and read again by its weight gradient). The
+view is copied with the value (``r' = reshape(v')``) and the late reads of the view read
+``r'``; a view read after the block, or one with views of its own, keeps ``v`` as it is.
+
 Why it never raises the peak
 ----------------------------
-At every point of the block the new live set is a subset of the old one: ``v`` now dies at its
-last early read instead of its last late read; ``v'`` is live from just before the first late
+At every point of the block the new live set is a subset of the old one: ``v`` (with its views)
+now dies at its last early read instead of its last late read; ``v'`` is live from just before the first late
 read to the last one, where ``v`` was live before (and it has ``v``'s size); the inputs were
 live at every late read already, so the recomputation extends no lifetime. This holds for every
 value of the symbolic dims, so no comparison of sizes is needed, and the bytes live in the gap
@@ -74,6 +81,8 @@ from .result import PassResult, counted, function_results, publish
 __all__ = ["RecomputeCheapValues", "RecomputeOptions", "RecomputeReport"]
 
 _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
+#: A position after every binding of a block: where values read after the block die.
+_AFTER_BLOCK = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -191,6 +200,16 @@ class _Plan:
     proven: bool = False
     #: The input kept alive until the copy, for a plan of :meth:`_BlockFacts.extended`.
     extends: relax.Var | None = None
+    #: Views of the value (reshapes) read late: copied after the chain, onto the copy.
+    views: tuple[int, ...] = ()
+    #: The last early read of the value's memory (through it or a view): where it now dies.
+    held_until: int = -1
+    #: Views of ``views`` that nothing reads before the copy: removed with the copy in place.
+    unread_views: tuple[int, ...] = ()
+
+    def dying(self, bindings: Sequence[relax.Binding]) -> set[relax.Var]:
+        """The value and its views copied for the late reads: they die at the early reads."""
+        return {bindings[self.chain[-1]].var, *(bindings[q].var for q in self.views)}
 
 
 class _BlockFacts:
@@ -203,6 +222,15 @@ class _BlockFacts:
         self.live_throughout = live_throughout
         self.options = options
         self.writes = in_place_writes(self.bindings, mod)
+        # Per root of memory, the last position that reads it through any of its views.
+        self.memory_end: dict[relax.Var, int] = {}
+        for var, positions in self.reads.items():
+            last = _AFTER_BLOCK if var in live_throughout else positions[-1]
+            for root in self.writes.roots_of(var):
+                self.memory_end[root] = max(self.memory_end.get(root, -1), last)
+        for var in live_throughout:
+            for root in self.writes.roots_of(var):
+                self.memory_end[root] = _AFTER_BLOCK
         self.cheap = [
             isinstance(b, relax.VarBinding)
             and b.var not in live_throughout
@@ -212,10 +240,38 @@ class _BlockFacts:
         ]
 
     def live_until(self, var: relax.Var, position: int) -> bool:
-        """Whether ``var`` is live at ``position`` in the block as it is."""
-        if var in self.live_throughout or var not in self.position:
-            return var in self.live_throughout or self.reads.get(var, [-1])[-1] >= position
-        return self.reads.get(var, [-1])[-1] >= position
+        """Whether ``var``'s memory is live at ``position`` in the block as it is: it, or a
+        view of the same memory (a reshape, a tuple item), is read there or later."""
+        return any(self.memory_end.get(root, -1) >= position for root in self.writes.roots_of(var))
+
+    def read_events(self, var: relax.Var) -> list[tuple[int, relax.Var]] | None:
+        """The reads of ``var``'s memory in order, as ``(position, variable read)``: reads of
+        ``var`` itself and of the views bindings make of it (a reshape the VM runs as a view:
+        the same memory under another shape, kept alive by the view's reads). ``None`` where
+        a view is read after the block or has views of its own (not split here)."""
+        events = []
+        for q in self.reads.get(var, ()):
+            if not self.is_view_of(q, var):
+                events.append((q, var))
+                continue
+            view = self.bindings[q].var
+            if view in self.live_throughout:
+                return None
+            for p in self.reads.get(view, ()):
+                if self.is_view_of(p, view):
+                    return None
+                events.append((p, view))
+        return sorted(events, key=lambda event: event[0])
+
+    def is_view_of(self, position: int, var: relax.Var) -> bool:
+        """Whether binding ``position``'s result is a view of ``var``'s memory (it refers to
+        that memory and writes none)."""
+        result = self.bindings[position].var
+        return (
+            position not in self.writes.writes
+            and result in self.writes.roots
+            and bool(self.writes.roots[result] & self.writes.roots_of(var))
+        )
 
     def chain(
         self, position: int, until: int, depth: int, dead: frozenset = frozenset()
@@ -260,15 +316,20 @@ def _candidates(facts: _BlockFacts) -> list[_Plan]:
     for position, binding in enumerate(facts.bindings):
         if not facts.cheap[position]:
             continue
-        uses = facts.reads.get(binding.var, [])
-        if len(uses) < 2:
+        events = facts.read_events(binding.var)
+        if events is None or len(events) < 2:
             continue
-        points = [position, *uses]
-        gaps = [points[i + 1] - points[i] for i in range(len(points) - 1)]
-        split = max(range(1, len(gaps)), key=lambda i: gaps[i], default=None)
-        if split is None or gaps[split] <= facts.options.min_gap:
+        # Split the reads at the largest gap, with at least one read on each side.
+        reads = [q for q, _ in events]
+        split = max(range(1, len(reads)), key=lambda i: reads[i] - reads[i - 1])
+        if reads[split] - reads[split - 1] <= facts.options.min_gap:
             continue
-        late = tuple(uses[split:])
+        late = tuple(sorted(set(reads[split:])))
+        late_views = {var for _, var in events[split:] if not var.same_as(binding.var)}
+        views = tuple(sorted(facts.position[v] for v in late_views))
+        unread = tuple(
+            q for q in views if all(r >= late[0] for r in facts.reads[facts.bindings[q].var])
+        )
         found = facts.chain(position, late[-1], facts.options.max_chain - 1)
         proven = found is not None and len(found[0]) == 1
         extends = None
@@ -280,7 +341,18 @@ def _candidates(facts: _BlockFacts) -> list[_Plan]:
         if found is not None and _overwritten(facts, found[0], late[0]):
             continue  # an input is updated in place before the copy would read it
         if found is not None:
-            out.append(_Plan(tuple(found[0]), late, tuple(found[1]), proven, extends))
+            out.append(
+                _Plan(
+                    tuple(found[0]),
+                    late,
+                    tuple(found[1]),
+                    proven,
+                    extends,
+                    views=views,
+                    held_until=reads[split - 1],
+                    unread_views=unread,
+                )
+            )
     return out
 
 
@@ -297,10 +369,11 @@ def _overwritten(facts: _BlockFacts, positions: Sequence[int], copy_at: int) -> 
 def _compatible(plan: _Plan, accepted: list[_Plan], bindings) -> bool:
     """A plan may join the accepted ones if no copy would read a value that another plan lets
     die early, and no value it lets die early is read by another plan's copies."""
-    value = bindings[plan.chain[-1]].var
-    early_deaths = {bindings[p.chain[-1]].var for p in accepted}
+    early_deaths = set().union(*(p.dying(bindings) for p in accepted))
     read_by_copies = {v for p in accepted for v in p.leaves}
-    return value not in read_by_copies and not any(v in early_deaths for v in plan.leaves)
+    return not (plan.dying(bindings) & read_by_copies) and not any(
+        v in early_deaths for v in plan.leaves
+    )
 
 
 def _rewrite_block(block: relax.DataflowBlock, plans: Sequence[_Plan]) -> relax.DataflowBlock:
@@ -308,12 +381,18 @@ def _rewrite_block(block: relax.DataflowBlock, plans: Sequence[_Plan]) -> relax.
     copies_before: dict[int, list[relax.Binding]] = {}
     renames_at: dict[int, dict[relax.Var, relax.Var]] = {}
     for plan in plans:
-        copies, renames = copy_chain(bindings, plan.chain, "_recompute")
+        copies, renames = copy_chain(bindings, [*plan.chain, *plan.views], "_recompute")
         copies_before.setdefault(plan.late[0], []).extend(copies)
-        value_var = bindings[plan.chain[-1]].var
         for read in plan.late:
-            renames_at.setdefault(read, {})[value_var] = renames[value_var]
-    return insert_copies(block, copies_before, renames_at)
+            for var in plan.dying(bindings):
+                renames_at.setdefault(read, {})[var] = renames[var]
+    rewritten = insert_copies(block, copies_before, renames_at)
+    # A view only the late reads read is read by none now: it would hold the early value's
+    # memory in a register of the VM for nothing.
+    unread = {bindings[q].var for plan in plans for q in plan.unread_views}
+    if not unread:
+        return rewritten
+    return relax.DataflowBlock([b for b in rewritten.bindings if b.var not in unread])
 
 
 @tvm.transform.module_pass(opt_level=0, name="RecomputeCheapValues")
@@ -392,12 +471,21 @@ class RecomputeCheapValues:
             else:
                 chains.append(plan)
         # A value one of whose inputs now dies early is recomputed from that input's inputs.
-        dead = frozenset(facts.bindings[p.chain[-1]].var for p in accepted)
+        dead = frozenset().union(*(p.dying(facts.bindings) for p in accepted))
         rebuilt = []
         for plan in chains:
             found = facts.chain(plan.chain[-1], plan.late[-1], self.options.max_chain - 1, dead)
             if found is not None and len(found[0]) > 1:
-                rebuilt.append(_Plan(tuple(found[0]), plan.late, tuple(found[1])))
+                rebuilt.append(
+                    _Plan(
+                        tuple(found[0]),
+                        plan.late,
+                        tuple(found[1]),
+                        views=plan.views,
+                        held_until=plan.held_until,
+                        unread_views=plan.unread_views,
+                    )
+                )
             elif not plan.proven:
                 rebuilt.append(plan)
         chains = rebuilt
@@ -470,10 +558,9 @@ class _Screen:
     def keeps_peak(self, plan: _Plan, facts: _BlockFacts) -> bool:
         """Whether the base with ``plan`` added has the base's peak at every sample point."""
         value = facts.bindings[plan.chain[-1]].var
-        early = [q for q in facts.reads.get(value, ()) if q < plan.late[0]]
-        if not early:
+        if plan.held_until < 0:
             return False
-        last_early = self.step_of.get(facts.bindings[early[-1]].var)
+        last_early = self.step_of.get(facts.bindings[plan.held_until].var)
         first_late = self.step_of.get(facts.bindings[plan.late[0]].var)
         if last_early is None or first_late is None:
             return False

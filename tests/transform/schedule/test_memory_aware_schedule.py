@@ -896,11 +896,11 @@ def test_registered_pipeline_runs_the_pass():
     np.testing.assert_allclose(out, expected, rtol=1e-4)
 
 
-def test_order_is_compared_again_after_recomputation():
-    """On the GPT-2 training step, the scheduled order peaks lower than the input order before
-    RecomputeCheapValues but higher after it at long lengths: with ``recompute_after`` the
-    candidates are compared once more, recomputed, and the function dispatches to a different
-    order from some length on; the peak drops there and rises nowhere."""
+def test_order_is_compared_again_after_recomputation(monkeypatch):
+    """On the GPT-2 training step, comparing the orders once more after RecomputeCheapValues
+    (``recompute_after``: the pass's choice, the input order and the best ranked others, each
+    recomputed) lowers the peak at long lengths and raises it nowhere, against keeping the
+    order scored before recomputation."""
     pytest.importorskip("transformers")
     from blade_relax.bench.workloads import SMALL, build_workload
     from blade_relax.frontend.imported import drop_upper_bounds
@@ -909,6 +909,14 @@ def test_order_is_compared_again_after_recomputation():
     mod = drop_upper_bounds(build_workload("gpt2-train", SMALL).graph.mod)
     # The default pipeline's passes (Rematerialize does nothing without a budget).
     flags = {**DEFAULT_VARIANT.flags, "remat": False}
+    compared = []
+    original = memory_aware_schedule._after_recompute
+
+    def spy(*args):
+        compared.append(args[1].name_hint)
+        return original(*args)
+
+    monkeypatch.setattr(memory_aware_schedule, "_after_recompute", spy)
     peaks = {}
     for after in (False, True):
         options = ScheduleOptions(planner="plan", recompute_after=after)
@@ -919,14 +927,7 @@ def test_order_is_compared_again_after_recomputation():
             .peak
             for s in (20, 256)
         }
-        versions = [
-            f.attrs["blade_relax.schedule_version"]
-            for f in low.functions.values()
-            if isinstance(f, relax.Function)
-            and f.attrs
-            and "blade_relax.schedule_version" in f.attrs
-        ]
-        assert bool(versions) == after
+        assert bool(compared) == after
     assert peaks[True][20] <= peaks[False][20]
     assert peaks[True][256] < peaks[False][256]
 
