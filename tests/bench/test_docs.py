@@ -46,12 +46,14 @@ def test_check_reports_a_stale_page(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(docs, "README", readme)
     monkeypatch.setattr(docs, "ROOT", tmp_path)
     monkeypatch.setattr(docs, "HEADLINE_PLOT", tmp_path / "img" / "peak.png")
+    monkeypatch.setattr(docs, "FINETUNE_PLOT", tmp_path / "img" / "lora.png")
     assert docs.main(["--check"]) == 1
     assert "benchmarks.md" in capsys.readouterr().err
     assert page.read_text() == "# hand-edited\n"  # --check writes nothing
     assert docs.main([]) == 0
     assert docs.main(["--check"]) == 0
     assert (tmp_path / "img" / "peak.png").stat().st_size > 0
+    assert (tmp_path / "img" / "lora.png").stat().st_size > 0
 
 
 def _recorded(rows: list[Measurement], names: list[str]) -> RecordedResult:
@@ -118,3 +120,50 @@ def test_read_json_refuses_another_schema(tmp_path):
     path.write_text(json.dumps({"schema": "blade_relax.report/1"}))
     with pytest.raises(ValueError, match="expected 'blade_relax.bench/1'"):
         read_json(path)
+
+
+def test_every_overhead_run_has_its_provenance_and_rows():
+    for section in docs.SECTIONS:
+        if not section.overhead:
+            continue
+        run = docs.read_overhead(docs.RESULTS / section.overhead)
+        assert run.provenance["command"].startswith("python -m blade_relax.bench.overhead")
+        assert run.provenance["commit"] and run.provenance["date"]
+        result = read_json(docs.RESULTS / section.results)
+        assert run.workload == result.workload.name
+        for n in run.lengths:
+            assert run.row(section.budgeted, n).base == section.ours
+            assert run.row(section.checkpointing[0], n).base == section.checkpointing[1]
+
+
+def test_checkpointing_grid_counts_peaks_and_overheads():
+    from blade_relax.bench.overhead import OverheadRow, RecordedOverhead
+
+    rows = [
+        Measurement("ours@0.7", 8, peak_bytes=90),
+        Measurement("torch-eager-ckpt", 8, peak_bytes=100),
+        Measurement("ours@0.7", 16, peak_bytes=120),
+        Measurement("torch-eager-ckpt", 16, peak_bytes=100),
+    ]
+    result = _recorded(rows, ["ours@0.7", "torch-eager-ckpt"])
+    run = RecordedOverhead(
+        workload="w",
+        blocks=3,
+        steps=2,
+        provenance={"command": "python -m blade_relax.bench.overhead", "commit": "abc1234"},
+        rows=(
+            OverheadRow("ours@0.7", 8, median_ratio=1.2, base="ours"),
+            OverheadRow("torch-eager-ckpt", 8, median_ratio=1.5, base="torch-eager"),
+            OverheadRow("ours@0.7", 16, median_ratio=1.6, base="ours"),
+            OverheadRow("torch-eager-ckpt", 16, median_ratio=1.5, base="torch-eager"),
+        ),
+    )
+    section = docs.Section("w.json", "t", "i", ours="ours", budgeted="ours@0.7")
+    grid = docs.checkpointing_grid(section, result, run)
+    assert "| 8 | 90 B | 100 B | 1.20 | 1.50 |" in grid
+    assert "| 16 | 120 B | 100 B | 1.60 | 1.50 |" in grid
+    standing = docs.checkpointing_standing(section, result, run)
+    assert "at 1 of 2 lengths; step-time" in standing and standing.endswith("at 1 of 2 lengths")
+    # A row divided by another base does not count as the overhead against checkpointing.
+    other = RecordedOverhead("w", 3, 2, {}, (OverheadRow("ours@0.7", 8, 1.0, base="x"),))
+    assert "| 8 | 90 B | 100 B | - | - |" in docs.checkpointing_grid(section, result, other)

@@ -59,7 +59,15 @@ from tvm import relax
 
 from ..contract import REMAT_ACTIVE
 
-__all__ = ["OverheadRow", "active_query_us", "main", "measure_overhead", "parse_pairs"]
+__all__ = [
+    "OverheadRow",
+    "RecordedOverhead",
+    "active_query_us",
+    "main",
+    "measure_overhead",
+    "parse_pairs",
+    "read_overhead",
+]
 
 
 @dataclass
@@ -103,6 +111,61 @@ class OverheadRow:
     step_peak_bytes: int | None = None
     budget_bytes: int | None = None
     block_times_s: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RecordedOverhead:
+    """An overhead run read back from the JSON ``--out`` writes (:func:`read_overhead`).
+
+    Attributes
+    ----------
+    workload, blocks, steps
+        What was timed, and how: ``blocks`` rounds of ``steps`` calls of each configuration.
+    provenance
+        The command, commit, and date of the run (empty for documents written without it).
+    rows
+        One per configuration and length.
+    """
+
+    workload: str
+    blocks: int
+    steps: int
+    provenance: Mapping[str, Any]
+    rows: tuple[OverheadRow, ...]
+
+    def row(self, config: str, length: int) -> OverheadRow | None:
+        """The row of ``config`` at ``length`` (``None`` when the run has none)."""
+        for r in self.rows:
+            if r.config == config and r.length == length:
+                return r
+        return None
+
+    @property
+    def lengths(self) -> list[int]:
+        return sorted({r.length for r in self.rows})
+
+
+def read_overhead(path: str | Any) -> RecordedOverhead:
+    """Read the JSON document ``python -m blade_relax.bench.overhead --out`` wrote.
+
+    Raises
+    ------
+    ValueError
+        When the document lacks the keys of that format (``workload``, ``rows``).
+    """
+    with open(path) as f:
+        doc = json.load(f)
+    if not isinstance(doc, dict) or "rows" not in doc or "workload" not in doc:
+        raise ValueError(f"{path}: not an overhead document (no 'workload' and 'rows')")
+    known = {f.name for f in OverheadRow.__dataclass_fields__.values()}
+    rows = tuple(OverheadRow(**{k: v for k, v in r.items() if k in known}) for r in doc["rows"])
+    return RecordedOverhead(
+        workload=doc["workload"],
+        blocks=int(doc.get("blocks", 0)),
+        steps=int(doc.get("steps", 0)),
+        provenance=doc.get("provenance", {}),
+        rows=rows,
+    )
 
 
 def active_query_us(calls: int = 100_000) -> float:
