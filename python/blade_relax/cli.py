@@ -177,11 +177,12 @@ def _builtin_model(name: str) -> Model:
 
 def _bench_ranges(name: str) -> dict[str, tuple[int, int]]:
     """The dim ranges benchmark workload ``name`` is exported with (the ``small`` preset)."""
-    from .bench.workloads import SFT_BATCH, SFT_WORKLOADS, SMALL
+    from .bench.workloads import SFT_WORKLOADS, SMALL, workload_sizes
 
+    workload = name[len(BENCH_PREFIX) :]
     ranges = {"s": (SMALL.min_seq_len, SMALL.max_seq_len)}
-    if name[len(BENCH_PREFIX) :] in SFT_WORKLOADS:
-        ranges["b"] = (1, SMALL.batch if SMALL.batch > 1 else SFT_BATCH)
+    if workload in SFT_WORKLOADS:
+        ranges["b"] = (1, workload_sizes(workload, SMALL).batch)
     return ranges
 
 
@@ -209,12 +210,10 @@ def _bench_model(name: str) -> Model:
     except ImportError as err:
         raise CliError(f"{name} needs PyTorch and transformers: {first_line(err)}") from None
     # Without upper bounds stock TVM plans buffers at their actual sizes; the batch keeps its
-    # bound, the batch size the workload was exported for.
-    graph = workload.graph.with_upper_bounds(False)
-    if "b" in workload.graph.dims and workload.graph.dims["b"].upper is not None:
-        graph = dataclasses.replace(
-            graph, mod=set_dim_bounds(graph.mod, upper={"b": workload.graph.dims["b"].upper})
-        )
+    # bound, the batch size the workload was exported for (an empty mapping drops them all).
+    batch = workload.graph.dims.get("b")
+    kept = {"b": batch.upper} if batch is not None and batch.upper is not None else {}
+    graph = dataclasses.replace(workload.graph, mod=set_dim_bounds(workload.graph.mod, upper=kept))
     ranges = ", ".join(
         f"{d.lower} <= {n} <= {d.upper if d.upper is not None else 'inf'}"
         for n, d in graph.dims.items()

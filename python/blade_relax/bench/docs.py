@@ -281,7 +281,10 @@ def _checkpointing_pairs(
 
 def checkpointing_standing(section: Section, result: RecordedResult, run: RecordedOverhead) -> str:
     """``peak at or below ... at k of n lengths; step-time overhead ... at m of n lengths``."""
-    rows = _checkpointing_pairs(section, result, run)
+    return _standing_of(section, _checkpointing_pairs(section, result, run))
+
+
+def _standing_of(section: Section, rows: Sequence[tuple]) -> str:
     ckpt, ckpt_base = section.checkpointing
     peak_met = sum(a is not None and b is not None and a <= b for _, a, b, _, _ in rows)
     time_met = sum(a is not None and b is not None and a <= b for _, _, _, a, b in rows)
@@ -303,7 +306,8 @@ def checkpointing_grid(section: Section, result: RecordedResult, run: RecordedOv
         f"`{ckpt}` / `{ckpt_base}` time |",
         "|---:|---:|---:|---:|---:|",
     ]
-    for n, a, b, ta, tb in _checkpointing_pairs(section, result, run):
+    rows = _checkpointing_pairs(section, result, run)
+    for n, a, b, ta, tb in rows:
         cells = [format_bytes(a), format_bytes(b)]
         cells += ["-" if t is None else f"{t:.2f}" for t in (ta, tb)]
         lines.append(f"| {n} | {' | '.join(cells)} |")
@@ -313,7 +317,7 @@ def checkpointing_grid(section: Section, result: RecordedResult, run: RecordedOv
         [
             *lines,
             "",
-            f"`{ours}`: {checkpointing_standing(section, result, run)}.",
+            f"`{ours}`: {_standing_of(section, rows)}.",
             "",
             f"Peaks from the run above; step times from one interleaved run ({run.blocks} rounds "
             f"of {run.steps} steps of each configuration in turn, the median of each round's "

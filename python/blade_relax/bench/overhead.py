@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import shlex
@@ -157,7 +158,7 @@ def read_overhead(path: str | Any) -> RecordedOverhead:
         doc = json.load(f)
     if not isinstance(doc, dict) or "rows" not in doc or "workload" not in doc:
         raise ValueError(f"{path}: not an overhead document (no 'workload' and 'rows')")
-    known = {f.name for f in OverheadRow.__dataclass_fields__.values()}
+    known = {f.name for f in dataclasses.fields(OverheadRow)}
     rows = tuple(OverheadRow(**{k: v for k, v in r.items() if k in known}) for r in doc["rows"])
     return RecordedOverhead(
         workload=doc["workload"],

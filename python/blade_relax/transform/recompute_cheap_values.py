@@ -29,10 +29,10 @@ view is copied with the value (``r' = reshape(v')``) and the late reads of the v
 
 Why it never raises the peak
 ----------------------------
-At every point of the block the new live set is a subset of the old one: ``v`` (with its views)
-now dies at its last early read instead of its last late read; ``v'`` is live from just before the first late
-read to the last one, where ``v`` was live before (and it has ``v``'s size); the inputs were
-live at every late read already, so the recomputation extends no lifetime. This holds for every
+At every point of the block the new live set is a subset of the old one: ``v`` (with its
+views) now dies at its last early read instead of its last late read; ``v'`` is live from just
+before the first late read to the last one, where ``v`` was live before (and it has ``v``'s
+size); the inputs were live at every late read already, so the recomputation extends no lifetime. This holds for every
 value of the symbolic dims, so no comparison of sizes is needed, and the bytes live in the gap
 drop by ``v``'s size. The memory planners that run later only share storage where the unshared
 program allows it (``PlanMemory`` proves its sharing never raises that program's peak), and the
@@ -57,6 +57,7 @@ they are.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -225,9 +226,8 @@ class _BlockFacts:
         # Per root of memory, the last position that reads it through any of its views.
         self.memory_end: dict[relax.Var, int] = {}
         for var, positions in self.reads.items():
-            last = _AFTER_BLOCK if var in live_throughout else positions[-1]
             for root in self.writes.roots_of(var):
-                self.memory_end[root] = max(self.memory_end.get(root, -1), last)
+                self.memory_end[root] = max(self.memory_end.get(root, -1), positions[-1])
         for var in live_throughout:
             for root in self.writes.roots_of(var):
                 self.memory_end[root] = _AFTER_BLOCK
@@ -477,13 +477,12 @@ class RecomputeCheapValues:
             found = facts.chain(plan.chain[-1], plan.late[-1], self.options.max_chain - 1, dead)
             if found is not None and len(found[0]) > 1:
                 rebuilt.append(
-                    _Plan(
-                        tuple(found[0]),
-                        plan.late,
-                        tuple(found[1]),
-                        views=plan.views,
-                        held_until=plan.held_until,
-                        unread_views=plan.unread_views,
+                    dataclasses.replace(
+                        plan,
+                        chain=tuple(found[0]),
+                        leaves=tuple(found[1]),
+                        proven=False,
+                        extends=None,
                     )
                 )
             elif not plan.proven:
