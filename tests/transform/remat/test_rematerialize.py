@@ -977,3 +977,85 @@ def test_own_storage_for_large_tensors():
     assert "relax.memory.alloc_storage" not in ops
     with pytest.raises(ValueError):
         RematOptions(own_storage_fraction=1.5)
+
+
+# --------------------------------------------------------------------------- selection depth
+@I.ir_module
+class _LayerKernels:
+    @T.prim_func(private=True, s_tir=True)
+    def add_one(var_x: T.handle, var_y: T.handle):
+        n, m = T.int64(), T.int64()
+        x = T.match_buffer(var_x, (n, m))
+        y = T.match_buffer(var_y, (n, m))
+        for i, j in T.grid(n, m):
+            with T.sblock("y"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                y[vi, vj] = x[vi, vj] + T.float32(1)
+
+    @T.prim_func(private=True, s_tir=True)
+    def add_row_sum(var_x: T.handle, var_y: T.handle, var_z: T.handle):
+        n, m, k = T.int64(), T.int64(), T.int64()
+        x = T.match_buffer(var_x, (n, m))
+        y = T.match_buffer(var_y, (n, k))
+        z = T.match_buffer(var_z, (n, m))
+        for i, j, r in T.grid(n, m, k):
+            with T.sblock("z"):
+                vi, vj, vr = T.axis.remap("SSR", [i, j, r])
+                with T.init():
+                    z[vi, vj] = x[vi, vj]
+                z[vi, vj] = z[vi, vj] + y[vi, vr]
+
+
+def _layers_module(widths: list[int]) -> tvm.IRModule:
+    """A forward of one elementwise kernel per layer (``h{i}``, of width ``widths[i]``, from
+    the previous layer of its width) and a backward that reads the layers in reverse: the shape
+    of a deep training step, every ``h{i}`` but the last live across the turn."""
+    bb = relax.BlockBuilder(_LayerKernels)
+    add_one = bb.get().get_global_var("add_one")
+    add_row_sum = bb.get().get_global_var("add_row_sum")
+    n = tvm.tirx.Var("n", "int64")
+    inputs = {w: relax.Var(f"x{w}", R.Tensor((n, w), "float32")) for w in sorted(set(widths))}
+
+    def alloc(width: int, name: str) -> relax.Var:
+        shape = relax.ShapeExpr([n, width])
+        return bb.emit(relax.op.builtin.alloc_tensor(shape, "float32", 0), name)
+
+    with bb.function("main", list(inputs.values()), {"relax.force_pure": True}):
+        layers, latest = [], dict(inputs)
+        for i, width in enumerate(widths):
+            h = alloc(width, f"h{i}")
+            bb.emit(relax.Call(add_one, [latest[width], h]))
+            layers.append(h)
+            latest[width] = h
+        grad = inputs[widths[0]]
+        for i in reversed(range(len(widths))):
+            out = alloc(widths[0], f"g{i}")
+            bb.emit(relax.Call(add_row_sum, [grad, layers[i], out]))
+            grad = out
+        bb.emit_func_output(grad)
+    return bb.get()
+
+
+def test_many_small_tensors_that_make_the_peak_together_are_candidates():
+    # Each layer holds about a tenth of the peak: below min_fraction alone, most of the peak
+    # together. Only the smallest that together stay below 0.2 of it are left out (one layer;
+    # among equals the shortest gap, h6's).
+    before = _layers_module([4] * 8)
+    options = dataclasses.replace(OPTIONS, min_fraction=0.2)
+    after = Rematerialize(options)(before)
+    assert [s["name"] for s in _meta(after)["slots"]] == ["h0", "h1", "h2", "h3", "h4", "h5"]
+    # When all of them together are below the fraction, none is worth evicting.
+    nothing = Rematerialize(dataclasses.replace(OPTIONS, min_fraction=0.95))(before)
+    tvm.ir.assert_structural_equal(nothing, before)
+
+
+def test_the_candidates_kept_are_those_that_free_the_most_bytes():
+    # h3 and h5 are four times wider than the others, with shorter gaps than h0..h2: past
+    # max_candidates the memory a candidate can free decides, not its recompute cost per byte
+    # (the same for every elementwise layer).
+    before = _layers_module([4, 4, 4, 16, 4, 16, 4, 4])
+    for limit, kept in ((2, ["h3", "h5"]), (3, ["h0", "h3", "h5"])):
+        after = Rematerialize(dataclasses.replace(OPTIONS, max_candidates=limit))(before)
+        assert [s["name"] for s in _meta(after)["slots"]] == kept
+    every = Rematerialize(OPTIONS)(before)
+    assert [s["name"] for s in _meta(every)["slots"]] == [f"h{i}" for i in range(7)]

@@ -24,9 +24,11 @@ What it does
    cost no memory there: parameters, tensors live anyway at that point, and other candidates
    (chains: the runtime hands over its kept copy, or materializes it on demand). At most
    ``max_recipe_ops`` kernels; only PrimFunc kernels are replayed (never packed functions,
-   which may be random or in-place). Candidates are ranked by symbolic bytes freed over the
-   hot bindings per unit of symbolic recompute cost (loop iterations of the kernels), and the
-   best ``max_candidates`` kept.
+   which may be random or in-place). When there are more than ``max_candidates``, those
+   that free the most bytes over the hot bindings are kept, the cheaper to recompute
+   (loop iterations of the kernels) first among equals: a candidate's recompute cost is
+   paid only when the runtime evicts it, and the runtime weighs it then, while the memory
+   a budget can reach is bounded by what the kept candidates free.
 3. Rewrite. Each recipe becomes a private Relax function (compiled TVM kernels; no Python
    numerics). The function gets:
 
@@ -135,8 +137,11 @@ class RematOptions:
     min_bytes
         Tensors provably no larger than this are not worth evicting.
     min_fraction
-        Tensors smaller than this fraction of the peak at every representative shape are not
-        worth evicting (each costs two runtime calls per call).
+        The smallest tensors are not worth evicting (each costs two runtime calls per call)
+        while, all together, they hold less than this fraction of the peak at every
+        representative shape: evicting every one of them could lower no point by more. A
+        bound on the set, not on each tensor, so that a deep model (many layers, each tensor
+        a small part of the peak, together most of it) keeps its activations evictable.
     hot_fraction
         A binding is hot when its live bytes reach this fraction of the peak at some
         representative shape; a candidate's gap must cover a hot binding.
@@ -469,6 +474,32 @@ def _hot_bindings(func: relax.Function, mod: tvm.IRModule, fraction: float):
     return hot, graph, points, peaks
 
 
+def _negligible(
+    sizes: dict[relax.Var, list[int]], limits: list[float], spans: dict[relax.Var, int]
+) -> list[relax.Var]:
+    """The smallest tensors that together stay below ``limits`` (one per representative shape).
+
+    ``sizes`` gives each tensor's bytes at the same shapes, ``spans`` the length of its gap.
+    Tensors are taken smallest first (by their largest share of a limit; among equals, the
+    shorter gap first: it spans less of the program) while the running sum stays below the
+    limit at every shape.
+    """
+
+    def order(root: relax.Var) -> tuple[float, int]:
+        shares = [n / limit if limit > 0 else float("inf") for n, limit in zip(sizes[root], limits)]
+        return max(shares, default=float("inf")), spans[root]
+
+    totals = [0] * len(limits)
+    dropped: list[relax.Var] = []
+    for root in sorted(sizes, key=order):
+        grown = [total + n for total, n in zip(totals, sizes[root])]
+        if any(g >= limit for g, limit in zip(grown, limits)):
+            break
+        totals = grown
+        dropped.append(root)
+    return dropped
+
+
 def _select(
     model: FunctionModel,
     gaps: dict[relax.Var, tuple[int, int]],
@@ -512,6 +543,7 @@ def _rematerialize(
     # Only tensors whose size the runtime can evaluate from the dims, and not provably tiny.
     from ...symbolic import Ordering
 
+    sizes: dict[relax.Var, list[int]] = {}
     for root in list(gaps):
         try:
             text = tensor_bytes_py(root.ty)
@@ -523,11 +555,10 @@ def _rematerialize(
         if graph.compare(size, options.min_bytes) in (Ordering.LT, Ordering.LE, Ordering.EQ):
             del gaps[root]
             continue
-        if all(
-            graph.evaluate(size, point) < options.min_fraction * peak
-            for point, peak in zip(points, peaks)
-        ):
-            del gaps[root]
+        sizes[root] = [graph.evaluate(size, point) for point in points]
+    spans = {root: b - a for root, (a, b) in gaps.items()}
+    for root in _negligible(sizes, [options.min_fraction * peak for peak in peaks], spans):
+        del gaps[root]
     candidates = _select(model, gaps, options)
     if not candidates:
         return None
@@ -551,13 +582,14 @@ def _rematerialize(
                 sorted(dim_names), [cost_text, tensor_bytes_py(root.ty)]
             )
             covered = sum(1 for t in hot if cand.evict_after < t < cand.regen_before)
-            score = 0.0
+            freed = cost = 0.0
             for point in points:
                 values = [point.get(d, 1) for d in sorted(dim_names)]
-                cost, nbytes = evaluators[root](*values)
-                score += nbytes * covered / max(cost, 1)
-            scores[root] = score
-        keep = sorted(candidates, key=lambda r: -scores[r])[: options.max_candidates]
+                point_cost, nbytes = evaluators[root](*values)
+                freed += nbytes * covered
+                cost += point_cost
+            scores[root] = (-freed, cost)
+        keep = sorted(candidates, key=lambda r: scores[r])[: options.max_candidates]
         kept = {r: candidates[r] for r in keep}
         candidates = _select(
             model, {r: (c.evict_after, c.regen_before) for r, c in kept.items()}, options
