@@ -574,14 +574,20 @@ def _rematerialize(
         return costs[cand.root]
 
     if len(candidates) > options.max_candidates:
+        evaluators = {}
         scores = {}
         for root, cand in candidates.items():
-            cost_at = compile_expressions(sorted(dim_names), [cost_of(cand)])
-            covered = sum(1 for t in hot if cand.evict_after < t < cand.regen_before)
-            freed = sum(sizes[root]) * covered
-            cost = sum(
-                cost_at(*(point.get(d, 1) for d in sorted(dim_names)))[0] for point in points
+            cost_text = cost_of(cand)
+            evaluators[root] = compile_expressions(
+                sorted(dim_names), [cost_text, tensor_bytes_py(root.ty)]
             )
+            covered = sum(1 for t in hot if cand.evict_after < t < cand.regen_before)
+            freed = cost = 0.0
+            for point in points:
+                values = [point.get(d, 1) for d in sorted(dim_names)]
+                point_cost, nbytes = evaluators[root](*values)
+                freed += nbytes * covered
+                cost += point_cost
             scores[root] = (-freed, cost)
         keep = sorted(candidates, key=lambda r: scores[r])[: options.max_candidates]
         kept = {r: candidates[r] for r in keep}
