@@ -18,9 +18,9 @@ Where each pass runs, and why there:
   ``FuseOps`` fuses it into every reader instead of keeping one copy live across the layers.
 * ``DispatchGemm`` (off by default; ``dispatch_gemm=True``, CPU targets) runs last in the
   memory stage, after ``KillAfterLastUse`` and ``RematTimeline``: the kernels that are a GEMM
-  and nothing else become calls of ATen's GEMMs with the same arguments, once every memory
-  decision was taken on TVM's kernels, so peaks are unchanged byte for byte (see
-  dispatch_gemm.py).
+  become calls of ATen's GEMMs with the same arguments (a GEMM fused with an elementwise tail:
+  the GEMM into the kernel's output, then the tail in place), once every memory decision was
+  taken on TVM's kernels, so no peak rises (see dispatch_gemm.py).
 * ``InlineKernelIntermediates`` runs right after ``FuseTIR`` on CPU targets: it computes the
   elementwise chains inside fused kernels without scratch buffers (kernel workspaces), which
   dlight's schedules do on GPU targets.

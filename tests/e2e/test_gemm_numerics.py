@@ -73,3 +73,22 @@ def test_llama_training_step_loss_and_gradients_match_tvm_kernels():
         got, want = _run(dispatched_vm, args), _run(reference_vm, args)
         assert len(want) == 1 + len(params)  # the loss, then one gradient per parameter
         _assert_close(got, want, 1e-4)
+
+
+def test_gpt2_training_step_with_split_epilogues_matches_tvm_kernels():
+    """GPT-2's projections have a bias: their GEMMs are fused with the add (and the backward's
+    with other tails), and split into ATen's GEMM and the tail in place."""
+    workload = build_workload("gpt2-train", TINY)
+    mod = workload.graph.with_upper_bounds(False).mod
+    with collect_results() as results:
+        exe = tvm.compile(mod, "llvm", relax_pipeline=get_pipeline("llvm", dispatch_gemm=True))
+    (report,) = [r.detail for r in results if r.pass_name == "DispatchGemm"]
+    assert sum(report.epilogues.values()) >= 4
+    dispatched_vm = relax.VirtualMachine(exe, tvm.cpu())
+    reference_vm, _ = _compile(mod, False)
+    params = workload.graph.params
+    for length in (2, 19, 64):
+        args = [*workload.inputs(length), *params]
+        got, want = _run(dispatched_vm, args), _run(reference_vm, args)
+        assert len(want) == 1 + len(params)
+        _assert_close(got, want, 1e-4)

@@ -3,8 +3,8 @@
 TVM's CPU code for a matmul with a symbolic dimension is a naive loop nest (dlight has GEMV and
 reduction rules on the CPU, no GEMM rule), and the PyPI wheel is built without cBLAS, DNNL or
 cuBLAS, so TVM's BYOC dispatch to a vendor library is not there. This pass is that dispatch for
-the kernels that are a GEMM and nothing else: each call of one becomes a call of the packed
-function :data:`~blade_relax.contract.GEMM_FUNCS` ``[layout]`` with the same arguments, which
+the kernels that are a GEMM, alone or followed by an elementwise tail: each call of a GEMM
+kernel becomes a call of the packed function :data:`~blade_relax.contract.GEMM_FUNCS` ``[layout]`` with the same arguments, which
 :mod:`blade_relax.runtime.gemm` runs with ``torch.mm`` / ``torch.bmm`` on zero-copy DLPack views
 and writes into the output buffer the VM allocated.
 
@@ -14,11 +14,26 @@ The swap is made after memory planning (``PlanMemory`` or ``StaticPlanBlockMemor
 ``KillAfterLastUse`` and ``RematTimeline``, on the destination-passing calls ``CallTIRRewrite``
 wrote (``cls.matmul(a, b, out)``), so every decision about memory was taken on TVM's kernels and
 the swap changes none of them: same allocations, same sharing, same kills, same remat timeline.
-Peaks are those of the undispatched program, byte for byte, by construction (the packed
-function allocates no tensor). A GEMM that ``FuseOps`` fused with an elementwise tail is a
-kernel of several blocks, which this pass leaves to TVM: fusion keeps what it saved. (Rewriting
-``relax.matmul`` before legalization instead takes every GEMM out of fusion; measured on the
-benchmark's workloads, that raised the predicted peaks of the full pipeline by up to 10%.)
+(Rewriting ``relax.matmul`` before legalization instead takes every GEMM out of fusion; measured
+on the benchmark's workloads, that raised the predicted peaks of the full pipeline by up to
+10%.)
+
+GEMMs with an epilogue
+----------------------
+A GEMM that ``FuseOps`` fused with an elementwise tail (``matmul -> add -> gelu``, a ReLU's
+backward ``where(x < 0, 0, dy @ w^T)``) is one kernel whose GEMM result is an intermediate that
+``InlineKernelIntermediates`` already reduced to one element at a time. Such a kernel is split:
+ATen's GEMM writes its result into the kernel's output, then the kernel without its GEMM block
+(``<kernel>_epilogue``, a TVM kernel) reads each element there and overwrites it with the tail's
+value. No tensor is added, so what fusion saved stays saved. One case needs a decision per call
+site: when planning wrote the output over a tensor the tail reads (an in-place placement), the
+GEMM written first would overwrite that tensor before the tail reads it. There the GEMM's result
+gets a tensor of its own (``<kernel>_epilogue_from`` reads it), live only during the call, if
+the function's symbolic timeline proves that the bytes live then plus that tensor stay at or
+below the function's peak for every admissible value of the dims; otherwise the fused kernel
+stays TVM's (``GemmReport.kept_in_place``), as it does in functions that rematerialize (their
+runtime plans from metadata written before this pass). Peaks are therefore never above those
+of the undispatched program, and below them where a fused kernel held a workspace.
 
 Stages
 ------
@@ -31,13 +46,16 @@ Stages
    or ``[b.., j, k]``. The batch indices of an operand are all of ``C``'s, or none (a
    two-dimensional operand); a broadcast batch axis is not recognized. This is what TVM's
    legalized ``relax.matmul`` and ``SimplifyTransposes``' ``NT_matmul`` / ``TN_matmul`` /
-   ``TT_matmul`` kernels are.
+   ``TT_matmul`` kernels are. With an epilogue: two blocks, that GEMM block writing an
+   intermediate of the kernel, then a block of spatial iteration variables spanning the
+   output's shape that stores ``out[v..]`` and reads the intermediate only at ``[v..]``.
 2. *Accept* what the runtime computes without a copy: the right operand two-dimensional and the
    left one two-dimensional or not transposed (its batch axes become rows of one GEMM), or both
    batched (``batched``); transposed operands only with ``transposed``.
 3. *Swap*: each call ``kernel(a, b, out)`` of a Relax function (``kernel(a, b, n, m, out)``
-   with scalar sizes) becomes ``ExternFunc(GEMM_FUNCS[layout])(a, b, out)``; kernels no
-   function refers to any more are removed.
+   with scalar sizes) becomes ``ExternFunc(GEMM_FUNCS[layout])(a, b, out)``; a kernel with an
+   epilogue becomes that call followed by its tail's (see above); kernels no function refers
+   to any more are removed.
 
 Where it runs
 -------------
@@ -59,16 +77,20 @@ results agree to rounding (relative errors about 1e-6 in float32), not bit for b
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import tvm
+import tvm_ffi
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ..analysis import memory_timeline
 from ..analysis.tir_fields import type_key
-from ..contract import GEMM_FUNCS
+from ..contract import EVICT, GEMM_FUNCS, REGENERATE, REMAT_BEGIN
 from ._collection import pauses_collection
 from .result import PassResult, counted, function_results, publish
 
@@ -103,11 +125,15 @@ class GemmOptions:
         with a two-dimensional right operand are dispatched.
     dtypes
         The element types dispatched.
+    epilogues
+        Split kernels that are a GEMM followed by an elementwise tail: the GEMM on ATen into
+        the kernel's output, then the tail in place (see the module docstring).
     """
 
     transposed: bool = True
     batched: bool = True
     dtypes: tuple[str, ...] = ("float32", "float64", "float16", "bfloat16")
+    epilogues: bool = True
 
 
 @dataclass
@@ -118,16 +144,30 @@ class GemmReport:
     ----------
     dispatched
         Layout (``"NN"``, ``"NT"``, ...) -> kernel calls now calling the packed function.
+    epilogues
+        Layout -> calls of GEMM-with-epilogue kernels split into the packed GEMM and the
+        kernel's tail.
     kept
-        Calls of GEMM kernels left to TVM (a layout, rank or dtype the options exclude).
+        Calls of GEMM kernels (with or without an epilogue) left to TVM: a layout, rank or
+        dtype the options exclude.
+    kept_in_place
+        Calls of GEMM-with-epilogue kernels left to TVM because their output is placed over a
+        tensor the kernel reads and a tensor of its own for the GEMM's result is not proven to
+        leave the function's peak where it is.
+    temporaries
+        Calls among ``epilogues`` whose GEMM result got a tensor of its own.
     """
 
     dispatched: dict[str, int] = field(default_factory=dict)
+    epilogues: dict[str, int] = field(default_factory=dict)
     kept: int = 0
+    kept_in_place: int = 0
+    temporaries: int = 0
 
     @property
     def total(self) -> int:
-        return sum(self.dispatched.values())
+        """Calls whose GEMM runs on ATen (plain GEMMs and epilogue kernels)."""
+        return sum(self.dispatched.values()) + sum(self.epilogues.values())
 
 
 @dataclass(frozen=True)
@@ -166,26 +206,55 @@ def gemm_layout(func: tvm.tirx.PrimFunc) -> GemmKernel | None:
 def _recognize(func: tvm.tirx.PrimFunc) -> GemmKernel | None:
     # In TVM 0.27 a buffer parameter is the buffer: a variable of a BufferType, which stores
     # and loads name directly. Other parameters may only be integer sizes.
+    positions = _buffer_positions(func)
+    if positions is None or len(positions) != 3:
+        return None
+    buffers = [func.params[i] for i in positions]
+    if len({str(x.ty.dtype) for x in buffers}) != 1:
+        return None
+    blocks = _child_blocks(func)
+    if len(blocks) != 1 or blocks[0].alloc_buffers:
+        return None
+    gemm = _gemm_block(blocks[0])
+    if gemm is None or not all(x.same_as(y) for x, y in zip((gemm.a, gemm.b, gemm.c), buffers)):
+        return None
+    return GemmKernel(gemm.layout, gemm.ranks, str(gemm.c.ty.dtype), positions)
+
+
+@dataclass(frozen=True, eq=False)
+class _GemmBlock:
+    """A block computing ``c = op_a(a) @ op_b(b)``: its layout, ranks and buffer variables."""
+
+    layout: str
+    ranks: tuple[int, int, int]
+    a: Any
+    b: Any
+    c: Any
+
+
+def _buffer_positions(func: tvm.tirx.PrimFunc) -> tuple[int, ...] | None:
+    """Positions of the buffer parameters, ``None`` when another parameter is not an integer
+    scalar (the only other kind a GEMM kernel may take: sizes)."""
     positions = tuple(
         i
         for i, x in enumerate(func.params)
         if type_key(getattr(x, "ty", None)) == "tirx.BufferType"
     )
-    if len(positions) != 3:
-        return None
     if not all(i in positions or _is_int_scalar(x) for i, x in enumerate(func.params)):
         return None
-    buffers = [func.params[i] for i in positions]
-    a, b, c = buffers
-    dtypes = {str(x.ty.dtype) for x in buffers}
-    if len(dtypes) != 1:
-        return None
+    return positions
+
+
+def _child_blocks(func: tvm.tirx.PrimFunc) -> list[Any]:
+    """The blocks under ``func``'s root block, in program order."""
     sch = tvm.s_tir.Schedule(func)
-    blocks = sch.get_child_blocks(sch.get_sblock("root"))
-    if len(blocks) != 1:
-        return None
-    block = sch.get(blocks[0])
-    if block.init is None or block.match_buffers or block.alloc_buffers:
+    return [sch.get(b) for b in sch.get_child_blocks(sch.get_sblock("root"))]
+
+
+def _gemm_block(block: Any) -> _GemmBlock | None:
+    """What ``block`` computes if it is ``C[b.., i, j] (+)= A[..] * B[..]`` over one reduction
+    variable, initialized to zero (see the module docstring), else ``None``."""
+    if block.init is None or block.match_buffers:
         return None
     spatial = [iv.var for iv in block.iter_vars if iv.iter_type != _REDUCE]
     reduce = [iv.var for iv in block.iter_vars if iv.iter_type == _REDUCE]
@@ -195,7 +264,8 @@ def _recognize(func: tvm.tirx.PrimFunc) -> GemmKernel | None:
     init, body = block.init, block.body
     if not (isinstance(init, tvm.tirx.BufferStore) and isinstance(body, tvm.tirx.BufferStore)):
         return None
-    if not (init.buffer.same_as(c) and body.buffer.same_as(c)):
+    c = body.buffer
+    if not init.buffer.same_as(c):
         return None
     if not (_same_vars(init.indices, spatial) and _same_vars(body.indices, spatial)):
         return None
@@ -212,7 +282,9 @@ def _recognize(func: tvm.tirx.PrimFunc) -> GemmKernel | None:
     lhs, rhs = product.a, product.b
     if not (_is_load(lhs) and _is_load(rhs)):
         return None
-    if not (lhs.source.same_as(a) and rhs.source.same_as(b)):
+    if lhs.source.same_as(c) or rhs.source.same_as(c):
+        return None
+    if len({str(x.source.ty.dtype) for x in (lhs, rhs)} | {str(c.ty.dtype)}) != 1:
         return None
     batch, i, j = spatial[:-2], spatial[-2], spatial[-1]
     op_a = _operand_layout(lhs.indices, batch, (i, k))
@@ -220,7 +292,7 @@ def _recognize(func: tvm.tirx.PrimFunc) -> GemmKernel | None:
     if op_a is None or op_b is None:
         return None
     ranks = (len(lhs.indices), len(rhs.indices), len(spatial))
-    return GemmKernel(op_a + op_b, ranks, dtypes.pop(), positions)
+    return _GemmBlock(op_a + op_b, ranks, lhs.source, rhs.source, c)
 
 
 def _is_int_scalar(param: Any) -> bool:
@@ -256,6 +328,210 @@ def _operand_layout(indices: Any, batch: list[Any], inner: tuple[Any, Any]) -> s
     return None
 
 
+# ------------------------------------------------------------------ GEMM with an epilogue
+@dataclass(frozen=True, eq=False)
+class EpilogueKernel:
+    """A kernel that is a GEMM followed by an elementwise tail (``FuseOps``' ``matmul -> add
+    -> relu``), split in two: the GEMM, for ATen, and the tail, a kernel of TVM's.
+
+    Attributes
+    ----------
+    gemm
+        The GEMM: layout, ranks, dtype, and the positions of its operands ``A``, ``B`` among
+        the kernel's parameters; its third position is the kernel's output ``C``, which the
+        GEMM's result is written into.
+    tail
+        The kernel without its GEMM block: the same parameters; it reads the GEMM's result from
+        ``C`` at the element it writes and overwrites it (in place, element by element).
+    tail_from
+        The same with one parameter more, last: the tensor holding the GEMM's result, for a call
+        whose ``C`` lies in the memory of a tensor the tail reads.
+    reads
+        Positions of the buffer parameters the tail reads besides ``C``: those must not lie in
+        ``C``'s memory, since the GEMM writes ``C`` before the tail runs.
+    """
+
+    gemm: GemmKernel
+    tail: tvm.tirx.PrimFunc
+    tail_from: tvm.tirx.PrimFunc
+    reads: tuple[int, ...]
+
+
+_EPILOGUES: dict[Any, EpilogueKernel | None] = {}
+
+
+def epilogue_kernel(func: tvm.tirx.PrimFunc) -> EpilogueKernel | None:
+    """``func`` split into a GEMM and its elementwise tail when it is exactly that (see the
+    module docstring), else ``None``. Remembered per kernel."""
+    if func in _EPILOGUES:
+        return _EPILOGUES[func]
+    try:
+        kernel = _recognize_epilogue(func)
+    except Exception:  # noqa: BLE001 - a kernel the schedule cannot read is left to TVM
+        kernel = None
+    _EPILOGUES[func] = kernel
+    return kernel
+
+
+def _recognize_epilogue(func: tvm.tirx.PrimFunc) -> EpilogueKernel | None:
+    positions = _buffer_positions(func)
+    if positions is None:
+        return None
+    sch = tvm.s_tir.Schedule(func)
+    root = sch.get(sch.get_sblock("root"))
+    blocks = [sch.get(b) for b in sch.get_child_blocks(sch.get_sblock("root"))]
+    if len(blocks) != 2 or blocks[0].name_hint == blocks[1].name_hint:
+        return None
+    first, tail = blocks
+    gemm = _gemm_block(first)
+    if gemm is None or first.alloc_buffers:
+        return None
+    result = gemm.c  # the GEMM's result: an intermediate of the kernel, not a parameter
+    if not any(x.same_as(result) for x in root.alloc_buffers):
+        return None
+    params = [func.params[i] for i in positions]
+    out = _elementwise_store(tail, result)
+    if out is None or not any(x.same_as(out) for x in params):
+        return None
+    if not _same_shape(result, out) or str(result.ty.dtype) != str(out.ty.dtype):
+        return None
+    index = {i: p for i, p in zip(positions, params)}
+    found = {
+        name: next((i for i, p in index.items() if p.same_as(buffer)), None)
+        for name, buffer in (("a", gemm.a), ("b", gemm.b), ("c", out))
+    }
+    if None in found.values() or found["c"] in (found["a"], found["b"]):
+        return None
+    read = _loaded_buffers(tail.body.value)
+    reads = tuple(
+        i for i, p in index.items() if i != found["c"] and any(p.same_as(x) for x in read)
+    )
+    kernel = GemmKernel(
+        gemm.layout, gemm.ranks, str(out.ty.dtype), (found["a"], found["b"], found["c"])
+    )
+    source = tvm.tirx.decl_buffer(out.ty.shape, str(out.ty.dtype), "gemm_result")
+    return EpilogueKernel(
+        kernel,
+        _without_gemm(func, first.name_hint, result, out),
+        _without_gemm(func, first.name_hint, result, source),
+        reads,
+    )
+
+
+def _elementwise_store(block: Any, result: Any) -> Any | None:
+    """The buffer ``block`` writes when it computes ``out[v..] = f(result[v..], ...)``: every
+    iteration variable spatial, ``out`` stored at exactly those variables (spanning its
+    shape), ``result`` read only at the same position, ``out`` not read. Else ``None``."""
+    if block.init is not None or block.alloc_buffers or block.match_buffers:
+        return None
+    if any(iv.iter_type == _REDUCE for iv in block.iter_vars):
+        return None
+    store = block.body
+    if not isinstance(store, tvm.tirx.BufferStore):
+        return None
+    variables = [iv.var for iv in block.iter_vars]
+    out = store.buffer
+    if not _same_vars(store.indices, variables) or len(out.ty.shape) != len(variables):
+        return None
+    for iv, extent in zip(block.iter_vars, out.ty.shape):
+        if not (_is_zero(iv.dom.min) and tvm_ffi.structural_equal(iv.dom.extent, extent)):
+            return None
+    loads = _loads(store.value)
+    if any(load.source.same_as(out) for load in loads):
+        return None
+    of_result = [load for load in loads if load.source.same_as(result)]
+    if not of_result or not all(_same_vars(load.indices, variables) for load in of_result):
+        return None
+    return out
+
+
+def _loads(expr: Any) -> list[Any]:
+    """Every buffer load in ``expr``."""
+    found: list[Any] = []
+    # In TVM 0.27 a buffer load is an ``ir.TensorLoad`` (``tirx.BufferLoad`` builds one).
+    tvm_ffi.structural_walk(expr, (tvm.ir.TensorLoad, found.append))
+    return found
+
+
+def _loaded_buffers(expr: Any) -> list[Any]:
+    return [load.source for load in _loads(expr)]
+
+
+def _same_shape(x: Any, y: Any) -> bool:
+    a, b = list(x.ty.shape), list(y.ty.shape)
+    return len(a) == len(b) and all(tvm_ffi.structural_equal(m, n) for m, n in zip(a, b))
+
+
+def _is_zero(value: Any) -> bool:
+    return isinstance(value, tvm.tirx.IntImm) and int(value.value) == 0
+
+
+_NOOP = tvm.tirx.Evaluate(0)
+
+
+def _is_noop(stmt: Any) -> bool:
+    return isinstance(stmt, tvm.tirx.Evaluate) and _is_zero(stmt.value)
+
+
+def _without_gemm(
+    func: tvm.tirx.PrimFunc, gemm_block: str, result: Any, source: Any
+) -> tvm.tirx.PrimFunc:
+    """``func`` with its GEMM block removed and its result read from ``source`` instead: a
+    buffer parameter of ``func`` (its output), or a new buffer, appended as the last parameter.
+
+    TVM 0.27's Python has no TIR mutator; ``tvm_ffi.structural_map`` (post-order callbacks by
+    node type) is the generic one: the GEMM's block realization becomes a no-op, loops and
+    sequences left empty go, the intermediate's variable is replaced by ``out``'s, and the root
+    block no longer allocates it.
+    """
+
+    def realize(node: Any) -> Any:
+        return _NOOP if node.block.name_hint == gemm_block else node
+
+    def loop(node: Any) -> Any:
+        return _NOOP if _is_noop(node.body) else node
+
+    def sequence(node: Any) -> Any:
+        kept = [x for x in node.seq if not _is_noop(x)]
+        if len(kept) == len(node.seq):
+            return node
+        if not kept:
+            return _NOOP
+        return kept[0] if len(kept) == 1 else tvm.tirx.SeqStmt(kept)
+
+    def variable(node: Any) -> Any:
+        return source if node.same_as(result) else node
+
+    def block(node: Any) -> Any:
+        if node.name_hint != "root":
+            return node
+        allocs = [x for x in node.alloc_buffers if not (x.same_as(result) or x.same_as(source))]
+        return tvm.s_tir.SBlock(
+            node.iter_vars,
+            node.reads,
+            node.writes,
+            node.name_hint,
+            node.body,
+            node.init,
+            allocs,
+            node.match_buffers,
+            node.annotations,
+        )
+
+    if not any(p.same_as(source) for p in func.params):
+        func = tvm.tirx.PrimFunc([*func.params, source], func.body, attrs=func.attrs)
+    return tvm_ffi.structural_map(
+        func,
+        [
+            (tvm.s_tir.SBlockRealize, realize),
+            (tvm.tirx.For, loop),
+            (tvm.tirx.SeqStmt, sequence),
+            (tvm.ir.Var, variable),
+            (tvm.s_tir.SBlock, block),
+        ],
+    )
+
+
 # ------------------------------------------------------------------------------ rewrite
 @mutator
 class _Swapper(PyExprMutator):
@@ -264,6 +540,12 @@ class _Swapper(PyExprMutator):
         self.mod_ = mod
         self.options = options
         self.report = report
+        #: (kernel, suffix) -> its tail's function in the module being built.
+        self.tails: dict[tuple[tvm.ir.GlobalVar, str], Any] = {}
+        #: Calls (of the function visited) whose GEMM result may take a tensor of its own.
+        self.roomy: list[relax.Call] = []
+        #: Variable -> what its memory is (see :func:`_memory_of`), for the function visited.
+        self.memory: dict[relax.Var, Any] = {}
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: D102
         new_call = super().visit_call_(call)
@@ -274,16 +556,64 @@ class _Swapper(PyExprMutator):
         if not isinstance(func, tvm.tirx.PrimFunc) or len(new_call.args) != len(func.params):
             return new_call
         kernel = gemm_layout(func)
-        if kernel is None:
+        if kernel is not None:
+            if not self._accepts(kernel):
+                self.report.kept += 1
+                return new_call
+            _count(self.report.dispatched, kernel.layout)
+            return _gemm_call(kernel, new_call)
+        epilogue = epilogue_kernel(func) if self.options.epilogues else None
+        if epilogue is None:
             return new_call
-        if not self._accepts(kernel):
+        if not self._accepts(epilogue.gemm):
             self.report.kept += 1
             return new_call
-        self.report.dispatched[kernel.layout] = self.report.dispatched.get(kernel.layout, 0) + 1
-        ty = new_call.ty if isinstance(new_call.ty, relax.TupleType) else relax.TupleType([])
-        # The scalar sizes are dropped: ATen reads the sizes from the tensors.
-        tensors = [new_call.args[i] for i in kernel.buffers]
-        return relax.Call(relax.ExternFunc(GEMM_FUNCS[kernel.layout]), tensors, ty_args=[ty])
+        args = new_call.args
+        # Where memory lies is known of the variables as bound in the function visited.
+        out = call.args[epilogue.gemm.buffers[2]]
+        operands = [call.args[i] for i in (*epilogue.gemm.buffers[:2], *epilogue.reads)]
+        if _apart(out, operands, self.memory):
+            _count(self.report.epilogues, epilogue.gemm.layout)
+            self.builder_.emit(_gemm_call(epilogue.gemm, new_call))
+            tail = self._function(op, epilogue.tail, "epilogue")
+            return relax.Call(tail, args, new_call.attrs, new_call.ty_args)
+        # The output is written over a tensor the kernel reads (an in-place placement): a GEMM
+        # written into it first would overwrite what the tail still reads. The GEMM's result
+        # gets a tensor of its own where the timeline proves it raises no peak.
+        if not any(call.same_as(site) for site in self.roomy):
+            self.report.kept_in_place += 1
+            return new_call
+        _count(self.report.epilogues, epilogue.gemm.layout)
+        self.report.temporaries += 1
+        result = self._emit_tensor_like(args[epilogue.gemm.buffers[2]])
+        gemm = _gemm_call(epilogue.gemm, new_call)
+        self.builder_.emit(relax.Call(gemm.op, [*gemm.args[:2], result], ty_args=gemm.ty_args))
+        tail = self._function(op, epilogue.tail_from, "epilogue_from")
+        self.builder_.emit(relax.Call(tail, [*args, result], new_call.attrs, new_call.ty_args))
+        return relax.op.memory.kill_tensor(result)
+
+    def _function(self, kernel: tvm.ir.GlobalVar, func: tvm.tirx.PrimFunc, suffix: str) -> Any:
+        """The module's variable for ``func``, derived from ``kernel`` (added once)."""
+        key = (kernel, suffix)
+        if key not in self.tails:
+            self.tails[key] = self.builder_.add_func(func, f"{kernel.name_hint}_{suffix}")
+        return self.tails[key]
+
+    def _emit_tensor_like(self, like: relax.Var) -> relax.Var:
+        """A tensor of ``like``'s shape and dtype in a storage of its own, as
+        ``LowerAllocTensor`` writes one (the storage released once the tensor holds it)."""
+        ty = like.ty
+        dtype = str(ty.dtype)
+        itemsize = tvm.runtime.DataType(dtype).bits // 8
+        nbytes = functools.reduce(lambda x, y: x * y, list(ty.shape.values), itemsize)
+        storage = self.builder_.emit(
+            relax.op.memory.alloc_storage(relax.ShapeExpr([nbytes]), 0, "global", "uint8")
+        )
+        tensor = self.builder_.emit(
+            relax.op.memory.alloc_tensor(storage, 0, relax.ShapeExpr(ty.shape.values), dtype)
+        )
+        self.builder_.emit(relax.op.memory.kill_storage(storage))
+        return tensor
 
     def _accepts(self, kernel: GemmKernel) -> bool:
         rank_a, rank_b, rank_c = kernel.ranks
@@ -295,6 +625,121 @@ class _Swapper(PyExprMutator):
             # A weight: the batch axes of `a` fold into rows, which needs `a` as stored.
             return rank_a == 2 or kernel.layout[0] == "N"
         return self.options.batched and rank_a == rank_b == rank_c
+
+
+def _count(counts: dict[str, int], layout: str) -> None:
+    counts[layout] = counts.get(layout, 0) + 1
+
+
+def _gemm_call(kernel: GemmKernel, call: relax.Call) -> relax.Call:
+    """The packed call computing ``kernel``'s GEMM on ``call``'s tensors (the scalar sizes
+    are dropped: ATen reads the sizes from the tensors)."""
+    ty = call.ty if isinstance(call.ty, relax.TupleType) else relax.TupleType([])
+    tensors = [call.args[i] for i in kernel.buffers]
+    return relax.Call(relax.ExternFunc(GEMM_FUNCS[kernel.layout]), tensors, ty_args=[ty])
+
+
+_ALLOC_IN_STORAGE = tvm.ir.Op.get("relax.memory.alloc_tensor")
+_ALLOC_OWN = tvm.ir.Op.get("relax.builtin.alloc_tensor")
+_VIEWS = (tvm.ir.Op.get("relax.reshape"), tvm.ir.Op.get("relax.memory.view"))
+
+
+def _memory_of(func: relax.Function) -> dict[relax.Var, Any]:
+    """Variable -> the object its memory belongs to: the storage a tensor was placed in
+    (``R.memory.alloc_tensor``), the variable itself for memory of its own (an
+    ``R.builtin.alloc_tensor``, a tensor ``regenerate`` handed back), what a view or an alias
+    refers to; ``None`` when unknown (any other call). Parameters are absent (their own)."""
+    memory: dict[relax.Var, Any] = {}
+
+    def of(value: relax.Expr, var: relax.Var) -> Any:
+        if isinstance(value, relax.Var):
+            return memory.get(value, value)
+        if isinstance(value, tvm.ir.expr.Constant):
+            return value
+        if not isinstance(value, relax.Call):
+            return None
+        if value.op.same_as(_ALLOC_IN_STORAGE):
+            return value.args[0]
+        if value.op.same_as(_ALLOC_OWN):
+            return var
+        if any(value.op.same_as(view) for view in _VIEWS):
+            return of(value.args[0], var)
+        if isinstance(value.op, relax.ExternFunc) and str(value.op.global_symbol) == REGENERATE:
+            return var
+        return None
+
+    body = func.body
+    for block in body.blocks if isinstance(body, relax.SeqExpr) else ():
+        for binding in block.bindings:
+            if isinstance(binding, relax.VarBinding):
+                memory[binding.var] = of(binding.value, binding.var)
+    return memory
+
+
+def _apart(out: relax.Expr, operands: list[relax.Expr], memory: dict[relax.Var, Any]) -> bool:
+    """Whether ``out``'s memory is known and none of ``operands`` may lie in it."""
+
+    def owner(x: relax.Expr) -> Any:
+        return memory.get(x, x) if isinstance(x, relax.Var) else x
+
+    target = owner(out)
+    if target is None or not isinstance(out, relax.Var):
+        return False
+    return all(owner(x) is not None and not owner(x).same_as(target) for x in operands)
+
+
+def _roomy_sites(
+    mod: tvm.IRModule, func: relax.Function, memory: dict[relax.Var, Any]
+) -> list[relax.Call]:
+    """Calls of GEMM-with-epilogue kernels whose output lies over a tensor the kernel reads,
+    where a tensor of the output's size, live only while the call runs, is proven by ``func``'s
+    symbolic timeline (:func:`~blade_relax.analysis.memory_timeline`) to stay at or below its
+    peak for every admissible value of the dims.
+
+    None in a function that evicts and regenerates tensors: its runtime plans its peak from
+    metadata written before this pass, which would not see the extra tensor.
+    """
+    sites: list[tuple[relax.Var, relax.Call, relax.Var]] = []
+    for var, call in _bindings(func):
+        kernel = mod.functions.get(call.op) if isinstance(call.op, tvm.ir.GlobalVar) else None
+        if not isinstance(kernel, tvm.tirx.PrimFunc) or len(call.args) != len(kernel.params):
+            continue
+        epilogue = epilogue_kernel(kernel) if gemm_layout(kernel) is None else None
+        if epilogue is None:
+            continue
+        out = call.args[epilogue.gemm.buffers[2]]
+        operands = [call.args[i] for i in (*epilogue.gemm.buffers[:2], *epilogue.reads)]
+        if isinstance(out, relax.Var) and not _apart(out, operands, memory):
+            sites.append((var, call, out))
+    if not sites or _rematerializes(func):
+        return []
+    timeline = memory_timeline(func, mod=mod)
+    during = {step.var: step.live_during for step in timeline.steps}
+    roomy = []
+    for var, call, out in sites:
+        extra = timeline.graph.bytes_of(out)
+        if var not in during or extra.is_unknown:
+            continue
+        if timeline.graph.compare(during[var] + extra, timeline.peak).holds_le:
+            roomy.append(call)
+    return roomy
+
+
+def _bindings(func: relax.Function) -> Iterator[tuple[relax.Var, relax.Call]]:
+    """The variable and value of each binding of ``func`` whose value is a call."""
+    body = func.body
+    for block in body.blocks if isinstance(body, relax.SeqExpr) else ():
+        for binding in block.bindings:
+            if isinstance(binding, relax.VarBinding) and isinstance(binding.value, relax.Call):
+                yield binding.var, binding.value
+
+
+def _rematerializes(func: relax.Function) -> bool:
+    names = (REMAT_BEGIN, EVICT, REGENERATE)
+    return any(
+        isinstance(call.op, relax.ExternFunc) and str(call.op.global_symbol) in names
+        for _, call in _bindings(func)
+    )
 
 
 @tvm.transform.module_pass(opt_level=0, name="DispatchGemm")
@@ -332,6 +777,10 @@ class DispatchGemm:
             if not isinstance(func, relax.Function):
                 continue
             before = self.report.total
+            swapper.memory = _memory_of(func)
+            swapper.roomy = (
+                _roomy_sites(mod, func, swapper.memory) if self.options.epilogues else []
+            )
             new_func = swapper.visit_expr(func)
             if self.report.total != before:
                 swapper.builder_.update_func(gv, new_func)
@@ -353,8 +802,8 @@ class DispatchGemm:
 
 
 def _without_unused_kernels(mod: tvm.IRModule) -> tvm.IRModule:
-    """``mod`` without the GEMM kernels no Relax function refers to any more (called or
-    passed)."""
+    """``mod`` without the GEMM kernels (with or without an epilogue) no Relax function refers
+    to any more (called or passed)."""
     used: set[str] = set()
     for func in mod.functions.values():
         if isinstance(func, relax.Function):
@@ -364,7 +813,7 @@ def _without_unused_kernels(mod: tvm.IRModule) -> tvm.IRModule:
         for gv, func in mod.functions.items()
         if isinstance(func, tvm.tirx.PrimFunc)
         and gv.name_hint not in used
-        and gemm_layout(func) is not None
+        and (gemm_layout(func) is not None or epilogue_kernel(func) is not None)
     ]
     if not unused:
         return mod
