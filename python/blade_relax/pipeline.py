@@ -11,8 +11,9 @@ Where each pass runs, and why there:
   the transposes an imported graph is full of and lets matmuls read transposed operands in
   place, before any of them becomes a kernel with a buffer of its own.
 * ``FoldZeroScatter`` runs next, also on high-level ops: a scatter into zeros (one-hots,
-  embedding gradients) becomes a predicate ``FuseOps`` can fuse, or one reduction kernel, before
-  ``LegalizeOps`` turns it into an opaque kernel with a zero buffer and a copy.
+  embedding gradients) becomes a predicate ``FuseOps`` can fuse, or one kernel (a reduction; on
+  CPU targets a loop over the updates), before ``LegalizeOps`` turns it into an opaque kernel
+  with a zero buffer and a copy.
 * ``CloneGeneratedTensors`` runs after it, still on high-level ops: a tensor computed from
   inputs alone (a causal mask, a one-hot) is built again before each later reader, so that
   ``FuseOps`` fuses it into every reader instead of keeping one copy live across the layers.
@@ -312,7 +313,13 @@ def _phases(
     if flags.simplify:
         graph.append(_ours("SimplifyTransposes", flags.simplify_options))
     if flags.fold_scatter:
-        graph.append(_ours("FoldZeroScatter", flags.fold_scatter_options))
+        scatter_options = flags.fold_scatter_options
+        if scatter_options is None and cpu:
+            from .transform.fold_zero_scatter import ZeroScatterOptions
+
+            # On a CPU, an accumulation is a loop over the updates, not over the output.
+            scatter_options = ZeroScatterOptions(serial_accumulate=True)
+        graph.append(_ours("FoldZeroScatter", scatter_options))
     if flags.clone_generated:
         graph.append(_ours("CloneGeneratedTensors", flags.clone_options))
     fused: list[tvm.transform.Pass] = []

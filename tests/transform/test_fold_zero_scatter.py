@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import numpy as np
 import pytest
 import tvm
@@ -90,6 +92,33 @@ class EmbeddingGradExpected:
         return dw
 
 
+# The length, shared by the kernel's buffers (TVMScript's spelling of a dim bound by them).
+s = TypeVar("s")
+
+
+@I.ir_module
+class EmbeddingGradSerialExpected:
+    """With ``serial_accumulate``: zero the gradient, then add each row of ``dy`` to the row its
+    id names (ids outside the vocabulary skipped)."""
+
+    @T.prim_func(private=True)
+    def scatter_add_zero(index: T.Buffer((s,), "int64"), updates: T.Buffer((s, T.int64(4)), "float32"), out: T.Buffer((T.int64(10), T.int64(4)), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        for v, v_1 in T.grid(T.int64(10), T.int64(4)):
+            out[v, v_1] = T.float32(0.0)
+        for v, v_1 in T.grid(s, T.int64(4)):
+            if T.Select(index[v] < T.int64(0), index[v] + T.int64(10), index[v]) >= T.int64(0) and T.Select(index[v] < T.int64(0), index[v] + T.int64(10), index[v]) < T.int64(10):
+                out[T.Select(index[v] < T.int64(0), index[v] + T.int64(10), index[v]), v_1] = out[T.Select(index[v] < T.int64(0), index[v] + T.int64(10), index[v]), v_1] + updates[v, v_1]
+
+    @R.function
+    def main(ids: R.Tensor(("s",), "int64"), dy: R.Tensor(("s", 4), "float32")) -> R.Tensor((10, 4), dtype="float32"):
+        cls = EmbeddingGradSerialExpected
+        with R.dataflow():
+            dw = R.call_tir(cls.scatter_add_zero, (ids, dy), out_ty=R.Tensor((10, 4), dtype="float32"))
+            R.output(dw)
+        return dw
+
+
 @I.ir_module
 class Untouched:
     """Not a scatter into zeros, a reduction other than add, two indices per line with
@@ -120,6 +149,11 @@ def test_one_hot_becomes_a_predicate():
 
 def test_embedding_gradient_becomes_one_kernel_reading_the_ids():
     tvm.ir.assert_structural_equal(FoldZeroScatter()(EmbeddingGrad), EmbeddingGradExpected)
+
+
+def test_embedding_gradient_as_a_serial_loop_over_the_updates():
+    result = FoldZeroScatter(ZeroScatterOptions(serial_accumulate=True))(EmbeddingGrad)
+    tvm.ir.assert_structural_equal(result, EmbeddingGradSerialExpected)
 
 
 def test_other_scatters_pass_through_unchanged():
@@ -191,8 +225,9 @@ def _run(mod: tvm.IRModule, args: list[np.ndarray]) -> list[np.ndarray]:
     return [o.numpy() for o in out]
 
 
+@pytest.mark.parametrize("serial", [False, True])
 @pytest.mark.parametrize("s", [1, 5, 40])
-def test_results_equal_the_untransformed_program(s):
+def test_results_equal_the_untransformed_program(s, serial):
     """Negative and repeated indices included; sums are bit-identical."""
     rng = np.random.default_rng(s)
     cases = [
@@ -214,7 +249,8 @@ def test_results_equal_the_untransformed_program(s):
             ],
         ),
     ]
+    options = ZeroScatterOptions(serial_accumulate=serial)
     for module, args in cases:
-        transformed = FoldZeroScatter()(module)
+        transformed = FoldZeroScatter(options)(module)
         for want, got in zip(_run(module, args), _run(transformed, args)):
             np.testing.assert_array_equal(got, want)

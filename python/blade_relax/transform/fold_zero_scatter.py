@@ -44,11 +44,15 @@ through unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import tvm
+import tvm_ffi
 from tvm import relax, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.script.ir_builder import IRBuilder
+from tvm.tirx.script.builder import ir as T
 
 from ._collection import pauses_collection
 from .result import PassResult, counted, function_results, publish
@@ -70,15 +74,23 @@ class ZeroScatterOptions:
         Rewrite single-index ``"update"`` scatters into zeros as ``where(iota == index, ...)``.
     accumulate
         Rewrite ``"add"`` scatters into zeros as one reduction kernel.
+    serial_accumulate
+        Write that kernel as a loop over the updates instead (``out`` zeroed, then each update
+        added to the element its index names, in the order of the updates): work
+        ``out.size + updates.size`` instead of ``out.size * index.shape[axis]``, with the same
+        sums in the same order. A serial loop, for CPU targets (``get_pipeline`` turns it on
+        there when ``fold_scatter_options`` is not given); a GPU would run it on one thread.
     """
 
     one_hot: bool = True
     accumulate: bool = True
+    serial_accumulate: bool = False
 
 
 @dataclass
 class ScatterReport:
-    """What one run changed: ``one_hot`` predicates and ``accumulate`` kernels emitted."""
+    """What one run changed: ``one_hot`` predicates and ``accumulate`` kernels emitted (serial
+    loops or reductions)."""
 
     one_hot: int = 0
     accumulate: int = 0
@@ -193,6 +205,71 @@ def _accumulate_kernel(axis: int, reader: _IndexReader):
     return compute
 
 
+def _serial_accumulate_kernel(
+    axis: int, reader: _IndexReader, updates: relax.Expr, out_shape: list[tirx.PrimExpr]
+) -> tirx.PrimFunc:
+    """TIR: ``out = 0``, then ``out[q with q[axis] = norm(index[q])] += updates[q]`` for every
+    ``q`` of the updates in row-major order, an index outside the axis skipped (the reduction
+    kernel of :func:`_accumulate_kernel` never matches it either).
+
+    TE has no scatter, hence TVM's TIR builder (the legalized scatter is also a TIR loop, after
+    a copy of the zeros). For each element the updates are added in ascending ``q[axis]``, as
+    the reduction sums them, so the results are equal.
+    """
+    root_ty, update_ty = reader.root.ty, updates.ty
+    # The kernel's dims are its own variables (bound by its buffers), not the function's.
+    dims: dict[Any, tirx.Var] = {}
+    out_shape = _own_dims(out_shape, dims)
+    update_shape = _own_dims(update_ty.shape.values, dims)
+    root_shape = _own_dims(root_ty.shape.values, dims)
+    extent = out_shape[axis]
+    with IRBuilder() as builder:
+        with T.prim_func():
+            root = T.arg("index", T.buffer(root_shape, root_ty.dtype))
+            source = T.arg("updates", T.buffer(update_shape, update_ty.dtype))
+            out = T.arg("out", T.buffer(out_shape, update_ty.dtype))
+            T.func_attr({"tirx.noalias": True})
+            with T.grid(*out_shape) as p:
+                T.buffer_store(out, tirx.const(0, update_ty.dtype), list(p))
+            with T.grid(*update_shape) as q:
+                q = list(q)
+                raw = reader.read(_Loader(root, root_ty.dtype), q)
+                index_type = str(raw.ty.dtype)
+                target = tirx.Select(raw < 0, raw + extent.astype(index_type), raw)
+                target = _int64(target)
+                at = [*q[:axis], target, *q[axis + 1 :]]
+                with T.If(tirx.all(target >= 0, target < extent)):
+                    with T.Then():
+                        T.buffer_store(out, out[tuple(at)] + source[tuple(q)], at)
+    return builder.get()
+
+
+def _own_dims(shape: Any, dims: dict[Any, tirx.Var]) -> list[tirx.PrimExpr]:
+    """``shape`` (as int64) with each dim variable replaced by one of ``dims`` (made once)."""
+
+    def own(var: Any) -> Any:
+        if var not in dims:
+            dims[var] = tirx.Var(var.name, var.ty)
+        return dims[var]
+
+    return [_int64(tvm_ffi.structural_map(x, [(tirx.Var, own)])) for x in shape]
+
+
+def _int64(extent: tirx.PrimExpr) -> tirx.PrimExpr:
+    return extent if str(extent.ty.dtype) == "int64" else extent.astype("int64")
+
+
+@dataclass(frozen=True)
+class _Loader:
+    """A buffer read as :meth:`_IndexReader.read` reads a TE tensor: called with coordinates."""
+
+    buffer: Any
+    dtype: str
+
+    def __call__(self, *coords: tirx.PrimExpr) -> tirx.PrimExpr:
+        return self.buffer[tuple(coords)]
+
+
 @mutator
 class _Folder(PyExprMutator):
     def __init__(self, mod: tvm.IRModule, options: ZeroScatterOptions, report: ScatterReport):
@@ -289,6 +366,11 @@ class _Folder(PyExprMutator):
         if reduction == "add" and self.options.accumulate:
             self.report.accumulate += 1
             reader = self._index_reader(index)
+            if self.options.serial_accumulate:
+                kernel = _serial_accumulate_kernel(axis, reader, updates, data_shape)
+                gv = self.builder_.add_func(kernel, "scatter_add_zero")
+                out_ty = relax.TensorType(data_shape, str(updates.ty.dtype))
+                return relax.call_tir(gv, [reader.root, updates], out_ty)
             return self.builder_.call_te(
                 _accumulate_kernel(axis, reader),
                 reader.root,
