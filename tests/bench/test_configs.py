@@ -100,6 +100,19 @@ def test_budget_family_resolves_its_reference_first():
     ]
 
 
+def test_budget_family_takes_an_eviction_mode():
+    offload, auto = get_config("blade-relax@0.7:offload"), get_config("blade-relax@0.7:auto")
+    base = get_config("blade-relax@0.7")
+    assert (base.eviction, offload.eviction, auto.eviction) == ("recompute", "offload", "auto")
+    assert offload.name == "blade-relax@0.7:offload" and offload.budget == 0.7
+    assert offload.budget_of == "blade-relax" and offload.pipeline is base.pipeline
+    assert "offload" in offload.description
+    with pytest.raises(ValueError, match="eviction mode 'swap'"):
+        get_config("blade-relax@0.7:swap")
+    with pytest.raises(ValueError, match="needs a budget"):
+        TvmConfig("x", pipeline=stock_pipeline_factory, eviction="offload")
+
+
 def test_custom_family():
     register_config_family(
         "static-at",

@@ -82,7 +82,20 @@ def test_measured_compile_times_replace_the_default(tmp_path):
         )  # fmt: skip
     )
     steps = {s.name: s for s in program_steps(options)}
-    assert steps["bench-llama-train"].estimate_s == pytest.approx(slower)
+    # The Llama step also runs the offloading configurations: more rows, the same builds.
+    configs = plan.bench_configs("llama-train")
+    assert (
+        set(plan.EVICTION_CONFIGS) <= set(configs)
+        and configs[: len(BENCH_CONFIGS)] == BENCH_CONFIGS
+    )
+    with_modes = sum(bench_estimate(costs, lengths, measured, configs)[:2])
+    rows = len(lengths) * len(plan.EVICTION_CONFIGS)
+    extra = rows * costs.steps_per_row * costs.step_s + costs.eviction_s
+    assert with_modes == pytest.approx(slower + extra)
+    assert steps["bench-llama-train"].estimate_s == pytest.approx(with_modes)
+    command = steps["bench-llama-train"].command
+    assert command[command.index("--configs") + 1] == ",".join(configs)
+    assert plan.bench_configs("gpt2-train") == BENCH_CONFIGS
     assert f"s in {lengths}" in steps["bench-llama-train"].summary
     assert len(BENCH_CONFIGS) == 5
 
@@ -261,6 +274,32 @@ def test_shared_builds_compile_a_budget_variant_once():
     budgeted = rows[f"{remat}@0.5"]
     assert budgeted.compile_time_s == 0 and budgeted.compilations == 0
     assert budgeted.evictions > 0
+
+
+def test_the_eviction_modes_run_the_budgeted_build():
+    """The offloading configurations of the Llama step, on a small workload: the same build,
+    the same outputs, host copies where they offload, and their rows in the budget table."""
+    from blade_relax.bench import build_workload
+    from blade_relax.bench.report import budget_table
+    from blade_relax.bench.runner import run_benchmark
+    from blade_relax.bench.workloads import ModelSizes
+
+    workload = build_workload("mlp-train", ModelSizes(layers=2, hidden=16, intermediate=32))
+    remat = "blade-relax-schedule-remat"
+    names = [f"{remat}@0.5", f"{remat}@0.5:offload", f"{remat}@0.5:auto"]
+    result = run_benchmark(workload, [remat, *names], [24], repeat=1, builds={})
+    rows = {m.config: m for m in result.measurements}
+    assert result.all_correct
+    assert all(rows[n].compilations == 0 and rows[n].evictions > 0 for n in names)
+    assert rows[names[0]].offloads == 0 and rows[names[0]].regenerations > 0
+    offload = rows[names[1]]
+    assert offload.offloads == offload.evictions and offload.regenerations == 0
+    assert offload.peak_host_bytes > 0
+    assert offload.step_peak_bytes <= rows[remat].step_peak_bytes
+    settings = {c.name: c.settings for c in result.configs}
+    assert settings[names[2]]["eviction"] == "auto"
+    table = budget_table(result)
+    assert all(f"| {n} |" in table for n in names)
 
 
 def test_the_readme_shows_the_programs_commands_and_steps(tmp_path):

@@ -21,7 +21,10 @@ its timeline, without building or running a kernel.
 Names are either fixed (``register_config``) or parametrized as ``family@argument``
 (``register_config_family``): ``torch-compile@0.5`` asks the ``torch-compile`` family for a
 configuration with argument ``"0.5"``; ``blade-relax@0.5`` is a budget of half the
-``blade-relax`` peak once that family is registered (:func:`register_budget_family`).
+``blade-relax`` peak once that family is registered (:func:`register_budget_family`), and
+``blade-relax@0.5:offload`` (or ``:auto``) the same budget with evicted tensors offloaded to
+host memory (or offloaded or recomputed, per tensor, whichever is estimated faster: the
+eviction modes of :func:`blade_relax.runtime.set_eviction_mode`).
 
 ``blade-relax`` is the default pipeline (``get_pipeline(target)`` with ``DispatchGemm`` on) and
 ``blade-relax-no-<flag>`` that pipeline without one graph pass; ``blade-relax-schedule-remat``
@@ -126,6 +129,10 @@ class TvmConfig:
         ``budget_of`` measured at the same length; ``None`` for no budget.
     budget_of
         The configuration whose peak defines ``budget`` (run first, added if not requested).
+    eviction
+        The runtime's eviction mode under the budget (``"recompute"``, ``"offload"`` or
+        ``"auto"``; :func:`blade_relax.runtime.set_eviction_mode`, rates measured on the
+        device).
     bucket
         Compile one static graph per bucket of lengths and pad the inputs to the bucket
         (:mod:`.bucketing`): a number of tokens per bucket, or ``"pow2"``; ``None``: no
@@ -140,6 +147,7 @@ class TvmConfig:
     keep_bounds: bool = False
     budget: float | None = None
     budget_of: str | None = None
+    eviction: str = "recompute"
     bucket: int | str | None = None
     description: str = ""
 
@@ -151,6 +159,14 @@ class TvmConfig:
                 raise ValueError(f"{self.name}: budget must be a positive fraction")
             if not self.budget_of:
                 raise ValueError(f"{self.name}: a budget needs budget_of (the reference config)")
+        from ..runtime.budget import EVICTION_MODES
+
+        if self.eviction not in EVICTION_MODES:
+            raise ValueError(
+                f"{self.name}: eviction mode {self.eviction!r} not in {EVICTION_MODES}"
+            )
+        if self.eviction != "recompute" and self.budget is None:
+            raise ValueError(f"{self.name}: an eviction mode needs a budget (nothing is evicted)")
         if self.static and self.keep_bounds:
             raise ValueError(f"{self.name}: a static config has no symbolic bounds to keep")
         if self.bucket is not None and (self.static or self.keep_bounds):
@@ -335,14 +351,20 @@ def _fraction(argument: str, name: str) -> float:
     return value
 
 
-def budget_variant(base: TvmConfig, fraction: float, name: str | None = None) -> TvmConfig:
-    """``base`` run under a budget of ``fraction`` times ``base``'s own peak."""
+def budget_variant(
+    base: TvmConfig, fraction: float, name: str | None = None, eviction: str = "recompute"
+) -> TvmConfig:
+    """``base`` run under a budget of ``fraction`` times ``base``'s own peak, evicted tensors
+    brought back as ``eviction`` says (see :class:`TvmConfig`)."""
+    mode = "" if eviction == "recompute" else f":{eviction}"
+    how = "" if eviction == "recompute" else f", evicted tensors: {eviction}"
     return dataclasses.replace(
         base,
-        name=name or f"{base.name}@{fraction:g}",
+        name=name or f"{base.name}@{fraction:g}{mode}",
         budget=fraction,
         budget_of=base.name,
-        description=f"{base.name} under a runtime budget of {fraction:g} x its peak",
+        eviction=eviction,
+        description=f"{base.name} under a runtime budget of {fraction:g} x its peak{how}",
     )
 
 
@@ -354,12 +376,18 @@ def register_budget_family(base_name: str, *, override: bool = False) -> ConfigF
         base = get_config(base_name)
         if not isinstance(base, TvmConfig):
             raise ValueError(f"{base_name} is not a TVM config; budgets apply to TVM configs")
-        return budget_variant(base, _fraction(argument, f"{base_name}@{argument}"))
+        fraction, _, eviction = argument.partition(":")
+        return budget_variant(
+            base,
+            _fraction(fraction, f"{base_name}@{argument}"),
+            eviction=eviction or "recompute",
+        )
 
     return register_config_family(
         base_name,
         make,
-        description=f"{base_name} under a runtime budget: {base_name}@B, B a fraction of its peak",
+        description=f"{base_name} under a runtime budget: {base_name}@B, B a fraction of its "
+        "peak; @B:offload or @B:auto to offload evicted tensors to host memory",
         override=override,
     )
 

@@ -24,6 +24,9 @@ What is measured, per configuration and sequence length:
     ``blade_relax.analysis.memory_timeline(main).lower_bound`` of the imported graph at the
     length: parameters and inputs plus the largest single-operator working set. No schedule
     or rematerialization goes below it.
+``offloads`` / ``peak_host_bytes`` (TVM under a budget)
+    Evicted tensors copied to host memory in the measured step, and the most bytes of host
+    copies held at once (``"offload"`` and ``"auto"`` eviction modes; 0 in ``"recompute"``).
 ``unevictable_bytes`` (TVM under a budget)
     What no eviction set removes at one point of the step, counting what regenerations bring
     back, parameters and inputs included (``unevictable_peak`` of
@@ -103,6 +106,8 @@ class Measurement:
     budget_bytes: int | None = None
     evictions: int | None = None
     regenerations: int | None = None
+    offloads: int | None = None
+    peak_host_bytes: int | None = None
     unevictable_bytes: int | None = None
     workspace_bytes: int | None = None
     allocations: int | None = None
@@ -244,6 +249,20 @@ class _TvmRunner:
         repeat: int,
         budget_bytes: int | None,
     ) -> list[np.ndarray]:
+        from ..runtime import set_eviction_mode
+
+        # The measured step and the timed ones evict as the configuration says.
+        with set_eviction_mode(self.config.eviction):
+            return self._measure(row, inputs, dims, repeat, budget_bytes)
+
+    def _measure(
+        self,
+        row: Measurement,
+        inputs: Sequence[np.ndarray],
+        dims: dict[str, int],
+        repeat: int,
+        budget_bytes: int | None,
+    ) -> list[np.ndarray]:
         from ..runtime import measure_call, set_memory_budget
 
         if self.config.bucket is not None:
@@ -271,6 +290,8 @@ class _TvmRunner:
             )
         row.evictions = measured.evictions
         row.regenerations = measured.regenerations
+        row.offloads = measured.stats.get("offloads")
+        row.peak_host_bytes = measured.stats.get("peak_host_bytes")
         row.allocations = measured.allocations
         # The timed steps (on the cached VM) run under the same budget.
         with set_memory_budget(measured.runtime_budget):
@@ -662,6 +683,7 @@ def _summary(config: BenchConfig, requested: bool) -> ConfigSummary:
             "keep_bounds": config.keep_bounds,
             "budget": config.budget,
             "budget_of": config.budget_of,
+            "eviction": config.eviction,
             "bucket": config.bucket,
         }
     else:

@@ -9,6 +9,10 @@ The steps, most valuable first (a run cut short by the deadline loses the least)
     The benchmark at the prepared size (``real``) on the GPU, from the graphs carried in
     ``.gpuprog/``: ``tvm-dynamic``, ``blade-relax``, ``blade-relax@0.7`` against
     ``torch-eager`` and ``torch-compile`` at three lengths of the trace (``$OUT/bench-*.json``).
+    The Llama step also runs :data:`EVICTION_CONFIGS`: the same budget of 0.7 with evicted
+    tensors offloaded to pinned host memory, and offloaded or recomputed per tensor, whichever
+    is estimated faster; its budget table then gives the peak and step time of the three
+    eviction modes side by side (issue #37).
 ``gpu-tests``
     The tests marked ``gpu``, but for :data:`GPU_TESTS_LEFT_OUT`.
 ``tutorial-5``
@@ -35,6 +39,8 @@ from typing import Any
 
 __all__ = [
     "BENCH_CONFIGS",
+    "EVICTION_CONFIGS",
+    "EVICTION_WORKLOAD",
     "GPU_TESTS_LEFT_OUT",
     "LOCK_ENV",
     "MANIFEST",
@@ -45,6 +51,7 @@ __all__ = [
     "Costs",
     "ProgramOptions",
     "Step",
+    "bench_configs",
     "bench_estimate",
     "format_plan",
     "plan_seconds",
@@ -67,6 +74,11 @@ BENCH_CONFIGS = (
     "torch-eager",
     "torch-compile",
 )
+#: The eviction modes compared at the budget of 0.7 (``blade-relax@0.7`` recomputes): they
+#: run the ``blade-relax`` executable, so they add rows but no build.
+EVICTION_CONFIGS = ("blade-relax@0.7:offload", "blade-relax@0.7:auto")
+#: The one workload whose benchmark step also runs :data:`EVICTION_CONFIGS`.
+EVICTION_WORKLOAD = "llama-train"
 #: The configurations whose executables the benchmark builds, one each per workload (the
 #: budget variant runs its base's: ``run_benchmark(share_builds=True)``).
 TVM_BUILDS = ("tvm-dynamic", "blade-relax")
@@ -129,6 +141,11 @@ class Costs:
     tiny_blade_compile_s
         A tiny Hugging Face training step compiled for CUDA by blade_relax's default pipeline
         (its passes' analyses dominate, not the model's size).
+    eviction_s
+        What the offloading configurations (:data:`EVICTION_CONFIGS`) add beyond their rows'
+        steps: measuring the ``auto`` mode's rates once (a matmul compiled for CUDA and
+        timed, 8 MiB copied to pinned memory and back) and the copies of the offloaded
+        steps (each a synchronous copy there and back of the evicted bytes).
     """
 
     start_s: float = 8.0
@@ -143,6 +160,7 @@ class Costs:
     tiny_compile_s: float = 4.0
     tiny_import_s: float = 4.0
     tiny_blade_compile_s: float = 30.0
+    eviction_s: float = 25.0
 
 
 @dataclass(frozen=True)
@@ -253,30 +271,43 @@ def _budget(estimate: float) -> float:
     return round(max(1.5 * estimate, estimate + 30.0))
 
 
+def bench_configs(workload: str) -> tuple[str, ...]:
+    """The configurations the benchmark step of ``workload`` runs."""
+    return BENCH_CONFIGS + (EVICTION_CONFIGS if workload == EVICTION_WORKLOAD else ())
+
+
 def bench_estimate(
-    costs: Costs, lengths: list[int], compile_s: dict[str, float] | None = None
+    costs: Costs,
+    lengths: list[int],
+    compile_s: dict[str, float] | None = None,
+    configs: tuple[str, ...] = BENCH_CONFIGS,
 ) -> tuple[float, float, str]:
     """Seconds of one benchmark step before it needs the GPU and on the GPU, and how they
     add up.
 
     ``compile_s`` maps a configuration to the CPU seconds its executable took to build in the
-    dry run (on this machine), divided by :attr:`Costs.host_speedup` here.
+    dry run (on this machine), divided by :attr:`Costs.host_speedup` here. ``configs`` are
+    the configurations the step runs (rows), :data:`EVICTION_CONFIGS` among them adding
+    :attr:`Costs.eviction_s`.
     """
     compile_s = compile_s or {}
     tvm = sum(
         compile_s[c] / costs.host_speedup if c in compile_s else costs.tvm_compile_s
         for c in TVM_BUILDS
     )
-    rows = len(lengths) * len(BENCH_CONFIGS)
+    rows = len(lengths) * len(configs)
     run = rows * costs.steps_per_row * costs.step_s + len(lengths) * costs.reference_s
+    eviction = costs.eviction_s if set(configs) & set(EVICTION_CONFIGS) else 0.0
     prep = costs.start_s + costs.model_s + tvm
-    gpu = costs.torch_compile_s + run
+    gpu = costs.torch_compile_s + run + eviction
     measured = "measured by the dry run" if compile_s else "not measured yet"
     detail = (
         f"before the GPU: start {costs.start_s:.0f} + model {costs.model_s:.0f} + TVM builds "
         f"{tvm:.0f} ({measured}); on it: torch.compile {costs.torch_compile_s:.0f} + "
         f"{rows} rows {run:.0f}"
     )
+    if eviction:
+        detail += f" + offloading's rates and copies {eviction:.0f}"
     return prep, gpu, detail
 
 
@@ -324,11 +355,12 @@ def program_steps(options: ProgramOptions) -> list[Step]:
     for workload in options.workloads:
         lengths = manifest.get("lengths", {}).get(workload) or program_lengths(options.size)
         compiled = manifest.get("compile_s", {}).get(workload)
-        prep, gpu, detail = bench_estimate(costs, lengths, compiled)
+        configs = bench_configs(workload)
+        prep, gpu, detail = bench_estimate(costs, lengths, compiled, configs)
         steps.append(
             Step(
                 f"bench-{workload}",
-                f"{workload} at size {options.size}, s in {lengths}: " + ", ".join(BENCH_CONFIGS),
+                f"{workload} at size {options.size}, s in {lengths}: " + ", ".join(configs),
                 "bench",
                 [
                     py,
@@ -345,6 +377,8 @@ def program_steps(options: ProgramOptions) -> list[Step]:
                     str(options.repeat),
                     "--tolerance",
                     str(options.tolerance),
+                    "--configs",
+                    ",".join(configs),
                 ],
                 prep + gpu,
                 0.0,  # set below: counted from the program's start

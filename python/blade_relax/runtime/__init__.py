@@ -1,5 +1,5 @@
-"""Runtime: memory accounting, the memory budget, measuring one VM call (``measure_call``),
-and the builtins the VM calls.
+"""Runtime: memory accounting, the memory budget and eviction mode, measuring one VM call
+(``measure_call``), offloading to host memory, and the builtins the VM calls.
 
 Nothing here imports a pass: the compiled module talks to the runtime only through the packed
 functions registered on import and through function attributes.
@@ -13,7 +13,16 @@ from .gemm import *  # noqa: F403
 from .gemm import __all__ as _gemm_all
 from .measure import *  # noqa: F403
 from .measure import __all__ as _measure_all
+from .offload import *  # noqa: F403
+from .offload import __all__ as _offload_all
 from .remat import *  # noqa: F403
 from .remat import __all__ as _remat_all
 
-__all__ = [*_accounting_all, *_budget_all, *_gemm_all, *_measure_all, *_remat_all]
+__all__ = [
+    *_accounting_all,
+    *_budget_all,
+    *_gemm_all,
+    *_measure_all,
+    *_offload_all,
+    *_remat_all,
+]

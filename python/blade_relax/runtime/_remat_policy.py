@@ -13,7 +13,9 @@ Each evictable tensor (a *slot*) has:
 * ``start``: the first point at which those bytes are gone when it is evicted (the VM has
   dropped its register right after the ``evict`` call);
 * ``site``: the point of its own ``regenerate`` call;
-* ``regen_peak``: the most bytes its regeneration allocates at once (its output included);
+* ``regen_peak``: the most bytes its regeneration allocates at once (its output included;
+  for a slot offloaded to host memory, whose regeneration is a copy back, its own bytes:
+  :func:`blade_relax.runtime.offload.eviction_timeline` builds that timeline);
 * ``plan``: what its ``regenerate`` call materializes when it is evicted: a list of
   ``(slot, slot_inputs)`` in dependency order ending with the slot itself. An earlier entry is
   another evicted slot that the regeneration reads (a *chain*); it is materialized at this

@@ -117,6 +117,16 @@ Statistics (``memory_stats()``)
 ``evictions`` / ``evicted_bytes``, ``regenerations`` / ``regenerated_bytes``
     Bumped by the rematerialization runtime through :func:`record_eviction` and
     :func:`record_regeneration`.
+``offloads`` / ``offloaded_bytes``, ``reloads`` / ``reloaded_bytes``
+    Evicted tensors copied to host memory (``"offload"`` and ``"auto"`` eviction modes), and
+    host copies copied back to the device, through :func:`record_offload` and
+    :func:`record_reload`. An offload is also an eviction; a reload is not a regeneration
+    (no regeneration closure runs).
+``host_bytes`` / ``peak_host_bytes``
+    Bytes of host copies of evicted tensors held now, and their highest value since the last
+    reset. Counted apart: they are in neither ``live_bytes`` nor ``peak_bytes`` (the device
+    memory a budget bounds), even on the CPU, where host and device memory are one. The
+    device tensor a reload makes is VM storage, counted as any other.
 ``devices``
     One entry per device that holds or held counted storage, keyed by the device's name
     (``"cpu:0"``, ``"cuda:0"``, ...): ``{"live_bytes", "peak_bytes", "allocations",
@@ -143,7 +153,10 @@ __all__ = [
     "install_accounting",
     "memory_stats",
     "record_eviction",
+    "record_host_release",
+    "record_offload",
     "record_regeneration",
+    "record_reload",
     "reset_memory_stats",
     "track_allocation",
     "workspace_instrument",
@@ -228,6 +241,12 @@ class _ThreadStats:
         "evicted_bytes",
         "regenerations",
         "regenerated_bytes",
+        "offloads",
+        "offloaded_bytes",
+        "reloads",
+        "reloaded_bytes",
+        "host_live",
+        "host_peak",
         "devices",
         "transient",
         "peak_transient",
@@ -249,6 +268,13 @@ class _ThreadStats:
         self.evicted_bytes = 0
         self.regenerations = 0
         self.regenerated_bytes = 0
+        self.offloads = 0
+        self.offloaded_bytes = 0
+        self.reloads = 0
+        self.reloaded_bytes = 0
+        # Host copies of evicted tensors (not part of ``live``).
+        self.host_live = 0
+        self.host_peak = 0
         # Device word (see ``_device_word``) -> counters of that device.
         self.devices: dict[int, _DeviceStats] = {}
         # Kernel workspace live now (part of ``live``), and the part of ``peak`` it made up.
@@ -641,6 +667,33 @@ def record_regeneration(nbytes: int) -> None:
     stats.regenerated_bytes += nbytes
 
 
+def record_offload(nbytes: int) -> None:
+    """Count one evicted tensor copied to host memory: ``nbytes`` host bytes held from now on
+    (called by the remat runtime; :func:`record_host_release` ends them)."""
+    nbytes = _check_nbytes(nbytes, "record_offload")
+    stats = _stats()
+    stats.offloads += 1
+    stats.offloaded_bytes += nbytes
+    stats.host_live += nbytes
+    if stats.host_live > stats.host_peak:
+        stats.host_peak = stats.host_live
+
+
+def record_host_release(nbytes: int) -> None:
+    """Count ``nbytes`` of host copies released (called by the remat runtime)."""
+    nbytes = _check_nbytes(nbytes, "record_host_release")
+    stats = _stats()
+    stats.host_live = max(0, stats.host_live - nbytes)
+
+
+def record_reload(nbytes: int) -> None:
+    """Count one host copy copied back to the device (called by the remat runtime)."""
+    nbytes = _check_nbytes(nbytes, "record_reload")
+    stats = _stats()
+    stats.reloads += 1
+    stats.reloaded_bytes += nbytes
+
+
 def current_live_bytes(device: str | None = None) -> int:
     """Bytes of counted storage alive now in this thread.
 
@@ -675,8 +728,9 @@ def memory_stats() -> dict[str, Any]:
     dict
         ``peak_bytes``, ``live_bytes``, ``allocations``, ``allocated_bytes``, ``frees``,
         ``freed_bytes``, ``evictions``, ``evicted_bytes``, ``regenerations``,
-        ``regenerated_bytes``, ``peak_workspace_bytes``, ``workspaces``, ``workspace_bytes``
-        (ints) and ``devices`` (device name -> ``{"live_bytes", "peak_bytes", "allocations",
+        ``regenerated_bytes``, ``offloads``, ``offloaded_bytes``, ``reloads``,
+        ``reloaded_bytes``, ``host_bytes``, ``peak_host_bytes``, ``peak_workspace_bytes``,
+        ``workspaces``, ``workspace_bytes`` (ints) and ``devices`` (device name -> ``{"live_bytes", "peak_bytes", "allocations",
         "allocated_bytes"}``); see the module docstring.
     """
     stats = _stats()
@@ -692,6 +746,12 @@ def memory_stats() -> dict[str, Any]:
         "evicted_bytes": stats.evicted_bytes,
         "regenerations": stats.regenerations,
         "regenerated_bytes": stats.regenerated_bytes,
+        "offloads": stats.offloads,
+        "offloaded_bytes": stats.offloaded_bytes,
+        "reloads": stats.reloads,
+        "reloaded_bytes": stats.reloaded_bytes,
+        "host_bytes": stats.host_live,
+        "peak_host_bytes": stats.host_peak,
         "peak_workspace_bytes": stats.peak_transient,
         "workspaces": stats.workspaces,
         "workspace_bytes": stats.workspace_bytes,
@@ -719,6 +779,9 @@ def reset_memory_stats() -> None:
     stats.frees = stats.freed_bytes = 0
     stats.evictions = stats.evicted_bytes = 0
     stats.regenerations = stats.regenerated_bytes = 0
+    stats.offloads = stats.offloaded_bytes = 0
+    stats.reloads = stats.reloaded_bytes = 0
+    stats.host_peak = stats.host_live
     stats.peak_transient = stats.transient
     stats.workspaces = stats.workspace_bytes = 0
     for dev in stats.devices.values():

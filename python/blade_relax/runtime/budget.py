@@ -22,22 +22,53 @@ A relative budget is for callers that do not know a call's peak in advance (a tr
 over varying lengths): each call that makes a remat decision allows itself ``fraction`` times
 the peak its timeline predicts without evictions, at its own sizes, on top of the bytes live
 when it starts. An absolute budget, when set too, takes precedence.
+
+The eviction mode
+-----------------
+What happens to a tensor the decision evicts, per thread like the budget
+(:func:`set_eviction_mode`):
+
+``"recompute"`` (the default)
+    It is dropped at ``evict`` and recomputed by its regeneration closure at ``regenerate``.
+``"offload"``
+    It is copied to host memory (pinned on CUDA) at ``evict``, its device storage freed, and
+    copied back into a fresh device tensor at ``regenerate``: nothing is recomputed.
+``"auto"``
+    Per evicted tensor, the cheaper of the two by estimated time: the copy there and back,
+    ``2 * bytes / bandwidth``, against the recomputation, ``cost / recompute_rate`` (see
+    :mod:`blade_relax.runtime.offload`).
+
+Usage::
+
+    with set_eviction_mode("offload"), set_memory_budget(2**30):
+        vm["main"](x)
+    set_eviction_mode("auto", bandwidth=20e9, recompute_rate=5e11)   # rates given, not measured
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 import threading
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 __all__ = [
+    "EVICTION_MODES",
     "BudgetScope",
+    "EvictionMode",
+    "EvictionScope",
+    "get_eviction_mode",
     "get_memory_budget",
     "get_relative_budget",
+    "set_eviction_mode",
     "set_memory_budget",
     "set_relative_budget",
 ]
+
+#: The eviction modes, the default first.
+EVICTION_MODES = ("recompute", "offload", "auto")
 
 _local = threading.local()
 
@@ -179,3 +210,127 @@ def set_relative_budget(fraction: float | None) -> _RelativeScope:
 def get_relative_budget() -> float | None:
     """This thread's relative memory budget, or None when there is none."""
     return getattr(_local, "relative", None)
+
+
+@dataclass(frozen=True)
+class EvictionMode:
+    """What an evicted tensor becomes (see the module docstring), and the rates ``"auto"`` and
+    ``"offload"`` weigh it with.
+
+    Attributes
+    ----------
+    mode
+        ``"recompute"``, ``"offload"`` or ``"auto"``.
+    bandwidth
+        Host-device bandwidth in bytes per second, one way; ``None``: measured on first use
+        (:func:`blade_relax.runtime.host_bandwidth`).
+    recompute_rate
+        Recompute cost units (the kernels' loop iterations, as the compiler writes a slot's
+        cost) per second; ``None``: measured on first use
+        (:func:`blade_relax.runtime.recompute_rate`).
+    device
+        The device the rates are measured on when not given; ``None``: ``cuda:0`` when a CUDA
+        device exists, else the CPU.
+    """
+
+    mode: str = "recompute"
+    bandwidth: float | None = None
+    recompute_rate: float | None = None
+    device: object | None = None
+
+
+_RECOMPUTE = EvictionMode()
+
+
+def _check_rate(value: object, what: str) -> float | None:
+    """A rate as a positive finite float, or None; a clear error for anything else."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be a positive number or None, not {value!r}")
+    rate = float(value)
+    if not (rate > 0 and math.isfinite(rate)):
+        raise ValueError(f"{what} must be a positive finite number, got {value!r}")
+    return rate
+
+
+class EvictionScope:
+    """What :func:`set_eviction_mode` returns: a context manager restoring the previous mode.
+
+    Attributes
+    ----------
+    mode : EvictionMode
+        The mode that was set.
+    previous : EvictionMode
+        The mode in force before it.
+    """
+
+    __slots__ = ("mode", "previous")
+
+    def __init__(self, mode: EvictionMode, previous: EvictionMode) -> None:
+        self.mode = mode
+        self.previous = previous
+
+    def __enter__(self) -> EvictionMode:
+        return self.mode
+
+    def __exit__(self, *exc: object) -> None:
+        _local.eviction = self.previous
+
+    def __repr__(self) -> str:
+        return f"EvictionScope(mode={self.mode}, previous={self.previous})"
+
+
+def set_eviction_mode(
+    mode: str = "recompute",
+    *,
+    bandwidth: float | None = None,
+    recompute_rate: float | None = None,
+    device: object | None = None,
+) -> EvictionScope:
+    """Set what this thread's evicted tensors become (see the module docstring).
+
+    Parameters
+    ----------
+    mode : str
+        ``"recompute"`` (the default), ``"offload"`` or ``"auto"``.
+    bandwidth : float, optional
+        Host-device bandwidth in bytes per second (one way); measured once per device when
+        ``None`` and the mode needs it.
+    recompute_rate : float, optional
+        Recompute cost units per second (``"auto"`` only); measured once per device when
+        ``None``.
+    device : tvm.runtime.Device, optional
+        Where the rates that are not given are measured (default: ``cuda:0`` when a CUDA
+        device exists, else the CPU).
+
+    Returns
+    -------
+    EvictionScope
+        A context manager that restores the previous mode on exit; it may be ignored.
+
+    Raises
+    ------
+    ValueError
+        For an unknown mode, or a bandwidth or rate that is not positive and finite.
+    TypeError
+        For a mode that is not a string, or a rate that is not a number.
+    """
+    if not isinstance(mode, str):
+        raise TypeError(f"eviction mode must be a string, one of {EVICTION_MODES}, not {mode!r}")
+    if mode not in EVICTION_MODES:
+        raise ValueError(f"unknown eviction mode {mode!r}; expected one of {EVICTION_MODES}")
+    value = EvictionMode(
+        mode,
+        _check_rate(bandwidth, "host-device bandwidth (bytes per second)"),
+        _check_rate(recompute_rate, "recompute rate (cost units per second)"),
+        device,
+    )
+    previous = get_eviction_mode()
+    _local.eviction = value
+    return EvictionScope(value, previous)
+
+
+def get_eviction_mode() -> EvictionMode:
+    """This thread's eviction mode (``EvictionMode("recompute")`` unless set)."""
+    return getattr(_local, "eviction", _RECOMPUTE)

@@ -45,6 +45,21 @@ and ``remat_begin`` neither evaluates nor decides anything. When no eviction set
 runs with the smallest peak the decision can reach and one :class:`RematBudgetWarning` names
 the budget and that peak (once per shape and budget).
 
+The eviction mode
+-----------------
+``set_eviction_mode`` (per thread, like the budget) says what an evicted tensor becomes. In
+``"recompute"`` (the default) everything above holds as written. In ``"offload"`` every
+evicted tensor is copied to host memory at ``evict`` (its device storage is freed when the VM
+kills its register, as in recompute) and copied back into a fresh VM tensor at ``regenerate``;
+no regeneration closure runs for it. In ``"auto"`` each slot is offloaded or recomputed,
+whichever :func:`blade_relax.runtime.offload.choose_eviction` estimates faster. The decision
+then runs on the timeline of that choice (``RematProgram.timeline(dims, rates)``): an
+offloaded slot regenerates into its own bytes and reads nothing, so its regeneration peak is
+its size and not its recomputation's, and costs are estimated nanoseconds. A recomputed slot
+whose plan reads an offloaded one copies that one back at its site (a chained input, kept or
+temporary as the regime says; its host copy is released once it is kept, or at its own
+``regenerate``).
+
 A function whose timeline is not exact (it calls a function the compiler could not follow, or
 takes tensors from packed functions) is decided on what the timeline knows, best effort: the
 decision never calls the budget reachable (``reason="inexact"``), and one
@@ -80,6 +95,7 @@ from ..contract import EVICT, REGENERATE, REMAT_ACTIVE, REMAT_BEGIN, REMAT_FORMA
 from . import budget as _budget
 from ._remat_policy import ConcreteTimeline, Decision, SlotTimeline, decide, minimum_peak
 from .accounting import current_live_bytes, record_eviction, record_regeneration
+from .offload import EvictionRates, HostCopy, eviction_timeline, resolve_rates, to_device, to_host
 
 __all__ = [
     "RematBudgetWarning",
@@ -259,21 +275,31 @@ class RematProgram:
             for s in meta["slots"]
         )
         self._timelines: dict[tuple[int, ...], ConcreteTimeline] = {}
-        self._decisions: dict[tuple[tuple[int, ...], int], Decision] = {}
+        self._eviction_timelines: dict[
+            tuple[tuple[int, ...], EvictionRates], tuple[ConcreteTimeline, frozenset[int]]
+        ] = {}
+        self._decisions: dict[
+            tuple[tuple[int, ...], int, EvictionRates | None], tuple[Decision, frozenset[int]]
+        ] = {}
 
     @classmethod
     def from_json(cls, text: str | bytes) -> RematProgram:
         """Parse the JSON metadata."""
         return cls(json.loads(text))
 
-    def timeline(self, dims: Sequence[int]) -> ConcreteTimeline:
+    def timeline(self, dims: Sequence[int], rates: EvictionRates | None = None) -> ConcreteTimeline:
         """The timeline evaluated at concrete dims (cached per shape).
 
         Parameters
         ----------
         dims
             One value per name in :attr:`dims`, in that order.
+        rates
+            An offloading eviction mode with its rates: the timeline its decision runs on
+            (:func:`blade_relax.runtime.offload.eviction_timeline`); ``None``: recompute.
         """
+        if rates is not None:
+            return self._with_offload(dims, rates)[0]
         key = tuple(int(d) for d in dims)
         tl = self._timelines.get(key)
         if tl is not None:
@@ -307,24 +333,53 @@ class RematProgram:
         self._timelines[key] = tl
         return tl
 
-    def decision(self, dims: Sequence[int], budget: int | None) -> Decision:
-        """The eviction decision at ``dims`` for ``budget`` bytes of in-call memory (cached)."""
-        key = (tuple(int(d) for d in dims), -1 if budget is None else int(budget))
+    def _with_offload(
+        self, dims: Sequence[int], rates: EvictionRates
+    ) -> tuple[ConcreteTimeline, frozenset[int]]:
+        """The timeline under ``rates`` and the slots offloaded when evicted (cached)."""
+        key = (tuple(int(d) for d in dims), rates)
+        found = self._eviction_timelines.get(key)
+        if found is None:
+            found = eviction_timeline(self.timeline(key[0]), rates)
+            if len(self._eviction_timelines) >= _DECISION_CACHE_LIMIT:
+                self._eviction_timelines.clear()
+            self._eviction_timelines[key] = found
+        return found
+
+    def offloaded(self, dims: Sequence[int], rates: EvictionRates | None) -> frozenset[int]:
+        """The slots offloaded when evicted at ``dims`` under ``rates`` (none in recompute)."""
+        return frozenset() if rates is None else self._with_offload(dims, rates)[1]
+
+    def decision(
+        self, dims: Sequence[int], budget: int | None, rates: EvictionRates | None = None
+    ) -> Decision:
+        """The eviction decision at ``dims`` for ``budget`` bytes of in-call memory (cached).
+
+        ``rates``: an offloading eviction mode (see :meth:`timeline`); ``None``: recompute.
+        """
+        return self._decide(dims, budget, rates)[0]
+
+    def _decide(
+        self, dims: Sequence[int], budget: int | None, rates: EvictionRates | None
+    ) -> tuple[Decision, frozenset[int]]:
+        """The decision and the evicted slots it offloads (cached)."""
+        key = (tuple(int(d) for d in dims), -1 if budget is None else int(budget), rates)
         found = self._decisions.get(key)
         if found is not None:
             return found
-        result = decide(self.timeline(key[0]), budget)
+        result = decide(self.timeline(key[0], rates), budget)
         if budget is not None and not self.exact:
             # The timeline misses allocations: no budget can be promised.
             result = dataclasses.replace(result, reachable=False, reason="inexact")
+        found = (result, result.evicted & self.offloaded(key[0], rates))
         if len(self._decisions) >= _DECISION_CACHE_LIMIT:
             self._decisions.clear()
-        self._decisions[key] = result
-        return result
+        self._decisions[key] = found
+        return found
 
-    def minimum_peak(self, dims: Sequence[int]) -> Decision:
+    def minimum_peak(self, dims: Sequence[int], rates: EvictionRates | None = None) -> Decision:
         """The smallest in-call peak the evictions can reach at ``dims``, and at what cost."""
-        return minimum_peak(self.timeline(dims))
+        return minimum_peak(self.timeline(dims, rates))
 
     def dims_of(self, values: Sequence[int]) -> dict[str, int]:
         """Name the values of a dims tuple."""
@@ -342,7 +397,17 @@ _invoke_closure = tvm.get_global_func("vm.builtin.invoke_closure")
 class _Frame:
     """The state of one call of a rematerialized function (held in a VM register)."""
 
-    __slots__ = ("ctx", "program", "evicted", "cache", "release", "fns", "stash")
+    __slots__ = (
+        "ctx",
+        "program",
+        "evicted",
+        "cache",
+        "release",
+        "fns",
+        "stash",
+        "offload",
+        "hosts",
+    )
 
     def __init__(
         self,
@@ -352,6 +417,7 @@ class _Frame:
         cache: bool | frozenset[int],
         release: Any,
         fns: Any,
+        offload: frozenset[int] = frozenset(),
     ) -> None:
         self.ctx = ctx
         self.program = program
@@ -360,6 +426,14 @@ class _Frame:
         self.release = release
         self.fns = fns
         self.stash: dict[int, Any] = {}
+        # Evicted slots copied to the host rather than dropped, and their host copies.
+        self.offload = offload
+        self.hosts: dict[int, HostCopy] = {}
+
+    def __del__(self) -> None:
+        # A call that ends early (an error) leaves host copies behind: uncount them.
+        for copy in getattr(self, "hosts", {}).values():
+            copy.release()
 
 
 def _load_program(key: str, metadata: Any) -> RematProgram:
@@ -398,10 +472,10 @@ def _remat_begin(ctx: Any, key: Any, metadata: Any, dims: Any, release: Any, *fn
         budget = live + available
     available = int(budget) - live
     start = time.perf_counter()
-    decision = program._decisions.get((values, available))
-    cached = decision is not None
-    if decision is None:
-        decision = program.decision(values, available)
+    rates = resolve_rates(_budget.get_eviction_mode())
+    found = program._decisions.get((values, available, rates))
+    cached = found is not None
+    decision, offload = found if found is not None else program._decide(values, available, rates)
     elapsed = time.perf_counter() - start
     if not program.exact:
         if not program.warned_inexact:
@@ -422,21 +496,34 @@ def _remat_begin(ctx: Any, key: Any, metadata: Any, dims: Any, release: Any, *fn
                 f"stay within the memory budget of {int(budget)} bytes ({live} bytes were "
                 f"already live at the call): the smallest reachable peak is "
                 f"{decision.peak + live} bytes (no eviction set goes below "
-                f"{program.timeline(values).unevictable()[0] + live} bytes: what evictions "
+                f"{program.timeline(values, rates).unevictable()[0] + live} bytes: what evictions "
                 "cannot remove, or regenerations bring back); running with that peak"
             ),
             stacklevel=2,
         )
     # The report is built only when asked for (last_remat_decision): this path runs per call.
-    _local.last = (program, values, int(budget), live, decision, elapsed, cached)
-    return _Frame(ctx, program, decision.evicted, decision.cache, release, fns)
+    _local.last = (program, values, int(budget), live, decision, elapsed, cached, rates, offload)
+    return _Frame(ctx, program, decision.evicted, decision.cache, release, fns, offload)
 
 
 def _remat_evict(_ctx: Any, frame: _Frame, slot: int, tensor: Any) -> None:
     if slot in frame.evicted:
-        record_eviction(_tensor_nbytes(tensor))
+        nbytes = _tensor_nbytes(tensor)
+        if slot in frame.offload:
+            frame.hosts[slot] = to_host(tensor, nbytes)
+        record_eviction(nbytes)
     else:
         frame.stash[slot] = tensor
+
+
+def _reload(frame: _Frame, slot: int, keep_host: bool) -> Any:
+    """Copy an offloaded slot back to the device; its host copy is released unless
+    ``keep_host`` (a temporary chained input: its own ``regenerate`` copies it again)."""
+    copy = frame.hosts[slot] if keep_host else frame.hosts.pop(slot)
+    out = to_device(frame.ctx, copy)
+    if not keep_host:
+        copy.release()
+    return out
 
 
 def _remat_regenerate(frame: _Frame, slot: int, inputs: Any = ()) -> Any:
@@ -447,11 +534,13 @@ def _remat_regenerate(frame: _Frame, slot: int, inputs: Any = ()) -> Any:
     ctx = frame.ctx
     plan = frame.program.slots[slot].plan
     fns = frame.fns
+    hosts = frame.hosts
     # Which entries of the plan this call must run: the slot itself, and every chained input
-    # that is neither kept in the stash nor materialized already.
+    # that is neither kept in the stash nor materialized already. An offloaded entry is copied
+    # back: it reads nothing.
     needed = {slot}
     for node in reversed(plan):
-        if node.slot in needed:
+        if node.slot in needed and node.slot not in hosts:
             for kind, index in node.refs:
                 if kind == "s" and index not in stash:
                     needed.add(index)
@@ -461,14 +550,25 @@ def _remat_regenerate(frame: _Frame, slot: int, inputs: Any = ()) -> Any:
     kept = (lambda _x: cache) if isinstance(cache, bool) else cache.__contains__
     last_reader: dict[int, int] = {}
     for i, node in enumerate(plan):
-        if node.slot in needed:
+        if node.slot in needed and node.slot not in hosts:
             for kind, index in node.refs:
                 if kind == "s" and index in needed and not kept(index):
                     last_reader[index] = i
     temps: dict[int, Any] = {}
     result = None
+    ran_closure = False
     for i, node in enumerate(plan):
         if node.slot not in needed:
+            continue
+        if node.slot in hosts:
+            own = node.slot == slot
+            out = _reload(frame, node.slot, keep_host=not (own or kept(node.slot)))
+            if own:
+                result = out
+            elif kept(node.slot):
+                stash[node.slot] = out
+            else:
+                temps[node.slot] = out
             continue
         closure = fns[node.slot]
         try:
@@ -482,6 +582,7 @@ def _remat_regenerate(frame: _Frame, slot: int, inputs: Any = ()) -> Any:
                 f"`{frame.program.function}` needs slot {err.args[0]}, which is not available"
             ) from None
         out = _invoke_closure(ctx, closure, *values)
+        ran_closure = True
         del values
         record_regeneration(_tensor_nbytes(out))
         if node.slot == slot:
@@ -493,7 +594,8 @@ def _remat_regenerate(frame: _Frame, slot: int, inputs: Any = ()) -> Any:
         for t in [t for t, reader in last_reader.items() if reader == i]:
             temps.pop(t, None)
     del out
-    _invoke_closure(ctx, frame.release)  # the VM drops the last value a closure returned
+    if ran_closure:
+        _invoke_closure(ctx, frame.release)  # the VM drops the last value a closure returned
     return result
 
 
@@ -525,13 +627,17 @@ def last_remat_decision() -> dict[str, Any] | None:
         ``exact``
         (whether the function's timeline is exact), ``evicted`` (names), ``evictable`` (how
         many slots the function has), ``cache`` (the regime of chained inputs: ``True`` kept,
-        ``False`` temporaries, ``"mixed"``), ``recompute_cost``, ``decision_seconds`` (time to
-        fetch or make the decision) and ``cached``. ``None`` before any call with a budget.
+        ``False`` temporaries, ``"mixed"``), ``recompute_cost`` (of the evictions, in
+        ``cost_unit``: ``"iterations"`` of the kernels in the recompute mode, estimated ``"ns"``
+        of copies and recomputations in the others), ``eviction_mode``, ``offloaded`` (names of
+        the evicted tensors copied to the host rather than recomputed), ``decision_seconds``
+        (time to fetch or make the decision) and ``cached``. ``None`` before any call with a
+        budget.
     """
     last = getattr(_local, "last", None)
     if last is None:
         return None
-    program, values, budget, live, decision, elapsed, cached = last
+    program, values, budget, live, decision, elapsed, cached, rates, offload = last
     return {
         "function": program.function,
         "dims": program.dims_of(values),
@@ -541,12 +647,15 @@ def last_remat_decision() -> dict[str, Any] | None:
         "no_remat_peak": decision.base_peak + live,
         "reachable": decision.reachable,
         "reason": decision.reason,
-        "unevictable_peak": program.timeline(values).unevictable()[0] + live,
+        "unevictable_peak": program.timeline(values, rates).unevictable()[0] + live,
         "exact": program.exact,
         "evicted": sorted(program.slots[k].name for k in decision.evicted),
         "evictable": len(program.slots),
         "cache": decision.cache if isinstance(decision.cache, bool) else "mixed",
         "recompute_cost": decision.cost,
+        "cost_unit": "iterations" if rates is None else "ns",
+        "eviction_mode": "recompute" if rates is None else rates.mode,
+        "offloaded": sorted(program.slots[k].name for k in offload),
         "decision_seconds": elapsed,
         "cached": cached,
     }
