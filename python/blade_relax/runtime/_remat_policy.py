@@ -1195,6 +1195,10 @@ _CHEAPEN_ROUNDS = 8
 _CHEAPEN_TRIES = 2
 _SWAP_TRIES = 4
 _REPAIR_TRIALS = 2
+# After its first round, :func:`_cheapen` evaluates the saving of this many evictions per
+# put-back it tries (the dearest of the previous round) besides the new ones; :func:`_swap_in`
+# tries to put back as many of the old evictions.
+_SAVING_CANDIDATES = 4
 
 
 def _excess(ev: _Evaluation, budget: int) -> int:
@@ -1295,7 +1299,7 @@ def _swap_in(
     materializes them early (kept from its site to theirs, in the cache regime), which is
     what makes a large tensor look useless to evict one slot at a time. Evictions that the
     set then misses are repaired (:func:`_repair`), and the old evictions that are not
-    needed any more are put back (dearest first) before ``y`` itself may be.
+    needed any more are put back (the dearest few, dearest first) before ``y`` itself may be.
     """
     inputs = tl._plan_slots[y] - {y}
     trial = (chosen | {y}) - inputs
@@ -1305,7 +1309,10 @@ def _swap_in(
     repaired = _repair(tl, trial, allowed, budget, cache, cost_limit)
     if repaired is None:
         return None
-    for x in sorted(repaired & chosen, key=lambda s: (-tl.slots[s].cost, s)):
+    # The dearest few only: trying every old eviction (hundreds in a deep model) dominated
+    # the decision.
+    dearest = sorted(repaired & chosen, key=lambda s: (-tl.slots[s].cost, s))
+    for x in dearest[: _CHEAPEN_TRIES * _SAVING_CANDIDATES]:
         if predict_peak(tl, repaired - {x}, cache) <= budget:
             repaired = repaired - {x}
     return _prune(tl, repaired, cache, budget)
@@ -1339,14 +1346,25 @@ def _cheapen(
         for y in _effective(tl)
     ]
     largest = [y for _, y in sorted(volume)]
+    saving: dict[int, float] = {}
     for _ in range(_CHEAPEN_ROUNDS):
         # Dearest by the work putting it back saves: a chained input recomputed as a
         # temporary costs once per regeneration that reads it, not its own cost once.
+        # Evaluated exactly for every eviction in the first round; after it, for the dearest
+        # of the previous round and the new evictions only (a move changes a few evictions,
+        # and re-evaluating hundreds every round dominated a deep model's decision).
+        if saving:
+            previous = sorted(saving, key=lambda s: (-saving[s], s))
+            fresh = [x for x in previous[: _CHEAPEN_TRIES * _SAVING_CANDIDATES] if x in chosen]
+            fresh += sorted(chosen - saving.keys())
+        else:
+            fresh = sorted(chosen)
         if cache is False:
             removed = _TempNeighbours(tl, ev).removed
-            saving = {x: ev.cost - removed(x).cost for x in chosen}
+            exact = {x: ev.cost - removed(x).cost for x in fresh}
         else:
-            saving = {x: ev.cost - _cost(tl, chosen - {x}, cache) for x in chosen}
+            exact = {x: ev.cost - _cost(tl, chosen - {x}, cache) for x in fresh}
+        saving = {x: exact.get(x, saving.get(x, 0.0)) for x in chosen}
         dearest = sorted(chosen, key=lambda s: (-saving[s], s))[:_CHEAPEN_TRIES]
         moves = [(_put_back, x) for x in dearest]
         # (A slot that alone costs what the set costs cannot take the place of anything.)
