@@ -44,6 +44,14 @@ Function attributes:
   already asserts in a function.
 * :data:`UPPER_BOUND_ATTR`, :data:`LOWER_BOUND_ATTR`: TVM's own per-function dim bounds,
   read by TVM's memory planner and by ours.
+* :data:`LENGTH_BUCKET_ATTR`: ``{"of": <function>, <dim>: <length>}`` on a static copy made
+  by :class:`~blade_relax.transform.SpecializeBuckets`, named
+  :func:`bucket_function_name`; :class:`blade_relax.runtime.cuda_graphs.BucketedRunner` calls
+  it by that name.
+
+CUDA graphs (TVM's, read by :mod:`blade_relax.runtime.cuda_graphs`): a module built with the
+PassContext option :data:`CUDA_GRAPH_OPTION` has its captured regions launched through
+:data:`CUDA_GRAPH_RUN` and its static storages in one function, :data:`CUDA_GRAPH_ALLOC`.
 """
 
 from __future__ import annotations
@@ -55,6 +63,10 @@ __all__ = [
     "EVICT",
     "GEMM_FUNCS",
     "GEMM_LAYOUTS",
+    "CUDA_GRAPH_ALLOC",
+    "CUDA_GRAPH_OPTION",
+    "CUDA_GRAPH_RUN",
+    "LENGTH_BUCKET_ATTR",
     "LOWER_BOUND_ATTR",
     "NO_PLAN_ATTR",
     "REGENERATE",
@@ -67,6 +79,7 @@ __all__ = [
     "REMAT_RELEASE_ATTR",
     "SCHEDULE_VERSION_ATTR",
     "UPPER_BOUND_ATTR",
+    "bucket_function_name",
     "metadata_key",
 ]
 
@@ -89,11 +102,25 @@ SCHEDULE_VERSION_ATTR = "blade_relax.schedule_version"
 CHECKED_DIMS_ATTR = "blade_relax.checked_dims"
 UPPER_BOUND_ATTR = "tir_var_upper_bound"
 LOWER_BOUND_ATTR = "tir_var_lower_bound"
+LENGTH_BUCKET_ATTR = "blade_relax.length_bucket"
+
+# ------------------------------------------------------------------------------ CUDA graphs
+#: TVM's PassContext option that makes ``RewriteCUDAGraph`` rewrite (registered in C++).
+CUDA_GRAPH_OPTION = "relax.backend.use_cuda_graph"
+#: The function ``RewriteCUDAGraph`` lifts every static storage of the module into.
+CUDA_GRAPH_ALLOC = "cuda_graph_alloc"
+#: The VM builtin that replays a captured region (capturing it on its first call).
+CUDA_GRAPH_RUN = "vm.builtin.cuda_graph.run_or_capture"
 
 # ------------------------------------------------------------------------ metadata format
 #: Version of the remat metadata JSON; the runtime refuses any other (the module must be
 #: recompiled with the same blade_relax).
 REMAT_FORMAT = "blade_relax.remat/2"
+
+
+def bucket_function_name(function: str, dim: str, length: int) -> str:
+    """The name of the static copy of ``function`` with ``dim`` bound to ``length``."""
+    return f"{function}_{dim}{int(length)}"
 
 
 def metadata_key(function: str, text: str) -> str:

@@ -43,13 +43,19 @@ def test_the_plan_fits_one_command(tmp_path):
         "preflight",
         "bench-llama-train",
         "bench-gpt2-train",
+        "cuda-graphs",
         "gpu-tests",
         "tutorial-5",
     ]
     total = plan.plan_seconds(steps)
     assert total <= PLAN_LIMIT_S
-    # The benchmarks compile in the background: the program takes less than its steps' sum.
-    assert [s.name for s in steps if s.background] == ["bench-llama-train", "bench-gpt2-train"]
+    # The benchmarks and the CUDA-graph step compile in the background: the program takes less
+    # than its steps' sum.
+    assert [s.name for s in steps if s.background] == [
+        "bench-llama-train",
+        "bench-gpt2-train",
+        "cuda-graphs",
+    ]
     assert total < sum(s.estimate_s for s in steps)
     assert all(s.estimate_s > 0 and s.budget_s >= s.estimate_s + 30 for s in steps)
     bench = steps[1]
@@ -98,6 +104,28 @@ def test_measured_compile_times_replace_the_default(tmp_path):
     assert plan.bench_configs("gpt2-train") == BENCH_CONFIGS
     assert f"s in {lengths}" in steps["bench-llama-train"].summary
     assert len(BENCH_CONFIGS) == 5
+
+
+def test_the_cuda_graph_step_reads_its_measured_builds(tmp_path):
+    costs = Costs()
+    prep, gpu, detail = plan.cuda_graph_estimate(costs)
+    assert prep == costs.start_s + costs.model_s + 2 * costs.cuda_graph_compile_s
+    assert gpu == costs.cuda_graph_gpu_s and "not measured" in detail
+    measured = {"graphs": 30.0, "plain": 15.0}
+    prep, _, detail = plan.cuda_graph_estimate(costs, measured)
+    assert prep == costs.start_s + costs.model_s + 45.0 / costs.host_speedup
+    options = _options(tmp_path, size="tiny")
+    options.carried.mkdir()
+    (options.carried / plan.MANIFEST).write_text(
+        json.dumps({"cuda_graphs": {"compile_s": {plan.CUDA_GRAPH_WORKLOAD: measured}}})
+    )
+    step = {s.name: s for s in program_steps(options)}["cuda-graphs"]
+    assert step.estimate_s == pytest.approx(prep + gpu) and step.gpu_s == gpu
+    # At tiny sizes (lengths up to 64) the buckets and lengths stop at the bound.
+    assert "s in [9, 16, 40], buckets [16, 32, 64]" in step.summary
+    assert step.command[step.command.index("--out") + 1].endswith("cuda-graphs.json")
+    assert plan.cuda_graph_buckets(8) == (8,) and plan.cuda_graph_lengths(4) == [4]
+    assert plan.carried_workloads(("llama-train",)) == ("llama-train", plan.CUDA_GRAPH_WORKLOAD)
 
 
 def test_a_partial_dry_run_keeps_earlier_build_seconds():
@@ -241,6 +269,28 @@ def test_dry_run_at_tiny_sizes(tmp_path):
     graph = load_graph(carried / "llama-train.npz")
     assert graph.kind == "training" and graph.output_names[0] == "loss"
     assert graph.info["sizes"]["hidden"] == plan.SIZES["tiny"]["hidden"]
+    # The CUDA-graph step's executable was built for sm_90, its pool that of its largest bucket.
+    graphs = manifest["cuda_graphs"]
+    assert graphs["compile_s"][plan.CUDA_GRAPH_WORKLOAD]["graphs"] > 0
+    assert graphs["buckets"] == [16, 32, 64]
+    assert graphs["allocated_bytes"] == graphs["pool_bytes"] == graphs["largest_bytes"] > 0
+    assert graphs["unshared_bytes"] > graphs["pool_bytes"]
+    assert load_graph(carried / "gpt2-infer.npz").kind == "inference"
+
+    # The CUDA-graph step as the GPU machine runs it, on the CPU (nothing captured there).
+    graph_out = tmp_path / "out" / "cuda-graphs.json"
+    step_run = subprocess.run(
+        [sys.executable, "-m", "blade_relax.gpuprog", "cuda-graphs", "--carried", str(carried),
+         "--out", str(graph_out), "--target", "llvm", "--repeat", "2"],
+        cwd=ROOT, env=dict(env, PYTHONPATH=str(ROOT / "python")), capture_output=True,
+        text=True, timeout=900,
+    )  # fmt: skip
+    assert step_run.returncode == 0, (step_run.stdout + step_run.stderr)[-4000:]
+    step = Step("cuda-graphs", "", "cuda-graphs", ["x", "--out", str(graph_out)], 1.0, 1.0)
+    detail, data = program._read_cuda_graphs(graph_out.parent, step_run.stdout, step)
+    assert detail.startswith("6 of 6 rows correct against torch")
+    assert "| 40 | 64 |" in data["table"] and data["pool"]["excess_bytes"] >= 0
+    assert not graph_out.with_suffix(".md").exists()
 
     # The benchmark step as the GPU machine runs it, on the CPU: the carried graph with a
     # model built again, measured against torch, read back by the program.

@@ -2,7 +2,8 @@
 
 ``--plan`` prints the steps and their estimates; ``--dry-run`` prepares and checks everything
 on a machine without a GPU; no flag runs the program (on the GPU machine). ``bench`` is one
-benchmark step (the program runs it as a subprocess).
+benchmark step and ``cuda-graphs`` the CUDA-graph step (:mod:`.cuda_graphs`; the program runs
+them as subprocesses).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from .plan import (
     BENCH_CONFIGS,
+    CUDA_GRAPH_MODES,
     GPU_TESTS_LEFT_OUT,
     LOCK_ENV,
     PLAN_LIMIT_S,
@@ -26,6 +28,7 @@ from .plan import (
     TVM_BUILDS,
     WORKLOADS,
     ProgramOptions,
+    carried_workloads,
     environment_python,
     format_plan,
     gpu_test_files,
@@ -117,20 +120,27 @@ def dry_run(
     options: ProgramOptions, *, reuse: bool, cubin: bool, builds: tuple[str, ...] = TVM_BUILDS
 ) -> int:
     """Prepare and check the program without a GPU; 0 when every check passed."""
-    from .carried import CARRY_LIMIT, build_executables, prepare, travel_bytes
+    from .carried import CARRY_LIMIT, build_executables, carried_path, prepare, travel_bytes
 
     failures: list[str] = []
     start = time.perf_counter()
     manifest = read_manifest(options.carried)
-    if reuse and manifest and manifest.get("size") == options.size:
+    complete = all(
+        carried_path(options.carried, w).is_file() for w in carried_workloads(options.workloads)
+    )
+    if reuse and manifest and manifest.get("size") == options.size and complete:
         _say(f"reusing the carried graphs in {options.carried} ({options.size})")
     else:
         prepare(options, say=_say)
-    report = build_executables(options, cubin=cubin, builds=builds, say=_say)
+    modes = CUDA_GRAPH_MODES if builds == TVM_BUILDS else CUDA_GRAPH_MODES[:1]
+    report = build_executables(
+        options, cubin=cubin, builds=builds, cuda_graph_modes=modes, say=_say
+    )
     _check(
         "CUDA builds",
         True,
-        f"{sum(len(v) for v in report['compile_s'].values())} executable(s) for sm_90; kernels "
+        f"{sum(len(v) for v in report['compile_s'].values())} benchmark and "
+        f"{len(report['cuda_graphs']['compile_s'])} CUDA-graph executable(s) for sm_90; kernels "
         + (f"compiled to {len(report['cubin'])} cubins" if report["cubin"] else
            f"not compiled to cubins ({report['compiler']})"),
         failures,
@@ -294,6 +304,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
         return bench(argv[1:])
+    if argv[:1] == ["cuda-graphs"]:
+        from .cuda_graphs import main as cuda_graphs
+
+        return cuda_graphs(argv[1:])
     args = _parser().parse_args(argv)
     root = Path.cwd()
     options = _options(args, root)

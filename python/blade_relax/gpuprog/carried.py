@@ -29,16 +29,22 @@ from pathlib import Path
 from typing import Any
 
 from .plan import (
+    CUDA_GRAPH_MODES,
+    CUDA_GRAPH_WORKLOAD,
     MANIFEST,
     SIZES,
     TVM_BUILDS,
     ProgramOptions,
+    carried_workloads,
+    cuda_graph_buckets,
+    cuda_graph_lengths,
     program_lengths,
     read_manifest,
 )
 
 __all__ = [
     "CARRY_LIMIT",
+    "build_cuda_graph_modes",
     "build_executables",
     "carried_path",
     "carried_workload",
@@ -80,8 +86,9 @@ def _versions() -> dict[str, str]:
 
 
 def prepare(options: ProgramOptions, say: Any = print) -> dict[str, Any]:
-    """Import every benchmarked workload at ``options.size`` and write it to the carried
-    folder, with the manifest (sizes, lengths, versions). Weights are allocated, not drawn.
+    """Import every benchmarked workload at ``options.size``, and the ``cuda-graphs`` step's,
+    and write them to the carried folder, with the manifest (sizes, lengths, versions). Weights
+    are allocated, not drawn.
 
     Returns
     -------
@@ -102,7 +109,7 @@ def prepare(options: ProgramOptions, say: Any = print) -> dict[str, Any]:
         "import_s": {},
         "bytes": {},
     }
-    for workload in options.workloads:
+    for workload in carried_workloads(options.workloads):
         start = time.perf_counter()
         built = build_workload(workload, sizes, seed=0, weights="empty")
         path = save_graph(
@@ -111,7 +118,9 @@ def prepare(options: ProgramOptions, say: Any = print) -> dict[str, Any]:
             info={"workload": workload, "sizes": dataclasses.asdict(built.sizes), "seed": 0},
         )
         seconds = time.perf_counter() - start
-        manifest["lengths"][workload] = lengths
+        manifest["lengths"][workload] = (
+            lengths if workload in options.workloads else cuda_graph_lengths(sizes.max_seq_len)
+        )
         manifest["import_s"][workload] = round(seconds, 1)
         manifest["bytes"][workload] = path.stat().st_size
         say(f"carried {workload}: {path} ({path.stat().st_size / 1024:.0f} KiB, {seconds:.0f} s)")
@@ -184,21 +193,25 @@ def build_executables(
     arch: str = "sm_90",
     cubin: bool = True,
     builds: tuple[str, ...] = TVM_BUILDS,
+    cuda_graph_modes: tuple[str, ...] = CUDA_GRAPH_MODES,
     say: Any = print,
 ) -> dict[str, Any]:
-    """Build, from the carried graphs, every CUDA executable the benchmark steps compile.
+    """Build, from the carried graphs, every CUDA executable the benchmark steps and the
+    ``cuda-graphs`` step compile.
 
     Each configuration of ``builds`` compiles the carried module for ``arch`` (no GPU
     needed); with ``cubin`` and a CUDA compiler present, the generated CUDA C is compiled to
     a cubin as well (``ptxas`` checks registers and shared memory). The CPU seconds each build
     took, kernels included, are written into the manifest (the plan's estimates read them):
     CPU seconds rather than wall seconds, because the CPU machine is shared and its wall
-    seconds say more about the other jobs than about the build.
+    seconds say more about the other jobs than about the build. ``cuda_graph_modes`` are the
+    bucketed executables of the ``cuda-graphs`` step built (:func:`build_cuda_graph_modes`).
 
     Returns
     -------
     dict
-        ``{"compile_s": {workload: {config: seconds}}, "cubin": {...} or a reason}``.
+        ``{"compile_s": {workload: {config: seconds}}, "cubin": {...} or a reason,
+        "cuda_graphs": {...}}``.
     """
     import tvm
 
@@ -236,11 +249,71 @@ def build_executables(
                     f"{kernels:.1f} CPU s ({wall:.0f} s wall)"
                 )
             report["compile_s"][workload][name] = round(seconds, 2)
+    report["cuda_graphs"] = build_cuda_graph_modes(
+        options.carried, target, cuda_graph_modes, compiler, say=say
+    )
+    for mode, size in report["cuda_graphs"].get("cubin_bytes", {}).items():
+        report["cubin"][f"{CUDA_GRAPH_WORKLOAD}/{mode}"] = {"bytes": size}
     manifest = read_manifest(options.carried) or {}
     merge_build_seconds(manifest, report["compile_s"], with_kernels=compiler is not None)
+    # The cuda-graphs step's builds, by mode, merged the same way.
+    graphs = manifest.setdefault("cuda_graphs", {})
+    built = report["cuda_graphs"]
+    merge_build_seconds(
+        graphs, {CUDA_GRAPH_WORKLOAD: built["compile_s"]}, with_kernels=compiler is not None
+    )
+    graphs.update({k: v for k, v in built.items() if k != "compile_s"})
     manifest["compiled_for"] = arch
     _write_manifest(options.carried, manifest)
     return report
+
+
+def build_cuda_graph_modes(
+    carried: Path,
+    target: Any,
+    modes: tuple[str, ...],
+    compiler: str | None,
+    say: Any = print,
+) -> dict[str, Any]:
+    """Build the ``cuda-graphs`` step's bucketed executables (one per mode of ``modes``) for
+    ``target`` from the carried graph, their kernels too when ``compiler`` is given.
+
+    Returns
+    -------
+    dict
+        ``compile_s`` (mode -> CPU seconds, kernels included), ``buckets``, ``cubin_bytes``
+        (mode -> bytes, when kernels were compiled), and the pool the ``graphs`` build plans
+        (``pool_bytes``, ``largest_bytes``, ``unshared_bytes``) and allocates
+        (``allocated_bytes``, from its ``cuda_graph_alloc``).
+    """
+    from ..runtime.devices import compile_cuda_source, cuda_source
+    from ..transform.specialize_buckets import compile_buckets
+
+    graph = carried_workload(carried, CUDA_GRAPH_WORKLOAD, with_model=False).graph
+    buckets = cuda_graph_buckets(graph.dims["s"].upper)
+    found: dict[str, Any] = {"compile_s": {}, "buckets": list(buckets)}
+    for mode in modes:
+        cpu = _cpu_seconds()
+        build = compile_buckets(graph.mod, target, buckets, graphs=mode == "graphs")
+        if compiler is not None:
+            binary = compile_cuda_source(cuda_source(build.executable), target.arch)
+            found.setdefault("cubin_bytes", {})[mode] = len(binary)
+        seconds = _cpu_seconds() - cpu
+        found["compile_s"][mode] = round(seconds, 2)
+        if mode == "graphs":
+            plan = build.pool
+            found.update(
+                pool_bytes=plan.pool_bytes,
+                largest_bytes=plan.largest_bytes,
+                unshared_bytes=plan.unshared_bytes,
+                allocated_bytes=sum(build.allocated_pool),
+            )
+        say(
+            f"built {CUDA_GRAPH_WORKLOAD} / {mode}, buckets {list(buckets)}, for CUDA "
+            f"{target.arch}: {seconds:.1f} CPU s"
+            + (f" (kernels compiled with {compiler})" if compiler else "")
+        )
+    return found
 
 
 def merge_build_seconds(

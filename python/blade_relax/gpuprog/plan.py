@@ -13,6 +13,10 @@ The steps, most valuable first (a run cut short by the deadline loses the least)
     tensors offloaded to pinned host memory, and offloaded or recomputed per tensor, whichever
     is estimated faster; its budget table then gives the peak and step time of the three
     eviction modes side by side (issue #37).
+``cuda-graphs``
+    ``gpt2-infer`` at short lengths (:data:`CUDA_GRAPH_LENGTHS`), padded to length buckets
+    (:data:`CUDA_GRAPH_BUCKETS`), with one CUDA graph per bucket in one shared pool and without
+    graphs: step time, peak, the pool (``$OUT/cuda-graphs.json``; :mod:`.cuda_graphs`).
 ``gpu-tests``
     The tests marked ``gpu``, but for :data:`GPU_TESTS_LEFT_OUT`.
 ``tutorial-5``
@@ -39,6 +43,10 @@ from typing import Any
 
 __all__ = [
     "BENCH_CONFIGS",
+    "CUDA_GRAPH_BUCKETS",
+    "CUDA_GRAPH_LENGTHS",
+    "CUDA_GRAPH_MODES",
+    "CUDA_GRAPH_WORKLOAD",
     "EVICTION_CONFIGS",
     "EVICTION_WORKLOAD",
     "GPU_TESTS_LEFT_OUT",
@@ -53,6 +61,10 @@ __all__ = [
     "Step",
     "bench_configs",
     "bench_estimate",
+    "carried_workloads",
+    "cuda_graph_buckets",
+    "cuda_graph_estimate",
+    "cuda_graph_lengths",
     "format_plan",
     "plan_seconds",
     "gpu_test_files",
@@ -98,6 +110,15 @@ SIZES: dict[str, dict[str, int]] = {
         layers=1, hidden=128, heads=2, kv_heads=1, intermediate=256, vocab=128, max_seq_len=64
     ),
 }
+#: The workload the ``cuda-graphs`` step runs (carried with the benchmarked ones).
+CUDA_GRAPH_WORKLOAD = "gpt2-infer"
+#: Its bucket lengths (those up to the workload's upper bound): powers of two, short lengths
+#: being where launch overhead dominates.
+CUDA_GRAPH_BUCKETS = (16, 32, 64, 128)
+#: The lengths it runs (those up to the upper bound): inside, on and between buckets.
+CUDA_GRAPH_LENGTHS = (9, 16, 40, 100)
+#: Its executables: one CUDA graph per bucket in one pool, and the same copies without graphs.
+CUDA_GRAPH_MODES = ("graphs", "plain")
 #: The environment variable naming the program's GPU lock file: a step holds it while it uses
 #: the GPU, so that a benchmark compiling in the background measures alone.
 LOCK_ENV = "BLADE_GPUPROG_LOCK"
@@ -141,6 +162,12 @@ class Costs:
     tiny_blade_compile_s
         A tiny Hugging Face training step compiled for CUDA by blade_relax's default pipeline
         (its passes' analyses dominate, not the model's size).
+    cuda_graph_compile_s
+        One bucketed ``gpt2-infer`` executable (a static copy per bucket) compiled for CUDA,
+        kernels included, when the dry run has not measured it.
+    cuda_graph_gpu_s
+        The ``cuda-graphs`` step on the GPU: two VMs, a capture per bucket, each length
+        checked against torch (on the CPU, short lengths) and timed 50 times per mode.
     eviction_s
         What the offloading configurations (:data:`EVICTION_CONFIGS`) add beyond their rows'
         steps: measuring the ``auto`` mode's rates once (a matmul compiled for CUDA and
@@ -161,6 +188,8 @@ class Costs:
     tiny_import_s: float = 4.0
     tiny_blade_compile_s: float = 30.0
     eviction_s: float = 25.0
+    cuda_graph_compile_s: float = 40.0
+    cuda_graph_gpu_s: float = 20.0
 
 
 @dataclass(frozen=True)
@@ -215,7 +244,8 @@ class Step:
     summary
         One line: what it runs.
     kind
-        ``"preflight"``, ``"bench"``, ``"pytest"`` or ``"tutorial"``: how its output is read.
+        ``"preflight"``, ``"bench"``, ``"cuda-graphs"``, ``"pytest"`` or ``"tutorial"``: how
+        its output is read.
     command
         The command line, run from the project root.
     estimate_s
@@ -264,6 +294,52 @@ def program_lengths(size: str, count: int = 3, seed: int = 0) -> list[int]:
     unique = length_trace(6, sizes.min_seq_len, sizes.max_seq_len, seed=seed).unique
     picks = sorted({unique[0], unique[len(unique) // 2], unique[-1]})
     return picks[:count]
+
+
+def carried_workloads(workloads: tuple[str, ...]) -> tuple[str, ...]:
+    """The workloads the dry run carries: the benchmarked ones and the ``cuda-graphs``
+    step's."""
+    return workloads + tuple(w for w in (CUDA_GRAPH_WORKLOAD,) if w not in workloads)
+
+
+def _max_seq_len(size: str, manifest: dict[str, Any]) -> int:
+    """The largest length of the carried workloads (the manifest's, else ``size``'s)."""
+    if manifest.get("sizes"):
+        return int(manifest["sizes"]["max_seq_len"])
+    from ..bench.workloads import REAL
+
+    return dataclasses.replace(REAL, **SIZES.get(size, {})).max_seq_len
+
+
+def cuda_graph_buckets(upper: int) -> tuple[int, ...]:
+    """The ``cuda-graphs`` step's buckets for a workload whose length is at most ``upper``
+    (the upper bound itself when no bucket fits)."""
+    return tuple(b for b in CUDA_GRAPH_BUCKETS if b <= upper) or (upper,)
+
+
+def cuda_graph_lengths(upper: int) -> list[int]:
+    """The ``cuda-graphs`` step's lengths up to ``upper``."""
+    return [n for n in CUDA_GRAPH_LENGTHS if n <= upper] or [upper]
+
+
+def cuda_graph_estimate(
+    costs: Costs, compile_s: dict[str, float] | None = None
+) -> tuple[float, float, str]:
+    """Seconds of the ``cuda-graphs`` step before it needs the GPU and on it, and how they add
+    up; ``compile_s`` maps a mode to the CPU seconds of its build in the dry run."""
+    compile_s = compile_s or {}
+    builds = sum(
+        compile_s[m] / costs.host_speedup if m in compile_s else costs.cuda_graph_compile_s
+        for m in CUDA_GRAPH_MODES
+    )
+    prep = costs.start_s + costs.model_s + builds
+    measured = "measured by the dry run" if compile_s else "not measured yet"
+    detail = (
+        f"before the GPU: start {costs.start_s:.0f} + model {costs.model_s:.0f} + "
+        f"{len(CUDA_GRAPH_MODES)} bucketed builds {builds:.0f} ({measured}); on it: "
+        f"{costs.cuda_graph_gpu_s:.0f}"
+    )
+    return prep, costs.cuda_graph_gpu_s, detail
 
 
 def _budget(estimate: float) -> float:
@@ -387,11 +463,40 @@ def program_steps(options: ProgramOptions) -> list[Step]:
                 gpu_s=gpu,
             )
         )
+    upper = _max_seq_len(options.size, manifest)
+    graph_builds = manifest.get("cuda_graphs", {}).get("compile_s", {}).get(CUDA_GRAPH_WORKLOAD)
+    prep, gpu, detail = cuda_graph_estimate(costs, graph_builds)
+    steps.append(
+        Step(
+            "cuda-graphs",
+            f"{CUDA_GRAPH_WORKLOAD} at size {options.size}, s in {cuda_graph_lengths(upper)}, "
+            f"buckets {list(cuda_graph_buckets(upper))}: " + " and ".join(CUDA_GRAPH_MODES),
+            "cuda-graphs",
+            [
+                py,
+                "-m",
+                "blade_relax.gpuprog",
+                "cuda-graphs",
+                "--carried",
+                str(options.carried),
+                "--out",
+                str(options.out / "cuda-graphs.json"),
+                "--tolerance",
+                str(options.tolerance),
+            ],
+            prep + gpu,
+            0.0,  # set below: counted from the program's start
+            detail=detail,
+            background=True,
+            gpu_s=gpu,
+        )
+    )
     files = gpu_test_files(options.root)
     # test_cuda_gpu: the accounting on the GPU (a tiny import, a blade_relax build) and the
-    # page-sized driver check (two MLP builds); test_accounting: one stock build.
+    # page-sized driver check (two MLP builds); test_accounting: one stock build;
+    # test_cuda_graphs: one small bucketed build.
     tests = (
-        costs.start_s + costs.tiny_import_s + costs.tiny_blade_compile_s + 3 * costs.tiny_compile_s
+        costs.start_s + costs.tiny_import_s + costs.tiny_blade_compile_s + 4 * costs.tiny_compile_s
     )
     steps.append(
         Step(
@@ -414,7 +519,7 @@ def program_steps(options: ProgramOptions) -> list[Step]:
             ],
             tests,
             _budget(tests),
-            detail="start + a tiny import + a tiny blade_relax build + 3 small stock builds",
+            detail="start + a tiny import + a tiny blade_relax build + 4 small builds",
         )
     )
     tutorial = (

@@ -9,7 +9,8 @@ file first, then renamed), so a run killed in the middle leaves every finished s
 and the name of the one that was running.
 
 What comes back from ``$OUT`` is at most 8 files: ``gpu-summary.json``, ``gpu-results.md``,
-``gpu-log.txt``, ``preflight.json`` and one ``bench-<workload>.json`` per benchmarked workload.
+``gpu-log.txt``, ``preflight.json``, one ``bench-<workload>.json`` per benchmarked workload and
+``cuda-graphs.json``.
 """
 
 from __future__ import annotations
@@ -227,9 +228,38 @@ def _read_bench(out: Path, output: str, step: Step) -> tuple[str, dict[str, Any]
     return detail, data
 
 
+def _read_cuda_graphs(out: Path, output: str, step: Step) -> tuple[str, dict[str, Any]]:
+    path = Path(step.command[step.command.index("--out") + 1])
+    if not path.is_file():
+        return "no cuda-graphs JSON written", {}
+    doc = json.loads(path.read_text())
+    rows = doc.get("rows", [])
+    by = {(r["length"], r["mode"]): r["median_ms"] for r in rows}
+    speedups = [
+        f"s={n} {by[(n, 'plain')] / by[(n, 'graphs')]:.2f}x"
+        for n in doc.get("lengths", [])
+        if (n, "plain") in by and (n, "graphs") in by and by[(n, "graphs")] > 0
+    ]
+    pool = doc.get("pool", {})
+    correct = sum(1 for r in rows if r.get("correct"))
+    detail = (
+        f"{correct} of {len(rows)} rows correct against torch; graphs vs plain: "
+        f"{', '.join(speedups) or 'not both run'}; pool {pool.get('pool_bytes', 0) / (1 << 20):.2f}"
+        f" MiB (largest bucket {pool.get('largest_bytes', 0) / (1 << 20):.2f} MiB)"
+    )
+    data = {"json": path.name, "all_correct": doc.get("all_correct"), "pool": pool}
+    markdown = path.with_suffix(".md")
+    if markdown.is_file():
+        data["table"] = markdown.read_text()
+        markdown.unlink()  # carried in the summary: the files in $OUT are counted
+    return detail, data
+
+
 def _read(step: Step, out: Path, output: str) -> tuple[str, dict[str, Any]]:
     if step.kind == "bench":
         return _read_bench(out, output, step)
+    if step.kind == "cuda-graphs":
+        return _read_cuda_graphs(out, output, step)
     reader = {"preflight": _read_preflight, "pytest": _read_pytest, "tutorial": _read_tutorial}
     return reader[step.kind](out, output)
 

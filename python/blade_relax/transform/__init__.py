@@ -15,6 +15,7 @@ from .remat import Rematerialize, RematOptions, RematTimeline
 from .result import FunctionResult, PassResult, collect_results
 from .schedule import MemoryAwareSchedule, ScheduleOptions
 from .simplify_transposes import SimplifyTransposes, TransposeOptions
+from .specialize_buckets import SpecializeBuckets
 
 __all__ = [
     "AttentionOptions",
@@ -41,6 +42,7 @@ __all__ = [
     "Rematerialize",
     "ScheduleOptions",
     "SimplifyTransposes",
+    "SpecializeBuckets",
     "TransposeOptions",
     "ZeroScatterOptions",
     "collect_results",
