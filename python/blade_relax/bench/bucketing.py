@@ -29,6 +29,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..runtime.cuda_graphs import round_up_length
+
 __all__ = ["IGNORE_INDEX", "bucket_length", "check_paddable", "pad_to_bucket", "parse_bucket"]
 
 #: The label that the models' cross-entropy ignores (``torch.nn.CrossEntropyLoss``'s default).
@@ -72,13 +74,7 @@ def bucket_length(length: int, bucket: int | str, max_len: int) -> int:
     """
     if not 1 <= length <= max_len:
         raise ValueError(f"length {length} is outside [1, {max_len}]")
-    if bucket == "pow2":
-        padded = 1 << (length - 1).bit_length()
-    elif isinstance(bucket, int) and bucket >= 1:
-        padded = -(-length // bucket) * bucket
-    else:
-        raise ValueError(f"a bucket is a positive number of tokens or 'pow2', not {bucket!r}")
-    return min(padded, max_len)
+    return round_up_length(length, bucket, max_len)
 
 
 def check_paddable(input_names: Sequence[str]) -> None:

@@ -66,6 +66,7 @@ __all__ = [
     "LengthBuckets",
     "Padding",
     "PaddingNotExactError",
+    "round_up_length",
 ]
 
 
@@ -143,13 +144,18 @@ class LengthBuckets:
         return len(self.boundaries)
 
 
-def _round_up(length: int, spec: str | int, upper: int) -> int:
+def round_up_length(length: int, spec: str | int, upper: int) -> int:
+    """``length`` rounded up to a bucket of ``spec`` (``"pow2"``: the next power of two; an
+    integer: the next multiple of it), capped at ``upper``."""
     if spec == "pow2":
         padded = 1 << (length - 1).bit_length()
     elif isinstance(spec, int) and spec >= 1:
         padded = -(-length // spec) * spec
     else:
-        raise ValueError(f"a bucket spec is 'pow2', a positive step or a list, not {spec!r}")
+        raise ValueError(
+            f"a bucket spec is 'pow2', a positive step (a positive number of tokens) or a list, "
+            f"not {spec!r}"
+        )
     return min(padded, upper)
 
 
@@ -157,7 +163,7 @@ def _generated(spec: str | int, lower: int, upper: int) -> list[int]:
     found = []
     length = lower
     while length <= upper:
-        bucket = _round_up(length, spec, upper)
+        bucket = round_up_length(length, spec, upper)
         found.append(bucket)
         length = bucket + 1
     return found
