@@ -58,6 +58,7 @@ from ._cliutil import (
     human_bytes,
     refuse_beyond_memory,
 )
+from ._figures import save_png
 from .bench.cli import WORKLOAD_NAMES
 
 if TYPE_CHECKING:
@@ -520,7 +521,7 @@ def _demo_plot(
 
     fig = _demo_figure(model, dim_label, rows, budget_fraction)
     try:
-        fig.savefig(path, dpi=110)
+        save_png(fig, path, dpi=110)
     except OSError as err:
         raise CliError(f"--plot: cannot write {path}: {err.strerror}") from None
     finally:

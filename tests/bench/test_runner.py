@@ -24,7 +24,7 @@ RESULT_KEYS = {
     "step_time_s", "step_times_s", "compile_time_s", "compilations", "loss", "max_rel_error",
     "correct", "budget_bytes", "evictions", "regenerations", "unevictable_bytes",
     "workspace_bytes", "allocations", "driver_peak_bytes", "driver_agrees", "padded_to",
-    "source", "error",
+    "source", "error", "offloads", "peak_host_bytes",
 }  # fmt: skip
 
 

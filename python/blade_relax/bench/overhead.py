@@ -59,6 +59,7 @@ import tvm
 from tvm import relax
 
 from ..contract import REMAT_ACTIVE
+from .report import compact_json
 
 __all__ = [
     "OverheadRow",
@@ -557,7 +558,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "rows": [asdict(r) for r in rows],
         }
         with open(args.out, "w") as f:
-            json.dump(payload, f, indent=1, default=float)
+            f.write(compact_json(payload))
     return 0
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._figures import save_png
 from .runner import BenchResult, ConfigSummary, Measurement
 
 __all__ = [
@@ -132,11 +133,33 @@ def result_to_json(result: BenchResult, *, command: str | None = None) -> dict[s
     }
 
 
+#: Significant digits of the floats a results document records (times, ratios, errors; a loss
+#: keeps all of its digits, as the docs print it with five decimals).
+SIGNIFICANT_DIGITS = 6
+
+
+def compact_json(document: Any) -> str:
+    """``document`` as committed under ``docs/results``: no indentation, floats but losses to
+    :data:`SIGNIFICANT_DIGITS` significant digits (the results are committed, and the tracked
+    files travel to the GPU machine under a size limit)."""
+    return json.dumps(_rounded(document), separators=(",", ":"), default=float) + "\n"
+
+
+def _rounded(value: Any, key: str = "") -> Any:
+    if isinstance(value, float) and key != "loss":
+        return float(f"{value:.{SIGNIFICANT_DIGITS}g}")
+    if isinstance(value, list | tuple):
+        return [_rounded(v, key) for v in value]
+    if isinstance(value, dict):
+        return {k: _rounded(v, k) for k, v in value.items()}
+    return value
+
+
 def write_json(result: BenchResult, path: str | os.PathLike, *, command: str | None = None) -> Path:
     """Write :func:`result_to_json` to ``path`` (parent folders created)."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result_to_json(result, command=command), indent=2) + "\n")
+    out.write_text(compact_json(result_to_json(result, command=command)))
     return out
 
 
@@ -261,7 +284,7 @@ def _finish(fig: Any, ax: Any, path: str | os.PathLike) -> Path:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    save_png(fig, out, dpi=120)
     plt.close(fig)
     return out
 

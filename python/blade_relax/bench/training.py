@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from .._figures import save_png
 from .sft import pad_batch, sft_trace
 from .trace import length_trace
 from .workloads import PRESETS, ModelSizes, build_workload
@@ -251,7 +252,7 @@ def plot_training(result: TrainingComparison, path: str) -> None:
     top.legend()
     middle.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     plt.close(fig)
 
 
