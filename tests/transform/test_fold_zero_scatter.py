@@ -67,6 +67,25 @@ class EmbeddingGrad:
 
 
 @I.ir_module
+class EmbeddingGradOfABatch:
+    """The same over a padded batch: the rows are ``b * s``, a size no buffer binds alone."""
+
+    @R.function
+    def main(ids: R.Tensor(("b", "s"), "int64"), dy: R.Tensor(("b", "s", 4), "float32")):
+        b = T.int64()
+        s = T.int64()
+        with R.dataflow():
+            z = R.zeros(R.shape([10, 4]), dtype="float32")
+            flat = R.reshape(ids, R.shape([b * s]))
+            rows = R.reshape(dy, R.shape([b * s, 4]))
+            e = R.expand_dims(flat, axis=[-1])
+            eb = R.broadcast_to(e, R.shape([b * s, 4]))
+            dw = R.scatter_elements(z, eb, rows, axis=0, reduction="add")
+            R.output(dw)
+        return dw
+
+
+@I.ir_module
 class EmbeddingGradExpected:
     @T.prim_func(private=True, s_tir=True)
     def scatter_add_zero(var_ids: T.handle, var_dy: T.handle, scatter_add_zero: T.Buffer((T.int64(10), T.int64(4)), "float32")):
@@ -249,6 +268,12 @@ def test_results_equal_the_untransformed_program(s, serial):
             ],
         ),
     ]
+    cases.append(
+        (
+            EmbeddingGradOfABatch,
+            [rng.integers(-10, 10, (3, s)), rng.standard_normal((3, s, 4)).astype("float32")],
+        )
+    )
     options = ZeroScatterOptions(serial_accumulate=serial)
     for module, args in cases:
         transformed = FoldZeroScatter(options)(module)

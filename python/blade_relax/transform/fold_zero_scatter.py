@@ -207,7 +207,7 @@ def _accumulate_kernel(axis: int, reader: _IndexReader):
 
 def _serial_accumulate_kernel(
     axis: int, reader: _IndexReader, updates: relax.Expr, out_shape: list[tirx.PrimExpr]
-) -> tirx.PrimFunc:
+) -> tuple[tirx.PrimFunc, list[tirx.Var]]:
     """TIR: ``out = 0``, then ``out[q with q[axis] = norm(index[q])] += updates[q]`` for every
     ``q`` of the updates in row-major order, an index outside the axis skipped (the reduction
     kernel of :func:`_accumulate_kernel` never matches it either).
@@ -215,6 +215,9 @@ def _serial_accumulate_kernel(
     TE has no scatter, hence TVM's TIR builder (the legalized scatter is also a TIR loop, after
     a copy of the zeros). For each element the updates are added in ascending ``q[axis]``, as
     the reduction sums them, so the results are equal.
+
+    Returns the kernel and the function's dims it takes as scalars, after its two tensors: those
+    no buffer shape binds on its own (``b`` and ``s`` of a ``(b * s,)`` index).
     """
     root_ty, update_ty = reader.root.ty, updates.ty
     # The kernel's dims are its own variables (bound by its buffers), not the function's.
@@ -222,11 +225,15 @@ def _serial_accumulate_kernel(
     out_shape = _own_dims(out_shape, dims)
     update_shape = _own_dims(update_ty.shape.values, dims)
     root_shape = _own_dims(root_ty.shape.values, dims)
+    bound = [x for x in (*out_shape, *update_shape, *root_shape) if isinstance(x, tirx.Var)]
+    scalars = [v for v in dims if not any(dims[v].same_as(x) for x in bound)]
     extent = out_shape[axis]
     with IRBuilder() as builder:
         with T.prim_func():
             root = T.arg("index", T.buffer(root_shape, root_ty.dtype))
             source = T.arg("updates", T.buffer(update_shape, update_ty.dtype))
+            for var in scalars:
+                T.arg(var.name, dims[var])
             out = T.arg("out", T.buffer(out_shape, update_ty.dtype))
             T.func_attr({"tirx.noalias": True})
             with T.grid(*out_shape) as p:
@@ -241,7 +248,7 @@ def _serial_accumulate_kernel(
                 with T.If(tirx.all(target >= 0, target < extent)):
                     with T.Then():
                         T.buffer_store(out, out[tuple(at)] + source[tuple(q)], at)
-    return builder.get()
+    return builder.get(), scalars
 
 
 def _own_dims(shape: Any, dims: dict[Any, tirx.Var]) -> list[tirx.PrimExpr]:
@@ -367,10 +374,11 @@ class _Folder(PyExprMutator):
             self.report.accumulate += 1
             reader = self._index_reader(index)
             if self.options.serial_accumulate:
-                kernel = _serial_accumulate_kernel(axis, reader, updates, data_shape)
+                kernel, scalars = _serial_accumulate_kernel(axis, reader, updates, data_shape)
                 gv = self.builder_.add_func(kernel, "scatter_add_zero")
                 out_ty = relax.TensorType(data_shape, str(updates.ty.dtype))
-                return relax.call_tir(gv, [reader.root, updates], out_ty)
+                sizes = [relax.prim_value(v) for v in scalars]
+                return relax.call_tir(gv, [reader.root, updates, *sizes], out_ty)
             return self.builder_.call_te(
                 _accumulate_kernel(axis, reader),
                 reader.root,
