@@ -129,13 +129,20 @@ def result_to_json(result: BenchResult, *, command: str | None = None) -> dict[s
         "tolerance": result.tolerance,
         "all_correct": result.all_correct,
         "configs": [dataclasses.asdict(c) for c in result.configs],
-        "results": [dataclasses.asdict(m) for m in result.measurements],
+        # A measurement's null fields are left out (read back as null): most are null in most
+        # rows, and the documents are committed (see compact_json).
+        "results": [without_nulls(dataclasses.asdict(m)) for m in result.measurements],
     }
 
 
 #: Significant digits of the floats a results document records (times, ratios, errors; a loss
 #: keeps all of its digits, as the docs print it with five decimals).
 SIGNIFICANT_DIGITS = 6
+
+
+def without_nulls(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` without the keys whose value is ``None``."""
+    return {key: value for key, value in row.items() if value is not None}
 
 
 def compact_json(document: Any) -> str:
