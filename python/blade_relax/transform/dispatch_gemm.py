@@ -212,7 +212,7 @@ def _recognize(func: tvm.tirx.PrimFunc) -> GemmKernel | None:
     buffers = [func.params[i] for i in positions]
     if len({str(x.ty.dtype) for x in buffers}) != 1:
         return None
-    blocks = _child_blocks(func)
+    _, blocks = _root_and_blocks(func)
     if len(blocks) != 1 or blocks[0].alloc_buffers:
         return None
     gemm = _gemm_block(blocks[0])
@@ -245,10 +245,11 @@ def _buffer_positions(func: tvm.tirx.PrimFunc) -> tuple[int, ...] | None:
     return positions
 
 
-def _child_blocks(func: tvm.tirx.PrimFunc) -> list[Any]:
-    """The blocks under ``func``'s root block, in program order."""
+def _root_and_blocks(func: tvm.tirx.PrimFunc) -> tuple[Any, list[Any]]:
+    """``func``'s root block and the blocks under it, in program order."""
     sch = tvm.s_tir.Schedule(func)
-    return [sch.get(b) for b in sch.get_child_blocks(sch.get_sblock("root"))]
+    root = sch.get_sblock("root")
+    return sch.get(root), [sch.get(b) for b in sch.get_child_blocks(root)]
 
 
 def _gemm_block(block: Any) -> _GemmBlock | None:
@@ -377,9 +378,7 @@ def _recognize_epilogue(func: tvm.tirx.PrimFunc) -> EpilogueKernel | None:
     positions = _buffer_positions(func)
     if positions is None:
         return None
-    sch = tvm.s_tir.Schedule(func)
-    root = sch.get(sch.get_sblock("root"))
-    blocks = [sch.get(b) for b in sch.get_child_blocks(sch.get_sblock("root"))]
+    root, blocks = _root_and_blocks(func)
     if len(blocks) != 2 or blocks[0].name_hint == blocks[1].name_hint:
         return None
     first, tail = blocks
@@ -481,8 +480,8 @@ def _without_gemm(
 
     TVM 0.27's Python has no TIR mutator; ``tvm_ffi.structural_map`` (post-order callbacks by
     node type) is the generic one: the GEMM's block realization becomes a no-op, loops and
-    sequences left empty go, the intermediate's variable is replaced by ``out``'s, and the root
-    block no longer allocates it.
+    sequences left empty go, the intermediate's variable is replaced by ``source``, and the
+    root block no longer allocates it.
     """
 
     def realize(node: Any) -> Any:
@@ -542,10 +541,9 @@ class _Swapper(PyExprMutator):
         self.report = report
         #: (kernel, suffix) -> its tail's function in the module being built.
         self.tails: dict[tuple[tvm.ir.GlobalVar, str], Any] = {}
-        #: Calls (of the function visited) whose GEMM result may take a tensor of its own.
-        self.roomy: list[relax.Call] = []
-        #: Variable -> what its memory is (see :func:`_memory_of`), for the function visited.
-        self.memory: dict[relax.Var, Any] = {}
+        #: Call of a GEMM-with-epilogue kernel -> how it is split (:func:`_epilogue_placements`),
+        #: for the function visited.
+        self.placements: dict[relax.Call, str] = {}
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: D102
         new_call = super().visit_call_(call)
@@ -568,22 +566,16 @@ class _Swapper(PyExprMutator):
         if not self._accepts(epilogue.gemm):
             self.report.kept += 1
             return new_call
-        args = new_call.args
-        # Where memory lies is known of the variables as bound in the function visited.
-        out = call.args[epilogue.gemm.buffers[2]]
-        operands = [call.args[i] for i in (*epilogue.gemm.buffers[:2], *epilogue.reads)]
-        if _apart(out, operands, self.memory):
-            _count(self.report.epilogues, epilogue.gemm.layout)
-            self.builder_.emit(_gemm_call(epilogue.gemm, new_call))
-            tail = self._function(op, epilogue.tail, "epilogue")
-            return relax.Call(tail, args, new_call.attrs, new_call.ty_args)
-        # The output is written over a tensor the kernel reads (an in-place placement): a GEMM
-        # written into it first would overwrite what the tail still reads. The GEMM's result
-        # gets a tensor of its own where the timeline proves it raises no peak.
-        if not any(call.same_as(site) for site in self.roomy):
+        placement = self.placements.get(call, _KEPT)
+        if placement == _KEPT:
             self.report.kept_in_place += 1
             return new_call
         _count(self.report.epilogues, epilogue.gemm.layout)
+        args = new_call.args
+        if placement == _IN_PLACE:
+            self.builder_.emit(_gemm_call(epilogue.gemm, new_call))
+            tail = self._function(op, epilogue.tail, "epilogue")
+            return relax.Call(tail, args, new_call.attrs, new_call.ty_args)
         self.report.temporaries += 1
         result = self._emit_tensor_like(args[epilogue.gemm.buffers[2]])
         gemm = _gemm_call(epilogue.gemm, new_call)
@@ -688,18 +680,26 @@ def _apart(out: relax.Expr, operands: list[relax.Expr], memory: dict[relax.Var, 
     return all(owner(x) is not None and not owner(x).same_as(target) for x in operands)
 
 
-def _roomy_sites(
-    mod: tvm.IRModule, func: relax.Function, memory: dict[relax.Var, Any]
-) -> list[relax.Call]:
-    """Calls of GEMM-with-epilogue kernels whose output lies over a tensor the kernel reads,
-    where a tensor of the output's size, live only while the call runs, is proven by ``func``'s
-    symbolic timeline (:func:`~blade_relax.analysis.memory_timeline`) to stay at or below its
-    peak for every admissible value of the dims.
+#: How a call of a GEMM-with-epilogue kernel is split: the GEMM into the output then the tail
+#: in place; the GEMM's result in a tensor of its own; not at all (TVM's fused kernel).
+_IN_PLACE, _OWN_RESULT, _KEPT = "in place", "own result", "kept"
 
-    None in a function that evicts and regenerates tensors: its runtime plans its peak from
-    metadata written before this pass, which would not see the extra tensor.
+
+def _epilogue_placements(mod: tvm.IRModule, func: relax.Function) -> dict[relax.Call, str]:
+    """How each call of a GEMM-with-epilogue kernel in ``func`` is split (see the module
+    docstring).
+
+    In place when the output's memory is known and no operand of the kernel may lie in it.
+    Otherwise planning wrote the output over a tensor the kernel reads: the GEMM's result takes
+    a tensor of its own where ``func``'s symbolic timeline
+    (:func:`~blade_relax.analysis.memory_timeline`) proves that a tensor of the output's size,
+    live only while the call runs, stays at or below the peak for every admissible value of the
+    dims; never in a function that evicts and regenerates tensors (its runtime plans its peak
+    from metadata written before this pass, which would not see the extra tensor).
     """
-    sites: list[tuple[relax.Var, relax.Call, relax.Var]] = []
+    memory = _memory_of(func)
+    placements: dict[relax.Call, str] = {}
+    over: list[tuple[relax.Var, relax.Call, relax.Expr]] = []
     for var, call in _bindings(func):
         kernel = mod.functions.get(call.op) if isinstance(call.op, tvm.ir.GlobalVar) else None
         if not isinstance(kernel, tvm.tirx.PrimFunc) or len(call.args) != len(kernel.params):
@@ -709,20 +709,22 @@ def _roomy_sites(
             continue
         out = call.args[epilogue.gemm.buffers[2]]
         operands = [call.args[i] for i in (*epilogue.gemm.buffers[:2], *epilogue.reads)]
-        if isinstance(out, relax.Var) and not _apart(out, operands, memory):
-            sites.append((var, call, out))
-    if not sites or _rematerializes(func):
-        return []
+        if _apart(out, operands, memory):
+            placements[call] = _IN_PLACE
+        else:
+            placements[call] = _KEPT
+            over.append((var, call, out))
+    if not over or _rematerializes(func):
+        return placements
     timeline = memory_timeline(func, mod=mod)
     during = {step.var: step.live_during for step in timeline.steps}
-    roomy = []
-    for var, call, out in sites:
+    for var, call, out in over:
         extra = timeline.graph.bytes_of(out)
         if var not in during or extra.is_unknown:
             continue
         if timeline.graph.compare(during[var] + extra, timeline.peak).holds_le:
-            roomy.append(call)
-    return roomy
+            placements[call] = _OWN_RESULT
+    return placements
 
 
 def _bindings(func: relax.Function) -> Iterator[tuple[relax.Var, relax.Call]]:
@@ -777,10 +779,7 @@ class DispatchGemm:
             if not isinstance(func, relax.Function):
                 continue
             before = self.report.total
-            swapper.memory = _memory_of(func)
-            swapper.roomy = (
-                _roomy_sites(mod, func, swapper.memory) if self.options.epilogues else []
-            )
+            swapper.placements = _epilogue_placements(mod, func) if self.options.epilogues else {}
             new_func = swapper.visit_expr(func)
             if self.report.total != before:
                 swapper.builder_.update_func(gv, new_func)
