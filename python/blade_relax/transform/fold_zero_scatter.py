@@ -185,6 +185,12 @@ class _IndexReader:
         return value
 
 
+def _wrapped(index: tirx.PrimExpr, extent: tirx.PrimExpr) -> tirx.PrimExpr:
+    """``index`` read as ``scatter_elements`` reads it: a negative one from the end of an axis
+    of ``extent``."""
+    return tirx.Select(index < 0, index + extent.astype(str(index.ty.dtype)), index)
+
+
 def _accumulate_kernel(axis: int, reader: _IndexReader):
     """TE: ``out[p] = sum_i (norm(index[q]) == p[axis] ? updates[q] : 0)``, ``q`` = ``p`` with
     ``q[axis] = i``; the index is read through ``reader``."""
@@ -195,8 +201,7 @@ def _accumulate_kernel(axis: int, reader: _IndexReader):
         def element(*p: tirx.Var) -> tirx.PrimExpr:
             i = te.reduce_axis((0, updates.shape[axis]), name="i")
             at = [*p[:axis], i, *p[axis + 1 :]]
-            raw = reader.read(root, at)
-            target = tirx.Select(raw < 0, raw + extent.astype(root.dtype), raw)
+            target = _wrapped(reader.read(root, at), extent)
             hit = target == p[axis].astype(root.dtype)
             return te.sum(tirx.Select(hit, updates(*at), tirx.const(0, updates.dtype)), axis=i)
 
@@ -240,10 +245,7 @@ def _serial_accumulate_kernel(
                 T.buffer_store(out, tirx.const(0, update_ty.dtype), list(p))
             with T.grid(*update_shape) as q:
                 q = list(q)
-                raw = reader.read(_Loader(root, root_ty.dtype), q)
-                index_type = str(raw.ty.dtype)
-                target = tirx.Select(raw < 0, raw + extent.astype(index_type), raw)
-                target = _int64(target)
+                target = _int64(_wrapped(reader.read(_Loader(root, root_ty.dtype), q), extent))
                 at = [*q[:axis], target, *q[axis + 1 :]]
                 with T.If(tirx.all(target >= 0, target < extent)):
                     with T.Then():
