@@ -266,6 +266,7 @@ def test_get_pipeline_keywords_are_the_pipeline_flags():
         "clone_generated",
         "fuse_attention",
         "dispatch_gemm",
+        "expand_math",
         "check_dims",
     }
     assert PipelineFlags.stock(plan=True) == PipelineFlags(
@@ -287,3 +288,17 @@ def test_variants_and_configs_cover_every_switch():
     with target:
         reference = STOCK.pipeline(target)(Small)
     tvm.ir.assert_structural_equal(reference, stock_pipeline(target)(Small))
+
+
+def test_host_is_llvm_for_this_machines_cpu():
+    from tvm.target import codegen
+
+    from blade_relax.pipeline import as_target, host_target
+    from blade_relax.runtime.devices import device_for_target
+
+    host = as_target("host")
+    assert host.kind.name == "llvm"
+    assert host.attrs["mcpu"] == codegen.llvm_get_system_cpu()
+    assert str(host) == str(host_target())
+    assert device_for_target("host").dlpack_device_type() == tvm.cpu().dlpack_device_type()
+    assert "mcpu" not in as_target("llvm").attrs

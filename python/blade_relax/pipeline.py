@@ -22,6 +22,10 @@ Where each pass runs, and why there:
   become calls of ATen's GEMMs with the same arguments (a GEMM fused with an elementwise tail:
   the GEMM into the kernel's output, then the tail in place), once every memory decision was
   taken on TVM's kernels, so no peak rises (see dispatch_gemm.py).
+* ``ExpandMathIntrinsics`` (off by default; ``expand_math=True``, llvm targets naming their CPU)
+  follows ``DispatchGemm``: it rewrites expressions inside kernels only (``exp`` and its kin
+  become arithmetic LLVM vectorizes), so no memory decision and no pass's view of a kernel's
+  blocks depends on it (see expand_math.py).
 * ``InlineKernelIntermediates`` runs right after ``FuseTIR`` on CPU targets: it computes the
   elementwise chains inside fused kernels without scratch buffers (kernel workspaces), which
   dlight's schedules do on GPU targets.
@@ -56,7 +60,7 @@ explicit list of phases, :data:`PHASES`, run in order:
     constructors and split where the memory stage ends (``vm_lower`` starts at
     ``VMShapeLower``); ``Rematerialize`` and ``CheckDimRanges`` come first, ``PlanMemory`` takes
     the place of ``StaticPlanBlockMemory``, ``RematTimeline`` follows ``KillAfterLastUse`` and
-    ``DispatchGemm`` follows them.
+    ``DispatchGemm`` and ``ExpandMathIntrinsics`` follow them.
     :func:`check_tvm_phases` compares the pass names of TVM's list with this copy (once per
     target kind) and raises a ``RuntimeError`` naming the difference when TVM changes it, rather
     than silently dropping a pass placed by position.
@@ -79,10 +83,33 @@ import tvm
 from tvm import relax
 
 
+def host_target() -> tvm.target.Target:
+    """The llvm target for this machine's CPU: TVM's ``"llvm"`` with the ``mcpu`` and ``mtriple``
+    LLVM reports for the host.
+
+    TVM's plain ``"llvm"`` compiles for a generic CPU of the architecture (on x86-64: SSE2, no
+    fused multiply-add); naming the CPU lets LLVM use its vector units (AVX2, AVX-512), as
+    PyTorch's kernels do by dispatching at run time. A module built for it runs on this CPU and
+    its kind, not necessarily on older ones. ``as_target("host")`` is this target.
+    """
+    from tvm.target import codegen
+
+    return tvm.target.Target(
+        {
+            "kind": "llvm",
+            "mcpu": codegen.llvm_get_system_cpu(),
+            "mtriple": codegen.llvm_get_system_triple(),
+        }
+    )
+
+
 def as_target(target: str | dict | tvm.target.Target) -> tvm.target.Target:
-    """Normalize a target given as a string, a JSON-like dict or a ``Target``."""
+    """Normalize a target given as a string, a JSON-like dict or a ``Target``; ``"host"`` is
+    :func:`host_target` (llvm for this machine's CPU)."""
     if isinstance(target, tvm.target.Target):
         return target
+    if target == "host":
+        return host_target()
     try:
         return tvm.target.Target(target)
     except Exception as err:  # TVM raises its own error types; name the input instead.
@@ -124,6 +151,8 @@ class PipelineFlags:
     # Off by default: ATen's GEMMs sum in another order than TVM's kernels (equal to rounding).
     dispatch_gemm: bool = _flag(False, "DispatchGemm", "graph", "gemm_options")
     inline_kernels: bool = _flag(True, "InlineKernelIntermediates", "graph", "inline_options")
+    # Off by default: the expanded exp/tanh/sigmoid agree with libm's to rounding, not bit for bit.
+    expand_math: bool = _flag(False, "ExpandMathIntrinsics", "graph", "math_options")
     recompute: bool = _flag(True, "RecomputeCheapValues", "graph", "recompute_options")
     # The dim-range check.
     check_dims: bool = _flag(True, "CheckDimRanges", "check", "check_options")
@@ -137,6 +166,7 @@ class PipelineFlags:
     clone_options: Any = None
     gemm_options: Any = None
     inline_options: Any = None
+    math_options: Any = None
     recompute_options: Any = None
     check_options: Any = None
 
@@ -242,6 +272,8 @@ def _finalize_phases(
     if flags.dispatch_gemm and not cuda:
         # Last of the memory stage: every memory decision was taken on TVM's kernels.
         finalize.append(_ours("DispatchGemm", flags.gemm_options))
+    if flags.expand_math and not cuda:
+        finalize.append(_ours("ExpandMathIntrinsics", flags.math_options))
     finalize.append(relax.transform.LowerRuntimeBuiltin())
     finalize.append(relax.transform.ComputePrimValue())
     vm_lower = [relax.transform.VMShapeLower(), relax.transform.AttachGlobalSymbol()]
@@ -387,6 +419,7 @@ def get_pipeline(
     clone_generated: bool = True,
     fuse_attention: bool = True,
     dispatch_gemm: bool = False,
+    expand_math: bool = False,
     schedule_options: Any = None,
     remat_options: Any = None,
     plan_options: Any = None,
@@ -397,6 +430,7 @@ def get_pipeline(
     clone_options: Any = None,
     attention_options: Any = None,
     gemm_options: Any = None,
+    math_options: Any = None,
     check_dims: bool = True,
     check_options: Any = None,
 ) -> tvm.transform.Pass:
@@ -418,13 +452,19 @@ def get_pipeline(
         writing into the VM's tensors; without PyTorch installed the pass logs one line and
         TVM's kernels compute them. Off by default: results then equal TVM's kernels' bit for
         bit; on, they agree to rounding.
+    expand_math
+        Enable ``ExpandMathIntrinsics`` (llvm targets that name their CPU, such as
+        :func:`host_target`): float32 ``exp``, ``tanh``, ``sigmoid`` and ``pow(x, 2 | 3)`` in
+        the kernels become arithmetic LLVM vectorizes instead of libm calls one element at a
+        time. Off by default for the same reason as ``dispatch_gemm``: results agree to
+        rounding (one unit in the last place per function), not bit for bit.
     check_dims
         Enable ``CheckDimRanges``: a call whose dims lie outside the ranges the function
         declares (``tir_var_lower_bound`` / ``tir_var_upper_bound``) fails before any kernel
         runs, with an error naming the dim, its value and the range.
     schedule_options, remat_options, plan_options, simplify_options, fold_scatter_options,
     inline_options, recompute_options, clone_options, attention_options, gemm_options,
-    check_options
+    math_options, check_options
         Option dataclasses handed to the passes (``None`` for their defaults).
 
     The keywords are the fields of :class:`PipelineFlags`, with its defaults.

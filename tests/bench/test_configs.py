@@ -171,7 +171,7 @@ def warned(monkeypatch):
     monkeypatch.setattr(configs, "_WARNED", set())
 
 
-def test_blade_relax_is_the_default_pipeline_with_dispatch_gemm():
+def test_blade_relax_is_the_default_pipeline_with_dispatch_gemm_and_expand_math():
     from blade_relax.pipeline import PipelineFlags, get_pipeline
 
     defaults = {
@@ -179,10 +179,10 @@ def test_blade_relax_is_the_default_pipeline_with_dispatch_gemm():
         for name, parameter in inspect.signature(get_pipeline).parameters.items()
         if parameter.kind is inspect.Parameter.KEYWORD_ONLY
     }
-    assert defaults["schedule"] and not defaults["dispatch_gemm"]
+    assert defaults["schedule"] and not defaults["dispatch_gemm"] and not defaults["expand_math"]
     config = get_config("blade-relax")
-    assert config.pipeline.keywords() == {**defaults, "dispatch_gemm": True}
-    assert config.pipeline.flags == PipelineFlags(dispatch_gemm=True)
+    assert config.pipeline.keywords() == {**defaults, "dispatch_gemm": True, "expand_math": True}
+    assert config.pipeline.flags == PipelineFlags(dispatch_gemm=True, expand_math=True)
     assert (config.static, config.keep_bounds, config.budget) == (False, False, None)
     assert config.description.startswith("the default pipeline")
     assert "static oracle" not in config.description

@@ -59,7 +59,8 @@ def test_json_schema(run_json):
     assert doc["workload"]["name"] == "mlp-train"
     assert doc["workload"]["dims"] == {"s": [2, 48]}
     assert doc["workload"]["outputs"][0] == "loss"
-    assert doc["target"] == "llvm"
+    assert doc["target"] == "host"  # the default: llvm for this machine's CPU
+    assert doc["environment"]["llvm_cpu"]
     assert doc["trace"]["measured_lengths"] == [8, 40]
     assert [c["name"] for c in doc["configs"]] == [
         "tvm-dynamic", "tvm-bounded", "tvm-static", "torch-eager",

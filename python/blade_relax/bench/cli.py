@@ -112,7 +112,10 @@ def build_parser(prog: str = DEFAULT_PROG) -> argparse.ArgumentParser:
     parser.add_argument("--repeat", type=int, default=3, help="timed steps per length (3)")
     parser.add_argument("--tolerance", type=float, default=1e-4, help="max relative error")
     parser.add_argument(
-        "--target", default="llvm", help="TVM target for the TVM configs (default: llvm)"
+        "--target",
+        default="host",
+        help="TVM target for the TVM configs: host (llvm for this machine's CPU, the "
+        "default), llvm (a generic CPU of the architecture) or cuda",
     )
     parser.add_argument("--out", default=None, help="write the JSON results here")
     parser.add_argument("--plot", default=None, help="write a PNG of peak bytes vs length here")

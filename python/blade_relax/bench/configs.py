@@ -598,10 +598,11 @@ register_config(
         DEFAULT_CONFIG,
         pipeline=_blade_factory(**_DEFAULT_FLAGS),
         description="the default pipeline (blade_relax.get_pipeline(target) with DispatchGemm "
-        "on), no budget: "
+        "and ExpandMathIntrinsics on), no budget: "
         + " + ".join(_GRAPH_PASSES.values())
-        + " + MemoryAwareSchedule + Rematerialize + PlanMemory, bounds dropped (DispatchGemm, "
-        "off in get_pipeline's defaults, on: GEMMs on ATen, peaks unchanged)",
+        + " + MemoryAwareSchedule + Rematerialize + PlanMemory, bounds dropped (DispatchGemm "
+        "and ExpandMathIntrinsics, off in get_pipeline's defaults, on: GEMMs on ATen, exp and "
+        "its kin vectorized, peaks unchanged)",
     )
 )
 register_budget_family(DEFAULT_CONFIG)

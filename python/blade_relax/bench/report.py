@@ -61,6 +61,7 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
+        "llvm_cpu": _llvm_cpu(),
         "tvm": tvm.__version__,
         "numpy": numpy.__version__,
     }
@@ -72,6 +73,16 @@ def environment() -> dict[str, Any]:
         if module is not None:
             env[name] = getattr(module, "__version__", None)
     return env
+
+
+def _llvm_cpu() -> str | None:
+    """The CPU LLVM names for this machine (what the ``"host"`` target compiles for)."""
+    try:
+        from tvm.target import codegen
+
+        return str(codegen.llvm_get_system_cpu())
+    except Exception:  # a TVM built without LLVM
+        return None
 
 
 def _git(*args: str) -> str | None:

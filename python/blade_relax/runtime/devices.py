@@ -83,6 +83,8 @@ def device_for_target(target: Any, index: int = 0) -> tvm.runtime.Device:
     tvm.runtime.Device
         ``tvm.cuda(index)`` for CUDA targets, ``tvm.cpu()`` for ``llvm``.
     """
+    if isinstance(target, str) and target == "host":  # blade_relax.pipeline.host_target
+        return tvm.cpu()
     tgt = target if isinstance(target, tvm.target.Target) else tvm.target.Target(target)
     kind = tgt.kind.name
     if kind == "cuda":

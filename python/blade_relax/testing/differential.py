@@ -101,6 +101,7 @@ class Variant:
     clone_generated: bool = False
     fuse_attention: bool = False
     dispatch_gemm: bool = False
+    expand_math: bool = False
     pipeline: Callable[[str], tvm.transform.Pass] | None = field(default=None, compare=False)
 
     @property

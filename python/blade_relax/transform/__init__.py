@@ -6,6 +6,7 @@ from .check_dim_ranges import CheckDimRanges, DimRangeOptions
 from .clone_generated_tensors import CloneGeneratedTensors, CloneOptions
 from .dispatch import version_for
 from .dispatch_gemm import DispatchGemm, GemmOptions
+from .expand_math import ExpandMathIntrinsics, MathOptions
 from .fold_zero_scatter import FoldZeroScatter, ZeroScatterOptions
 from .fuse_attention import AttentionOptions, FuseAttention
 from .inline_kernel_intermediates import InlineKernelIntermediates, InlineOptions
@@ -24,12 +25,14 @@ __all__ = [
     "CloneOptions",
     "DimRangeOptions",
     "DispatchGemm",
+    "ExpandMathIntrinsics",
     "FoldZeroScatter",
     "FunctionResult",
     "FuseAttention",
     "GemmOptions",
     "InlineKernelIntermediates",
     "InlineOptions",
+    "MathOptions",
     "MemoryAwareSchedule",
     "PassFallbackWarning",
     "PassResult",
