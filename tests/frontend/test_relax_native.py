@@ -82,3 +82,29 @@ def test_declared_range_is_enforced():
 def test_wrong_number_of_params_is_a_clear_error():
     with pytest.raises(ValueError, match="2 parameters, got 1"):
         relax_training_step(Linear, params=[np.zeros((4, 3), "float32")], num_input=1, dims={})
+
+
+def _forward_matmuls(graph) -> int:
+    return graph.main.script().count("R.matmul(x, w")
+
+
+@pytest.mark.parametrize("deduplicate", [True, False])
+def test_the_forward_pass_is_computed_once(deduplicate):
+    """``Gradient`` re-emits the unmarked forward bindings as ``_cp`` copies; merged by default."""
+    rng = np.random.default_rng(0)
+    params = [
+        rng.standard_normal((4, 3)).astype("float32"),
+        rng.standard_normal(3).astype("float32"),
+    ]
+    graph = relax_training_step(
+        Linear, params=params, num_input=1, dims={"s": (1, 50)}, deduplicate=deduplicate
+    )
+    assert _forward_matmuls(graph) == (1 if deduplicate else 2)
+    assert ("_cp" in graph.main.script()) is not deduplicate
+    exe = tvm.compile(graph.mod, "llvm")
+    vm = relax.VirtualMachine(exe, tvm.cpu())
+    for s in (1, 5, 50):
+        x = rng.standard_normal((s, 4)).astype("float32")
+        out = flatten_outputs(vm["main"](*(tvm.runtime.tensor(a) for a in [x, *params])))
+        for got, want in zip(out, numpy_step(x, *params)):
+            np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)

@@ -22,8 +22,9 @@
 ``tanh-mlp-train``
     The textbook case of checkpointing: a Relax-native regression MLP (4 hidden ``tanh``
     layers of width 384, squared error on 10 outputs, a batch of ``s`` rows) written as a new
-    user would, differentiated by ``relax.transform.Gradient`` (which also copies the forward
-    pass into the adjoint). Its widths are fixed (:data:`TANH_MLP_WIDTHS`); of the sizes only
+    user would, differentiated by ``relax.transform.Gradient`` (the forward pass computed once:
+    :func:`~blade_relax.frontend.relax_training_step` merges the copy ``Gradient`` makes of
+    it). Its widths are fixed (:data:`TANH_MLP_WIDTHS`); of the sizes only
     the range of ``s`` applies.
 
 Models are built from a config with seeded random weights (nothing is downloaded). Sizes come

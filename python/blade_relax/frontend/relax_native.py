@@ -64,6 +64,7 @@ def relax_training_step(
     keep_upper_bound: bool = True,
     reference: Callable[[Sequence[np.ndarray]], list[np.ndarray]] | None = None,
     int_input_high: int | None = None,
+    deduplicate: bool = True,
 ) -> ImportedGraph:
     """Differentiate a Relax forward function that returns a scalar loss.
 
@@ -85,6 +86,14 @@ def relax_training_step(
         Computes ``[loss, *gradients]`` from the numpy inputs (e.g. the same model in torch).
     int_input_high
         Exclusive bound for generated integer inputs.
+    deduplicate
+        Compute the forward pass once. ``Gradient`` (TVM 0.27) re-emits every forward binding
+        that no ``start_checkpoint`` / ``end_checkpoint`` marks as kept, as a ``_cp`` copy the
+        backward reads, so without checkpoint marks the adjoint computes the whole forward pass
+        twice (the first time for the loss alone). TVM's ``EliminateCommonSubexpr`` and
+        ``DeadCodeElimination`` merge each copy with its original; what to keep and what to
+        recompute is then the memory passes' decision (``Rematerialize`` under a budget), not
+        an accident of differentiation. Off: the adjoint as ``Gradient`` wrote it.
 
     Returns
     -------
@@ -99,6 +108,9 @@ def relax_training_step(
     adjoint = grads[f"{func_name}_adjoint"].with_attr("global_symbol", "main")
     adjoint = _flatten_result(adjoint).with_attr("num_input", num_input)
     out = tvm.IRModule({"main": adjoint})
+    if deduplicate:
+        out = relax.transform.EliminateCommonSubexpr()(out)
+        out = relax.transform.DeadCodeElimination(["main"])(out)
     ranges = {name: _dim_range(name, value) for name, value in dims.items()}
     uppers = {n: d.upper for n, d in ranges.items() if d.upper is not None}
     lowers = {n: d.lower for n, d in ranges.items()}
