@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import TypeVar
 
 import numpy as np
@@ -14,7 +15,12 @@ from tvm.script import tirx as T
 
 from blade_relax.frontend.builtin import attention_block
 from blade_relax.testing.differential import ALL_VARIANTS, Variant, compile_checked, measure_call
-from blade_relax.transform import AttentionOptions, FuseAttention, InlineKernelIntermediates
+from blade_relax.transform import (
+    AttentionOptions,
+    FuseAttention,
+    InlineKernelIntermediates,
+    fuse_attention,
+)
 
 from .test_inline_kernel_intermediates import _lowered_scratch
 
@@ -190,11 +196,62 @@ class SymbolicReshape:
             ctx = R.matmul(probs, v)
             R.output(ctx)
         return ctx
+@I.ir_module
+class SingleHead:
+    """No head axis: the keys are transposed once, outside the row loop."""
+
+    @R.function
+    def main(q: R.Tensor(("s", 8), "float32"), k: R.Tensor((8, "s"), "float32"), v: R.Tensor(("s", 8), "float32")):
+        with R.dataflow():
+            scores = R.matmul(q, k)
+            probs = R.nn.softmax(scores, axis=-1)
+            ctx = R.matmul(probs, v)
+            R.output(ctx)
+        return ctx
+
+
+@I.ir_module
+class SharedKeys:
+    """A batch and a head axis; the keys and values broadcast over the heads."""
+
+    @R.function
+    def main(q: R.Tensor((2, 3, "s", 4), "float32"), k: R.Tensor((2, 1, 4, "s"), "float32"), v: R.Tensor((2, 1, "s", 4), "float32")):
+        with R.dataflow():
+            scores = R.matmul(q, k)
+            scaled = R.multiply(scores, R.const(0.5, "float32"))
+            probs = R.nn.softmax(scaled, axis=-1)
+            ctx = R.matmul(probs, v)
+            R.output(ctx)
+        return ctx
 # fmt: on
 
 
-def test_attention_chain_becomes_one_kernel():
+def _fail_schedule(monkeypatch):
+    """Make every schedule of the kernel fail, as one the scheduler cannot apply would."""
+    monkeypatch.setattr(fuse_attention, "_schedule", lambda kernel: None)
+
+
+def _loops(func: tvm.tirx.PrimFunc) -> dict[str, list[str]]:
+    """The extents of the loops around each block of ``func``, outermost first, as printed."""
+    sch = tvm.s_tir.Schedule(func)
+    blocks = sch.get_child_blocks(sch.get_sblock("root"))
+    return {
+        sch.get(b).name_hint: [
+            re.sub(r"T\.int64\((\d+)\)", r"\1", str(sch.get(loop).extent))
+            for loop in sch.get_loops(b)
+        ]
+        for b in blocks
+    }
+
+
+def test_attention_chain_becomes_one_kernel(monkeypatch):
     pass_ = FuseAttention()
+    after = pass_(Attention)
+    assert list(after["main"].params) and "fused_attention" in [
+        g.name_hint for g in after.functions
+    ]
+    # Where its schedule fails, the kernel is the plain one, stage by stage.
+    _fail_schedule(monkeypatch)
     tvm.ir.assert_structural_equal(pass_(Attention), AttentionExpected)
     # Core: matmul, multiply, add, softmax, matmul; absorbed: split, its items, reshapes,
     # transposes on the way in, the transpose and reshape on the way out.
@@ -236,14 +293,70 @@ def test_core_only_and_options():
         FuseAttention(3)
 
 
+def _axes(line: str) -> list[str]:
+    """The extents of a printed ``alloc_buffer((...))``, one string each."""
+    shape = line.split("alloc_buffer((", 1)[1]
+    axes, depth, start = [], 0, 0
+    for i, char in enumerate(shape):
+        if char == "(":
+            depth += 1
+        elif char == ")" and depth == 0:
+            return [*axes, shape[start:i].strip()]
+        elif char == ")":
+            depth -= 1
+        elif char == "," and depth == 0:
+            axes.append(shape[start:i].strip())
+            start = i + 1
+    raise ValueError(line)
+
+
 def _row_scratch(mod: tvm.IRModule) -> list[str]:
     """The scratch buffers of the fused kernel after TVM's own compaction, as printed."""
     return _lowered_scratch(mod["fused_attention"])
 
 
 def test_kernel_computes_one_row_at_a_time():
-    """After InlineKernelIntermediates, no scratch buffer of the kernel has two ``s`` axes:
-    the scores and probabilities are kept one row at a time."""
+    """The kernel computes the scores, their softmax and ``P @ V`` one row at a time: no
+    scratch buffer has two ``s`` axes; the rows of ``s`` are the scores (then their ``exp``,
+    in place) and the keys of one head (``(1, 2, s)``, contiguous along a row of scores)."""
+    fused = FuseAttention()(Attention)
+    scratch = _row_scratch(fused)
+    with_s = {line.split(" =")[0]: [a for a in _axes(line) if "s" in a] for line in scratch}
+    assert {name: len(axes) for name, axes in with_s.items() if axes} == {
+        "keys": 1,
+        "matmul": 1,
+        "row_exp": 1,
+    }, scratch
+    assert any("keys = T.sblock_alloc_buffer((T.int64(1), T.int64(2), s))" in x for x in scratch)
+    # InlineKernelIntermediates finds nothing left to do in it.
+    inline = InlineKernelIntermediates()
+    assert _row_scratch(inline(fused)) == scratch
+    assert inline.report.kernels == 0
+
+
+def test_kernel_loop_order():
+    """The inner loops run along contiguous elements: ``S[j] += Q[k] * K^T[k, j]`` with ``j``
+    inner, ``O[d] += P[k] * V[k, d]`` with ``d`` inner, the maximum over 16 lanes, the sum in
+    ascending order; ``exp`` is computed once per score."""
+    kernel = FuseAttention()(Attention)["fused_attention"]
+    loops = _loops(kernel)
+    assert loops["keys"][0] == "2"  # one head at a time
+    assert loops["matmul_update"][-2:] == ["2", "s"]  # k, then j
+    assert loops["matmul_1_update"][-2:] == ["s", "2"]  # k, then d
+    assert loops["row_max_lanes_update"][-2:] == ["s // 16", "16"]
+    # The tails' inits are outside their loops, which run no iteration where 16 divides s.
+    assert loops["row_max_tail_update"][-1] == "s % 16"
+    assert "s % 16" not in loops["row_max_tail_init"]
+    assert loops["row_sum"][-1] == "s" and "row_sum_lanes_update" not in loops
+    # Every stage but the keys is under the head and row loops.
+    assert all(nest[:2] == ["2", "s"] for name, nest in loops.items() if name != "keys")
+    assert kernel.script().count("T.exp(") == 1
+
+
+def test_fallback_kernel_computes_one_row_at_a_time(monkeypatch):
+    """Where the schedule fails, InlineKernelIntermediates computes the plain kernel row by
+    row."""
+    _fail_schedule(monkeypatch)
     fused = FuseAttention()(Attention)
     before = _row_scratch(fused)
     assert any("(T.int64(2), s, s)" in line for line in before), before
@@ -266,12 +379,58 @@ def test_results_and_bytes_against_the_unfused_graph(s):
     for variant in (STOCK, ATTENTION):
         compiled = compile_checked(Attention, variant)
         runs[variant.name] = measure_call(compiled.vm(), [qkv, mask])
-    np.testing.assert_allclose(
-        runs["attention"].outputs, runs["none"].outputs, rtol=1e-6, atol=1e-6
-    )
+    # Bit for bit: the matmuls and the sum keep their order, the maximum takes none.
+    _assert_equal(runs["attention"].outputs, runs["none"].outputs)
     # The unfused graph holds the scores and probabilities, (2, s, s) each; the kernel holds a
     # row of each, and no split copies.
     assert runs["attention"].peak < runs["none"].peak
+
+
+def _assert_equal(actual, desired) -> None:
+    """Bit for bit (the generic llvm target the harness compiles for has no fused
+    multiply-add, so LLVM contracts neither kernel's products and sums)."""
+    assert len(actual) == len(desired)
+    for a, d in zip(actual, desired):
+        np.testing.assert_array_equal(a, d)
+
+
+@pytest.mark.parametrize("s", [1, 15, 16, 17, 40])
+@pytest.mark.parametrize("module", [SingleHead, SharedKeys])
+def test_other_ranks_against_the_unfused_graph(module, s):
+    """Shapes around the 16 lanes of the maximum, no head axis, a batch axis and keys shared
+    by the heads."""
+    assert FuseAttention()(module)["main"].script().count("R.call_tir") == 1
+    rng = np.random.default_rng(s)
+    args = [
+        rng.standard_normal(
+            [s if isinstance(d, tvm.tirx.Var) else int(d) for d in p.ty.shape]
+        ).astype("float32")
+        * 2
+        for p in module["main"].params
+    ]
+    outs = {}
+    for variant in (STOCK, ATTENTION):
+        outs[variant.name] = measure_call(compile_checked(module, variant).vm(), args).outputs
+    _assert_equal(outs["attention"], outs["none"])
+
+
+def test_fallback_kernel_against_the_unfused_graph(monkeypatch):
+    _fail_schedule(monkeypatch)
+    test_results_and_bytes_against_the_unfused_graph(7)
+
+
+@pytest.mark.parametrize("s", [1, 16, 17, 57])
+def test_gpt2_sized_heads_against_the_unfused_graph(s):
+    """Two heads of 32 (a row of ``V`` is two AVX-512 vectors, a row of keys two cache lines)
+    in the builtin attention block, against the unfused graph."""
+    mod = attention_block(hidden=64, heads=2)
+    rng = np.random.default_rng(s)
+    args = [rng.standard_normal((s, 64)).astype("float32")]
+    args += [rng.standard_normal((64, 64)).astype("float32") * 0.3 for _ in range(4)]
+    outs = {}
+    for variant in (STOCK, ATTENTION):
+        outs[variant.name] = measure_call(compile_checked(mod, variant).vm(), args).outputs
+    _assert_equal(outs["attention"], outs["none"])
 
 
 def test_attention_block_in_the_default_pipeline():

@@ -9,7 +9,7 @@ is materialized: at long lengths the two score tensors dominate the peak of an i
 at short lengths the ``split`` copies next to ``qkv`` do. ``torch.compile`` reads the heads as
 strided views and calls a flash-attention kernel, which holds neither.
 
-This pass replaces the chain by one kernel (``call_tir``), built with TE:
+This pass replaces the chain by one kernel (``call_tir``), built with TE and scheduled here:
 
 * every layout operator of the group is an *index map*, so the kernel reads ``Q``, ``K`` and
   ``V`` where they lie in ``qkv`` and writes its result in the layout its reader wants. TVM's
@@ -18,10 +18,45 @@ This pass replaces the chain by one kernel (``call_tir``), built with TE:
   that TVM's simplifier cannot remove for a symbolic ``s``, and no schedule can then relate
   the loops. Here reshape axes are matched in groups of equal size, so indices stay affine;
 * the two matmuls are TE reductions in ascending ``k``, as ``relax.matmul`` legalizes, and the
-  softmax is ``topi.nn.softmax`` itself, so results are bit-identical to the unfused graph;
-* ``InlineKernelIntermediates`` (its ``rows`` stage) then computes the scores, the softmax's
-  maximum and sum per row under the output's row loop, so the kernel's scratch is two rows of
-  ``s`` elements instead of ``(b, h, s, s)`` twice.
+  softmax computes what ``topi.nn.softmax`` computes, so results are those of the unfused
+  graph within rounding (only the softmax's sum is taken in another order);
+* the kernel computes one row of scores at a time, for each head (batch axes) and query row
+  ``i``, and keeps no ``(b, h, s, s)`` tensor.
+
+The loop nest
+-------------
+Written for the CPU, where each inner loop should run over contiguous elements so that LLVM
+vectorizes it (a scalar reduction chain is bound by the latency of its adds)::
+
+    for each head:
+        keys[k, j] = K[j, k]                       # (d, s): K^T of this head, once
+        for i in s:                                # one row of scores
+            S[j] = 0;  for k in d: for j in s: S[j] += Q[i, k] * keys[k, j]
+            M[l] = max over jo < s // 16 of X[16 jo + l]   (X = S scaled and masked)
+            m = max(max over l of M[l], max over the last s % 16 of X)
+            E[j] = exp(X[j] - m)                   # once per score
+            z = sum over j of E[j]                 # in ascending j, as topi's softmax
+            O[d] = 0;  for k in s: for d in dh: O[d] += E[k] / z * V[k, d]
+            out[i, head, :] = O                    # in the layout of the reader
+
+Per element the matmuls keep their ascending order (their loops are only interchanged), and
+a maximum does not depend on the order, so the 16 lanes of ``M`` change no value: results
+stay those of the unfused graph bit for bit (on a target without fused multiply-adds, where
+LLVM cannot contract differently shaped loops differently). Lanes for the sum ``z``, or a
+split of ``P @ V``, would make the kernel 16% (7%) faster at ``s = 256`` and change its
+rounding, and were left out for that reason. Copying ``K^T`` per head makes a row of
+scores a sequence of vector multiply-adds instead of ``s`` dot products of length ``d``
+(about 4 times faster at ``s = 256``); it costs ``d * s`` elements of scratch, a head of
+``K``. ``E[k] / z`` is computed as ``P @ V`` reads it (the quotient is invariant in the
+``d`` loop), so no row of ``P`` is kept. The scratch is then the keys of one head, the row of
+scores (``E`` takes its place after TVM's storage rewrite), 16 lanes for the maximum and
+``d`` accumulators.
+
+The loops are built with TE and an ``s_tir.Schedule`` (``compute_at`` under the row loop,
+``reorder`` and ``decompose_reduction`` of the reductions), which work for a symbolic ``s``.
+Where a schedule step fails, the kernel is the plain TE one (``topi.nn.softmax``, keys read
+in place), which ``InlineKernelIntermediates`` (its ``rows`` stage) computes row by row; it
+finds nothing to do in the scheduled kernel.
 
 The group
 ---------
@@ -42,8 +77,8 @@ Where it runs
 On high-level Relax, before ``LegalizeOps``; in :func:`blade_relax.get_pipeline` it is the
 first pass (``SimplifyTransposes`` would turn the score matmul into an ``NT_matmul`` kernel
 this pass does not match; the transposes it would cancel are index maps here anyway). On CPU
-targets only, like ``InlineKernelIntermediates`` that computes the kernel row by row: on a GPU
-the kernel would need a schedule dlight does not have.
+targets only: the loop nest is written for one, and on a GPU the kernel would need a schedule
+dlight does not have.
 
 What it assumes
 ---------------
@@ -410,6 +445,59 @@ def _matmul(
     return te.compute(out_shape, element, name="matmul")
 
 
+def _softmax(scores: Accessor, shape: Sequence[tvm.ir.Expr]) -> Accessor:
+    """``softmax`` over the last axis as ``topi.nn.softmax`` computes it (the maximum, ``exp``
+    of the difference, the sum, the quotient), in stages a row of scores at a time.
+
+    Each ``exp`` is a stage of its own (``row_exp``), so the sum and the quotient read it
+    instead of computing it again. The maximum is taken over :data:`_LANES` interleaved lanes
+    and a tail (:func:`_lane_reduce`): the lanes vectorize where one running value is a scalar
+    chain, bound by the latency of its operation, and a maximum does not depend on the order.
+    The sum does: it runs in ascending order, as ``topi.nn.softmax``'s, so that every value is
+    the unfused graph's. The quotient is the accessor returned, not a stage: ``P @ V`` divides
+    as it reads, once per element of ``P`` (the division is invariant in its inner loop), and
+    holds no row of ``P``.
+    """
+    row_max = _lane_reduce(scores, shape, te.max, tirx.max, "row_max")
+    exps = te.compute(shape, lambda *idx: te.exp(scores(idx) - row_max(*idx[:-1])), name="row_exp")
+    j = te.reduce_axis((0, shape[-1]), name="j")
+    row_sum = te.compute(shape[:-1], lambda *r: te.sum(exps(*r, j), axis=j), name="row_sum")
+    return lambda idx: exps(*idx) / row_sum(*idx[:-1])
+
+
+def _lane_reduce(
+    values: Accessor,
+    shape: Sequence[tvm.ir.Expr],
+    reducer: Callable[..., tvm.ir.Expr],
+    combine: Callable[[tvm.ir.Expr, tvm.ir.Expr], tvm.ir.Expr],
+    name: str,
+) -> te.Tensor:
+    """The reduction (``te.max``) of ``values`` over the last axis of ``shape``, as four
+    stages (for an order-independent ``reducer`` only: the lanes change the order).
+
+    ``{name}_lanes[..., l]`` reduces the elements ``j = L * jo + l`` for ``jo < n // L``,
+    ``{name}_tail`` the last ``n % L`` elements, ``{name}_total`` the lanes, and ``{name}``
+    combines the two. No stage reads past ``n``, for a symbolic ``n`` too (a split with a
+    predicate would make its producer's row longer, past the end of the keys).
+    """
+    lanes = _LANES
+    rows, length = list(shape[:-1]), shape[-1]
+    full = tirx.floordiv(length, lanes)
+    jo = te.reduce_axis((0, full), name="jo")
+    part = te.compute(
+        [*rows, lanes],
+        lambda *r: reducer(values([*r[:-1], jo * lanes + r[-1]]), axis=jo),
+        name=f"{name}_lanes",
+    )
+    t = te.reduce_axis((0, length - full * lanes), name="t")
+    tail = te.compute(
+        rows, lambda *r: reducer(values([*r, full * lanes + t]), axis=t), name=f"{name}_tail"
+    )
+    lane = te.reduce_axis((0, lanes), name="lane")
+    total = te.compute(rows, lambda *r: reducer(part(*r, lane), axis=lane), name=f"{name}_total")
+    return te.compute(rows, lambda *r: combine(total(*r), tail(*r)), name=name)
+
+
 def _elements(accessor: Accessor) -> Callable[..., tvm.ir.Expr]:
     """A TE compute body (one argument per axis) from an accessor."""
     return lambda *idx: accessor(idx)
@@ -454,7 +542,9 @@ def _shifted(inner: Accessor, axis: int, start: int) -> Accessor:
 
 
 def _build_kernel(info: _Block, group: Sequence[int]) -> tuple[tirx.PrimFunc, list[relax.Var]]:
-    """The PrimFunc computing the group's result, and the outer tensors it reads (in order).
+    """The PrimFunc computing the group's result, and the outer tensors it reads (in order):
+    the scheduled kernel, or where a step of its schedule fails, the plain one (stages as TE
+    writes them, which ``InlineKernelIntermediates`` computes row by row).
 
     Raises
     ------
@@ -462,6 +552,18 @@ def _build_kernel(info: _Block, group: Sequence[int]) -> tuple[tirx.PrimFunc, li
         When an operator or a shape of the group is not handled; the group is then left as it
         is.
     """
+    kernel, inputs = _kernel(info, group, scheduled=True)
+    kernel = _schedule(kernel)
+    if kernel is None:
+        kernel, inputs = _kernel(info, group, scheduled=False)
+    return kernel, inputs
+
+
+def _kernel(
+    info: _Block, group: Sequence[int], scheduled: bool
+) -> tuple[tirx.PrimFunc, list[relax.Var]]:
+    """The kernel's PrimFunc before any schedule, with the stages :func:`_schedule` expects
+    (``scheduled``) or the plain ones: the keys read where they lie, ``topi.nn.softmax``."""
     members = {info.bindings[p].var for p in group}
     inputs: list[relax.Var] = []
     for pos in group:
@@ -474,6 +576,7 @@ def _build_kernel(info: _Block, group: Sequence[int]) -> tuple[tirx.PrimFunc, li
     placeholders = [te.placeholder(_shape(v), str(v.ty.dtype), v.name) for v in inputs]
     access: dict[relax.Var, Accessor] = {v: _of_tensor(t) for v, t in zip(inputs, placeholders)}
     splits: dict[relax.Var, tuple[relax.Var, list[int], int]] = {}
+    matmuls: list[relax.Var] = []
     for pos in group:
         binding = info.bindings[pos]
         var, value, name = binding.var, binding.value, _op_name(binding)
@@ -517,16 +620,16 @@ def _build_kernel(info: _Block, group: Sequence[int]) -> tuple[tirx.PrimFunc, li
             a_shape, b_shape = _shape(args[0]), _shape(args[1])
             if len(a_shape) < 2 or len(b_shape) < 2:
                 raise _Unsupported("a matmul of a vector")
+            rhs = access[args[1]]
+            if scheduled and not matmuls:
+                # The keys as a stage, contiguous along a row of scores (see _schedule).
+                rhs = _of_tensor(te.compute(b_shape, _elements(rhs), name="keys"))
+            matmuls.append(var)
             access[var] = _of_tensor(
-                _matmul(
-                    access[args[0]],
-                    a_shape,
-                    access[args[1]],
-                    b_shape,
-                    out_shape,
-                    str(var.ty.dtype),
-                )
+                _matmul(access[args[0]], a_shape, rhs, b_shape, out_shape, str(var.ty.dtype))
             )
+        elif name == "relax.nn.softmax" and scheduled:
+            access[var] = _softmax(access[args[0]], out_shape)
         elif name == "relax.nn.softmax":
             scores = te.compute(out_shape, _elements(access[args[0]]), name="scores")
             access[var] = _of_tensor(topi.nn.softmax(scores, axis=len(out_shape) - 1))
@@ -541,6 +644,43 @@ def _build_kernel(info: _Block, group: Sequence[int]) -> tuple[tirx.PrimFunc, li
     )
     kernel = kernel.without_attr("global_symbol")
     return kernel, inputs
+
+
+#: Lanes of the running maximum of a row of scores (16 single floats: one AVX-512 register,
+#: four SSE ones).
+_LANES = 16
+#: Blocks whose reduction loop goes outside their spatial loop, so the inner loop runs along
+#: contiguous elements: a row of scores, a row of ``O``, the lanes of the maximum.
+_REDUCTION_OUTSIDE = ("matmul", "matmul_1", "row_max_lanes")
+
+
+def _schedule(kernel: tirx.PrimFunc) -> tirx.PrimFunc | None:
+    """The kernel's loop nest (see the module docstring), or ``None`` where a step fails."""
+    sch = s_tir.Schedule(kernel)
+    try:
+        pv = sch.get_sblock("matmul_1")
+        loops = sch.get_loops(pv)
+        row = loops[-3]
+        sch.reverse_compute_at(sch.get_sblock("attention"), row, preserve_unit_loops=True)
+        # Consumers first: each producer is then computed for the slice its readers need.
+        for block in reversed(sch.get_child_blocks(sch.get_sblock("root"))):
+            if sch.get(block).name_hint not in ("matmul_1", "attention", "keys"):
+                sch.compute_at(block, row, preserve_unit_loops=True)
+        if len(loops) > 3:  # the keys of one head at a time
+            sch.compute_at(sch.get_sblock("keys"), loops[-4], preserve_unit_loops=True)
+        for name in _REDUCTION_OUTSIDE:
+            block = sch.get_sblock(name)
+            spatial, reduce = sch.get_loops(block)[-2:]
+            sch.reorder(reduce, spatial)
+            sch.decompose_reduction(block, reduce)
+        for name in ("row_max_tail",):
+            # Its loop has no iteration where s % 16 == 0, and an init inside the loop
+            # (TVM lowers it to ``if t == 0``) would then never run.
+            block = sch.get_sblock(name)
+            sch.decompose_reduction(block, sch.get_loops(block)[-1])
+    except (RuntimeError, ValueError):  # ScheduleError and TVM's failed checks
+        return None
+    return sch.mod["main"]
 
 
 @tvm.transform.module_pass(opt_level=0, name="FuseAttention")
