@@ -14,6 +14,7 @@ from tvm.script import relax as R
 from tvm.script import tirx as T
 
 from blade_relax.frontend.builtin import attention_block
+from blade_relax.pipeline import PipelineFlags, get_pipeline
 from blade_relax.testing.differential import ALL_VARIANTS, Variant, compile_checked, measure_call
 from blade_relax.transform import (
     AttentionOptions,
@@ -228,7 +229,7 @@ class SharedKeys:
 
 def _fail_schedule(monkeypatch):
     """Make every schedule of the kernel fail, as one the scheduler cannot apply would."""
-    monkeypatch.setattr(fuse_attention, "_schedule", lambda kernel: None)
+    monkeypatch.setattr(fuse_attention, "_schedule", lambda kernel, copy_keys=False: None)
 
 
 def _loops(func: tvm.tirx.PrimFunc) -> dict[str, list[str]]:
@@ -315,33 +316,41 @@ def _row_scratch(mod: tvm.IRModule) -> list[str]:
     return _lowered_scratch(mod["fused_attention"])
 
 
-def test_kernel_computes_one_row_at_a_time():
+@pytest.mark.parametrize("copy_keys", [False, True])
+def test_kernel_computes_one_row_at_a_time(copy_keys):
     """The kernel computes the scores, their softmax and ``P @ V`` one row at a time: no
     scratch buffer has two ``s`` axes; the rows of ``s`` are the scores (then their ``exp``,
-    in place) and the keys of one head (``(1, 2, s)``, contiguous along a row of scores)."""
-    fused = FuseAttention()(Attention)
+    in place) and, with ``copy_keys``, the keys of one head (``(1, 2, s)``, contiguous along
+    a row of scores)."""
+    fused = FuseAttention(AttentionOptions(copy_keys=copy_keys))(Attention)
     scratch = _row_scratch(fused)
     with_s = {line.split(" =")[0]: [a for a in _axes(line) if "s" in a] for line in scratch}
-    assert {name: len(axes) for name, axes in with_s.items() if axes} == {
-        "keys": 1,
-        "matmul": 1,
-        "row_exp": 1,
-    }, scratch
-    assert any("keys = T.sblock_alloc_buffer((T.int64(1), T.int64(2), s))" in x for x in scratch)
+    expected = {"matmul": 1, "row_exp": 1}
+    assert {name: len(axes) for name, axes in with_s.items() if axes} == (
+        {**expected, "keys": 1} if copy_keys else expected
+    ), scratch
+    keys = "keys = T.sblock_alloc_buffer((T.int64(1), T.int64(2), s))"
+    assert any(keys in x for x in scratch) is copy_keys
     # InlineKernelIntermediates finds nothing left to do in it.
     inline = InlineKernelIntermediates()
     assert _row_scratch(inline(fused)) == scratch
     assert inline.report.kernels == 0
 
 
-def test_kernel_loop_order():
-    """The inner loops run along contiguous elements: ``S[j] += Q[k] * K^T[k, j]`` with ``j``
-    inner, ``O[d] += P[k] * V[k, d]`` with ``d`` inner, the maximum over 16 lanes, the sum in
+@pytest.mark.parametrize("copy_keys", [False, True])
+def test_kernel_loop_order(copy_keys):
+    """The inner loops run along contiguous elements: ``S[j] += Q[k] * K[j, k]`` with ``k``
+    inner (with ``copy_keys``: ``S[j] += Q[k] * K^T[k, j]`` with ``j`` inner),
+    ``O[d] += P[k] * V[k, d]`` with ``d`` inner, the maximum over 16 lanes, the sum in
     ascending order; ``exp`` is computed once per score."""
-    kernel = FuseAttention()(Attention)["fused_attention"]
+    kernel = FuseAttention(AttentionOptions(copy_keys=copy_keys))(Attention)["fused_attention"]
     loops = _loops(kernel)
-    assert loops["keys"][0] == "2"  # one head at a time
-    assert loops["matmul_update"][-2:] == ["2", "s"]  # k, then j
+    if copy_keys:
+        assert loops["keys"][0] == "2"  # one head at a time
+        assert loops["matmul_update"][-2:] == ["2", "s"]  # k, then j
+    else:
+        assert "keys" not in loops
+        assert loops["matmul_update"][-2:] == ["s", "2"]  # j, then k
     assert loops["matmul_1_update"][-2:] == ["s", "2"]  # k, then d
     assert loops["row_max_lanes_update"][-2:] == ["s // 16", "16"]
     # The tails' inits are outside their loops, which run no iteration where 16 divides s.
@@ -367,6 +376,14 @@ def test_fallback_kernel_computes_one_row_at_a_time(monkeypatch):
 
 
 ATTENTION = Variant("attention", fuse_attention=True, inline_kernels=True)
+KEYS = Variant(
+    "attention",  # the same outputs are expected of it
+    pipeline=lambda target: get_pipeline(
+        target,
+        **{**dict.fromkeys(PipelineFlags.switches(), False), **ATTENTION.flags},
+        attention_options=AttentionOptions(copy_keys=True),
+    ),
+)
 STOCK = Variant("none")
 
 
@@ -396,7 +413,8 @@ def _assert_equal(actual, desired) -> None:
 
 @pytest.mark.parametrize("s", [1, 15, 16, 17, 40])
 @pytest.mark.parametrize("module", [SingleHead, SharedKeys])
-def test_other_ranks_against_the_unfused_graph(module, s):
+@pytest.mark.parametrize("attention", [ATTENTION, KEYS], ids=["in-place", "copy-keys"])
+def test_other_ranks_against_the_unfused_graph(module, s, attention):
     """Shapes around the 16 lanes of the maximum, no head axis, a batch axis and keys shared
     by the heads."""
     assert FuseAttention()(module)["main"].script().count("R.call_tir") == 1
@@ -409,7 +427,7 @@ def test_other_ranks_against_the_unfused_graph(module, s):
         for p in module["main"].params
     ]
     outs = {}
-    for variant in (STOCK, ATTENTION):
+    for variant in (STOCK, attention):
         outs[variant.name] = measure_call(compile_checked(module, variant).vm(), args).outputs
     _assert_equal(outs["attention"], outs["none"])
 
@@ -420,7 +438,8 @@ def test_fallback_kernel_against_the_unfused_graph(monkeypatch):
 
 
 @pytest.mark.parametrize("s", [1, 16, 17, 57])
-def test_gpt2_sized_heads_against_the_unfused_graph(s):
+@pytest.mark.parametrize("attention", [ATTENTION, KEYS], ids=["in-place", "copy-keys"])
+def test_gpt2_sized_heads_against_the_unfused_graph(s, attention):
     """Two heads of 32 (a row of ``V`` is two AVX-512 vectors, a row of keys two cache lines)
     in the builtin attention block, against the unfused graph."""
     mod = attention_block(hidden=64, heads=2)
@@ -428,7 +447,7 @@ def test_gpt2_sized_heads_against_the_unfused_graph(s):
     args = [rng.standard_normal((s, 64)).astype("float32")]
     args += [rng.standard_normal((64, 64)).astype("float32") * 0.3 for _ in range(4)]
     outs = {}
-    for variant in (STOCK, ATTENTION):
+    for variant in (STOCK, attention):
         outs[variant.name] = measure_call(compile_checked(mod, variant).vm(), args).outputs
     _assert_equal(outs["attention"], outs["none"])
 

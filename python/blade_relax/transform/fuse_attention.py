@@ -18,8 +18,8 @@ This pass replaces the chain by one kernel (``call_tir``), built with TE and sch
   that TVM's simplifier cannot remove for a symbolic ``s``, and no schedule can then relate
   the loops. Here reshape axes are matched in groups of equal size, so indices stay affine;
 * the two matmuls are TE reductions in ascending ``k``, as ``relax.matmul`` legalizes, and the
-  softmax computes what ``topi.nn.softmax`` computes, so results are those of the unfused
-  graph within rounding (only the softmax's sum is taken in another order);
+  softmax computes what ``topi.nn.softmax`` computes, in the same order, so results are
+  those of the unfused graph bit for bit;
 * the kernel computes one row of scores at a time, for each head (batch axes) and query row
   ``i``, and keeps no ``(b, h, s, s)`` tensor.
 
@@ -29,9 +29,8 @@ Written for the CPU, where each inner loop should run over contiguous elements s
 vectorizes it (a scalar reduction chain is bound by the latency of its adds)::
 
     for each head:
-        keys[k, j] = K[j, k]                       # (d, s): K^T of this head, once
         for i in s:                                # one row of scores
-            S[j] = 0;  for k in d: for j in s: S[j] += Q[i, k] * keys[k, j]
+            S[j] = 0;  for j in s: for k in d: S[j] += Q[i, k] * K[j, k]
             M[l] = max over jo < s // 16 of X[16 jo + l]   (X = S scaled and masked)
             m = max(max over l of M[l], max over the last s % 16 of X)
             E[j] = exp(X[j] - m)                   # once per score
@@ -44,13 +43,18 @@ a maximum does not depend on the order, so the 16 lanes of ``M`` change no value
 stay those of the unfused graph bit for bit (on a target without fused multiply-adds, where
 LLVM cannot contract differently shaped loops differently). Lanes for the sum ``z``, or a
 split of ``P @ V``, would make the kernel 16% (7%) faster at ``s = 256`` and change its
-rounding, and were left out for that reason. Copying ``K^T`` per head makes a row of
-scores a sequence of vector multiply-adds instead of ``s`` dot products of length ``d``
-(about 4 times faster at ``s = 256``); it costs ``d * s`` elements of scratch, a head of
-``K``. ``E[k] / z`` is computed as ``P @ V`` reads it (the quotient is invariant in the
-``d`` loop), so no row of ``P`` is kept. The scratch is then the keys of one head, the row of
-scores (``E`` takes its place after TVM's storage rewrite), 16 lanes for the maximum and
-``d`` accumulators.
+rounding, and were left out for that reason. ``E[k] / z`` is computed as ``P @ V`` reads it
+(the quotient is invariant in the ``d`` loop), so no row of ``P`` is kept. The scratch is the
+row of scores (``E`` takes its place after TVM's storage rewrite), 16 lanes for the maximum
+and ``d`` accumulators: less than the plain kernel's two rows once ``s`` exceeds ``16 + d``.
+
+With ``AttentionOptions.copy_keys`` the kernel first copies ``K^T`` of each head
+(``keys[k, j] = K[j, k]``, under the head loop) and computes a row of scores as
+``for k in d: for j in s: S[j] += Q[i, k] * keys[k, j]``: vector multiply-adds along the row
+instead of ``s`` dot products of length ``d`` (the kernel 3.3 times faster on gpt2-infer's
+attention at ``s = 256``, same results). It costs ``d * s`` elements of scratch while the
+kernel runs; the attention call is often the step's peak (it is in the benchmark's
+gpt2-infer at every length), so this is off by default.
 
 The loops are built with TE and an ``s_tir.Schedule`` (``compute_at`` under the row loop,
 ``reorder`` and ``decompose_reduction`` of the reductions), which work for a symbolic ``s``.
@@ -147,11 +151,18 @@ class AttentionOptions:
         the core chain is grouped.
     max_group
         The most bindings one group may have.
+    copy_keys
+        Copy the keys of one head, transposed, into the kernel's scratch, so that a row of
+        scores is vector multiply-adds along the row (the score matmul about 3 times faster
+        on an AVX-512 CPU at ``s = 256``; results unchanged). It costs ``d * s`` elements of
+        scratch while the kernel runs, where the attention call is often the step's peak:
+        off by default, so that the kernel never holds more than the rows it computes.
     """
 
     enabled: bool = True
     absorb_inputs: bool = True
     max_group: int = 96
+    copy_keys: bool = False
 
     def __post_init__(self) -> None:
         if self.max_group < 4:
@@ -541,7 +552,9 @@ def _shifted(inner: Accessor, axis: int, start: int) -> Accessor:
     return access
 
 
-def _build_kernel(info: _Block, group: Sequence[int]) -> tuple[tirx.PrimFunc, list[relax.Var]]:
+def _build_kernel(
+    info: _Block, group: Sequence[int], copy_keys: bool = False
+) -> tuple[tirx.PrimFunc, list[relax.Var]]:
     """The PrimFunc computing the group's result, and the outer tensors it reads (in order):
     the scheduled kernel, or where a step of its schedule fails, the plain one (stages as TE
     writes them, which ``InlineKernelIntermediates`` computes row by row).
@@ -552,18 +565,19 @@ def _build_kernel(info: _Block, group: Sequence[int]) -> tuple[tirx.PrimFunc, li
         When an operator or a shape of the group is not handled; the group is then left as it
         is.
     """
-    kernel, inputs = _kernel(info, group, scheduled=True)
-    kernel = _schedule(kernel)
+    kernel, inputs = _kernel(info, group, scheduled=True, copy_keys=copy_keys)
+    kernel = _schedule(kernel, copy_keys)
     if kernel is None:
         kernel, inputs = _kernel(info, group, scheduled=False)
     return kernel, inputs
 
 
 def _kernel(
-    info: _Block, group: Sequence[int], scheduled: bool
+    info: _Block, group: Sequence[int], scheduled: bool, copy_keys: bool = False
 ) -> tuple[tirx.PrimFunc, list[relax.Var]]:
     """The kernel's PrimFunc before any schedule, with the stages :func:`_schedule` expects
-    (``scheduled``) or the plain ones: the keys read where they lie, ``topi.nn.softmax``."""
+    (``scheduled``; a ``keys`` stage with ``copy_keys``) or the plain ones: the keys read
+    where they lie, ``topi.nn.softmax``."""
     members = {info.bindings[p].var for p in group}
     inputs: list[relax.Var] = []
     for pos in group:
@@ -621,7 +635,7 @@ def _kernel(
             if len(a_shape) < 2 or len(b_shape) < 2:
                 raise _Unsupported("a matmul of a vector")
             rhs = access[args[1]]
-            if scheduled and not matmuls:
+            if scheduled and copy_keys and not matmuls:
                 # The keys as a stage, contiguous along a row of scores (see _schedule).
                 rhs = _of_tensor(te.compute(b_shape, _elements(rhs), name="keys"))
             matmuls.append(var)
@@ -654,7 +668,7 @@ _LANES = 16
 _REDUCTION_OUTSIDE = ("matmul", "matmul_1", "row_max_lanes")
 
 
-def _schedule(kernel: tirx.PrimFunc) -> tirx.PrimFunc | None:
+def _schedule(kernel: tirx.PrimFunc, copy_keys: bool = False) -> tirx.PrimFunc | None:
     """The kernel's loop nest (see the module docstring), or ``None`` where a step fails."""
     sch = s_tir.Schedule(kernel)
     try:
@@ -666,11 +680,15 @@ def _schedule(kernel: tirx.PrimFunc) -> tirx.PrimFunc | None:
         for block in reversed(sch.get_child_blocks(sch.get_sblock("root"))):
             if sch.get(block).name_hint not in ("matmul_1", "attention", "keys"):
                 sch.compute_at(block, row, preserve_unit_loops=True)
-        if len(loops) > 3:  # the keys of one head at a time
+        if copy_keys and len(loops) > 3:  # the keys of one head at a time
             sch.compute_at(sch.get_sblock("keys"), loops[-4], preserve_unit_loops=True)
         for name in _REDUCTION_OUTSIDE:
             block = sch.get_sblock(name)
             spatial, reduce = sch.get_loops(block)[-2:]
+            if name == "matmul" and not copy_keys:
+                # Keys read in place: one dot product (along a row of K) per score.
+                sch.decompose_reduction(block, reduce)
+                continue
             sch.reorder(reduce, spatial)
             sch.decompose_reduction(block, reduce)
         for name in ("row_max_tail",):
@@ -767,7 +785,7 @@ class FuseAttention:
                 continue
             ordered = sorted(group)
             try:
-                kernel, inputs = _build_kernel(info, ordered)
+                kernel, inputs = _build_kernel(info, ordered, self.options.copy_keys)
             except _Unsupported:
                 continue
             gv = builder.add_func(kernel, "fused_attention")
