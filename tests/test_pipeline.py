@@ -192,6 +192,7 @@ def test_our_passes_are_placed_by_phase():
     assert _names(phases["legalize"])[-1] == "FuseTIR"
     assert _names(phases["fused"]) == [
         "InlineKernelIntermediates",
+        "VectorizeSoftmax",
         "MemoryAwareSchedule",
         "RecomputeCheapValues",
     ]
@@ -262,6 +263,7 @@ def test_get_pipeline_keywords_are_the_pipeline_flags():
         "simplify",
         "fold_scatter",
         "inline_kernels",
+        "vectorize_softmax",
         "recompute",
         "clone_generated",
         "fuse_attention",

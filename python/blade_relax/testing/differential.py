@@ -97,6 +97,7 @@ class Variant:
     simplify: bool = False
     fold_scatter: bool = False
     inline_kernels: bool = False
+    vectorize_softmax: bool = False
     recompute: bool = False
     clone_generated: bool = False
     fuse_attention: bool = False
@@ -130,6 +131,7 @@ ALL_VARIANTS: tuple[Variant, ...] = (
     Variant("simplify", simplify=True),
     Variant("fold-scatter", fold_scatter=True),
     Variant("inline-kernels", inline_kernels=True),
+    Variant("vectorize-softmax", inline_kernels=True, vectorize_softmax=True),
     Variant("recompute", schedule=True, recompute=True),
     Variant("clone-generated", clone_generated=True),
     Variant("fuse-attention", fuse_attention=True, inline_kernels=True),
@@ -141,6 +143,7 @@ ALL_VARIANTS: tuple[Variant, ...] = (
         simplify=True,
         fold_scatter=True,
         inline_kernels=True,
+        vectorize_softmax=True,
         recompute=True,
         clone_generated=True,
         fuse_attention=True,

@@ -17,6 +17,7 @@ from .result import FunctionResult, PassResult, collect_results
 from .schedule import MemoryAwareSchedule, ScheduleOptions
 from .simplify_transposes import SimplifyTransposes, TransposeOptions
 from .specialize_buckets import SpecializeBuckets
+from .vectorize_softmax import SoftmaxOptions, VectorizeSoftmax
 
 __all__ = [
     "AttentionOptions",
@@ -45,8 +46,10 @@ __all__ = [
     "Rematerialize",
     "ScheduleOptions",
     "SimplifyTransposes",
+    "SoftmaxOptions",
     "SpecializeBuckets",
     "TransposeOptions",
+    "VectorizeSoftmax",
     "ZeroScatterOptions",
     "collect_results",
     "version_for",
