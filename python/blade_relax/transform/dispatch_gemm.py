@@ -92,7 +92,7 @@ from ..analysis import memory_timeline
 from ..analysis.tir_fields import type_key
 from ..contract import EVICT, GEMM_FUNCS, REGENERATE, REMAT_BEGIN
 from ._collection import pauses_collection
-from .result import PassResult, counted, function_results, publish
+from .result import PassResult, counted, function_results, publish, snapshot
 
 __all__ = [
     "NOT_DISPATCHED",
@@ -816,7 +816,7 @@ def _without_unused_kernels(mod: tvm.IRModule) -> tvm.IRModule:
     ]
     if not unused:
         return mod
-    out = tvm.IRModule(dict(mod.functions), attrs=mod.attrs, global_infos=mod.global_infos)
+    out = snapshot(mod)
     for gv in unused:
         del out[gv]
     return out

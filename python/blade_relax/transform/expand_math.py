@@ -62,7 +62,7 @@ import tvm_ffi
 from tvm import tirx
 
 from ._collection import pauses_collection
-from .result import PassResult, counted, function_results, publish
+from .result import PassResult, counted, function_results, publish, with_functions
 
 __all__ = ["ExpandMathIntrinsics", "MathOptions", "MathReport", "expanded_exp"]
 
@@ -253,7 +253,7 @@ class ExpandMathIntrinsics:
         self.report = MathReport()
         totals: Counter[str] = Counter()
         changes: dict[str, list[str]] = {}
-        out = mod
+        updates: dict[tvm.ir.GlobalVar, tirx.PrimFunc] = {}
         for gv, func in mod.functions.items():
             if not isinstance(func, tirx.PrimFunc):
                 continue
@@ -265,16 +265,13 @@ class ExpandMathIntrinsics:
             new_func, counts = expand_prim_func(func, self.options.functions)
             if not counts:
                 continue
-            if out is mod:
-                out = tvm.IRModule(
-                    dict(mod.functions), attrs=mod.attrs, global_infos=mod.global_infos
-                )
-            out[gv] = new_func
+            updates[gv] = new_func
             totals.update(counts)
             changes[gv.name_hint] = [
                 ", ".join(counted(n, f"{name} call") for name, n in sorted(counts.items()))
                 + " expanded"
             ]
+        out = with_functions(mod, updates)
         self.report.expanded = dict(sorted(totals.items()))
         self.report.kernels = len(changes)
         if changes:

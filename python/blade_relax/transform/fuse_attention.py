@@ -462,33 +462,27 @@ def _softmax(scores: Accessor, shape: Sequence[tvm.ir.Expr]) -> Accessor:
 
     Each ``exp`` is a stage of its own (``row_exp``), so the sum and the quotient read it
     instead of computing it again. The maximum is taken over :data:`_LANES` interleaved lanes
-    and a tail (:func:`_lane_reduce`): the lanes vectorize where one running value is a scalar
+    and a tail (:func:`_lane_max`): the lanes vectorize where one running value is a scalar
     chain, bound by the latency of its operation, and a maximum does not depend on the order.
     The sum does: it runs in ascending order, as ``topi.nn.softmax``'s, so that every value is
     the unfused graph's. The quotient is the accessor returned, not a stage: ``P @ V`` divides
     as it reads, once per element of ``P`` (the division is invariant in its inner loop), and
     holds no row of ``P``.
     """
-    row_max = _lane_reduce(scores, shape, te.max, tirx.max, "row_max")
+    row_max = _lane_max(scores, shape, "row_max")
     exps = te.compute(shape, lambda *idx: te.exp(scores(idx) - row_max(*idx[:-1])), name="row_exp")
     j = te.reduce_axis((0, shape[-1]), name="j")
     row_sum = te.compute(shape[:-1], lambda *r: te.sum(exps(*r, j), axis=j), name="row_sum")
     return lambda idx: exps(*idx) / row_sum(*idx[:-1])
 
 
-def _lane_reduce(
-    values: Accessor,
-    shape: Sequence[tvm.ir.Expr],
-    reducer: Callable[..., tvm.ir.Expr],
-    combine: Callable[[tvm.ir.Expr, tvm.ir.Expr], tvm.ir.Expr],
-    name: str,
-) -> te.Tensor:
-    """The reduction (``te.max``) of ``values`` over the last axis of ``shape``, as four
-    stages (for an order-independent ``reducer`` only: the lanes change the order).
+def _lane_max(values: Accessor, shape: Sequence[tvm.ir.Expr], name: str) -> te.Tensor:
+    """The maximum of ``values`` over the last axis of ``shape``, as four stages (the lanes
+    change the order in which it is taken, which a maximum does not depend on).
 
-    ``{name}_lanes[..., l]`` reduces the elements ``j = L * jo + l`` for ``jo < n // L``,
-    ``{name}_tail`` the last ``n % L`` elements, ``{name}_total`` the lanes, and ``{name}``
-    combines the two. No stage reads past ``n``, for a symbolic ``n`` too (a split with a
+    ``{name}_lanes[..., l]`` is the maximum of the elements ``j = L * jo + l`` for
+    ``jo < n // L``, ``{name}_tail`` that of the last ``n % L`` elements, ``{name}_total`` that
+    of the lanes, and ``{name}`` the larger of the two. No stage reads past ``n``, for a symbolic ``n`` too (a split with a
     predicate would make its producer's row longer, past the end of the keys).
     """
     lanes = _LANES
@@ -497,16 +491,16 @@ def _lane_reduce(
     jo = te.reduce_axis((0, full), name="jo")
     part = te.compute(
         [*rows, lanes],
-        lambda *r: reducer(values([*r[:-1], jo * lanes + r[-1]]), axis=jo),
+        lambda *r: te.max(values([*r[:-1], jo * lanes + r[-1]]), axis=jo),
         name=f"{name}_lanes",
     )
     t = te.reduce_axis((0, length - full * lanes), name="t")
     tail = te.compute(
-        rows, lambda *r: reducer(values([*r, full * lanes + t]), axis=t), name=f"{name}_tail"
+        rows, lambda *r: te.max(values([*r, full * lanes + t]), axis=t), name=f"{name}_tail"
     )
     lane = te.reduce_axis((0, lanes), name="lane")
-    total = te.compute(rows, lambda *r: reducer(part(*r, lane), axis=lane), name=f"{name}_total")
-    return te.compute(rows, lambda *r: combine(total(*r), tail(*r)), name=name)
+    total = te.compute(rows, lambda *r: te.max(part(*r, lane), axis=lane), name=f"{name}_total")
+    return te.compute(rows, lambda *r: tirx.max(total(*r), tail(*r)), name=name)
 
 
 def _elements(accessor: Accessor) -> Callable[..., tvm.ir.Expr]:
@@ -664,8 +658,9 @@ def _kernel(
 #: four SSE ones).
 _LANES = 16
 #: Blocks whose reduction loop goes outside their spatial loop, so the inner loop runs along
-#: contiguous elements: a row of scores, a row of ``O``, the lanes of the maximum.
-_REDUCTION_OUTSIDE = ("matmul", "matmul_1", "row_max_lanes")
+#: contiguous elements: a row of ``O``, the lanes of the maximum (and, with the keys copied, a
+#: row of scores).
+_REDUCTION_OUTSIDE = ("matmul_1", "row_max_lanes")
 
 
 def _schedule(kernel: tirx.PrimFunc, copy_keys: bool = False) -> tirx.PrimFunc | None:
@@ -682,20 +677,18 @@ def _schedule(kernel: tirx.PrimFunc, copy_keys: bool = False) -> tirx.PrimFunc |
                 sch.compute_at(block, row, preserve_unit_loops=True)
         if copy_keys and len(loops) > 3:  # the keys of one head at a time
             sch.compute_at(sch.get_sblock("keys"), loops[-4], preserve_unit_loops=True)
-        for name in _REDUCTION_OUTSIDE:
+        for name in (*(("matmul",) if copy_keys else ()), *_REDUCTION_OUTSIDE):
             block = sch.get_sblock(name)
             spatial, reduce = sch.get_loops(block)[-2:]
-            if name == "matmul" and not copy_keys:
-                # Keys read in place: one dot product (along a row of K) per score.
-                sch.decompose_reduction(block, reduce)
-                continue
             sch.reorder(reduce, spatial)
             sch.decompose_reduction(block, reduce)
-        for name in ("row_max_tail",):
-            # Its loop has no iteration where s % 16 == 0, and an init inside the loop
-            # (TVM lowers it to ``if t == 0``) would then never run.
-            block = sch.get_sblock(name)
-            sch.decompose_reduction(block, sch.get_loops(block)[-1])
+        if not copy_keys:  # keys read in place: one dot product (along a row of K) per score
+            scores = sch.get_sblock("matmul")
+            sch.decompose_reduction(scores, sch.get_loops(scores)[-1])
+        # The tail's loop has no iteration where s % 16 == 0, and an init inside the loop (TVM
+        # lowers it to ``if t == 0``) would then never run.
+        tail = sch.get_sblock("row_max_tail")
+        sch.decompose_reduction(tail, sch.get_loops(tail)[-1])
     except (RuntimeError, ValueError):  # ScheduleError and TVM's failed checks
         return None
     return sch.mod["main"]

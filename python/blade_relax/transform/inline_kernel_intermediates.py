@@ -43,7 +43,7 @@ import tvm
 from tvm import s_tir, tirx
 
 from ._collection import pauses_collection
-from .result import PassResult, counted, function_results, publish
+from .result import PassResult, counted, function_results, publish, with_functions
 
 __all__ = [
     "InlineKernelIntermediates",
@@ -339,11 +339,7 @@ class InlineKernelIntermediates:
                 self.report.rows += report.rows
                 self.report.kernels += 1
                 changes[gv.name_hint] = _changes(report)
-        out = mod
-        if updates:
-            out = tvm.IRModule(dict(mod.functions), attrs=mod.attrs)
-            for gv, func in updates.items():
-                out[gv] = func
+        out = with_functions(mod, updates)
         functions = function_results(mod, out, changes, kind=tirx.PrimFunc)
         publish(self, PassResult("InlineKernelIntermediates", functions, detail=self.report))
         return out

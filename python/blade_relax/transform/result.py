@@ -357,6 +357,20 @@ def snapshot(mod: tvm.IRModule) -> tvm.IRModule:
     return tvm.IRModule(dict(mod.functions), attrs=mod.attrs, global_infos=mod.global_infos)
 
 
+def with_functions(
+    mod: tvm.IRModule, updates: Mapping[tvm.ir.GlobalVar, tvm.ir.BaseFunc]
+) -> tvm.IRModule:
+    """``mod`` with the functions of ``updates`` in place of its own: a :func:`snapshot` with
+    them, or ``mod`` itself when there are none (a pass that changed nothing returns its input).
+    """
+    if not updates:
+        return mod
+    out = snapshot(mod)
+    for gv, func in updates.items():
+        out[gv] = func
+    return out
+
+
 def differs(before: relax.Function, after: relax.Function | None) -> bool:
     """Whether ``after`` is not ``before`` nor structurally equal to it (``None``: the function
     is gone). For the functions a pass did not rewrite itself, which a module-wide cleanup it

@@ -52,7 +52,7 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script.builder import ir as T
 
 from ._collection import pauses_collection
-from .result import PassResult, counted, function_results, publish
+from .result import PassResult, counted, function_results, publish, with_functions
 
 __all__ = ["SoftmaxOptions", "VectorizeSoftmax", "softmax_axis"]
 
@@ -109,21 +109,17 @@ def softmax_axis(func: tirx.PrimFunc) -> int | None:
         return None
     if not all(tvm_ffi.structural_equal(a, b) for a, b in zip(src.shape, dst.shape)):
         return None
-    blocks = {b.name_hint: b for b in _blocks(func)}
+    found = _blocks(func)
+    blocks = {b.name_hint: b for b in found}
     if not _REQUIRED <= set(blocks) or not set(blocks) <= _ALLOWED:
         return None
-    if len(blocks) != len(_blocks(func)):  # a name twice: not topi's kernel
+    if len(blocks) != len(found):  # a name twice: not topi's kernel
         return None
     axis = blocks["T_softmax_norm"].annotations.get("axis")
     last = len(src.shape) - 1
     if axis is None or int(axis) != last:
         return None
     return last
-
-
-def _lowest(dtype: str) -> tirx.PrimExpr:
-    """The initial value of topi's maximum: the lowest finite value of ``dtype``."""
-    return tirx.min_value(dtype)
 
 
 def vectorized_softmax(func: tirx.PrimFunc, lanes: int = _LANES) -> tirx.PrimFunc:
@@ -159,11 +155,11 @@ def _softmax_row(x: Any, y: Any, r: list[Any], n: Any, dtype: str, lanes: int) -
     best = T.decl_buffer((lanes,), dtype, scope="local")
     acc = T.decl_buffer((2,), dtype, scope="local")  # the maximum, the sum
     with T.serial(0, lanes) as lane:
-        T.buffer_store(best, _lowest(dtype), [lane])
+        T.buffer_store(best, tirx.min_value(dtype), [lane])  # topi's initial maximum
     with T.serial(0, whole) as jo:
         with T.serial(0, lanes) as lane:
             T.buffer_store(best, tirx.max(best[lane], x[(*r, jo * lanes + lane)]), [lane])
-    T.buffer_store(acc, _lowest(dtype), [0])
+    T.buffer_store(acc, tirx.min_value(dtype), [0])
     with T.serial(0, lanes) as lane:
         T.buffer_store(acc, tirx.max(acc[0], best[lane]), [0])
     with T.serial(0, n - whole * lanes) as t:
@@ -206,17 +202,13 @@ class VectorizeSoftmax:
 
     @pauses_collection
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        changes: dict[str, list[str]] = {}
-        out = mod
-        for gv, func in mod.functions.items():
-            if not isinstance(func, tirx.PrimFunc) or softmax_axis(func) is None:
-                continue
-            if out is mod:
-                out = tvm.IRModule(
-                    dict(mod.functions), attrs=mod.attrs, global_infos=mod.global_infos
-                )
-            out[gv] = vectorized_softmax(func, self.options.lanes)
-            changes[gv.name_hint] = ["softmax over vectorizable loops"]
+        updates = {
+            gv: vectorized_softmax(func, self.options.lanes)
+            for gv, func in mod.functions.items()
+            if isinstance(func, tirx.PrimFunc) and softmax_axis(func) is not None
+        }
+        out = with_functions(mod, updates)
+        changes = {gv.name_hint: ["softmax over vectorizable loops"] for gv in updates}
         self.kernels = len(changes)
         notes = (counted(self.kernels, "softmax kernel") + " replaced",)
         publish(

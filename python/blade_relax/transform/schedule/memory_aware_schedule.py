@@ -163,6 +163,7 @@ from ..result import (
     publish,
     snapshot,
     timeline_peak,
+    with_functions,
 )
 from ._cost import OrderProfile, UnsupportedBytes, acceptance_points, front_le
 from ._model import (
@@ -949,9 +950,7 @@ def _recomputed(
 ) -> tuple[relax.Function, tvm.IRModule]:
     """``func`` in place of ``gv`` in a copy of ``mod``, after ``RecomputeCheapValues``: the
     function and the module it runs in."""
-    trial = tvm.IRModule(dict(mod.functions), attrs=mod.attrs, global_infos=mod.global_infos)
-    trial[gv] = func
-    trial = RecomputeCheapValues()(trial)
+    trial = RecomputeCheapValues()(with_functions(mod, {gv: func}))
     return trial[gv], trial
 
 
