@@ -20,9 +20,8 @@ from blade_relax.contract import REMAT_META_ATTR
 from blade_relax.runtime import (
     RematBudgetWarning,
     last_remat_decision,
-    measure_memory,
+    measure_call,
     remat_programs,
-    set_memory_budget,
 )
 from blade_relax.testing.differential import Variant, compile_checked
 from blade_relax.transform import RematOptions, version_for
@@ -72,18 +71,21 @@ def executables():
 
 
 def _run(compiled, args, budget=None):
-    """One call on a fresh VM (nothing of an earlier call is still held)."""
-    vm = relax.VirtualMachine(compiled.executable, tvm.cpu())
-    set_memory_budget(budget)
-    try:
-        with measure_memory(vm, workspaces=compiled.workspaces) as measured:
-            out = vm["main_adjoint"](*args)
-        stats = measured.stats
-    finally:
-        set_memory_budget(None)
-    values = [out[0].numpy()] + [g.numpy() for g in out[1]]
-    del out, vm
-    return values, stats
+    """One call of ``main_adjoint`` on a fresh VM: the loss and gradients, and the measurement.
+
+    ``measure_call`` counts what the call adds to the bytes this thread already holds (tensors
+    an earlier test keeps alive are not the call's), and ``budget`` is the bytes the call may
+    add on top of them.
+    """
+    measured = measure_call(
+        compiled.executable,
+        args,
+        function="main_adjoint",
+        budget=budget,
+        workspaces=compiled.workspaces,
+    )
+    loss, gradients = measured.outputs
+    return [loss, *gradients], measured
 
 
 def _args(n: int):
@@ -119,19 +121,19 @@ def test_dispatch_names_the_copy_that_runs(remat_memory_stage):
 def test_no_budget_runs_the_plain_copy(executables, remat_memory_stage, n):
     args = _args(n)
     reference, _ = _run(executables["reference"], args)
-    planned, planned_stats = _run(executables["plan"], args)
-    before = last_remat_decision()
-    values, stats = _run(executables["remat"], args)
+    planned, planned_run = _run(executables["plan"], args)
+    values, run = _run(executables["remat"], args)
     assert _same(values, reference) and _same(planned, reference)
-    assert stats["evictions"] == stats["regenerations"] == 0
+    assert run.evictions == run.regenerations == 0
     # Without a budget the dispatcher calls the unrewritten copy: the runtime makes no
-    # decision, and the call peaks where the same pipeline without Rematerialize does.
-    assert last_remat_decision() == before
-    assert stats["peak_bytes"] == planned_stats["peak_bytes"]
+    # decision (measure_call cleared the last one before the call), and the call peaks where
+    # the same pipeline without Rematerialize does.
+    assert last_remat_decision() is None
+    assert run.peak_bytes == planned_run.peak_bytes
     # The timeline of the copy that runs predicts the bytes the VM allocates.
     low = remat_memory_stage
     plain = low[version_for(low, "main_adjoint", {"n": n})]
-    assert memory_timeline(plain, mod=low).evaluate({"n": n}).peak == stats["peak_bytes"]
+    assert memory_timeline(plain, mod=low).evaluate({"n": n}).peak == run.peak_bytes
 
 
 @pytest.mark.parametrize("n", LENGTHS)
@@ -140,12 +142,13 @@ def test_generous_budget_evicts_nothing(executables, n):
     and the timeline read from its planned IR predicts the bytes the VM allocates."""
     args = _args(n)
     reference, _ = _run(executables["reference"], args)
-    values, stats = _run(executables["remat"], args, 2**40)
+    values, run = _run(executables["remat"], args, 2**40)
     assert _same(values, reference)
-    assert stats["evictions"] == stats["regenerations"] == 0
+    assert run.evictions == run.regenerations == 0
     program = next(p for p in remat_programs().values() if p.function == "main_adjoint")
-    assert program.timeline([n]).base_peak == stats["peak_bytes"]
-    assert last_remat_decision()["predicted_peak"] == stats["peak_bytes"]
+    assert program.timeline([n]).base_peak == run.peak_bytes
+    # The runtime counts every live byte of the thread, the call's base included.
+    assert run.decision["predicted_peak"] == run.peak_absolute
 
 
 @pytest.mark.parametrize("variant", ["remat", "remat-stock-plan", "remat-own-storage"])
@@ -156,22 +159,22 @@ def test_budgets_identical_numerics_and_bytes(executables, variant, n):
     _, free = _run(executables[variant], args)
     evicted_somewhere = False
     for fraction in BUDGETS:
-        budget = int(fraction * free["peak_bytes"])
+        budget = int(fraction * free.peak_bytes)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            values, stats = _run(executables[variant], args, budget)
-        decision = last_remat_decision()
+            values, run = _run(executables[variant], args, budget)
+        decision = run.decision
         assert _same(values, reference), f"{variant} n={n} budget {fraction}"
         # The runtime's prediction is what the VM allocates.
-        assert stats["peak_bytes"] == decision["predicted_peak"]
+        assert run.peak_absolute == decision["predicted_peak"]
         warned = [w for w in caught if issubclass(w.category, RematBudgetWarning)]
         if decision["reachable"]:
-            assert stats["peak_bytes"] <= budget
+            assert run.peak_bytes <= budget
             assert not warned
         else:
-            assert len(warned) == 1 and str(budget) in str(warned[0].message)
-        evicted_somewhere |= stats["evictions"] > 0
-        assert stats["regenerations"] >= stats["evictions"]
+            assert len(warned) == 1 and str(run.runtime_budget) in str(warned[0].message)
+        evicted_somewhere |= run.evictions > 0
+        assert run.regenerations >= run.evictions
     if n >= 64:
         assert evicted_somewhere
 
@@ -186,13 +189,14 @@ def test_tightest_reachable_budget_holds(executables):
     program = next(p for p in remat_programs().values() if p.function == "main_adjoint")
     assert program.exact
     lowest = program.minimum_peak([n]).peak
-    assert lowest < free["peak_bytes"]
-    values, stats = _run(executables["remat"], args, lowest)
-    assert last_remat_decision()["reachable"]
-    assert stats["peak_bytes"] <= lowest and _same(values, reference)
-    with pytest.warns(RematBudgetWarning, match=f"budget of {lowest - 1} bytes"):
-        values, stats = _run(executables["remat"], args, lowest - 1)
-    assert stats["peak_bytes"] == lowest and _same(values, reference)
+    assert lowest < free.peak_bytes
+    values, run = _run(executables["remat"], args, lowest)
+    assert run.decision["reachable"]
+    assert run.peak_bytes <= lowest and _same(values, reference)
+    with pytest.warns(RematBudgetWarning, match="cannot stay within") as warned:
+        values, run = _run(executables["remat"], args, lowest - 1)
+    assert f"budget of {run.runtime_budget} bytes" in str(warned[0].message)
+    assert run.peak_bytes == lowest and _same(values, reference)
 
 
 # --------------------------------------------------------------------------- calls
@@ -248,26 +252,22 @@ def test_budget_around_a_call_is_exact(n):
     reference = compile_keeping_module(_module_with_a_call(), "llvm")
 
     def run(compiled, budget=None):
-        vm = relax.VirtualMachine(compiled.executable, tvm.cpu())
-        with set_memory_budget(budget):
-            with measure_memory(vm, workspaces=compiled.workspaces) as measured:
-                out = vm["main"](x).numpy()
-        return out, measured.stats
+        return measure_call(compiled.executable, [x], budget=budget, workspaces=compiled.workspaces)
 
-    expected, _ = run(reference)
-    free_out, free = run(exe)
-    assert np.array_equal(free_out, expected)
+    expected = run(reference).outputs
+    free = run(exe)
+    assert np.array_equal(free.outputs, expected)
     reachable = 0
-    for budget in range(free["peak_bytes"] // 2, free["peak_bytes"] + 1, max(1, n // 4)):
+    for budget in range(free.peak_bytes // 2, free.peak_bytes + 1, max(1, n // 4)):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RematBudgetWarning)
-            out, stats = run(exe, budget)
-        decision = last_remat_decision()
-        assert decision["exact"] and np.array_equal(out, expected)
-        assert stats["peak_bytes"] == decision["predicted_peak"], (budget, decision)
+            got = run(exe, budget)
+        decision = got.decision
+        assert decision["exact"] and np.array_equal(got.outputs, expected)
+        assert got.peak_absolute == decision["predicted_peak"], (budget, decision)
         if decision["reachable"]:
             reachable += 1
-            assert stats["peak_bytes"] <= budget
+            assert got.peak_bytes <= budget
     assert reachable
 
 
@@ -368,8 +368,8 @@ def test_two_dims_regenerate_with_their_own_values(two_dim_executables, batch, l
     _, free = _run(two_dim_executables["remat"], args)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RematBudgetWarning)
-        values, stats = _run(two_dim_executables["remat"], args, int(0.5 * free["peak_bytes"]))
-    assert stats["regenerations"] > 0
+        values, run = _run(two_dim_executables["remat"], args, int(0.5 * free.peak_bytes))
+    assert run.regenerations > 0
     assert _same(values, reference)
 
 

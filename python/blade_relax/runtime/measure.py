@@ -244,8 +244,8 @@ def measure_call(
         A ``tvm.relax.VirtualMachine`` to call (reused), or the executable to run on a fresh
         VM on ``device`` (rule 2; the way to measure a step).
     args
-        The arguments; those that are not ``tvm.runtime.Tensor`` (numpy arrays) are copied to
-        ``device`` first, outside the measured bytes.
+        The arguments; tensors and shape tuples are passed as they are, the rest (numpy
+        arrays) is copied to ``device`` first, outside the measured bytes.
     function
         The VM function to call.
     budget
@@ -284,9 +284,8 @@ def measure_call(
     if not isinstance(vm, relax.VirtualMachine):
         vm = relax.VirtualMachine(vm, device)
     call = vm[function]
-    tensors = [
-        a if isinstance(a, tvm.runtime.Tensor) else tvm.runtime.tensor(a, device) for a in args
-    ]
+    passed_as_is = (tvm.runtime.Tensor, tvm.runtime.ShapeTuple)
+    tensors = [a if isinstance(a, passed_as_is) else tvm.runtime.tensor(a, device) for a in args]
     clear_last_remat_decision()
     recording = warnings.catch_warnings(record=True) if record_warnings else None
     with recording or contextlib.nullcontext() as caught:
