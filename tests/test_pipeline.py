@@ -193,6 +193,7 @@ def test_our_passes_are_placed_by_phase():
     assert _names(phases["fused"]) == [
         "InlineKernelIntermediates",
         "VectorizeSoftmax",
+        "VectorizeColumnReductions",
         "MemoryAwareSchedule",
         "RecomputeCheapValues",
     ]
@@ -264,6 +265,7 @@ def test_get_pipeline_keywords_are_the_pipeline_flags():
         "fold_scatter",
         "inline_kernels",
         "vectorize_softmax",
+        "vectorize_reductions",
         "recompute",
         "clone_generated",
         "fuse_attention",

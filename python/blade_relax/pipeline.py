@@ -28,8 +28,9 @@ Where each pass runs, and why there:
   blocks depends on it (see expand_math.py).
 * ``InlineKernelIntermediates`` runs right after ``FuseTIR`` on CPU targets: it computes the
   elementwise chains inside fused kernels without scratch buffers (kernel workspaces), which
-  dlight's schedules do on GPU targets. ``VectorizeSoftmax`` follows it (CPU targets): TVM's
-  softmax kernels become loops the CPU vectorizes, before any memory pass reads a kernel.
+  dlight's schedules do on GPU targets. ``VectorizeSoftmax`` and ``VectorizeColumnReductions``
+  follow it (CPU targets): TVM's softmax kernels and reductions over outer axes become loops
+  the CPU vectorizes, before any memory pass reads a kernel.
 * ``MemoryAwareSchedule`` runs after ``FuseOps``/``FuseTIR`` and before ``ToNonDataflow``: it
   reorders bindings of dataflow blocks, which exist only until ``ToNonDataflow``, and it should
   see the fused kernels whose buffers the VM will really allocate.
@@ -55,7 +56,8 @@ explicit list of phases, :data:`PHASES`, run in order:
     ``FuseTIR``, and dlight's GPU schedules on CUDA).
 ``fused``
     Our passes on the fused dataflow graph (``InlineKernelIntermediates``,
-    ``VectorizeSoftmax``, ``MemoryAwareSchedule``, ``RecomputeCheapValues``).
+    ``VectorizeSoftmax``, ``VectorizeColumnReductions``, ``MemoryAwareSchedule``,
+    ``RecomputeCheapValues``).
 ``finalize``, ``vm_lower``
     TVM's ``finalize_passes`` for the target, written out here with the ``relax.transform``
     constructors and split where the memory stage ends (``vm_lower`` starts at
@@ -153,6 +155,9 @@ class PipelineFlags:
     dispatch_gemm: bool = _flag(False, "DispatchGemm", "graph", "gemm_options")
     inline_kernels: bool = _flag(True, "InlineKernelIntermediates", "graph", "inline_options")
     vectorize_softmax: bool = _flag(True, "VectorizeSoftmax", "graph", "softmax_options")
+    vectorize_reductions: bool = _flag(
+        True, "VectorizeColumnReductions", "graph", "reduction_options"
+    )
     # Off by default: the expanded exp/tanh/sigmoid agree with libm's to rounding, not bit for bit.
     expand_math: bool = _flag(False, "ExpandMathIntrinsics", "graph", "math_options")
     recompute: bool = _flag(True, "RecomputeCheapValues", "graph", "recompute_options")
@@ -169,6 +174,7 @@ class PipelineFlags:
     gemm_options: Any = None
     inline_options: Any = None
     softmax_options: Any = None
+    reduction_options: Any = None
     math_options: Any = None
     recompute_options: Any = None
     check_options: Any = None
@@ -362,6 +368,8 @@ def _phases(
         fused.append(_ours("InlineKernelIntermediates", flags.inline_options))
     if flags.vectorize_softmax and cpu:
         fused.append(_ours("VectorizeSoftmax", flags.softmax_options))
+    if flags.vectorize_reductions and cpu:
+        fused.append(_ours("VectorizeColumnReductions", flags.reduction_options))
     if flags.schedule:
         schedule_options = flags.schedule_options
         if schedule_options is None:
@@ -421,6 +429,7 @@ def get_pipeline(
     fold_scatter: bool = True,
     inline_kernels: bool = True,
     vectorize_softmax: bool = True,
+    vectorize_reductions: bool = True,
     recompute: bool = True,
     clone_generated: bool = True,
     fuse_attention: bool = True,
@@ -433,6 +442,7 @@ def get_pipeline(
     fold_scatter_options: Any = None,
     inline_options: Any = None,
     softmax_options: Any = None,
+    reduction_options: Any = None,
     recompute_options: Any = None,
     clone_options: Any = None,
     attention_options: Any = None,
@@ -461,8 +471,12 @@ def get_pipeline(
         bit; on, they agree to rounding.
     vectorize_softmax
         Enable ``VectorizeSoftmax`` (CPU targets): each kernel that is exactly TVM's softmax
-        is computed with loops the CPU vectorizes (each ``exp`` once, the maximum over 16
-        lanes), bit for bit the same results.
+        or log-softmax is computed with loops the CPU vectorizes (each ``exp`` once, the
+        maximum over 16 lanes), bit for bit the same results.
+    vectorize_reductions
+        Enable ``VectorizeColumnReductions`` (CPU targets): a reduction over an outer axis
+        (``collapse_sum`` of a bias gradient) runs with its output rows in the inner loop,
+        which the CPU vectorizes; each element sums in the same order, bit for bit.
     expand_math
         Enable ``ExpandMathIntrinsics`` (llvm targets that name their CPU, such as
         :func:`host_target`): float32 ``exp``, ``tanh``, ``sigmoid`` and ``pow(x, 2 | 3)`` in
@@ -474,8 +488,8 @@ def get_pipeline(
         declares (``tir_var_lower_bound`` / ``tir_var_upper_bound``) fails before any kernel
         runs, with an error naming the dim, its value and the range.
     schedule_options, remat_options, plan_options, simplify_options, fold_scatter_options,
-    inline_options, softmax_options, recompute_options, clone_options, attention_options,
-    gemm_options, math_options, check_options
+    inline_options, softmax_options, reduction_options, recompute_options, clone_options,
+    attention_options, gemm_options, math_options, check_options
         Option dataclasses handed to the passes (``None`` for their defaults).
 
     The keywords are the fields of :class:`PipelineFlags`, with its defaults.

@@ -11,7 +11,7 @@ from tvm.script import tirx as T
 
 from blade_relax.pipeline import get_pipeline, pipeline_phases
 from blade_relax.transform import InlineKernelIntermediates, SoftmaxOptions, VectorizeSoftmax
-from blade_relax.transform.vectorize_softmax import softmax_axis
+from blade_relax.transform.vectorize_softmax import log_softmax_axis, softmax_axis
 
 LLVM = tvm.target.Target("llvm")
 
@@ -72,6 +72,54 @@ def rows_expected(x: T.Buffer((T.int64(3), T.int64(20)), "float32"), T_softmax_n
 
 
 @I.ir_module
+class LogRows:
+    @R.function
+    def main(x: R.Tensor((3, 20), "float32")):
+        with R.dataflow():
+            y = R.nn.log_softmax(x, axis=-1)
+            R.output(y)
+        return y
+
+
+@T.prim_func(private=True, s_tir=True)
+def log_rows_expected(x: T.Buffer((T.int64(3), T.int64(20)), "float32"), compute: T.Buffer((T.int64(3), T.int64(20)), "float32")):
+    T.func_attr({"op_pattern": 4, "tirx.noalias": True})
+    with T.sblock("root"):
+        T.reads()
+        T.writes()
+        for v in range(T.int64(3)):
+            buffer = T.alloc_local((16,))
+            buffer_1 = T.alloc_local((2,))
+            for v_1 in range(16):
+                buffer[v_1] = T.float32(-340282346638528859811704183484516925440.0)
+            for v_1, v_2 in T.grid(T.int64(1), 16):
+                buffer[v_2] = T.max(buffer[v_2], x[v, v_1 * T.int64(16) + T.Cast("int64", v_2)])
+            buffer_1[0] = T.float32(-340282346638528859811704183484516925440.0)
+            for v_1 in range(16):
+                buffer_1[0] = T.max(buffer_1[0], buffer[v_1])
+            for v_1 in range(T.int64(4)):
+                buffer_1[0] = T.max(buffer_1[0], x[v, T.int64(16) + v_1])
+            for v_1 in range(T.int64(20)):
+                compute[v, v_1] = T.exp(x[v, v_1] - buffer_1[0])
+            buffer_1[1] = T.float32(0.0)
+            for v_1 in range(T.int64(20)):
+                buffer_1[1] = buffer_1[1] + compute[v, v_1]
+            buffer_1[1] = T.log(buffer_1[1])
+            for v_1 in range(T.int64(20)):
+                compute[v, v_1] = x[v, v_1] - buffer_1[0] - buffer_1[1]
+
+
+@I.ir_module
+class LogClasses:
+    @R.function
+    def main(x: R.Tensor(("s", "c"), "float32")):
+        with R.dataflow():
+            y = R.nn.log_softmax(x, axis=-1)
+            R.output(y)
+        return y
+
+
+@I.ir_module
 class Heads:
     @R.function
     def main(x: R.Tensor((1, 2, "s", "s"), "float32")):
@@ -115,6 +163,31 @@ def test_a_softmax_kernel_becomes_vector_loops():
     assert pass_.kernels == 1 and pass_.last_result[name].changed
     # The Relax function is untouched.
     assert out["main"].same_as(fused["main"])
+
+
+def test_a_log_softmax_kernel_becomes_vector_loops():
+    fused = _fused(LogRows)
+    (name, kernel) = next(iter(_kernels(fused).items()))
+    assert log_softmax_axis(kernel) == 1 and softmax_axis(kernel) is None
+    pass_ = VectorizeSoftmax()
+    with LLVM:
+        out = pass_(fused)
+    tvm.ir.assert_structural_equal(_kernels(out)[name], log_rows_expected.with_attrs(kernel.attrs))
+    assert pass_.kernels == 1 and pass_.last_result[name].changes == (
+        "log-softmax over vectorizable loops",
+    )
+
+
+@pytest.mark.parametrize(("s", "c"), [(1, 1), (3, 15), (4, 16), (5, 17), (7, 512)])
+def test_log_softmax_results_are_the_stock_kernels_bit_for_bit(s, c):
+    rng = np.random.default_rng(c)
+    x = (rng.standard_normal((s, c)) * 5).astype("float32")
+    if c > 1:
+        x[0, 0] = -np.inf  # a masked class
+    fused = _fused(LogClasses)
+    with LLVM:
+        vectorized = VectorizeSoftmax()(fused)
+    np.testing.assert_array_equal(_run(vectorized, [x]), _run(fused, [x]))
 
 
 @pytest.mark.parametrize("module", [Fused, FirstAxis])

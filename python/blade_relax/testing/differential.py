@@ -98,6 +98,7 @@ class Variant:
     fold_scatter: bool = False
     inline_kernels: bool = False
     vectorize_softmax: bool = False
+    vectorize_reductions: bool = False
     recompute: bool = False
     clone_generated: bool = False
     fuse_attention: bool = False
@@ -132,6 +133,7 @@ ALL_VARIANTS: tuple[Variant, ...] = (
     Variant("fold-scatter", fold_scatter=True),
     Variant("inline-kernels", inline_kernels=True),
     Variant("vectorize-softmax", inline_kernels=True, vectorize_softmax=True),
+    Variant("vectorize-reductions", inline_kernels=True, vectorize_reductions=True),
     Variant("recompute", schedule=True, recompute=True),
     Variant("clone-generated", clone_generated=True),
     Variant("fuse-attention", fuse_attention=True, inline_kernels=True),
@@ -144,6 +146,7 @@ ALL_VARIANTS: tuple[Variant, ...] = (
         fold_scatter=True,
         inline_kernels=True,
         vectorize_softmax=True,
+        vectorize_reductions=True,
         recompute=True,
         clone_generated=True,
         fuse_attention=True,

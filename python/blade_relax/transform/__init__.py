@@ -17,6 +17,7 @@ from .result import FunctionResult, PassResult, collect_results
 from .schedule import MemoryAwareSchedule, ScheduleOptions
 from .simplify_transposes import SimplifyTransposes, TransposeOptions
 from .specialize_buckets import SpecializeBuckets
+from .vectorize_column_reductions import ColumnReductionOptions, VectorizeColumnReductions
 from .vectorize_softmax import SoftmaxOptions, VectorizeSoftmax
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "CheckDimRanges",
     "CloneGeneratedTensors",
     "CloneOptions",
+    "ColumnReductionOptions",
     "DimRangeOptions",
     "DispatchGemm",
     "ExpandMathIntrinsics",
@@ -49,6 +51,7 @@ __all__ = [
     "SoftmaxOptions",
     "SpecializeBuckets",
     "TransposeOptions",
+    "VectorizeColumnReductions",
     "VectorizeSoftmax",
     "ZeroScatterOptions",
     "collect_results",

@@ -1,4 +1,4 @@
-"""VectorizeSoftmax: a softmax kernel becomes loops a CPU vectorizes, with the same results.
+"""VectorizeSoftmax: a (log-)softmax kernel becomes loops a CPU vectorizes, with the same results.
 
 TVM legalizes ``relax.nn.softmax`` over the last axis to ``topi.nn.softmax``: per row the
 maximum (one running ``max``), the sum of ``exp(x - max)`` (one running sum) and the quotient
@@ -27,6 +27,14 @@ target without fused multiply-adds; on one with them LLVM may contract the two k
 products differently). The scratch is the 16 lanes and two scalars, on the stack: the kernel
 allocates no workspace, where ``topi``'s maximum and sum were buffers of a row each.
 
+``relax.nn.log_softmax`` over the last axis legalizes to ``topi.nn.log_softmax``, the same
+maximum and sum (blocks ``T_softmax_maxelem`` and ``compute``, the ``exp`` computed inside the
+sum's loop) and ``x - max - log(sum)`` per element (block ``compute_1``, a ``log`` per element of
+the one value of the row). Its rows become the same loops, the ``exp`` written into the output
+row to be summed, and a last loop ``y[r, j] = x[r, j] - m - log(z)`` with ``log(z)`` taken
+once: bit for bit topi's values again. On the benchmark's mlp-train step at s = 256 (a
+cross-entropy over 512 classes), the stock kernel took 0.52 of the step's 3.6 ms.
+
 Where it runs
 -------------
 On CPU targets, on PrimFuncs, after ``FuseTIR`` and ``InlineKernelIntermediates`` and before the
@@ -54,12 +62,16 @@ from tvm.tirx.script.builder import ir as T
 from ._collection import pauses_collection
 from .result import PassResult, counted, function_results, publish, with_functions
 
-__all__ = ["SoftmaxOptions", "VectorizeSoftmax", "softmax_axis"]
+__all__ = ["SoftmaxOptions", "VectorizeSoftmax", "log_softmax_axis", "softmax_axis"]
 
 #: Lanes of the running maximum (16 single floats: one AVX-512 register, four SSE ones).
 _LANES = 16
 _REQUIRED = frozenset({"T_softmax_maxelem", "T_softmax_expsum", "T_softmax_norm"})
 _ALLOWED = _REQUIRED | {"T_softmax_exp"}
+#: ``topi.nn.log_softmax``'s blocks: the maximum, the sum of ``exp`` and the result (its two
+#: computes are unnamed in topi, so TE numbers them).
+_LOG_SUM, _LOG_NORM = "compute", "compute_1"
+_LOG_BLOCKS = frozenset({"T_softmax_maxelem", _LOG_SUM, _LOG_NORM})
 
 
 @dataclass(frozen=True)
@@ -97,9 +109,9 @@ def _is_buffer(param: object) -> bool:
     return isinstance(getattr(param, "ty", None), tvm.tirx.buffer.BufferType)
 
 
-def softmax_axis(func: tirx.PrimFunc) -> int | None:
-    """The axis of the softmax ``func`` is, when it is exactly ``topi.nn.softmax`` over the last
-    axis of its one input (see the module docstring), else ``None``."""
+def _row_kernel_blocks(func: tirx.PrimFunc) -> dict[str, tvm.s_tir.SBlock] | None:
+    """The blocks of ``func`` by name when it maps one float buffer to another of the same
+    shape and dtype and names no block twice, else ``None``."""
     if len(func.params) != 2 or not all(_is_buffer(p) for p in func.params):
         return None
     src, dst = (p.ty for p in func.params)
@@ -111,20 +123,58 @@ def softmax_axis(func: tirx.PrimFunc) -> int | None:
         return None
     found = _blocks(func)
     blocks = {b.name_hint: b for b in found}
-    if not _REQUIRED <= set(blocks) or not set(blocks) <= _ALLOWED:
-        return None
-    if len(blocks) != len(found):  # a name twice: not topi's kernel
-        return None
-    axis = blocks["T_softmax_norm"].annotations.get("axis")
-    last = len(src.shape) - 1
-    if axis is None or int(axis) != last:
-        return None
-    return last
+    return blocks if len(blocks) == len(found) else None  # a name twice: not topi's kernel
 
 
-def vectorized_softmax(func: tirx.PrimFunc, lanes: int = _LANES) -> tirx.PrimFunc:
-    """The softmax ``func`` (:func:`softmax_axis` not ``None``) as the loops of the module
-    docstring, with ``func``'s parameters and attributes."""
+def _over_last_axis(block: tvm.s_tir.SBlock, func: tirx.PrimFunc) -> int | None:
+    """The last axis of ``func``'s input when ``block``'s ``axis`` annotation names it."""
+    axis = block.annotations.get("axis")
+    last = len(func.params[0].ty.shape) - 1
+    return last if axis is not None and int(axis) == last else None
+
+
+def _calls(node: Any, op_name: str) -> bool:
+    """Whether ``node`` calls the TIR intrinsic ``op_name`` (``"tirx.log"``)."""
+    found = []
+
+    def call(c: tvm.ir.Call) -> tvm.ir.Call:
+        if isinstance(c.op, tvm.ir.Op) and c.op.name == op_name:
+            found.append(c)
+        return c
+
+    tvm_ffi.structural_map(node, [(tvm.ir.Call, call)])
+    return bool(found)
+
+
+def softmax_axis(func: tirx.PrimFunc) -> int | None:
+    """The axis of the softmax ``func`` is, when it is exactly ``topi.nn.softmax`` over the last
+    axis of its one input (see the module docstring), else ``None``."""
+    blocks = _row_kernel_blocks(func)
+    if blocks is None or not _REQUIRED <= set(blocks) or not set(blocks) <= _ALLOWED:
+        return None
+    return _over_last_axis(blocks["T_softmax_norm"], func)
+
+
+def log_softmax_axis(func: tirx.PrimFunc) -> int | None:
+    """The axis of the log-softmax ``func`` is, when it is exactly ``topi.nn.log_softmax``
+    over the last axis of its one input (see the module docstring), else ``None``."""
+    blocks = _row_kernel_blocks(func)
+    if blocks is None or set(blocks) != _LOG_BLOCKS:
+        return None
+    # topi's names are generic ones: check that the sum sums exps and the result takes a log.
+    if not _calls(blocks[_LOG_SUM].body, "tirx.exp"):
+        return None
+    if not _calls(blocks[_LOG_NORM].body, "tirx.log"):
+        return None
+    return _over_last_axis(blocks[_LOG_NORM], func)
+
+
+def vectorized_softmax(
+    func: tirx.PrimFunc, lanes: int = _LANES, log: bool = False
+) -> tirx.PrimFunc:
+    """The softmax ``func`` (:func:`softmax_axis` not ``None``), or with ``log`` the log-softmax
+    (:func:`log_softmax_axis` not ``None``), as the loops of the module docstring, with
+    ``func``'s parameters and attributes."""
     src, dst = (p.ty for p in func.params)
     dtype = str(src.dtype)
     rows = list(src.shape[:-1])
@@ -139,17 +189,16 @@ def vectorized_softmax(func: tirx.PrimFunc, lanes: int = _LANES) -> tirx.PrimFun
                 T.reads([])
                 T.writes([])
                 if not rows:
-                    _softmax_row(x, y, [], src.shape[-1], dtype, lanes)
+                    _softmax_row(x, y, [], src.shape[-1], dtype, lanes, log)
                 else:
                     with T.grid(*rows) as r:
-                        _softmax_row(
-                            x, y, list(r) if len(rows) > 1 else [r], src.shape[-1], dtype, lanes
-                        )
+                        row = list(r) if len(rows) > 1 else [r]
+                        _softmax_row(x, y, row, src.shape[-1], dtype, lanes, log)
     out = builder.get()
     return out.with_attrs(func.attrs) if func.attrs else out
 
 
-def _softmax_row(x: Any, y: Any, r: list[Any], n: Any, dtype: str, lanes: int) -> None:
+def _softmax_row(x: Any, y: Any, r: list[Any], n: Any, dtype: str, lanes: int, log: bool) -> None:
     """The loops of one row ``r`` (see the module docstring), in the builder's scope."""
     whole = tirx.floordiv(n, lanes)
     best = T.decl_buffer((lanes,), dtype, scope="local")
@@ -169,14 +218,19 @@ def _softmax_row(x: Any, y: Any, r: list[Any], n: Any, dtype: str, lanes: int) -
     T.buffer_store(acc, tirx.const(0, dtype), [1])
     with T.serial(0, n) as j:
         T.buffer_store(acc, acc[1] + y[(*r, j)], [1])
-    with T.serial(0, n) as j:
-        T.buffer_store(y, y[(*r, j)] / acc[1], [*r, j])
+    if log:
+        T.buffer_store(acc, tirx.log(acc[1]), [1])
+        with T.serial(0, n) as j:
+            T.buffer_store(y, x[(*r, j)] - acc[0] - acc[1], [*r, j])
+    else:
+        with T.serial(0, n) as j:
+            T.buffer_store(y, y[(*r, j)] / acc[1], [*r, j])
 
 
 @tvm.transform.module_pass(opt_level=0, name="VectorizeSoftmax")
 class VectorizeSoftmax:
-    """Compute each ``topi.nn.softmax`` kernel with loops a CPU vectorizes, bit for bit (see
-    the module docstring).
+    """Compute each ``topi.nn.softmax`` and ``topi.nn.log_softmax`` kernel with loops a CPU
+    vectorizes, bit for bit (see the module docstring).
 
     Parameters
     ----------
@@ -202,13 +256,16 @@ class VectorizeSoftmax:
 
     @pauses_collection
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        updates = {
-            gv: vectorized_softmax(func, self.options.lanes)
-            for gv, func in mod.functions.items()
-            if isinstance(func, tirx.PrimFunc) and softmax_axis(func) is not None
-        }
+        updates, changes = {}, {}
+        for gv, func in mod.functions.items():
+            if not isinstance(func, tirx.PrimFunc):
+                continue
+            for log, axis_of in ((False, softmax_axis), (True, log_softmax_axis)):
+                if axis_of(func) is not None:
+                    updates[gv] = vectorized_softmax(func, self.options.lanes, log=log)
+                    kind = "log-softmax" if log else "softmax"
+                    changes[gv.name_hint] = [f"{kind} over vectorizable loops"]
         out = with_functions(mod, updates)
-        changes = {gv.name_hint: ["softmax over vectorizable loops"] for gv in updates}
         self.kernels = len(changes)
         notes = (counted(self.kernels, "softmax kernel") + " replaced",)
         publish(
