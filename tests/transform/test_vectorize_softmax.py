@@ -9,6 +9,7 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
+from blade_relax.analysis.workspace import kernel_workspace
 from blade_relax.pipeline import get_pipeline, pipeline_phases
 from blade_relax.transform import InlineKernelIntermediates, SoftmaxOptions, VectorizeSoftmax
 from blade_relax.transform.vectorize_softmax import log_softmax_axis, softmax_axis
@@ -51,8 +52,8 @@ def rows_expected(x: T.Buffer((T.int64(3), T.int64(20)), "float32"), T_softmax_n
         T.reads()
         T.writes()
         for v in range(T.int64(3)):
-            buffer = T.alloc_local((16,))
-            buffer_1 = T.alloc_local((2,))
+            buffer = T.alloc_buffer((16,))
+            buffer_1 = T.alloc_buffer((2,))
             for v_1 in range(16):
                 buffer[v_1] = T.float32(-340282346638528859811704183484516925440.0)
             for v_1, v_2 in T.grid(T.int64(1), 16):
@@ -88,8 +89,8 @@ def log_rows_expected(x: T.Buffer((T.int64(3), T.int64(20)), "float32"), compute
         T.reads()
         T.writes()
         for v in range(T.int64(3)):
-            buffer = T.alloc_local((16,))
-            buffer_1 = T.alloc_local((2,))
+            buffer = T.alloc_buffer((16,))
+            buffer_1 = T.alloc_buffer((2,))
             for v_1 in range(16):
                 buffer[v_1] = T.float32(-340282346638528859811704183484516925440.0)
             for v_1, v_2 in T.grid(T.int64(1), 16):
@@ -198,6 +199,17 @@ def test_other_kernels_are_left_alone(module):
         out = pass_(fused)
     assert out.same_as(fused)
     assert pass_.kernels == 0 and not pass_.last_result.changed
+
+
+@pytest.mark.parametrize("module", [Rows, LogRows, Heads])
+def test_the_kernels_hold_no_workspace(module):
+    """The lanes and the two scalars are constant-size buffers of global scope, which TVM
+    keeps on the stack (of "local" scope, each row would take them from the workspace pool)."""
+    fused = _fused(module)
+    with LLVM:
+        out = VectorizeSoftmax()(fused)
+    for name, kernel in _kernels(out).items():
+        assert kernel_workspace(kernel, name, LLVM).allocations == ()
 
 
 def test_bad_options_are_refused():

@@ -24,7 +24,8 @@ builder. Per row ``r`` of the ``n`` elements ``x[r, :]``::
 A maximum does not depend on the order in which it is taken, the sum keeps topi's order, and
 every ``exp`` has topi's argument, so every value is the stock kernel's, bit for bit (on a
 target without fused multiply-adds; on one with them LLVM may contract the two kernels'
-products differently). The scratch is the 16 lanes and two scalars, on the stack: the kernel
+products differently). The scratch is the 16 lanes and two scalars, on the stack (constant-size
+buffers of global scope, which ``LowerTVMBuiltin`` leaves an ``alloca`` on a CPU): the kernel
 allocates no workspace, where ``topi``'s maximum and sum were buffers of a row each.
 
 ``relax.nn.log_softmax`` over the last axis legalizes to ``topi.nn.log_softmax``, the same
@@ -201,8 +202,11 @@ def vectorized_softmax(
 def _softmax_row(x: Any, y: Any, r: list[Any], n: Any, dtype: str, lanes: int, log: bool) -> None:
     """The loops of one row ``r`` (see the module docstring), in the builder's scope."""
     whole = tirx.floordiv(n, lanes)
-    best = T.decl_buffer((lanes,), dtype, scope="local")
-    acc = T.decl_buffer((2,), dtype, scope="local")  # the maximum, the sum
+    # "global" scope, not "local": on a CPU, TVM's LowerTVMBuiltin keeps a constant-size global
+    # buffer under 1 KiB on the stack, and takes every "local" one from the workspace pool (a
+    # TVMBackendAllocWorkspace call per row, and bytes the workspace analysis must count).
+    best = T.decl_buffer((lanes,), dtype)
+    acc = T.decl_buffer((2,), dtype)  # the maximum, the sum
     with T.serial(0, lanes) as lane:
         T.buffer_store(best, tirx.min_value(dtype), [lane])  # topi's initial maximum
     with T.serial(0, whole) as jo:
