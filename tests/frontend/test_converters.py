@@ -133,3 +133,91 @@ def test_a_bfloat16_tensor_comes_back_bit_for_bit():
     assert np.array_equal(got.view(np.int16), x.view(torch.int16).numpy())
     assert tvm.runtime.tensor(got).dtype == "bfloat16"
     assert torch_to_numpy(torch.ones(2)).dtype == np.float32
+
+
+def _import(module, args, dynamic_shapes=None):
+    ep = torch.export.export(module, args, dynamic_shapes=dynamic_shapes)
+    return from_exported_program(
+        ep, run_ep_decomposition=False, custom_convert_map=custom_convert_map()
+    )
+
+
+def test_a_list_index_from_the_end_reads_the_right_rows():
+    """``x[:, :, [-2]]`` (Falcon's keys): TVM's own converter takes index -2 out of bounds."""
+
+    class FromTheEnd(torch.nn.Module):
+        def forward(self, x):
+            return x[:, :, [-2]], x[:, :, [-1, 0]]
+
+    x = torch.randn(2, 5, 4, 3)
+    seq = torch.export.Dim("s", min=2, max=64)
+    mod = _import(FromTheEnd(), (x,), {"x": {1: seq}})
+    for length in (3, 5, 9):
+        x = torch.randn(2, length, 4, 3)
+        got = compile_and_run(mod, x.numpy())
+        want = [t.numpy() for t in FromTheEnd()(x)]
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+
+
+def test_index_put_along_an_inner_axis():
+    """The backward of ``x[:, :, idx]``: a scatter-add along axis 2, other axes whole."""
+
+    class InnerAxis(torch.nn.Module):
+        def forward(self, grad):
+            zeros = torch.zeros(grad.shape[0], grad.shape[1], 4, 3)
+            index = torch.tensor([2, -1, 2])
+            return torch.ops.aten.index_put(zeros, [None, None, index], grad, True)
+
+    grad = torch.randn(2, 5, 3, 3)
+    seq = torch.export.Dim("s", min=2, max=64)
+    mod = _import(InnerAxis(), (grad,), {"grad": {1: seq}})
+    for length in (2, 7):
+        grad = torch.randn(2, length, 3, 3)
+        (got,) = compile_and_run(mod, grad.numpy())
+        np.testing.assert_allclose(got, InnerAxis()(grad).numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_new_empty_strided_and_a_power_of_a_size():
+    """A contiguous ``new_empty_strided`` whose stride is ``s ** 2`` (Falcon's backward)
+    becomes zeros of its size; a strided one is refused, naming its strides."""
+
+    class Strided(torch.nn.Module):
+        def __init__(self, contiguous: bool):
+            super().__init__()
+            self.contiguous = contiguous
+
+        def forward(self, x):
+            s = x.shape[1]
+            stride = [s**2, s, 1] if self.contiguous else [1, s, s**2]
+            empty = torch.ops.aten.new_empty_strided(x, [4, s, s], stride)
+            return empty.fill_(0.0) + x.sum()
+
+    x = torch.randn(1, 6)
+    seq = torch.export.Dim("s", min=2, max=64)
+    mod = _import(Strided(True), (x,), {"x": {1: seq}})
+    (got,) = compile_and_run(mod, x.numpy())
+    np.testing.assert_allclose(got, np.full((4, 6, 6), x.sum().item()), rtol=1e-6)
+    with pytest.raises(NotImplementedError, match="only the contiguous strides"):
+        _import(Strided(False), (x,), {"x": {1: seq}})
+
+
+def test_a_reshape_compares_symbolic_shapes_without_failing():
+    """GPT-BigCode's ``view`` of a ``(1, 1, s, 32)`` tensor as ``(1, s, -1, 8)``: TVM's
+    converter compares the shapes as Python lists (``1 == s`` asks a symbolic comparison for a
+    truth value) and fails; a view to the input's own shape stays the input."""
+
+    class Views(torch.nn.Module):
+        def forward(self, x):
+            heads = x.view(1, x.shape[2], -1, 8)
+            same = x.view(1, 1, x.shape[2], 32)
+            return heads * 2.0, same + 1.0
+
+    x = torch.randn(1, 1, 5, 32)
+    seq = torch.export.Dim("s", min=2, max=64)
+    mod = _import(Views(), (x,), {"x": {2: seq}})
+    for length in (3, 11):
+        x = torch.randn(1, 1, length, 32)
+        got = compile_and_run(mod, x.numpy())
+        for g, w in zip(got, Views()(x)):
+            np.testing.assert_array_equal(g, w.numpy())

@@ -10,9 +10,15 @@ Why each one exists:
     Emitted by the joint graph for gradient buffers; its sizes hold symbolic values, which the
     built-in converter passes through unconverted.
 ``index_put.default`` with one index tensor
-    The backward of ``embedding``: ``zeros[V, H].index_put_([ids], grad, accumulate=True)``. It
-    becomes one ``scatter_elements`` with ``reduction="add"`` over flattened indices, which
-    legalizes for any symbolic number of indices.
+    The backward of ``embedding``: ``zeros[V, H].index_put_([ids], grad, accumulate=True)``, and
+    of a gather along an inner axis (Falcon's grouped keys: ``[None, None, None, idx]``). It
+    becomes one ``scatter_elements`` along that axis (``reduction="add"`` when accumulating)
+    over flattened indices, which legalizes for any symbolic number of indices.
+``index.Tensor`` with one index tensor
+    ``x[:, :, :, [-2]]`` (Falcon's keys) indexes from the end. TVM's converter makes it a
+    ``take`` in its ``"fast"`` mode, which reads a negative index out of bounds (no error, the
+    wrong values: a 1 % error in Falcon's loss). The ``take`` here wraps negative indices as
+    torch does (``mode="wrap"``; valid torch indices are never beyond the axis).
 ``native_layer_norm.default``
     Must return the triple ``(out, mean, rstd)``: the backward graph reads ``mean`` and ``rstd``.
     The built-in converter returns ``out`` alone, and ``getitem(out, 1)`` on a tensor then
@@ -32,6 +38,20 @@ Why each one exists:
     legalized; GPT-2's ``gelu_new`` cubes its input). As torch's CPU kernel does, a square or
     a cube is computed by bfloat16 multiplications (``(x * x) * x``, each rounded), any other
     exponent in float32, rounded once.
+``new_empty_strided.default``
+    Falcon's backward allocates the gradient of a batched matmul with it (sizes and strides
+    over the symbolic length). TVM has no converter; an empty tensor's contents are undefined,
+    so it becomes zeros of the requested size, which is right while the strides are the
+    contiguous ones of that size (Relax tensors have no other layout): other strides are
+    refused with an error naming them.
+``pow`` (Python's, on symbolic sizes)
+    The same graph computes a stride as ``s ** 2`` on a ``SymInt``; TVM has no converter for
+    the builtin. An integer power of a size is a product of the size with itself.
+``view.default``, ``reshape.default``
+    TVM's converter skips a reshape to the shape its input has by comparing the two shapes as
+    Python lists, which asks a symbolic comparison for a truth value and fails
+    (GPT-BigCode's multi-query attention: "Cannot use and / or / not operator to Expr"). The
+    shapes are compared with TVM's symbolic analyzer (``tvm.sym.Analyzer``) instead.
 ``slice.Tensor`` on a symbolic axis
     ``labels[..., 1:]`` arrives with ``end = 2**63 - 1``. The built-in converter keeps that end,
     so shapes become ``min(2**63 - 2, s)`` and byte counts overflow int64 during lowering. The
@@ -65,35 +85,98 @@ def _empty_permuted(node: Any, importer: Any) -> relax.Var:
     return importer.block_builder.emit(relax.op.zeros(relax.ShapeExpr(list(size)), dtype))
 
 
+def _contiguous_strides(size: list[Any]) -> list[Any]:
+    strides, step = [], 1
+    for extent in reversed(size):
+        strides.append(step)
+        step = step * extent
+    return strides[::-1]
+
+
+def _new_empty_strided(node: Any, importer: Any) -> relax.Var:
+    args = importer.retrieve_args(node)
+    source, size, stride = args[0], list(args[1]), list(args[2])
+    analyzer = tvm.sym.Analyzer()
+    expected = _contiguous_strides(size)
+    if len(stride) != len(size) or not all(
+        analyzer.can_prove_equal(got, want) for got, want in zip(stride, expected)
+    ):
+        raise NotImplementedError(
+            f"new_empty_strided with strides {stride} for size {size}: only the contiguous "
+            f"strides {expected} have a Relax layout"
+        )
+    dtype = node.kwargs.get("dtype")
+    dtype = source.ty.dtype if dtype is None else importer._convert_data_type(dtype, importer.env)
+    # The contents of an empty tensor are undefined; zeros are a valid choice.
+    return importer.block_builder.emit(relax.op.zeros(relax.ShapeExpr(size), dtype))
+
+
+def _size_pow(node: Any, importer: Any) -> Any:
+    base, exponent = importer.retrieve_args(node)[:2]
+    if not isinstance(exponent, int) or isinstance(exponent, bool) or exponent < 0:
+        raise NotImplementedError(f"pow of a size by {exponent!r}: only integer powers >= 0")
+    if isinstance(base, int):
+        return base**exponent
+    return functools.reduce(operator.mul, [base] * exponent, 1)
+
+
+def _same_shape(current: Any, dims: list[Any]) -> bool:
+    if len(current) != len(dims):
+        return False
+    analyzer = tvm.sym.Analyzer()
+    return all(analyzer.can_prove_equal(a, b) for a, b in zip(current, dims))
+
+
+def _reshape(node: Any, importer: Any) -> relax.Var:
+    import torch
+
+    args = importer.retrieve_args(node)
+    x = args[0]
+    dims = args[1] if isinstance(args[1], torch.Size | tuple | list) else args[1:]
+    current = importer.shape_of(x)
+    if current is not None and _same_shape(list(current), list(dims)):
+        return x  # a reshape to the input's own shape
+    return importer._emit_torch_reshape(x, dims)
+
+
+def _index_tensor(node: Any, importer: Any) -> relax.Var:
+    data, indices = importer.retrieve_args(node)[:2]
+    given = [(axis, index) for axis, index in enumerate(indices) if index is not None]
+    if len(given) != 1:
+        return importer._index_tensor(node)
+    axis, index = given[0]
+    return importer.block_builder.emit(relax.op.take(data, index, axis=axis, mode="wrap"))
+
+
 def _index_put(node: Any, importer: Any) -> relax.Var:
     args = importer.retrieve_args(node)
     data = args[0]
     indices = args[1] if len(args) > 1 else node.kwargs.get("indices")
     values = args[2] if len(args) > 2 else node.kwargs.get("values")
     accumulate = args[3] if len(args) > 3 else node.kwargs.get("accumulate", False)
+    given = [k for k, index in enumerate(indices or ()) if index is not None]
     if (
         not isinstance(indices, list | tuple)
-        or len(indices) != 1
-        or indices[0] is None
+        or len(given) != 1
         or not isinstance(data.ty, relax.TensorType)
         or data.ty.shape is None
     ):
         return importer._index_put(node)
-    index = indices[0]
+    # One index tensor, at ``axis`` (the axes before it are full slices, as are those after).
+    axis = given[0]
+    index = indices[axis]
     bb = importer.block_builder
     data_shape = list(data.ty.shape.values)
+    before, after = data_shape[:axis], data_shape[axis + 1 :]
     index_shape = list(index.ty.shape.values)
-    # values broadcast to index.shape + data.shape[1:]; flatten the index dims into one.
-    values = bb.emit(relax.op.broadcast_to(values, relax.ShapeExpr(index_shape + data_shape[1:])))
-    flat_index = bb.emit(relax.op.reshape(index, [-1]))
-    flat_values = bb.emit(relax.op.reshape(values, [-1, *data_shape[1:]]))
-    expanded = flat_index
-    for _ in range(len(data_shape) - 1):
-        expanded = bb.emit(relax.op.expand_dims(expanded, -1))
+    # values broadcast to before + index.shape + after; the index dims flattened into one.
+    values = bb.emit(relax.op.broadcast_to(values, relax.ShapeExpr(before + index_shape + after)))
+    flat_values = bb.emit(relax.op.reshape(values, [*before, -1, *after]))
+    expanded = bb.emit(relax.op.reshape(index, [*([1] * len(before)), -1, *([1] * len(after))]))
     expanded = bb.emit(relax.op.broadcast_to(expanded, flat_values.ty.shape))
     reduction = "add" if accumulate else "update"
     return bb.emit(
-        relax.op.scatter_elements(data, expanded, flat_values, axis=0, reduction=reduction)
+        relax.op.scatter_elements(data, expanded, flat_values, axis=axis, reduction=reduction)
     )
 
 
@@ -231,12 +314,17 @@ CUSTOM_CONVERTERS: dict[str, Callable[[Any, Any], relax.Var]] = {
     "addmm.default": _addmm,
     "bmm.default": _matmul,
     "empty_permuted.default": _empty_permuted,
+    "index.Tensor": _index_tensor,
     "index_put.default": _index_put,
     "matmul.default": _matmul,
     "mm.default": _matmul,
     "native_layer_norm.default": _native_layer_norm,
+    "new_empty_strided.default": _new_empty_strided,
+    "pow": _size_pow,
     "pow.Tensor_Scalar": _pow,
+    "reshape.default": _reshape,
     "slice.Tensor": _slice,
+    "view.default": _reshape,
 }
 
 

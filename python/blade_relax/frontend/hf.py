@@ -154,7 +154,10 @@ def _set_attn(model: Any, implementation: str) -> None:
     setter = getattr(model, "set_attn_implementation", None)
     if setter is not None:
         setter(implementation)
-    else:
+    if model.config._attn_implementation != implementation:
+        # No setter, or one that declines (Falcon's attention is no AttentionInterface, so
+        # transformers only logs that it cannot switch): models of that kind read the
+        # implementation from their config when they run.
         model.config._attn_implementation = implementation
 
 
