@@ -11,31 +11,10 @@ from tvm.script import relax as R
 from tvm.script import tirx as T
 
 from blade_relax.pipeline import get_pipeline, pipeline_phases
-from blade_relax.transform import (
-    ColumnReductionOptions,
-    InlineKernelIntermediates,
-    VectorizeColumnReductions,
-)
+from blade_relax.transform import ColumnReductionOptions, VectorizeColumnReductions
 from blade_relax.transform.vectorize_column_reductions import column_reduction_order
 
-LLVM = tvm.target.Target("llvm")
-
-
-def _fused(mod: tvm.IRModule) -> tvm.IRModule:
-    """TVM's legalized and fused kernels, then InlineKernelIntermediates (where the pass runs)."""
-    passes = [
-        relax.transform.LegalizeOps(),
-        relax.transform.AnnotateTIROpPattern(),
-        relax.transform.FuseOps(),
-        relax.transform.FuseTIR(),
-        InlineKernelIntermediates(),
-    ]
-    with LLVM:
-        return tvm.transform.Sequential(passes)(mod)
-
-
-def _kernels(mod: tvm.IRModule) -> dict[str, tvm.tirx.PrimFunc]:
-    return {g.name_hint: f for g, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
+from ._kernels import LLVM, fuse, kernels
 
 
 # fmt: off
@@ -97,20 +76,20 @@ class Narrow:
 
 
 def test_a_column_sum_runs_along_rows():
-    fused = _fused(ColumnSum)
-    (name, kernel) = next(iter(_kernels(fused).items()))
+    fused = fuse(ColumnSum)
+    (name, kernel) = next(iter(kernels(fused).items()))
     assert column_reduction_order(kernel) == [1, 0]
     pass_ = VectorizeColumnReductions()
     with LLVM:
         out = pass_(fused)
-    tvm.ir.assert_structural_equal(_kernels(out)[name], column_sum_expected)
+    tvm.ir.assert_structural_equal(kernels(out)[name], column_sum_expected)
     assert pass_.kernels == 1 and pass_.last_result[name].changed
     assert out["main"].same_as(fused["main"])  # the Relax function is untouched
 
 
 def test_which_kernels_it_rewrites():
-    fused = _fused(Reductions)
-    orders = {name: column_reduction_order(k) for name, k in _kernels(fused).items()}
+    fused = fuse(Reductions)
+    orders = {name: column_reduction_order(k) for name, k in kernels(fused).items()}
     # over_rows (s, 64) -> (64,); over_two (2, s, 16) -> (16,); over_middle and the fused
     # scale (2, s, 16) -> (2, 16): the output's last axis goes inside. along_rows is a row
     # reduction already contiguous.
@@ -124,12 +103,12 @@ def test_which_kernels_it_rewrites():
 
 
 def test_a_one_element_row_is_left_alone():
-    fused = _fused(Narrow)
+    fused = fuse(Narrow)
     pass_ = VectorizeColumnReductions()
     with LLVM:
         out = pass_(fused)
     assert out.same_as(fused) and pass_.kernels == 0
-    kernel = next(iter(_kernels(fused).values()))
+    kernel = next(iter(kernels(fused).values()))
     assert column_reduction_order(kernel, min_inner_extent=1) == [1, 0]
 
 
@@ -151,7 +130,7 @@ def test_results_are_the_stock_kernels_bit_for_bit(s):
     rng = np.random.default_rng(s)
     x = (rng.standard_normal((s, 64)) * 3).astype("float32")
     y = (rng.standard_normal((2, s, 16)) * 3).astype("float32")
-    fused = _fused(Reductions)
+    fused = fuse(Reductions)
     with LLVM:
         rewritten = VectorizeColumnReductions()(fused)
     for got, want in zip(_outputs(rewritten, [x, y]), _outputs(fused, [x, y])):

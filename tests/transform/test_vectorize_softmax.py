@@ -11,27 +11,10 @@ from tvm.script import tirx as T
 
 from blade_relax.analysis.workspace import kernel_workspace
 from blade_relax.pipeline import get_pipeline, pipeline_phases
-from blade_relax.transform import InlineKernelIntermediates, SoftmaxOptions, VectorizeSoftmax
+from blade_relax.transform import SoftmaxOptions, VectorizeSoftmax
 from blade_relax.transform.vectorize_softmax import log_softmax_axis, softmax_axis
 
-LLVM = tvm.target.Target("llvm")
-
-
-def _fused(mod: tvm.IRModule) -> tvm.IRModule:
-    """TVM's legalized and fused kernels, then InlineKernelIntermediates (where the pass runs)."""
-    passes = [
-        relax.transform.LegalizeOps(),
-        relax.transform.AnnotateTIROpPattern(),
-        relax.transform.FuseOps(),
-        relax.transform.FuseTIR(),
-        InlineKernelIntermediates(),
-    ]
-    with LLVM:
-        return tvm.transform.Sequential(passes)(mod)
-
-
-def _kernels(mod: tvm.IRModule) -> dict[str, tvm.tirx.PrimFunc]:
-    return {g.name_hint: f for g, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
+from ._kernels import LLVM, fuse, kernels
 
 
 # fmt: off
@@ -154,26 +137,26 @@ class FirstAxis:
 
 
 def test_a_softmax_kernel_becomes_vector_loops():
-    fused = _fused(Rows)
-    (name, kernel) = next(iter(_kernels(fused).items()))
+    fused = fuse(Rows)
+    (name, kernel) = next(iter(kernels(fused).items()))
     assert softmax_axis(kernel) == 1
     pass_ = VectorizeSoftmax()
     with LLVM:
         out = pass_(fused)
-    tvm.ir.assert_structural_equal(_kernels(out)[name], rows_expected.with_attrs(kernel.attrs))
+    tvm.ir.assert_structural_equal(kernels(out)[name], rows_expected.with_attrs(kernel.attrs))
     assert pass_.kernels == 1 and pass_.last_result[name].changed
     # The Relax function is untouched.
     assert out["main"].same_as(fused["main"])
 
 
 def test_a_log_softmax_kernel_becomes_vector_loops():
-    fused = _fused(LogRows)
-    (name, kernel) = next(iter(_kernels(fused).items()))
+    fused = fuse(LogRows)
+    (name, kernel) = next(iter(kernels(fused).items()))
     assert log_softmax_axis(kernel) == 1 and softmax_axis(kernel) is None
     pass_ = VectorizeSoftmax()
     with LLVM:
         out = pass_(fused)
-    tvm.ir.assert_structural_equal(_kernels(out)[name], log_rows_expected.with_attrs(kernel.attrs))
+    tvm.ir.assert_structural_equal(kernels(out)[name], log_rows_expected.with_attrs(kernel.attrs))
     assert pass_.kernels == 1 and pass_.last_result[name].changes == (
         "log-softmax over vectorizable loops",
     )
@@ -185,7 +168,7 @@ def test_log_softmax_results_are_the_stock_kernels_bit_for_bit(s, c):
     x = (rng.standard_normal((s, c)) * 5).astype("float32")
     if c > 1:
         x[0, 0] = -np.inf  # a masked class
-    fused = _fused(LogClasses)
+    fused = fuse(LogClasses)
     with LLVM:
         vectorized = VectorizeSoftmax()(fused)
     np.testing.assert_array_equal(_run(vectorized, [x]), _run(fused, [x]))
@@ -193,7 +176,7 @@ def test_log_softmax_results_are_the_stock_kernels_bit_for_bit(s, c):
 
 @pytest.mark.parametrize("module", [Fused, FirstAxis])
 def test_other_kernels_are_left_alone(module):
-    fused = _fused(module)
+    fused = fuse(module)
     pass_ = VectorizeSoftmax()
     with LLVM:
         out = pass_(fused)
@@ -205,10 +188,10 @@ def test_other_kernels_are_left_alone(module):
 def test_the_kernels_hold_no_workspace(module):
     """The lanes and the two scalars are constant-size buffers of global scope, which TVM
     keeps on the stack (of "local" scope, each row would take them from the workspace pool)."""
-    fused = _fused(module)
+    fused = fuse(module)
     with LLVM:
         out = VectorizeSoftmax()(fused)
-    for name, kernel in _kernels(out).items():
+    for name, kernel in kernels(out).items():
         assert kernel_workspace(kernel, name, LLVM).allocations == ()
 
 
@@ -231,7 +214,7 @@ def test_results_are_the_stock_kernels_bit_for_bit(s):
     x = (rng.standard_normal((1, 2, s, s)) * 4).astype("float32")
     if s > 1:
         x[0, 0, 0, 0] = -np.inf  # a masked score (not a whole row: that would be 0 / 0)
-    fused = _fused(Heads)
+    fused = fuse(Heads)
     with LLVM:
         vectorized = VectorizeSoftmax()(fused)
     want, got = _run(fused, [x]), _run(vectorized, [x])
