@@ -93,14 +93,19 @@ def _contiguous_strides(size: list[Any]) -> list[Any]:
     return strides[::-1]
 
 
+def _same_shape(current: Any, dims: list[Any]) -> bool:
+    """Whether two lists of sizes (ints, symbolic expressions) are provably equal."""
+    if len(current) != len(dims):
+        return False
+    analyzer = tvm.sym.Analyzer()
+    return all(analyzer.can_prove_equal(a, b) for a, b in zip(current, dims))
+
+
 def _new_empty_strided(node: Any, importer: Any) -> relax.Var:
     args = importer.retrieve_args(node)
     source, size, stride = args[0], list(args[1]), list(args[2])
-    analyzer = tvm.sym.Analyzer()
     expected = _contiguous_strides(size)
-    if len(stride) != len(size) or not all(
-        analyzer.can_prove_equal(got, want) for got, want in zip(stride, expected)
-    ):
+    if not _same_shape(stride, expected):
         raise NotImplementedError(
             f"new_empty_strided with strides {stride} for size {size}: only the contiguous "
             f"strides {expected} have a Relax layout"
@@ -118,13 +123,6 @@ def _size_pow(node: Any, importer: Any) -> Any:
     if isinstance(base, int):
         return base**exponent
     return functools.reduce(operator.mul, [base] * exponent, 1)
-
-
-def _same_shape(current: Any, dims: list[Any]) -> bool:
-    if len(current) != len(dims):
-        return False
-    analyzer = tvm.sym.Analyzer()
-    return all(analyzer.can_prove_equal(a, b) for a, b in zip(current, dims))
 
 
 def _reshape(node: Any, importer: Any) -> relax.Var:
