@@ -221,3 +221,44 @@ def test_a_reshape_compares_symbolic_shapes_without_failing():
         got = compile_and_run(mod, x.numpy())
         for g, w in zip(got, Views()(x)):
             np.testing.assert_array_equal(g, w.numpy())
+
+
+def _ops(mod) -> set[str]:
+    names: set[str] = set()
+    relax.analysis.post_order_visit(
+        mod["main"].body,
+        lambda e: (
+            names.add(e.op.name) if isinstance(e, relax.Call) and hasattr(e.op, "name") else None
+        ),
+    )
+    return names
+
+
+@pytest.mark.parametrize("exponent", [0, 1, 2, 3, -1, -2, 1.0, 2.0, 3.0])
+def test_small_integer_powers_are_products_as_torch_computes_them(exponent):
+    """``x ** 0`` to ``x ** 3``, ``x ** -1``, ``x ** -2`` become ones, ``x``, products and a
+    reciprocal, as torch's kernels compute them: no ``power`` is left (TVM compiles CUDA with
+    fast math, whose ``powf`` is NaN for a negative base), and negative bases give torch's
+    values bit for bit."""
+
+    class Power(torch.nn.Module):
+        def forward(self, x):
+            return torch.pow(x, exponent)
+
+    x = torch.linspace(-3.0, 2.9, 24).reshape(4, 6)
+    mod = _import(Power(), (x,))
+    assert "relax.power" not in _ops(mod)
+    (got,) = compile_and_run(mod, x.numpy())
+    np.testing.assert_array_equal(got, Power()(x).numpy())
+
+
+def test_other_powers_stay_power():
+    class Root(torch.nn.Module):
+        def forward(self, x):
+            return torch.pow(x, 0.5)
+
+    x = torch.linspace(0.1, 4.0, 12).reshape(3, 4)
+    mod = _import(Root(), (x,))
+    assert "relax.power" in _ops(mod)
+    (got,) = compile_and_run(mod, x.numpy())
+    np.testing.assert_allclose(got, Root()(x).numpy(), rtol=1e-6)

@@ -44,6 +44,7 @@ def test_the_plan_fits_one_command(tmp_path):
         "bench-llama-train",
         "bench-gpt2-train",
         "cuda-graphs",
+        "gemm",
         "gpu-tests",
         "tutorial-5",
     ]
@@ -174,6 +175,41 @@ def test_a_background_step_measures_only_when_the_program_lets_go_of_the_gpu(tmp
     assert "[bg] prepared" in log
     waited = float(log.split("[bg] gpu after ")[1].split()[0])
     assert waited >= 1.5  # it prepared at once, and measured after the foreground step
+
+
+def test_background_steps_measure_in_the_programs_order(tmp_path, monkeypatch):
+    """The second background step finishes compiling first, yet measures after the first."""
+
+    def measures(name: str, prepare_s: float) -> str:
+        return (
+            f"import fcntl, os, time; time.sleep({prepare_s});"
+            f"f = open(os.environ['{plan.LOCK_ENV}'], 'a'); fcntl.flock(f, fcntl.LOCK_EX);"
+            f"print('measuring {name}', time.time(), flush=True); time.sleep(0.5)"
+        )
+
+    steps = [
+        _step("holds-gpu", "pytest", "print('1 passed')"),
+        Step("slow", "", "pytest", [sys.executable, "-c", measures("slow", 2.0)], 1.0, 60.0,
+             background=True),
+        Step("quick", "", "pytest", [sys.executable, "-c", measures("quick", 0.0)], 1.0, 60.0,
+             background=True),
+    ]  # fmt: skip
+    monkeypatch.setattr(program, "program_steps", lambda _options: steps)
+    options = _options(tmp_path)
+    summary = program.run_program(options, say=lambda _m: None)
+    assert [s["status"] for s in summary["steps"]] == ["ok", "ok", "ok"]
+    log = (options.out / program.LOG).read_text()
+    at = {name: float(log.split(f"measuring {name} ")[1].split()[0]) for name in ("slow", "quick")}
+    assert at["quick"] >= at["slow"] + 0.5
+
+
+def test_only_runs_the_named_steps_in_the_order_given(tmp_path, monkeypatch):
+    steps = [_step(name, "pytest", f"print('{name}')") for name in ("a", "b", "c")]
+    monkeypatch.setattr(program, "program_steps", lambda _options: steps)
+    summary = program.run_program(_options(tmp_path), only=["c", "a"], say=lambda _m: None)
+    assert [s["name"] for s in summary["steps"]] == ["c", "a"]
+    with pytest.raises(ValueError, match="no step named d"):
+        program.run_program(_options(tmp_path), only=["d"], say=lambda _m: None)
 
 
 def test_steps_fail_time_out_and_are_skipped_independently(tmp_path, monkeypatch):

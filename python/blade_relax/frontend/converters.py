@@ -33,11 +33,16 @@ Why each one exists:
     ``custom_convert_map(accumulate="float32")`` it sums in float32 and is rounded once at the
     end (``addmm`` adds its bias before that rounding), as torch's CPU and CUDA kernels do:
     what mixed-precision (autocast) imports use.
-``pow.Tensor_Scalar`` on bfloat16
-    TVM's ``power`` accepts no bfloat16 operand (``power only applies to float`` when it is
-    legalized; GPT-2's ``gelu_new`` cubes its input). As torch's CPU kernel does, a square or
-    a cube is computed by bfloat16 multiplications (``(x * x) * x``, each rounded), any other
-    exponent in float32, rounded once.
+``pow.Tensor_Scalar``
+    An exponent of 0, 1, 2, 3, -1 or -2 becomes what torch's CPU and CUDA kernels compute for
+    it: ones, ``x``, ``x * x``, ``(x * x) * x``, ``1 / x``, ``1 / (x * x)``. TVM's ``power``
+    becomes ``powf``, and TVM compiles CUDA with ``--use_fast_math``, which makes ``powf`` an
+    approximation through ``log2`` that is NaN for every negative base: on an H200, Llama's
+    RMSNorm (``x.pow(2)``, and ``x.pow(1)`` in its backward) and GPT-2's ``gelu_new``
+    (``x ** 3``) gave NaN losses and logits, with TVM's stock pipeline too. Other exponents
+    stay ``power``; on bfloat16, which TVM's
+    ``power`` rejects (``power only applies to float``), computed in float32 and rounded
+    once.
 ``new_empty_strided.default``
     Falcon's backward allocates the gradient of a batched matmul with it (sizes and strides
     over the symbolic length). TVM has no converter; an empty tensor's contents are undefined,
@@ -239,17 +244,26 @@ def _pow(node: Any, importer: Any) -> relax.Var:
     ty = getattr(base, "ty", None)
     if (
         not isinstance(ty, relax.TensorType)
-        or ty.dtype != "bfloat16"
         or not isinstance(exponent, int | float)
         or isinstance(exponent, bool)
     ):
         return importer._pow(node)
     bb = importer.block_builder
-    if exponent in (2, 3):
-        result = bb.emit(relax.op.multiply(base, base))
+    if exponent == 0:
+        return bb.emit(relax.op.ones_like(base))
+    if exponent == 1:
+        return base
+    if exponent in (2, 3, -1, -2):
+        result = base
+        if abs(exponent) >= 2:
+            result = bb.emit(relax.op.multiply(base, base))
         if exponent == 3:
             result = bb.emit(relax.op.multiply(result, base))
+        if exponent < 0:
+            result = bb.emit(relax.op.divide(relax.const(1.0, ty.dtype), result))
         return result
+    if ty.dtype != "bfloat16":
+        return importer._pow(node)
     wide = bb.emit(relax.op.astype(base, "float32"))
     raised = bb.emit(relax.op.power(wide, relax.const(float(exponent), "float32")))
     return bb.emit(relax.op.astype(raised, "bfloat16"))

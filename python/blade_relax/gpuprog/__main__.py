@@ -2,8 +2,8 @@
 
 ``--plan`` prints the steps and their estimates; ``--dry-run`` prepares and checks everything
 on a machine without a GPU; no flag runs the program (on the GPU machine). ``bench`` is one
-benchmark step and ``cuda-graphs`` the CUDA-graph step (:mod:`.cuda_graphs`; the program runs
-them as subprocesses).
+benchmark step, ``cuda-graphs`` the CUDA-graph step (:mod:`.cuda_graphs`) and ``gemm`` the
+GEMM step (:mod:`.gemm`); the program runs them as subprocesses.
 """
 
 from __future__ import annotations
@@ -308,6 +308,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .cuda_graphs import main as cuda_graphs
 
         return cuda_graphs(argv[1:])
+    if argv[:1] == ["gemm"]:
+        from .gemm import main as gemm
+
+        return gemm(argv[1:])
     args = _parser().parse_args(argv)
     root = Path.cwd()
     options = _options(args, root)

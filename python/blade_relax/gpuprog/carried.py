@@ -55,8 +55,8 @@ __all__ = [
 ]
 
 #: What may travel to the GPU machine with one command, kit included (64 MiB, less a margin
-#: for what the machinery adds).
-CARRY_LIMIT = 63 << 20
+#: for what the machinery adds): 63.5 MiB. The first GPU run carried 63.04 MiB.
+CARRY_LIMIT = (127 << 20) // 2
 
 
 def model_sizes(size: str) -> Any:

@@ -17,6 +17,10 @@ The steps, most valuable first (a run cut short by the deadline loses the least)
     ``gpt2-infer`` at short lengths (:data:`CUDA_GRAPH_LENGTHS`), padded to length buckets
     (:data:`CUDA_GRAPH_BUCKETS`), with one CUDA graph per bucket in one shared pool and without
     graphs: step time, peak, the pool (``$OUT/cuda-graphs.json``; :mod:`.cuda_graphs`).
+``gemm``
+    The benchmarked Llama's GEMM shapes on TVM's kernels (dlight's, what blade_relax runs on a
+    GPU) against cuBLAS (``torch.nn.functional.linear``): time, TFLOP/s, error
+    (``$OUT/gemm.json``; :mod:`.gemm`).
 ``gpu-tests``
     The tests marked ``gpu``, but for :data:`GPU_TESTS_LEFT_OUT`.
 ``tutorial-5``
@@ -49,6 +53,7 @@ __all__ = [
     "CUDA_GRAPH_WORKLOAD",
     "EVICTION_CONFIGS",
     "EVICTION_WORKLOAD",
+    "GEMM_WORKLOAD",
     "GPU_TESTS_LEFT_OUT",
     "LOCK_ENV",
     "MANIFEST",
@@ -91,6 +96,8 @@ BENCH_CONFIGS = (
 EVICTION_CONFIGS = ("blade-relax@0.7:offload", "blade-relax@0.7:auto")
 #: The one workload whose benchmark step also runs :data:`EVICTION_CONFIGS`.
 EVICTION_WORKLOAD = "llama-train"
+#: The workload whose GEMM shapes the ``gemm`` step measures.
+GEMM_WORKLOAD = "llama-train"
 #: The configurations whose executables the benchmark builds, one each per workload (the
 #: budget variant runs its base's: ``run_benchmark(share_builds=True)``).
 TVM_BUILDS = ("tvm-dynamic", "blade-relax")
@@ -135,17 +142,19 @@ class Costs:
     start_s
         A Python process that imports TVM, torch and transformers.
     preflight_s
-        ``preflight.py`` (its docstring: about a minute on an H100).
+        ``preflight.py`` (35 s on the first GPU run).
     tvm_compile_s
         One real-size training step compiled for CUDA, kernels included, when the dry run has
         not measured it (about the mean of the stock and the blade_relax build).
     host_speedup
-        Wall seconds on the GPU machine per CPU second the dry run measured for the same build
-        (an unshared machine with faster cores; TVM's compilation is mostly one thread, NVRTC
-        too).
+        CPU seconds the dry run measured for a build per wall second of the same build on the
+        GPU machine. Below 1: on the first GPU run (an H200's machine, 2026-11-28) the
+        benchmark builds took about twice the dry run's seconds there (Llama's blade_relax
+        build 66.5 s against 31.5), compiling side by side with the other background steps.
     torch_compile_s
         ``torch.compile(dynamic=True)`` of a real-size training step, cold (Inductor and
-        Triton; the runner turns the caches off).
+        Triton; the runner turns the caches off): 90 s for GPT-2's, three compilations, on
+        the first GPU run.
     model_s
         Building a real-size model (random weights) and reading its carried graph.
     reference_s
@@ -168,6 +177,10 @@ class Costs:
     cuda_graph_gpu_s
         The ``cuda-graphs`` step on the GPU: two VMs, a capture per bucket, each length
         checked against torch (on the CPU, short lengths) and timed 50 times per mode.
+    gemm_s
+        The ``gemm`` step: five GEMM functions compiled for CUDA (kernels included), then
+        each at two token counts checked against torch and timed (6 batches of 20 calls per
+        side).
     eviction_s
         What the offloading configurations (:data:`EVICTION_CONFIGS`) add beyond their rows'
         steps: measuring the ``auto`` mode's rates once (a matmul compiled for CUDA and
@@ -176,10 +189,10 @@ class Costs:
     """
 
     start_s: float = 8.0
-    preflight_s: float = 60.0
+    preflight_s: float = 40.0
     tvm_compile_s: float = 60.0
-    host_speedup: float = 1.5
-    torch_compile_s: float = 60.0
+    host_speedup: float = 0.5
+    torch_compile_s: float = 90.0
     model_s: float = 8.0
     reference_s: float = 3.0
     step_s: float = 0.1
@@ -190,6 +203,7 @@ class Costs:
     eviction_s: float = 25.0
     cuda_graph_compile_s: float = 40.0
     cuda_graph_gpu_s: float = 20.0
+    gemm_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -490,6 +504,31 @@ def program_steps(options: ProgramOptions) -> list[Step]:
             background=True,
             gpu_s=gpu,
         )
+    )
+    gemm = costs.start_s + costs.gemm_s
+    steps.append(
+        Step(
+            "gemm",
+            f"{GEMM_WORKLOAD}'s GEMM shapes on TVM's kernels against cuBLAS",
+            "gemm",
+            [
+                py,
+                "-m",
+                "blade_relax.gpuprog",
+                "gemm",
+                "--carried",
+                str(options.carried),
+                "--workload",
+                GEMM_WORKLOAD,
+                "--out",
+                str(options.out / "gemm.json"),
+                "--tolerance",
+                str(options.tolerance),
+            ],
+            gemm,
+            _budget(gemm),
+            detail="start + 5 GEMMs compiled + 2 token counts x 5 shapes timed on both sides",
+        )  # fmt: skip
     )
     files = gpu_test_files(options.root)
     # test_cuda_gpu: the accounting on the GPU (a tiny import, a blade_relax build) and the

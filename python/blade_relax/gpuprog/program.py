@@ -9,8 +9,8 @@ file first, then renamed), so a run killed in the middle leaves every finished s
 and the name of the one that was running.
 
 What comes back from ``$OUT`` is at most 8 files: ``gpu-summary.json``, ``gpu-results.md``,
-``gpu-log.txt``, ``preflight.json``, one ``bench-<workload>.json`` per benchmarked workload and
-``cuda-graphs.json``.
+``gpu-log.txt``, ``preflight.json``, one ``bench-<workload>.json`` per benchmarked workload,
+``cuda-graphs.json`` and ``gemm.json``.
 """
 
 from __future__ import annotations
@@ -160,8 +160,12 @@ def run_step(
 
 
 class _GpuLock:
-    """The program's GPU lock: the program holds it while a foreground step runs; a
-    background step takes it only to measure (:data:`~.plan.LOCK_ENV`)."""
+    """A background step's GPU lock: the program holds it until it reaches that step in the
+    order; the step takes it only to measure (:data:`~.plan.LOCK_ENV`). One lock per step,
+    so that background steps measure in the program's order, one at a time, never while a
+    foreground step runs (with one lock for all, whichever step finished compiling first took
+    the GPU when the program let go of it, and the one the program waited for ran out of
+    time on the first GPU run)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -255,11 +259,32 @@ def _read_cuda_graphs(out: Path, output: str, step: Step) -> tuple[str, dict[str
     return detail, data
 
 
+def _read_gemm(out: Path, output: str, step: Step) -> tuple[str, dict[str, Any]]:
+    path = Path(step.command[step.command.index("--out") + 1])
+    if not path.is_file():
+        return "no gemm JSON written", {}
+    doc = json.loads(path.read_text())
+    rows = doc.get("rows", [])
+    ratios = [r["tvm_over_torch"] for r in rows]
+    correct = sum(1 for r in rows if r.get("correct"))
+    detail = f"{correct} of {len(rows)} GEMMs correct against torch"
+    if ratios:
+        detail += f"; TVM's time / {doc.get('library')}'s: {min(ratios):.2f}x to {max(ratios):.2f}x"
+    data = {"json": path.name, "all_correct": doc.get("all_correct")}
+    markdown = path.with_suffix(".md")
+    if markdown.is_file():
+        data["table"] = markdown.read_text()
+        markdown.unlink()  # carried in the summary: the files in $OUT are counted
+    return detail, data
+
+
 def _read(step: Step, out: Path, output: str) -> tuple[str, dict[str, Any]]:
     if step.kind == "bench":
         return _read_bench(out, output, step)
     if step.kind == "cuda-graphs":
         return _read_cuda_graphs(out, output, step)
+    if step.kind == "gemm":
+        return _read_gemm(out, output, step)
     reader = {"preflight": _read_preflight, "pytest": _read_pytest, "tutorial": _read_tutorial}
     return reader[step.kind](out, output)
 
@@ -322,7 +347,14 @@ def run_program(
     """
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
-    steps = [s for s in program_steps(options) if not only or s.name in only]
+    steps = program_steps(options)
+    if only:
+        # In the order given: a second run puts first what the first one did not reach.
+        by_name = {s.name: s for s in steps}
+        unknown = [name for name in only if name not in by_name]
+        if unknown:
+            raise ValueError(f"no step named {', '.join(unknown)}; steps: {', '.join(by_name)}")
+        steps = [by_name[name] for name in only]
     started = time.monotonic()
     summary: dict[str, Any] = {
         "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -351,12 +383,13 @@ def run_program(
         return options.deadline_s - (time.monotonic() - started)
 
     with tempfile.TemporaryDirectory() as work, open(out / LOG, "a") as log:
-        lock = _GpuLock(Path(work) / "gpu.lock")
-        lock.take()
-        env = {LOCK_ENV: str(lock.path)}
+        locks: dict[str, _GpuLock] = {}
         background: dict[str, _Running] = {}
         for index, step in enumerate(steps):
             if step.background and left() >= MIN_STEP_S:
+                locks[step.name] = _GpuLock(Path(work) / f"gpu-{step.name}.lock")
+                locks[step.name].take()
+                env = {LOCK_ENV: str(locks[step.name].path)}
                 background[step.name] = start_step(step, options.root, log, out, env)
                 record(index, StepResult(step.name, "running", 0.0, step.estimate_s, step.budget_s))
                 say(f"=== {step.name}: started in the background (budget {step.budget_s:.0f} s)")
@@ -370,10 +403,9 @@ def run_program(
                 if step.background:
                     running = background.pop(step.name)
                     say(f"=== {step.name}: waiting for it (the GPU is its)")
-                    lock.release()
+                    locks[step.name].release()
                     limit = min(step.budget_s - (time.monotonic() - running.started), left())
                     code, seconds, output = finish_step(running, limit)
-                    lock.take()
                 else:
                     record(index, result)
                     banner = f"=== {step.name} (estimate {step.estimate_s:.0f} s, budget {step.budget_s:.0f} s)"
@@ -388,7 +420,8 @@ def run_program(
         finally:
             for running in background.values():
                 finish_step(running, 0.0)
-            lock.close()
+            for lock in locks.values():
+                lock.close()
     summary["complete"] = True
     summary["out_files"] = sorted(p.name for p in out.iterdir())
     flush()
