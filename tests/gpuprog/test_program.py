@@ -39,13 +39,14 @@ def _options(tmp_path: Path, **kw) -> ProgramOptions:
 def test_the_plan_fits_one_command(tmp_path):
     steps = program_steps(_options(tmp_path))
     names = [s.name for s in steps]
+    # The foreground steps that need no build run while the benchmarks compile.
     assert names == [
         "preflight",
-        "bench-llama-train",
-        "bench-gpt2-train",
-        "cuda-graphs",
         "gemm",
         "gpu-tests",
+        "bench-llama-train",
+        "cuda-graphs",
+        "bench-gpt2-train",
         "tutorial-5",
     ]
     total = plan.plan_seconds(steps)
@@ -54,12 +55,12 @@ def test_the_plan_fits_one_command(tmp_path):
     # than its steps' sum.
     assert [s.name for s in steps if s.background] == [
         "bench-llama-train",
-        "bench-gpt2-train",
         "cuda-graphs",
+        "bench-gpt2-train",
     ]
     assert total < sum(s.estimate_s for s in steps)
     assert all(s.estimate_s > 0 and s.budget_s >= s.estimate_s + 30 for s in steps)
-    bench = steps[1]
+    bench = steps[3]
     assert bench.command[bench.command.index("--out") + 1].endswith("bench-llama-train.json")
     text = format_plan(steps)
     assert "fits" in text and "DOES NOT FIT" not in text
@@ -339,6 +340,19 @@ def test_dry_run_at_tiny_sizes(tmp_path):
         text=True, timeout=900,
     )  # fmt: skip
     assert bench.returncode == 0, (bench.stdout + bench.stderr)[-4000:]
+    # The GEMM step as the GPU machine runs it, on the CPU: TVM's GEMMs against torch's.
+    gemm_out = tmp_path / "out" / "gemm.json"
+    gemm = subprocess.run(
+        [sys.executable, "-m", "blade_relax.gpuprog", "gemm", "--carried", str(carried),
+         "--out", str(gemm_out), "--target", "llvm", "--calls", "2", "--repeat", "1"],
+        cwd=ROOT, env=dict(env, PYTHONPATH=str(ROOT / "python")), capture_output=True,
+        text=True, timeout=900,
+    )  # fmt: skip
+    assert gemm.returncode == 0, (gemm.stdout + gemm.stderr)[-4000:]
+    doc = json.loads(gemm_out.read_text())
+    # Tiny: the LM head is attn_q_o's shape. Two token counts, three passes each.
+    assert doc["all_correct"] and len(doc["rows"]) == 2 * 4 * 3
+    assert {r["layout"] for r in doc["rows"]} == {"NT", "NN", "TN"}
     step = Step("bench-llama-train", "", "bench", ["x", "--out", str(out)], 1.0, 1.0)
     detail, data = program._read_bench(out.parent, bench.stdout, step)
     assert detail.startswith("2 of 2 rows correct against torch")
@@ -360,6 +374,64 @@ def test_shared_builds_compile_a_budget_variant_once():
     budgeted = rows[f"{remat}@0.5"]
     assert budgeted.compile_time_s == 0 and budgeted.compilations == 0
     assert budgeted.evictions > 0
+
+
+def test_the_benchmark_reports_each_row_as_it_is_measured():
+    """A benchmark step killed at its time limit keeps the rows it measured: the runner hands
+    the result so far to ``on_row`` after every row."""
+    from blade_relax.bench import build_workload
+    from blade_relax.bench.runner import run_benchmark
+    from blade_relax.bench.workloads import ModelSizes
+
+    workload = build_workload("mlp-train", ModelSizes(layers=1, hidden=16, intermediate=32))
+    seen: list[list[tuple[str, int]]] = []
+    result = run_benchmark(
+        workload,
+        ["tvm-dynamic", "torch-eager"],
+        [12, 24],
+        repeat=1,
+        on_row=lambda partial: seen.append([(m.config, m.seq_len) for m in partial.measurements]),
+    )
+    assert result.all_correct
+    assert seen == [
+        [("tvm-dynamic", 12)],
+        [("tvm-dynamic", 12), ("tvm-dynamic", 24)],
+        [("tvm-dynamic", 12), ("tvm-dynamic", 24), ("torch-eager", 12)],
+        [("tvm-dynamic", 12), ("tvm-dynamic", 24), ("torch-eager", 12), ("torch-eager", 24)],
+    ]
+
+
+def test_the_gemm_step_shapes_and_table(tmp_path):
+    from blade_relax.gpuprog.gemm import GemmShape, llama_gemms, markdown
+
+    sizes = dict(hidden=1024, heads=16, kv_heads=8, intermediate=2816, vocab=32000)
+    shapes = llama_gemms(sizes)
+    assert [(s.name, s.k, s.n) for s in shapes] == [
+        ("attn_q_o", 1024, 1024),
+        ("attn_k_v", 1024, 512),
+        ("mlp_gate_up", 1024, 2816),
+        ("mlp_down", 2816, 1024),
+        ("lm_head", 1024, 32000),
+    ]
+    # A shape that repeats another (vocabulary = hidden) is measured once.
+    assert len(llama_gemms(dict(sizes, vocab=1024))) == 4
+    row = {**GemmShape("attn_q_o", "q_proj, o_proj", 8, 4).__dict__, "pass": "dw",
+           "computes": "dy.T @ x", "layout": "TN", "m": 2, "tvm_ms": 2.0, "cublas_ms": 1.0,
+           "tvm_tflops": 1.0, "torch_tflops": 2.0, "tvm_over_torch": 2.0, "rel_error": 1e-7,
+           "correct": True}  # fmt: skip
+    doc = {"library": "cuBLAS", "rows": [row], "all_correct": True}
+    table = markdown(doc)
+    assert (
+        "| attn_q_o (q_proj, o_proj) | dy.T @ x (TN) | 2 x 8 x 4 | 2.0 | 1.0 | 1.0 | 2.0 | 2.0x "
+        "| 1.0e-07 |" in table
+    )
+    out = tmp_path / "gemm.json"
+    out.write_text(json.dumps(doc))
+    out.with_suffix(".md").write_text(table)
+    step = Step("gemm", "", "gemm", ["x", "--out", str(out)], 1.0, 1.0)
+    detail, data = program._read_gemm(tmp_path, "", step)
+    assert detail == "1 of 1 GEMMs correct against torch; TVM's time / cuBLAS's: 2.00x to 2.00x"
+    assert data["table"] == table and not out.with_suffix(".md").exists()
 
 
 def test_the_eviction_modes_run_the_budgeted_build():

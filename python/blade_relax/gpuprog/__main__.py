@@ -279,6 +279,7 @@ def bench(argv: Sequence[str]) -> int:
             trace={"kind": "explicit", "lengths": lengths},
             progress=_say,
             builds=builds,
+            on_row=lambda partial: write_json(partial, args.out),
         )
     # The builds ran before the GPU was taken: their seconds go to the configuration that
     # made each, at its first length, as the runner would have counted them.

@@ -4,13 +4,18 @@ On CUDA targets blade_relax leaves every matmul to TVM: ``DispatchGemm`` (ATen's
 on CPU targets only, so a GPU GEMM is the kernel that dlight's ``Matmul`` rule schedules in
 TVM's CUDA pipeline. This step measures what that costs against cuBLAS, which PyTorch eager
 calls for the same ``nn.Linear``, at the shapes of the benchmarked Llama (the carried
-manifest's sizes): each distinct projection of a decoder layer and the LM head, forward
-(``x @ w.T``), at the shortest and the longest length the benchmark runs.
+manifest's sizes): each distinct projection of a decoder layer and the LM head, at the
+shortest and the longest length the benchmark runs, in the three GEMMs a training step makes
+of it (:data:`PASSES`): forward ``x @ w.T``, the input's gradient ``dy @ w`` and the weight's
+``dy.T @ x`` (which sums over the tokens). The first GPU run measured the forward GEMMs only,
+and blade_relax's training step took 1.3-1.6x stock TVM's time there, while its graph passes
+turn transposes and matmuls into ``NT_matmul`` / ``TN_matmul`` kernels: the three layouts
+tell which of them dlight schedules worst.
 
 ``python -m blade_relax.gpuprog gemm --carried .gpuprog --out $OUT/gemm.json``
 
-Each GEMM is one Relax function ``linear(x: (m, k), w: (n, k))`` with ``m`` symbolic, as in
-the imported graphs; one module holds them all and is compiled once by blade_relax's default
+Each GEMM is one Relax function (``x: (m, k)``, ``w: (n, k)``, ``dy: (m, n)``) with ``m``
+symbolic, as in the imported graphs; one module holds them all and is compiled once by blade_relax's default
 pipeline (:func:`blade_relax.get_pipeline`) before the GPU is taken (:data:`~.plan.LOCK_ENV`).
 Both sides are timed alike: ``calls`` back-to-back calls between two synchronisations, divided
 by ``calls`` (launch overhead amortised, as in a training step's stream of kernels), the
@@ -33,7 +38,14 @@ from typing import Any
 
 from .plan import LOCK_ENV, read_manifest
 
-__all__ = ["GemmShape", "gemm_module", "llama_gemms", "main", "markdown"]
+__all__ = ["PASSES", "GemmShape", "gemm_module", "llama_gemms", "main", "markdown"]
+
+#: The GEMMs of one linear layer in a training step: name -> (what it computes, its layout).
+PASSES = {
+    "fwd": ("x @ w.T", "NT"),
+    "dx": ("dy @ w", "NN"),
+    "dw": ("dy.T @ x", "TN"),
+}
 
 
 @dataclass(frozen=True)
@@ -72,20 +84,30 @@ def llama_gemms(sizes: dict[str, Any]) -> list[GemmShape]:
 
 
 def gemm_module(shapes: Sequence[GemmShape], dtype: str = "float32") -> Any:
-    """A module with one function per shape: ``linear(x: (m, k), w: (n, k))``, ``m``
-    symbolic."""
+    """A module with one function per shape and pass (:data:`PASSES`), named
+    ``<shape>_<pass>``: ``fwd(x: (m, k), w: (n, k))``, ``dx(dy: (m, n), w: (n, k))``,
+    ``dw(dy: (m, n), x: (m, k))``, ``m`` symbolic."""
     import tvm
     from tvm import relax
 
     bb = relax.BlockBuilder()
     for shape in shapes:
-        m = tvm.tirx.Var("m", "int64")
-        x = relax.Var("x", relax.TensorType([m, shape.k], dtype))
-        w = relax.Var("w", relax.TensorType([shape.n, shape.k], dtype))
-        with bb.function(shape.name, [x, w]):
-            with bb.dataflow():
-                out = bb.emit_output(relax.op.linear(x, w))
-            bb.emit_func_output(out)
+        for name in PASSES:
+            m = tvm.tirx.Var("m", "int64")
+            x = relax.Var("x", relax.TensorType([m, shape.k], dtype))
+            w = relax.Var("w", relax.TensorType([shape.n, shape.k], dtype))
+            dy = relax.Var("dy", relax.TensorType([m, shape.n], dtype))
+            params = {"fwd": [x, w], "dx": [dy, w], "dw": [dy, x]}[name]
+            with bb.function(f"{shape.name}_{name}", params):
+                with bb.dataflow():
+                    if name == "fwd":
+                        value = relax.op.linear(x, w)
+                    elif name == "dx":
+                        value = relax.op.matmul(dy, w)
+                    else:
+                        value = relax.op.matmul(relax.op.permute_dims(dy), x)
+                    out = bb.emit_output(value)
+                bb.emit_func_output(out)
     return bb.get()
 
 
@@ -119,7 +141,7 @@ def measure(
     repeat: int,
     tolerance: float,
 ) -> list[dict[str, Any]]:
-    """Each shape at each token count: TVM's and PyTorch's seconds per call and TFLOP/s, and
+    """Each shape, token count and pass: TVM's and PyTorch's seconds per call and TFLOP/s, and
     the relative error of TVM's result against PyTorch's."""
     import numpy as np
     import torch
@@ -137,41 +159,54 @@ def measure(
     sync_torch = torch.cuda.synchronize if cuda else (lambda: None)
     rows = []
     rng = np.random.default_rng(0)
+
+    def torch_pass(name: str, a: Any, b: Any) -> Any:
+        if name == "fwd":
+            return torch.nn.functional.linear(a, b)
+        return a @ b if name == "dx" else a.t() @ b
+
     for shape in shapes:
         weight = (rng.standard_normal((shape.n, shape.k)) / np.sqrt(shape.k)).astype("float32")
         for m in tokens:
             x = rng.standard_normal((m, shape.k), dtype="float32")
-            tx, tw = tvm.runtime.tensor(x, device), tvm.runtime.tensor(weight, device)
-            px, pw = torch.from_numpy(x).to(torch_device), torch.from_numpy(weight).to(torch_device)
-            fn = vm[shape.name]
-            ours = fn(tx, tw).numpy()
-            want = torch.nn.functional.linear(px, pw).cpu().numpy()
-            error = float(np.abs(ours - want).max() / max(float(np.abs(want).max()), 1e-30))
-            tvm_s = _seconds_per_call(lambda: fn(tx, tw), sync_tvm, calls, repeat)  # noqa: B023
-            torch_s = _seconds_per_call(
-                lambda: torch.nn.functional.linear(px, pw),  # noqa: B023
-                sync_torch,
-                calls,
-                repeat,
-            )
-            flops = 2.0 * m * shape.k * shape.n
-            rows.append(
-                {
-                    **asdict(shape),
-                    "m": m,
-                    "tvm_ms": round(tvm_s * 1e3, 5),
-                    "cublas_ms" if cuda else "torch_ms": round(torch_s * 1e3, 5),
-                    "tvm_tflops": round(flops / tvm_s / 1e12, 3),
-                    "torch_tflops": round(flops / torch_s / 1e12, 3),
-                    "tvm_over_torch": round(tvm_s / torch_s, 3),
-                    "rel_error": error,
-                    "correct": error <= tolerance,
-                }
-            )
-            row = rows[-1]
-            _say(f"{shape.name} m={m} k={shape.k} n={shape.n}: TVM {row['tvm_tflops']} TFLOP/s, "
-                 f"torch {row['torch_tflops']} TFLOP/s ({row['tvm_over_torch']}x the time), "
-                 f"rel. error {error:.1e}")  # fmt: skip
+            dy = rng.standard_normal((m, shape.n), dtype="float32")
+            operands = {"fwd": (x, weight), "dx": (dy, weight), "dw": (dy, x)}
+            for name, (computes, layout) in PASSES.items():
+                a, b = operands[name]
+                ta, tb = tvm.runtime.tensor(a, device), tvm.runtime.tensor(b, device)
+                pa, pb = (torch.from_numpy(v).to(torch_device) for v in (a, b))
+                fn = vm[f"{shape.name}_{name}"]
+                ours = fn(ta, tb).numpy()
+                want = torch_pass(name, pa, pb).cpu().numpy()
+                error = float(np.abs(ours - want).max() / max(float(np.abs(want).max()), 1e-30))
+                tvm_s = _seconds_per_call(lambda: fn(ta, tb), sync_tvm, calls, repeat)  # noqa: B023
+                torch_s = _seconds_per_call(
+                    lambda: torch_pass(name, pa, pb),  # noqa: B023
+                    sync_torch,
+                    calls,
+                    repeat,
+                )
+                flops = 2.0 * m * shape.k * shape.n
+                rows.append(
+                    {
+                        **asdict(shape),
+                        "pass": name,
+                        "computes": computes,
+                        "layout": layout,
+                        "m": m,
+                        "tvm_ms": round(tvm_s * 1e3, 5),
+                        "cublas_ms" if cuda else "torch_ms": round(torch_s * 1e3, 5),
+                        "tvm_tflops": round(flops / tvm_s / 1e12, 3),
+                        "torch_tflops": round(flops / torch_s / 1e12, 3),
+                        "tvm_over_torch": round(tvm_s / torch_s, 3),
+                        "rel_error": error,
+                        "correct": error <= tolerance,
+                    }
+                )
+                row = rows[-1]
+                _say(f"{shape.name} {name} ({computes}) m={m} k={shape.k} n={shape.n}: TVM "
+                     f"{row['tvm_tflops']} TFLOP/s, torch {row['torch_tflops']} TFLOP/s "
+                     f"({row['tvm_over_torch']}x the time), rel. error {error:.1e}")  # fmt: skip
     return rows
 
 
@@ -179,16 +214,16 @@ def markdown(doc: dict[str, Any]) -> str:
     """The step's table: per shape and token count, both times, both rates, their ratio."""
     other = doc["library"]
     lines = [
-        f"| GEMM (projections) | m x k x n | TVM ms | {other} ms | TVM TFLOP/s | "
+        f"| GEMM (projections) | pass | m x k x n | TVM ms | {other} ms | TVM TFLOP/s | "
         f"{other} TFLOP/s | TVM / {other} time | max rel. error |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["rows"]:
         theirs = r.get("cublas_ms", r.get("torch_ms"))
         lines.append(
-            f"| {r['name']} ({r['what']}) | {r['m']} x {r['k']} x {r['n']} | {r['tvm_ms']} | "
-            f"{theirs} | {r['tvm_tflops']} | {r['torch_tflops']} | {r['tvm_over_torch']}x | "
-            f"{r['rel_error']:.1e} |"
+            f"| {r['name']} ({r['what']}) | {r['computes']} ({r['layout']}) | "
+            f"{r['m']} x {r['k']} x {r['n']} | {r['tvm_ms']} | {theirs} | {r['tvm_tflops']} | "
+            f"{r['torch_tflops']} | {r['tvm_over_torch']}x | {r['rel_error']:.1e} |"
         )
     return "\n".join(lines)
 
@@ -227,7 +262,8 @@ def main(argv: Sequence[str]) -> int:
     start = time.perf_counter()
     executable = tvm.compile(gemm_module(shapes), tgt, relax_pipeline=blade_relax.get_pipeline(tgt))
     compile_s = time.perf_counter() - start
-    _say(f"built {len(shapes)} GEMMs for {where} in {compile_s:.1f} s; m in {tokens}")
+    _say(f"built {len(shapes) * len(PASSES)} GEMMs for {where} in {compile_s:.1f} s; "
+         f"m in {tokens}")  # fmt: skip
     with gpu_lock(os.environ.get(LOCK_ENV)):
         rows = measure(shapes, tokens, executable, target, calls=args.calls, repeat=args.repeat,
                        tolerance=args.tolerance)  # fmt: skip

@@ -1,28 +1,32 @@
 """What the GPU program runs, in which order, and how long each step is expected to take.
 
-The steps, most valuable first (a run cut short by the deadline loses the least):
+The steps, in the order they run (:data:`STEP_ORDER`): first the foreground steps that need no
+build of their own, which hold the GPU while the benchmarks compile in the background; then the
+background steps, most valuable first (a run cut short by the deadline loses the least), each
+measuring alone when the program reaches it; the tutorial last.
 
 ``preflight``
     ``.gpukit/preflight.py``: the environment, TVM and blade_relax on the GPU, torch on the GPU
     (``$OUT/preflight.json``).
-``bench-llama-train``, ``bench-gpt2-train``
-    The benchmark at the prepared size (``real``) on the GPU, from the graphs carried in
-    ``.gpuprog/``: ``tvm-dynamic``, ``blade-relax``, ``blade-relax@0.7`` against
-    ``torch-eager`` and ``torch-compile`` at three lengths of the trace (``$OUT/bench-*.json``).
-    The Llama step also runs :data:`EVICTION_CONFIGS`: the same budget of 0.7 with evicted
-    tensors offloaded to pinned host memory, and offloaded or recomputed per tensor, whichever
-    is estimated faster; its budget table then gives the peak and step time of the three
-    eviction modes side by side (issue #37).
-``cuda-graphs``
-    ``gpt2-infer`` at short lengths (:data:`CUDA_GRAPH_LENGTHS`), padded to length buckets
-    (:data:`CUDA_GRAPH_BUCKETS`), with one CUDA graph per bucket in one shared pool and without
-    graphs: step time, peak, the pool (``$OUT/cuda-graphs.json``; :mod:`.cuda_graphs`).
 ``gemm``
     The benchmarked Llama's GEMM shapes on TVM's kernels (dlight's, what blade_relax runs on a
     GPU) against cuBLAS (``torch.nn.functional.linear``): time, TFLOP/s, error
     (``$OUT/gemm.json``; :mod:`.gemm`).
 ``gpu-tests``
     The tests marked ``gpu``, but for :data:`GPU_TESTS_LEFT_OUT`.
+``bench-llama-train``, ``bench-gpt2-train``
+    The benchmark at the prepared size (``real``) on the GPU, from the graphs carried in
+    ``.gpuprog/``: ``tvm-dynamic``, ``blade-relax``, ``blade-relax@0.7`` against
+    ``torch-eager`` and ``torch-compile`` at three lengths of the trace (``$OUT/bench-*.json``,
+    rewritten after every row). The Llama step also runs :data:`EVICTION_CONFIGS`: the same
+    budget of 0.7 with evicted tensors offloaded to pinned host memory, and offloaded or
+    recomputed per tensor, whichever is estimated faster; its budget table then gives the peak
+    and step time of the three eviction modes side by side (issue #37).
+``cuda-graphs``
+    ``gpt2-infer`` at short lengths (:data:`CUDA_GRAPH_LENGTHS`), padded to length buckets
+    (:data:`CUDA_GRAPH_BUCKETS`), with one CUDA graph per bucket in one shared pool and without
+    graphs: step time, peak, the pool (``$OUT/cuda-graphs.json``; :mod:`.cuda_graphs`). It
+    runs between the two benchmarks: its GPU part takes seconds.
 ``tutorial-5``
     ``tutorials/05_gpu.py`` in small mode.
 
@@ -59,6 +63,7 @@ __all__ = [
     "MANIFEST",
     "PLAN_LIMIT_S",
     "SIZES",
+    "STEP_ORDER",
     "TVM_BUILDS",
     "WORKLOADS",
     "Costs",
@@ -126,6 +131,16 @@ CUDA_GRAPH_BUCKETS = (16, 32, 64, 128)
 CUDA_GRAPH_LENGTHS = (9, 16, 40, 100)
 #: Its executables: one CUDA graph per bucket in one pool, and the same copies without graphs.
 CUDA_GRAPH_MODES = ("graphs", "plain")
+#: The order the steps run in (a step not named here, none at present, would run last).
+STEP_ORDER = (
+    "preflight",
+    "gemm",
+    "gpu-tests",
+    "bench-llama-train",
+    "cuda-graphs",
+    "bench-gpt2-train",
+    "tutorial-5",
+)
 #: The environment variable naming the program's GPU lock file: a step holds it while it uses
 #: the GPU, so that a benchmark compiling in the background measures alone.
 LOCK_ENV = "BLADE_GPUPROG_LOCK"
@@ -178,9 +193,10 @@ class Costs:
         The ``cuda-graphs`` step on the GPU: two VMs, a capture per bucket, each length
         checked against torch (on the CPU, short lengths) and timed 50 times per mode.
     gemm_s
-        The ``gemm`` step: five GEMM functions compiled for CUDA (kernels included), then
-        each at two token counts checked against torch and timed (6 batches of 20 calls per
-        side).
+        The ``gemm`` step: fifteen GEMM functions (five shapes, three passes) compiled for
+        CUDA, kernels included, then each at two token counts checked against torch and timed
+        (6 batches of 20 calls per side). The five forward GEMMs took 16 s, start included,
+        on the first GPU run.
     eviction_s
         What the offloading configurations (:data:`EVICTION_CONFIGS`) add beyond their rows'
         steps: measuring the ``auto`` mode's rates once (a matmul compiled for CUDA and
@@ -194,16 +210,16 @@ class Costs:
     host_speedup: float = 0.5
     torch_compile_s: float = 90.0
     model_s: float = 8.0
-    reference_s: float = 3.0
-    step_s: float = 0.1
+    reference_s: float = 8.0
+    step_s: float = 0.15
     steps_per_row: int = 7
-    tiny_compile_s: float = 4.0
+    tiny_compile_s: float = 8.0
     tiny_import_s: float = 4.0
     tiny_blade_compile_s: float = 30.0
     eviction_s: float = 25.0
     cuda_graph_compile_s: float = 40.0
     cuda_graph_gpu_s: float = 20.0
-    gemm_s: float = 10.0
+    gemm_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -527,7 +543,7 @@ def program_steps(options: ProgramOptions) -> list[Step]:
             ],
             gemm,
             _budget(gemm),
-            detail="start + 5 GEMMs compiled + 2 token counts x 5 shapes timed on both sides",
+            detail="start + 15 GEMMs compiled + 2 token counts x 5 shapes x 3 passes timed",
         )  # fmt: skip
     )
     files = gpu_test_files(options.root)
@@ -562,7 +578,7 @@ def program_steps(options: ProgramOptions) -> list[Step]:
         )
     )
     tutorial = (
-        costs.start_s + costs.tiny_import_s + costs.tiny_compile_s + costs.tiny_blade_compile_s + 10
+        costs.start_s + costs.tiny_import_s + costs.tiny_compile_s + costs.tiny_blade_compile_s + 20
     )
     steps.append(
         Step(
@@ -573,9 +589,12 @@ def program_steps(options: ProgramOptions) -> list[Step]:
             tutorial,
             _budget(tutorial),
             env={"BLADE_RELAX_TUTORIAL_SMALL": "1", "MPLBACKEND": "Agg"},
-            detail="start + a tiny import + a stock and a blade_relax build + 3 lengths x 4 runs",
+            detail="start + a tiny import + a stock and a blade_relax build + 3 lengths x 4 runs "
+            "(73 s on the first GPU run)",
         )
     )
+    rank = {name: i for i, name in enumerate(STEP_ORDER)}
+    steps.sort(key=lambda step: rank.get(step.name, len(rank)))
     finish = _finish_times(steps)
     return [
         dataclasses.replace(s, budget_s=_budget(end)) if s.background else s
