@@ -221,15 +221,24 @@ def test_our_passes_are_placed_by_phase():
     assert cuda.index("PlanMemory") < cuda.index("RewriteCUDAGraph")
 
 
-def test_gemm_dispatch_is_an_option_on_cpu_targets():
+def test_gemm_dispatch_is_an_option():
     assert "DispatchGemm" not in _all_names(pipeline_phases("llvm"))
     phases = pipeline_phases("llvm", dispatch_gemm=True)
     finalize = _names(phases["finalize"])
     assert finalize.index("DispatchGemm") == finalize.index("RematTimeline") + 1
     assert finalize[-3:] == ["DispatchGemm", "LowerRuntimeBuiltin", "ComputePrimValue"]
     assert _all_names(phases).count("DispatchGemm") == 1
-    # On CUDA the GEMMs stay with dlight's schedules.
-    assert "DispatchGemm" not in _all_names(pipeline_phases(CUDA, dispatch_gemm=True))
+    assert "MarkGemmKernels" not in _all_names(phases)
+    # On CUDA the kernels are marked before dlight schedules them, dispatched at the same place.
+    cuda = pipeline_phases(CUDA, dispatch_gemm=True)
+    legalize = _names(cuda["legalize"])
+    assert legalize.index("MarkGemmKernels") == legalize.index("ApplyDefaultSchedule") - 1
+    assert _names(cuda["finalize"])[-3:] == [
+        "DispatchGemm",
+        "LowerRuntimeBuiltin",
+        "ComputePrimValue",
+    ]
+    assert "MarkGemmKernels" not in _all_names(pipeline_phases(CUDA))
 
 
 def test_stages_compose_and_reject_bad_names():

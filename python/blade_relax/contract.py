@@ -30,6 +30,9 @@ called from the IR that :class:`~blade_relax.transform.DispatchGemm` writes:
 
 Function attributes:
 
+* :data:`GEMM_KERNEL_ATTR`: on a kernel that is a GEMM, what ``MarkGemmKernels`` recognized
+  before a GPU schedule rewrote it (``"<layout>:<rank a>,<rank b>,<rank c>:<dtype>:<buffer
+  positions>"``), for ``DispatchGemm`` after planning.
 * :data:`REMAT_META_ATTR`: the metadata JSON of a rematerialized function (format
   :data:`REMAT_FORMAT`, described in :mod:`blade_relax.transform.remat`).
 * :data:`REMAT_REGEN_ATTR`: ``"<function>/<slot>"`` on a regeneration function.
@@ -62,6 +65,7 @@ __all__ = [
     "CHECKED_DIMS_ATTR",
     "EVICT",
     "GEMM_FUNCS",
+    "GEMM_KERNEL_ATTR",
     "GEMM_LAYOUTS",
     "CUDA_GRAPH_ALLOC",
     "CUDA_GRAPH_OPTION",
@@ -93,6 +97,8 @@ GEMM_LAYOUTS = ("NN", "NT", "TN", "TT")
 GEMM_FUNCS = {layout: f"blade_relax.gemm_{layout}" for layout in GEMM_LAYOUTS}
 
 # --------------------------------------------------------------------- function attributes
+#: A GEMM kernel's recognized form, kept through a GPU schedule (see the list above).
+GEMM_KERNEL_ATTR = "blade_relax.gemm_kernel"
 REMAT_META_ATTR = "blade_relax.remat"
 REMAT_REGEN_ATTR = "blade_relax.remat_regen"
 REMAT_RELEASE_ATTR = "blade_relax.remat_release"

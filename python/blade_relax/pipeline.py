@@ -17,11 +17,13 @@ Where each pass runs, and why there:
 * ``CloneGeneratedTensors`` runs after it, still on high-level ops: a tensor computed from
   inputs alone (a causal mask, a one-hot) is built again before each later reader, so that
   ``FuseOps`` fuses it into every reader instead of keeping one copy live across the layers.
-* ``DispatchGemm`` (off by default; ``dispatch_gemm=True``, CPU targets) runs last in the
-  memory stage, after ``KillAfterLastUse`` and ``RematTimeline``: the kernels that are a GEMM
-  become calls of ATen's GEMMs with the same arguments (a GEMM fused with an elementwise tail:
+* ``DispatchGemm`` (off by default; ``dispatch_gemm=True``) runs last in the memory stage,
+  after ``KillAfterLastUse`` and ``RematTimeline``: the kernels that are a GEMM become calls of
+  ATen's GEMMs with the same arguments (on a CPU, a GEMM fused with an elementwise tail too:
   the GEMM into the kernel's output, then the tail in place), once every memory decision was
-  taken on TVM's kernels, so no peak rises (see dispatch_gemm.py).
+  taken on TVM's kernels, so no peak rises (see dispatch_gemm.py). On CUDA targets
+  ``MarkGemmKernels`` runs before dlight's ``ApplyDefaultSchedule`` in the ``legalize`` phase,
+  so that the scheduled GEMM kernels are still known as GEMMs (cuBLAS through ATen).
 * ``ExpandMathIntrinsics`` (off by default; ``expand_math=True``, llvm targets naming their CPU)
   follows ``DispatchGemm``: it rewrites expressions inside kernels only (``exp`` and its kin
   become arithmetic LLVM vectorizes), so no memory decision and no pass's view of a kernel's
@@ -278,7 +280,7 @@ def _finalize_phases(
     if flags.remat:
         # The remat runtime decides on the timeline of the planned IR (see rematerialize.py).
         finalize.append(_ours("RematTimeline"))
-    if flags.dispatch_gemm and not cuda:
+    if flags.dispatch_gemm:
         # Last of the memory stage: every memory decision was taken on TVM's kernels.
         finalize.append(_ours("DispatchGemm", flags.gemm_options))
     if flags.expand_math and not cuda:
@@ -386,10 +388,17 @@ def _phases(
         fused.append(_ours("RecomputeCheapValues", flags.recompute_options))
     fused += after_fusion
     finalize, vm_lower = _finalize_phases(target, flags, plan_memory)
+    legalize = list(phases.legalize_passes(target))
+    if flags.dispatch_gemm and not cpu:
+        # Before dlight schedules the kernels, while a GEMM still reads as one (see
+        # mark_gemm_kernels.py); at the end when the phase has no dlight.
+        names = [p.info.name for p in legalize]
+        at = names.index("ApplyDefaultSchedule") if "ApplyDefaultSchedule" in names else len(names)
+        legalize.insert(at, _ours("MarkGemmKernels"))
     return {
         "graph": graph,
         "library_dispatch": list(phases.library_dispatch_passes(target)),
-        "legalize": list(phases.legalize_passes(target)),
+        "legalize": legalize,
         "fused": fused,
         "dataflow_lower": list(phases.dataflow_lower_passes(target)),
         "finalize": finalize,
@@ -465,10 +474,11 @@ def get_pipeline(
         ``RecomputeCheapValues``. With these, the three above and ``check_dims`` off, the
         result is TVM's default pipeline for the target.
     dispatch_gemm
-        Enable ``DispatchGemm`` (CPU targets): matmuls run on ATen's GEMMs (PyTorch's BLAS),
-        writing into the VM's tensors; without PyTorch installed the pass logs one line and
-        TVM's kernels compute them. Off by default: results then equal TVM's kernels' bit for
-        bit; on, they agree to rounding.
+        Enable ``DispatchGemm``: matmuls run on ATen's GEMMs (PyTorch's BLAS on a CPU, cuBLAS
+        on CUDA targets, with ``MarkGemmKernels`` before dlight), writing into the VM's
+        tensors; without PyTorch installed the pass logs one line and TVM's kernels compute
+        them. Off by default: results then equal TVM's kernels' bit for bit; on, they agree to
+        rounding. On CUDA targets only GEMMs without an elementwise tail are dispatched.
     vectorize_softmax
         Enable ``VectorizeSoftmax`` (CPU targets): each kernel that is exactly TVM's softmax
         or log-softmax is computed with loops the CPU vectorizes (each ``exp`` once, the

@@ -191,6 +191,28 @@ def test_training_step_matches_torch_on_cuda(training_graphs, model, variant, bu
             assert err <= TOLERANCE, f"{model} s={length} {name}: relative error {err:.2e}"
 
 
+@pytest.mark.gpu
+def test_gemms_on_cublas_agree_with_torch_on_cuda():
+    """``dispatch_gemm=True`` on CUDA: the GEMM kernels (NN, NT, TN in an MLP's training step)
+    run on cuBLAS (through ATen, on the VM's tensors), the rest on dlight's kernels; loss and
+    gradients as torch's, and the peak as without the dispatch (no allocation changes)."""
+    pytest.importorskip("torch")
+    from blade_relax.bench import build_workload
+
+    sizes = ModelSizes(layers=2, hidden=64, intermediate=128, max_seq_len=MAX_LEN)
+    graph = build_workload("mlp-train", sizes).graph
+    dev = tvm.cuda(0)
+    plain = relax.VirtualMachine(_build(graph.mod, BLADE), dev)
+    dispatched = relax.VirtualMachine(_build(graph.mod, {**BLADE, "dispatch_gemm": True}), dev)
+    for length in LENGTHS:
+        _, _, without = _run_step(plain, graph, length, dev)
+        outputs, reference, stats = _run_step(dispatched, graph, length, dev)
+        assert stats["call_peak"] == without["call_peak"], length
+        for name, out, ref in zip(graph.output_names, outputs, reference):
+            err = _rel_err(out, ref)
+            assert err <= TOLERANCE, f"s={length} {name}: relative error {err:.2e}"
+
+
 # ---------------------------------------------------------------------- GPU: accounting
 @pytest.mark.gpu
 def test_training_step_memory_is_counted_on_the_gpu(training_graphs):

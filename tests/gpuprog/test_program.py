@@ -51,9 +51,10 @@ def test_the_plan_fits_one_command(tmp_path):
     ]
     total = plan.plan_seconds(steps)
     assert total <= PLAN_LIMIT_S
-    # The benchmarks and the CUDA-graph step compile in the background: the program takes less
+    # The GEMM, benchmark and CUDA-graph steps compile in the background: the program takes less
     # than its steps' sum.
     assert [s.name for s in steps if s.background] == [
+        "gemm",
         "bench-llama-train",
         "cuda-graphs",
         "bench-gpt2-train",
@@ -90,16 +91,18 @@ def test_measured_compile_times_replace_the_default(tmp_path):
         )  # fmt: skip
     )
     steps = {s.name: s for s in program_steps(options)}
-    # The Llama step also runs the offloading configurations: more rows, the same builds.
+    # The Llama step also runs the offloading configurations (more rows, the same builds) and
+    # the default pipeline without GEMMs on cuBLAS (a build, estimated as blade-relax's).
     configs = plan.bench_configs("llama-train")
     assert (
-        set(plan.EVICTION_CONFIGS) <= set(configs)
+        set(plan.EVICTION_CONFIGS) | set(plan.GEMM_CONFIGS) <= set(configs)
         and configs[: len(BENCH_CONFIGS)] == BENCH_CONFIGS
     )
     with_modes = sum(bench_estimate(costs, lengths, measured, configs)[:2])
-    rows = len(lengths) * len(plan.EVICTION_CONFIGS)
+    rows = len(lengths) * (len(plan.EVICTION_CONFIGS) + len(plan.GEMM_CONFIGS))
     extra = rows * costs.steps_per_row * costs.step_s + costs.eviction_s
-    assert with_modes == pytest.approx(slower + extra)
+    builds = len(plan.GEMM_CONFIGS) * 300.0 / costs.host_speedup
+    assert with_modes == pytest.approx(slower + extra + builds)
     assert steps["bench-llama-train"].estimate_s == pytest.approx(with_modes)
     command = steps["bench-llama-train"].command
     assert command[command.index("--configs") + 1] == ",".join(configs)

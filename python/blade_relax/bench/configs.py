@@ -601,8 +601,8 @@ register_config(
         "and ExpandMathIntrinsics on), no budget: "
         + " + ".join(_GRAPH_PASSES.values())
         + " + MemoryAwareSchedule + Rematerialize + PlanMemory, bounds dropped (DispatchGemm "
-        "and ExpandMathIntrinsics, off in get_pipeline's defaults, on: GEMMs on ATen, exp and "
-        "its kin vectorized, peaks unchanged)",
+        "and ExpandMathIntrinsics, off in get_pipeline's defaults, on: GEMMs on ATen (its "
+        "BLAS on a CPU, cuBLAS on a GPU), exp and its kin vectorized on a CPU, peaks unchanged)",
     )
 )
 register_budget_family(DEFAULT_CONFIG)

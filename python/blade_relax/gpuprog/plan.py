@@ -57,6 +57,7 @@ __all__ = [
     "CUDA_GRAPH_WORKLOAD",
     "EVICTION_CONFIGS",
     "EVICTION_WORKLOAD",
+    "GEMM_CONFIGS",
     "GEMM_WORKLOAD",
     "GPU_TESTS_LEFT_OUT",
     "LOCK_ENV",
@@ -99,8 +100,13 @@ BENCH_CONFIGS = (
 #: The eviction modes compared at the budget of 0.7 (``blade-relax@0.7`` recomputes): they
 #: run the ``blade-relax`` executable, so they add rows but no build.
 EVICTION_CONFIGS = ("blade-relax@0.7:offload", "blade-relax@0.7:auto")
-#: The one workload whose benchmark step also runs :data:`EVICTION_CONFIGS`.
+#: The one workload whose benchmark step also runs :data:`EVICTION_CONFIGS` and
+#: :data:`GEMM_CONFIGS`.
 EVICTION_WORKLOAD = "llama-train"
+#: The default pipeline with TVM's own GEMM kernels (dlight's on a GPU), against
+#: ``blade-relax``'s GEMMs on cuBLAS (``DispatchGemm``): what the dispatch gains in a whole
+#: step. A build of its own, made in the background with the others.
+GEMM_CONFIGS = ("blade-relax-no-dispatch-gemm",)
 #: The workload whose GEMM shapes the ``gemm`` step measures.
 GEMM_WORKLOAD = "llama-train"
 #: The configurations whose executables the benchmark builds, one each per workload (the
@@ -160,12 +166,14 @@ class Costs:
         ``preflight.py`` (35 s on the first GPU run).
     tvm_compile_s
         One real-size training step compiled for CUDA, kernels included, when the dry run has
-        not measured it (about the mean of the stock and the blade_relax build).
+        not measured it: about the mean of the stock and the blade_relax build on the first GPU
+        runs (16 to 21 s and 54 to 67 s).
     host_speedup
         CPU seconds the dry run measured for a build per wall second of the same build on the
-        GPU machine. Below 1: on the first GPU run (an H200's machine, 2026-11-28) the
-        benchmark builds took about twice the dry run's seconds there (Llama's blade_relax
-        build 66.5 s against 31.5), compiling side by side with the other background steps.
+        GPU machine. Below 1: on the first GPU runs (an H200's machine, 2026-11-28) the
+        benchmark builds took 1.5 to 2.1 times the dry run's seconds there (Llama's
+        blade_relax build 66.5 s and 54.2 s against 31.5), compiling side by side with the
+        other background steps.
     torch_compile_s
         ``torch.compile(dynamic=True)`` of a real-size training step, cold (Inductor and
         Triton; the runner turns the caches off): 90 s for GPT-2's, three compilations, on
@@ -193,10 +201,12 @@ class Costs:
         The ``cuda-graphs`` step on the GPU: two VMs, a capture per bucket, each length
         checked against torch (on the CPU, short lengths) and timed 50 times per mode.
     gemm_s
-        The ``gemm`` step: fifteen GEMM functions (five shapes, three passes) compiled for
-        CUDA, kernels included, then each at two token counts checked against torch and timed
-        (6 batches of 20 calls per side). The five forward GEMMs took 16 s, start included,
-        on the first GPU run.
+        The ``gemm`` step after its start: fifteen GEMM functions (five shapes, three passes)
+        compiled for CUDA, kernels included, then each at two token counts checked against
+        torch and timed (6 batches of 20 calls per side). The five forward GEMMs took 16 s,
+        start included, on the first GPU run.
+    gemm_gpu_s
+        The part of it on the GPU (the step compiles in the background).
     eviction_s
         What the offloading configurations (:data:`EVICTION_CONFIGS`) add beyond their rows'
         steps: measuring the ``auto`` mode's rates once (a matmul compiled for CUDA and
@@ -205,9 +215,9 @@ class Costs:
     """
 
     start_s: float = 8.0
-    preflight_s: float = 40.0
-    tvm_compile_s: float = 60.0
-    host_speedup: float = 0.5
+    preflight_s: float = 35.0
+    tvm_compile_s: float = 40.0
+    host_speedup: float = 0.55
     torch_compile_s: float = 90.0
     model_s: float = 8.0
     reference_s: float = 8.0
@@ -220,6 +230,7 @@ class Costs:
     cuda_graph_compile_s: float = 40.0
     cuda_graph_gpu_s: float = 20.0
     gemm_s: float = 30.0
+    gemm_gpu_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -379,7 +390,9 @@ def _budget(estimate: float) -> float:
 
 def bench_configs(workload: str) -> tuple[str, ...]:
     """The configurations the benchmark step of ``workload`` runs."""
-    return BENCH_CONFIGS + (EVICTION_CONFIGS if workload == EVICTION_WORKLOAD else ())
+    if workload != EVICTION_WORKLOAD:
+        return BENCH_CONFIGS
+    return BENCH_CONFIGS + GEMM_CONFIGS + EVICTION_CONFIGS
 
 
 def bench_estimate(
@@ -394,13 +407,19 @@ def bench_estimate(
     ``compile_s`` maps a configuration to the CPU seconds its executable took to build in the
     dry run (on this machine), divided by :attr:`Costs.host_speedup` here. ``configs`` are
     the configurations the step runs (rows), :data:`EVICTION_CONFIGS` among them adding
-    :attr:`Costs.eviction_s`.
+    :attr:`Costs.eviction_s` and :data:`GEMM_CONFIGS` a build each (the dry run does not make
+    it: estimated as ``blade-relax``'s).
     """
     compile_s = compile_s or {}
-    tvm = sum(
-        compile_s[c] / costs.host_speedup if c in compile_s else costs.tvm_compile_s
-        for c in TVM_BUILDS
-    )
+
+    def build_s(config: str) -> float:
+        measured = compile_s.get(config, compile_s.get("blade-relax"))
+        if config in TVM_BUILDS and config not in compile_s:
+            measured = None
+        return measured / costs.host_speedup if measured is not None else costs.tvm_compile_s
+
+    builds = TVM_BUILDS + tuple(c for c in configs if c in GEMM_CONFIGS)
+    tvm = sum(build_s(c) for c in builds)
     rows = len(lengths) * len(configs)
     run = rows * costs.steps_per_row * costs.step_s + len(lengths) * costs.reference_s
     eviction = costs.eviction_s if set(configs) & set(EVICTION_CONFIGS) else 0.0
@@ -522,6 +541,7 @@ def program_steps(options: ProgramOptions) -> list[Step]:
         )
     )
     gemm = costs.start_s + costs.gemm_s
+    gemm_gpu = costs.gemm_gpu_s
     steps.append(
         Step(
             "gemm",
@@ -542,16 +562,19 @@ def program_steps(options: ProgramOptions) -> list[Step]:
                 str(options.tolerance),
             ],
             gemm,
-            _budget(gemm),
-            detail="start + 15 GEMMs compiled + 2 token counts x 5 shapes x 3 passes timed",
+            0.0,  # set below: counted from the program's start
+            detail=f"before the GPU: start + 15 GEMMs compiled {gemm - gemm_gpu:.0f}; on it: 2 "
+            f"token counts x 5 shapes x 3 passes timed {gemm_gpu:.0f}",
+            background=True,
+            gpu_s=gemm_gpu,
         )  # fmt: skip
     )
     files = gpu_test_files(options.root)
-    # test_cuda_gpu: the accounting on the GPU (a tiny import, a blade_relax build) and the
-    # page-sized driver check (two MLP builds); test_accounting: one stock build;
-    # test_cuda_graphs: one small bucketed build.
+    # test_cuda_gpu: the accounting on the GPU (a tiny import, a blade_relax build), the
+    # page-sized driver check (two MLP builds) and the GEMMs on cuBLAS (two MLP builds);
+    # test_accounting: one stock build; test_cuda_graphs: one small bucketed build.
     tests = (
-        costs.start_s + costs.tiny_import_s + costs.tiny_blade_compile_s + 4 * costs.tiny_compile_s
+        costs.start_s + costs.tiny_import_s + costs.tiny_blade_compile_s + 6 * costs.tiny_compile_s
     )
     steps.append(
         Step(
@@ -574,7 +597,7 @@ def program_steps(options: ProgramOptions) -> list[Step]:
             ],
             tests,
             _budget(tests),
-            detail="start + a tiny import + a tiny blade_relax build + 4 small builds",
+            detail="start + a tiny import + a tiny blade_relax build + 6 small builds",
         )
     )
     tutorial = (

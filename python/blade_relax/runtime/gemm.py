@@ -8,6 +8,9 @@ counts every byte as it counts a TVM kernel's output. A transposed operand is a 
 (BLAS reads it transposed); batch axes are folded with ``view``, which raises rather than copy.
 The library may use scratch memory of its own while it runs (oneDNN / MKL packing buffers on
 the CPU, cuBLAS workspace on the GPU), as it does under PyTorch eager; no tensor is allocated.
+On a GPU, ATen runs on PyTorch's current stream and TVM's kernels on TVM's: both are the
+device's default stream unless a caller sets another, which orders them (a caller that runs
+TVM on a stream of its own must make it PyTorch's current stream too).
 
 The functions are registered when this module is imported, if PyTorch can be imported (found
 with :func:`importlib.util.find_spec`; torch itself is imported at the first call, so importing

@@ -10,6 +10,7 @@ from .expand_math import ExpandMathIntrinsics, MathOptions
 from .fold_zero_scatter import FoldZeroScatter, ZeroScatterOptions
 from .fuse_attention import AttentionOptions, FuseAttention
 from .inline_kernel_intermediates import InlineKernelIntermediates, InlineOptions
+from .mark_gemm_kernels import MarkGemmKernels
 from .plan import PlanMemory, PlanOptions
 from .recompute_cheap_values import RecomputeCheapValues, RecomputeOptions
 from .remat import Rematerialize, RematOptions, RematTimeline
@@ -35,6 +36,7 @@ __all__ = [
     "GemmOptions",
     "InlineKernelIntermediates",
     "InlineOptions",
+    "MarkGemmKernels",
     "MathOptions",
     "MemoryAwareSchedule",
     "PassFallbackWarning",

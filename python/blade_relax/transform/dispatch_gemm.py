@@ -59,10 +59,12 @@ Stages
 
 Where it runs
 -------------
-In :func:`blade_relax.get_pipeline` (``dispatch_gemm=True``, CPU targets): in the ``finalize``
-phase, after ``KillAfterLastUse`` (and ``RematTimeline``), before ``LowerRuntimeBuiltin``. It
-needs the lowered, planned form (no ``call_tir`` left); on a module that still has ``call_tir``
-it changes nothing.
+In :func:`blade_relax.get_pipeline` (``dispatch_gemm=True``): in the ``finalize`` phase, after
+``KillAfterLastUse`` (and ``RematTimeline``), before ``LowerRuntimeBuiltin``. It needs the
+lowered, planned form (no ``call_tir`` left); on a module that still has ``call_tir`` it
+changes nothing. On CUDA targets dlight has scheduled every kernel by then, so a GEMM is known
+by what ``MarkGemmKernels`` recorded before (mark_gemm_kernels.py), and only GEMMs without a
+tail are dispatched (cuBLAS, through ATen); a kernel with an epilogue stays dlight's.
 
 What it assumes
 ---------------
@@ -90,7 +92,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..analysis import memory_timeline
 from ..analysis.tir_fields import type_key
-from ..contract import EVICT, GEMM_FUNCS, REGENERATE, REMAT_BEGIN
+from ..contract import EVICT, GEMM_FUNCS, GEMM_KERNEL_ATTR, REGENERATE, REMAT_BEGIN
 from ._collection import pauses_collection
 from .result import PassResult, counted, function_results, publish, snapshot
 
@@ -180,6 +182,19 @@ class GemmKernel:
     dtype: str
     buffers: tuple[int, int, int] = (0, 1, 2)
 
+    def encode(self) -> str:
+        """The kernel's :data:`~blade_relax.contract.GEMM_KERNEL_ATTR` value."""
+        ranks = ",".join(map(str, self.ranks))
+        return f"{self.layout}:{ranks}:{self.dtype}:{','.join(map(str, self.buffers))}"
+
+    @classmethod
+    def decode(cls, text: str) -> GemmKernel:
+        """The kernel an :meth:`encode` string describes."""
+        layout, ranks, dtype, buffers = str(text).split(":")
+        a, b, c = (int(x) for x in ranks.split(","))
+        i, j, k = (int(x) for x in buffers.split(","))
+        return cls(layout, (a, b, c), dtype, (i, j, k))
+
 
 def gemm_functions_registered() -> bool:
     """Whether every packed function of :data:`GEMM_FUNCS` is registered in this process."""
@@ -192,11 +207,14 @@ _KERNELS: dict[Any, GemmKernel | None] = {}
 
 def gemm_layout(func: tvm.tirx.PrimFunc) -> GemmKernel | None:
     """What ``func`` computes if it is a GEMM and nothing else (see the module docstring),
-    else ``None``. Remembered per kernel (kernels are immutable)."""
+    else ``None``: what ``MarkGemmKernels`` recorded before a GPU schedule rewrote the kernel
+    (:data:`~blade_relax.contract.GEMM_KERNEL_ATTR`), else what its blocks show. Remembered per
+    kernel (kernels are immutable)."""
     if func in _KERNELS:
         return _KERNELS[func]
+    marked = func.attrs.get(GEMM_KERNEL_ATTR) if func.attrs is not None else None
     try:
-        kernel = _recognize(func)
+        kernel = GemmKernel.decode(marked) if marked is not None else _recognize(func)
     except Exception:  # noqa: BLE001 - a kernel the schedule cannot read is no GEMM to us
         kernel = None
     _KERNELS[func] = kernel
