@@ -40,9 +40,8 @@ Why each one exists:
     approximation through ``log2`` that is NaN for every negative base: on an H200, Llama's
     RMSNorm (``x.pow(2)``, and ``x.pow(1)`` in its backward) and GPT-2's ``gelu_new``
     (``x ** 3``) gave NaN losses and logits, with TVM's stock pipeline too. Other exponents
-    stay ``power``; on bfloat16, which TVM's
-    ``power`` rejects (``power only applies to float``), computed in float32 and rounded
-    once.
+    stay ``power``; on bfloat16, which TVM's ``power`` rejects (``power only applies to
+    float``), computed in float32 and rounded once.
 ``new_empty_strided.default``
     Falcon's backward allocates the gradient of a batched matmul with it (sizes and strides
     over the symbolic length). TVM has no converter; an empty tensor's contents are undefined,

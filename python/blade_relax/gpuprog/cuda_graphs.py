@@ -39,7 +39,7 @@ from .plan import (
     cuda_graph_lengths,
 )
 
-__all__ = ["build_modes", "main", "markdown", "measure_mode"]
+__all__ = ["build_modes", "main", "markdown", "max_relative_error", "measure_mode"]
 
 
 def _say(message: str) -> None:
@@ -65,7 +65,8 @@ def build_modes(
     return builds
 
 
-def _relative_error(got: Any, want: Any) -> float:
+def max_relative_error(got: Any, want: Any) -> float:
+    """The largest absolute difference over the largest magnitude of ``want`` (in float64)."""
     import numpy as np
 
     got, want = np.asarray(got, dtype="float64"), np.asarray(want, dtype="float64")
@@ -108,7 +109,7 @@ def measure_mode(
     peak = 0  # measure_memory resets the thread's peak: the run's is the largest seen
     for length in lengths:
         inputs = workload.inputs(length)
-        error = _relative_error(runner(*inputs)[0], graph.reference(inputs)[0])
+        error = max_relative_error(runner(*inputs)[0], graph.reference(inputs)[0])
         bucket = runner.buckets.bucket_for(length)
         args = runner.to_device(inputs, bucket)
         times = _time_calls(runner, bucket, args, repeat)

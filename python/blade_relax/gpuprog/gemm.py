@@ -1,22 +1,23 @@
 """The ``gemm`` step: the GEMMs of the benchmark's Llama on TVM's kernels against cuBLAS.
 
-On CUDA targets blade_relax leaves every matmul to TVM: ``DispatchGemm`` (ATen's GEMMs) runs
-on CPU targets only, so a GPU GEMM is the kernel that dlight's ``Matmul`` rule schedules in
-TVM's CUDA pipeline. This step measures what that costs against cuBLAS, which PyTorch eager
-calls for the same ``nn.Linear``, at the shapes of the benchmarked Llama (the carried
-manifest's sizes): each distinct projection of a decoder layer and the LM head, at the
-shortest and the longest length the benchmark runs, in the three GEMMs a training step makes
-of it (:data:`PASSES`): forward ``x @ w.T``, the input's gradient ``dy @ w`` and the weight's
-``dy.T @ x`` (which sums over the tokens). The first GPU run measured the forward GEMMs only,
-and blade_relax's training step took 1.3-1.6x stock TVM's time there, while its graph passes
-turn transposes and matmuls into ``NT_matmul`` / ``TN_matmul`` kernels: the three layouts
-tell which of them dlight schedules worst.
+blade_relax's default pipeline leaves every matmul to TVM, and on CUDA targets a GEMM is then
+the kernel dlight's ``Matmul`` rule schedules in TVM's CUDA pipeline (``dispatch_gemm=True``
+puts those without a fused tail on cuBLAS instead). This step measures what dlight's kernels
+cost against cuBLAS, which PyTorch eager calls for the same ``nn.Linear``, at the shapes of the
+benchmarked Llama (the carried manifest's sizes): each distinct projection of a decoder layer
+and the LM head, at the shortest and the longest length the benchmark runs, in the three GEMMs
+a training step makes of it (:data:`PASSES`): forward ``x @ w.T``, the input's gradient
+``dy @ w`` and the weight's ``dy.T @ x`` (which sums over the tokens). The first GPU run
+measured the forward GEMMs only, and blade_relax's training step took 1.3-1.6x stock TVM's
+time there, while its graph passes turn transposes and matmuls into ``NT_matmul`` /
+``TN_matmul`` kernels: the three layouts tell which of them dlight schedules worst.
 
 ``python -m blade_relax.gpuprog gemm --carried .gpuprog --out $OUT/gemm.json``
 
 Each GEMM is one Relax function (``x: (m, k)``, ``w: (n, k)``, ``dy: (m, n)``) with ``m``
-symbolic, as in the imported graphs; one module holds them all and is compiled once by blade_relax's default
-pipeline (:func:`blade_relax.get_pipeline`) before the GPU is taken (:data:`~.plan.LOCK_ENV`).
+symbolic, as in the imported graphs; one module holds them all and is compiled once by
+blade_relax's default pipeline (:func:`blade_relax.get_pipeline`) before the GPU is taken
+(:data:`~.plan.LOCK_ENV`).
 Both sides are timed alike: ``calls`` back-to-back calls between two synchronisations, divided
 by ``calls`` (launch overhead amortised, as in a training step's stream of kernels), the
 median of ``repeat`` such batches. float32 on both sides, TF32 off (PyTorch's default for
@@ -36,6 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .cuda_graphs import max_relative_error
 from .plan import LOCK_ENV, read_manifest
 
 __all__ = ["PASSES", "GemmShape", "gemm_module", "llama_gemms", "main", "markdown"]
@@ -178,7 +180,7 @@ def measure(
                 fn = vm[f"{shape.name}_{name}"]
                 ours = fn(ta, tb).numpy()
                 want = torch_pass(name, pa, pb).cpu().numpy()
-                error = float(np.abs(ours - want).max() / max(float(np.abs(want).max()), 1e-30))
+                error = max_relative_error(ours, want)
                 tvm_s = _seconds_per_call(lambda: fn(ta, tb), sync_tvm, calls, repeat)  # noqa: B023
                 torch_s = _seconds_per_call(
                     lambda: torch_pass(name, pa, pb),  # noqa: B023

@@ -413,9 +413,7 @@ def bench_estimate(
     compile_s = compile_s or {}
 
     def build_s(config: str) -> float:
-        measured = compile_s.get(config, compile_s.get("blade-relax"))
-        if config in TVM_BUILDS and config not in compile_s:
-            measured = None
+        measured = compile_s.get(config if config in TVM_BUILDS else "blade-relax")
         return measured / costs.host_speedup if measured is not None else costs.tvm_compile_s
 
     builds = TVM_BUILDS + tuple(c for c in configs if c in GEMM_CONFIGS)

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -211,11 +212,26 @@ def _read_tutorial(_out: Path, output: str) -> tuple[str, dict[str, Any]]:
     return (agree[-1] if agree else "no driver check printed"), {"table": table}
 
 
-def _read_bench(out: Path, output: str, step: Step) -> tuple[str, dict[str, Any]]:
+def _read_json_step(
+    step: Step, what: str, summarize: Callable[[dict[str, Any]], tuple[str, dict[str, Any]]]
+) -> tuple[str, dict[str, Any]]:
+    """What a step that writes a JSON (its ``--out``) and a Markdown table beside it found:
+    ``summarize(doc)`` gives the detail line and data of its own; the table goes into the data
+    and is removed from ``$OUT`` (carried in the summary: the files there are counted)."""
     path = Path(step.command[step.command.index("--out") + 1])
     if not path.is_file():
-        return "no benchmark JSON written", {}
+        return f"no {what} JSON written", {}
     doc = json.loads(path.read_text())
+    detail, extra = summarize(doc)
+    data = {"json": path.name, "all_correct": doc.get("all_correct"), **extra}
+    markdown = path.with_suffix(".md")
+    if markdown.is_file():
+        data["table"] = markdown.read_text()
+        markdown.unlink()
+    return detail, data
+
+
+def _bench_found(doc: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     rows = doc.get("results", [])
     wrong = [r for r in rows if r.get("error") or r.get("correct") is False]
     driver = [r for r in rows if r.get("driver_agrees") is not None]
@@ -224,19 +240,10 @@ def _read_bench(out: Path, output: str, step: Step) -> tuple[str, dict[str, Any]
         f"{len(rows) - len(wrong)} of {len(rows)} rows correct against torch; driver agrees "
         f"on {agree} of {len(driver)} TVM rows"
     )
-    markdown = path.with_suffix(".md")
-    data = {"json": path.name, "all_correct": doc.get("all_correct")}
-    if markdown.is_file():
-        data["table"] = markdown.read_text()
-        markdown.unlink()  # carried in the summary: the files in $OUT are counted
-    return detail, data
+    return detail, {}
 
 
-def _read_cuda_graphs(out: Path, output: str, step: Step) -> tuple[str, dict[str, Any]]:
-    path = Path(step.command[step.command.index("--out") + 1])
-    if not path.is_file():
-        return "no cuda-graphs JSON written", {}
-    doc = json.loads(path.read_text())
+def _cuda_graphs_found(doc: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     rows = doc.get("rows", [])
     by = {(r["length"], r["mode"]): r["median_ms"] for r in rows}
     speedups = [
@@ -251,31 +258,29 @@ def _read_cuda_graphs(out: Path, output: str, step: Step) -> tuple[str, dict[str
         f"{', '.join(speedups) or 'not both run'}; pool {pool.get('pool_bytes', 0) / (1 << 20):.2f}"
         f" MiB (largest bucket {pool.get('largest_bytes', 0) / (1 << 20):.2f} MiB)"
     )
-    data = {"json": path.name, "all_correct": doc.get("all_correct"), "pool": pool}
-    markdown = path.with_suffix(".md")
-    if markdown.is_file():
-        data["table"] = markdown.read_text()
-        markdown.unlink()  # carried in the summary: the files in $OUT are counted
-    return detail, data
+    return detail, {"pool": pool}
 
 
-def _read_gemm(out: Path, output: str, step: Step) -> tuple[str, dict[str, Any]]:
-    path = Path(step.command[step.command.index("--out") + 1])
-    if not path.is_file():
-        return "no gemm JSON written", {}
-    doc = json.loads(path.read_text())
+def _gemm_found(doc: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     rows = doc.get("rows", [])
     ratios = [r["tvm_over_torch"] for r in rows]
     correct = sum(1 for r in rows if r.get("correct"))
     detail = f"{correct} of {len(rows)} GEMMs correct against torch"
     if ratios:
         detail += f"; TVM's time / {doc.get('library')}'s: {min(ratios):.2f}x to {max(ratios):.2f}x"
-    data = {"json": path.name, "all_correct": doc.get("all_correct")}
-    markdown = path.with_suffix(".md")
-    if markdown.is_file():
-        data["table"] = markdown.read_text()
-        markdown.unlink()  # carried in the summary: the files in $OUT are counted
-    return detail, data
+    return detail, {}
+
+
+def _read_bench(out: Path, output: str, step: Step) -> tuple[str, dict[str, Any]]:
+    return _read_json_step(step, "benchmark", _bench_found)
+
+
+def _read_cuda_graphs(out: Path, output: str, step: Step) -> tuple[str, dict[str, Any]]:
+    return _read_json_step(step, "cuda-graphs", _cuda_graphs_found)
+
+
+def _read_gemm(out: Path, output: str, step: Step) -> tuple[str, dict[str, Any]]:
+    return _read_json_step(step, "gemm", _gemm_found)
 
 
 def _read(step: Step, out: Path, output: str) -> tuple[str, dict[str, Any]]:
