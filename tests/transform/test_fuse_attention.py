@@ -9,10 +9,12 @@ from typing import TypeVar
 import numpy as np
 import pytest
 import tvm
+from tvm import relax
 from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
+from blade_relax.analysis.workspace import kernel_workspace
 from blade_relax.frontend.builtin import attention_block
 from blade_relax.pipeline import PipelineFlags, get_pipeline
 from blade_relax.testing.differential import ALL_VARIANTS, Variant, compile_checked, measure_call
@@ -224,12 +226,131 @@ class SharedKeys:
             ctx = R.matmul(probs, v)
             R.output(ctx)
         return ctx
+
+
+@I.ir_module
+class CausalAttention:
+    """Two heads of 4 with the mask a Hugging Face model builds: an ``arange`` compared with
+    another (causal), a padding mask indexed, a ``where`` of 0 and the lowest float32; one
+    mask for two attention layers."""
+
+    @R.function
+    def main(qkv: R.Tensor((1, "s", 24), "float32"), qkv2: R.Tensor((1, "s", 24), "float32"), pad: R.Tensor((1, "s"), "bool")):
+        s = T.int64()
+        with R.dataflow():
+            batch = R.arange(0, 1, 1, dtype="int64")
+            keys_at = R.arange(0, s, 1, dtype="int64")
+            rows_at = R.add(R.arange(0, s, 1, dtype="int64"), R.const(0, "int64"))
+            b4 = R.expand_dims(batch, axis=[1, 2, 3])
+            rows = R.expand_dims(rows_at, axis=[0, 1, 3])
+            cols = R.expand_dims(keys_at, axis=[0, 1, 2])
+            causal = R.less_equal(cols, rows)
+            padded = R.index_tensor(pad, (b4, cols))
+            allowed = R.bitwise_and(causal, padded)
+            mask = R.where(allowed, R.full(R.shape([]), R.const(0.0, "float32"), dtype="float32"), R.const(-3.4028234663852886e38, "float32"))
+            parts1 = R.split(qkv, indices_or_sections=[8, 16], axis=2)
+            qh1 = R.permute_dims(R.reshape(parts1[0], R.shape([1, s, 2, 4])), axes=[0, 2, 1, 3])
+            kh1 = R.permute_dims(R.reshape(parts1[1], R.shape([1, s, 2, 4])), axes=[0, 2, 3, 1])
+            vh1 = R.permute_dims(R.reshape(parts1[2], R.shape([1, s, 2, 4])), axes=[0, 2, 1, 3])
+            scores1 = R.multiply(R.matmul(qh1, kh1), R.const(0.5, "float32"))
+            probs1 = R.nn.softmax(R.add(scores1, mask), axis=-1)
+            ctx1 = R.permute_dims(R.matmul(probs1, vh1), axes=[0, 2, 1, 3])
+            out1 = R.reshape(ctx1, R.shape([1, s, 8]))
+            parts2 = R.split(qkv2, indices_or_sections=[8, 16], axis=2)
+            qh2 = R.permute_dims(R.reshape(parts2[0], R.shape([1, s, 2, 4])), axes=[0, 2, 1, 3])
+            kh2 = R.permute_dims(R.reshape(parts2[1], R.shape([1, s, 2, 4])), axes=[0, 2, 3, 1])
+            vh2 = R.permute_dims(R.reshape(parts2[2], R.shape([1, s, 2, 4])), axes=[0, 2, 1, 3])
+            scores2 = R.multiply(R.matmul(qh2, kh2), R.const(0.5, "float32"))
+            probs2 = R.nn.softmax(R.add(scores2, mask), axis=-1)
+            ctx2 = R.permute_dims(R.matmul(probs2, vh2), axes=[0, 2, 1, 3])
+            out2 = R.reshape(ctx2, R.shape([1, s, 8]))
+            both = R.add(out1, out2)
+            R.output(both)
+        return both
+
+@I.ir_module
+class CausalOnly:
+    """The same with a padding mask of ones (``full_like``, as a model without
+    ``attention_mask`` builds it): the mask is causal, and the rows stop at the diagonal."""
+
+    @R.function
+    def main(qkv: R.Tensor((1, "s", 24), "float32"), qkv2: R.Tensor((1, "s", 24), "float32"), pad: R.Tensor((1, "s"), "bool")):
+        s = T.int64()
+        with R.dataflow():
+            batch = R.arange(0, 1, 1, dtype="int64")
+            keys_at = R.arange(0, s, 1, dtype="int64")
+            rows_at = R.add(R.arange(0, s, 1, dtype="int64"), R.const(0, "int64"))
+            b4 = R.expand_dims(batch, axis=[1, 2, 3])
+            rows = R.expand_dims(rows_at, axis=[0, 1, 3])
+            cols = R.expand_dims(keys_at, axis=[0, 1, 2])
+            causal = R.less_equal(cols, rows)
+            ones = R.astype(R.full_like(pad, R.const(1, "int64"), dtype="int64"), dtype="bool")
+            padded = R.index_tensor(ones, (b4, cols))
+            allowed = R.bitwise_and(causal, padded)
+            mask = R.where(allowed, R.full(R.shape([]), R.const(0.0, "float32"), dtype="float32"), R.const(-3.4028234663852886e38, "float32"))
+            parts1 = R.split(qkv, indices_or_sections=[8, 16], axis=2)
+            qh1 = R.permute_dims(R.reshape(parts1[0], R.shape([1, s, 2, 4])), axes=[0, 2, 1, 3])
+            kh1 = R.permute_dims(R.reshape(parts1[1], R.shape([1, s, 2, 4])), axes=[0, 2, 3, 1])
+            vh1 = R.permute_dims(R.reshape(parts1[2], R.shape([1, s, 2, 4])), axes=[0, 2, 1, 3])
+            scores1 = R.multiply(R.matmul(qh1, kh1), R.const(0.5, "float32"))
+            probs1 = R.nn.softmax(R.add(scores1, mask), axis=-1)
+            ctx1 = R.permute_dims(R.matmul(probs1, vh1), axes=[0, 2, 1, 3])
+            out1 = R.reshape(ctx1, R.shape([1, s, 8]))
+            parts2 = R.split(qkv2, indices_or_sections=[8, 16], axis=2)
+            qh2 = R.permute_dims(R.reshape(parts2[0], R.shape([1, s, 2, 4])), axes=[0, 2, 1, 3])
+            kh2 = R.permute_dims(R.reshape(parts2[1], R.shape([1, s, 2, 4])), axes=[0, 2, 3, 1])
+            vh2 = R.permute_dims(R.reshape(parts2[2], R.shape([1, s, 2, 4])), axes=[0, 2, 1, 3])
+            scores2 = R.multiply(R.matmul(qh2, kh2), R.const(0.5, "float32"))
+            probs2 = R.nn.softmax(R.add(scores2, mask), axis=-1)
+            ctx2 = R.permute_dims(R.matmul(probs2, vh2), axes=[0, 2, 1, 3])
+            out2 = R.reshape(ctx2, R.shape([1, s, 8]))
+            both = R.add(out1, out2)
+            R.output(both)
+        return both
+
+@I.ir_module
+class CausalMaskAlsoRead:
+    """The same, with the mask also read outside the attentions: it stays a tensor."""
+
+    @R.function
+    def main(qkv: R.Tensor((1, "s", 24), "float32"), qkv2: R.Tensor((1, "s", 24), "float32"), pad: R.Tensor((1, "s"), "bool")):
+        s = T.int64()
+        with R.dataflow():
+            batch = R.arange(0, 1, 1, dtype="int64")
+            keys_at = R.arange(0, s, 1, dtype="int64")
+            rows_at = R.add(R.arange(0, s, 1, dtype="int64"), R.const(0, "int64"))
+            b4 = R.expand_dims(batch, axis=[1, 2, 3])
+            rows = R.expand_dims(rows_at, axis=[0, 1, 3])
+            cols = R.expand_dims(keys_at, axis=[0, 1, 2])
+            causal = R.less_equal(cols, rows)
+            padded = R.index_tensor(pad, (b4, cols))
+            allowed = R.bitwise_and(causal, padded)
+            mask = R.where(allowed, R.full(R.shape([]), R.const(0.0, "float32"), dtype="float32"), R.const(-3.4028234663852886e38, "float32"))
+            parts1 = R.split(qkv, indices_or_sections=[8, 16], axis=2)
+            qh1 = R.permute_dims(R.reshape(parts1[0], R.shape([1, s, 2, 4])), axes=[0, 2, 1, 3])
+            kh1 = R.permute_dims(R.reshape(parts1[1], R.shape([1, s, 2, 4])), axes=[0, 2, 3, 1])
+            vh1 = R.permute_dims(R.reshape(parts1[2], R.shape([1, s, 2, 4])), axes=[0, 2, 1, 3])
+            scores1 = R.multiply(R.matmul(qh1, kh1), R.const(0.5, "float32"))
+            probs1 = R.nn.softmax(R.add(scores1, mask), axis=-1)
+            ctx1 = R.permute_dims(R.matmul(probs1, vh1), axes=[0, 2, 1, 3])
+            out1 = R.reshape(ctx1, R.shape([1, s, 8]))
+            parts2 = R.split(qkv2, indices_or_sections=[8, 16], axis=2)
+            qh2 = R.permute_dims(R.reshape(parts2[0], R.shape([1, s, 2, 4])), axes=[0, 2, 1, 3])
+            kh2 = R.permute_dims(R.reshape(parts2[1], R.shape([1, s, 2, 4])), axes=[0, 2, 3, 1])
+            vh2 = R.permute_dims(R.reshape(parts2[2], R.shape([1, s, 2, 4])), axes=[0, 2, 1, 3])
+            scores2 = R.multiply(R.matmul(qh2, kh2), R.const(0.5, "float32"))
+            probs2 = R.nn.softmax(R.add(scores2, mask), axis=-1)
+            ctx2 = R.permute_dims(R.matmul(probs2, vh2), axes=[0, 2, 1, 3])
+            out2 = R.reshape(ctx2, R.shape([1, s, 8]))
+            both = R.add(R.add(out1, out2), R.sum(mask))
+            R.output(both)
+        return both
 # fmt: on
 
 
 def _fail_schedule(monkeypatch):
     """Make every schedule of the kernel fail, as one the scheduler cannot apply would."""
-    monkeypatch.setattr(fuse_attention, "_schedule", lambda kernel, copy_keys=False: None)
+    monkeypatch.setattr(fuse_attention, "_schedule", lambda kernel, *args: None)
 
 
 def _loops(func: tvm.tirx.PrimFunc) -> dict[str, list[str]]:
@@ -469,3 +590,109 @@ def test_attention_block_in_the_default_pipeline():
     fuse = FuseAttention()
     fuse(mod)
     assert fuse.report.fused == 1
+
+
+CAUSAL_LENGTHS = [1, 3, 4, 9, 17, 33]
+NO_MASKS = Variant(
+    "attention",
+    pipeline=lambda target: get_pipeline(
+        target,
+        **{**dict.fromkeys(PipelineFlags.switches(), False), **ATTENTION.flags},
+        attention_options=AttentionOptions(absorb_masks=False),
+    ),
+)
+
+
+def _causal_args(module: tvm.IRModule, s: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(s)
+    pad = np.ones((1, s), bool)
+    pad[0, s // 2] = False  # a padded position inside the sequence
+    return [rng.standard_normal((1, s, 24)).astype("float32") for _ in range(2)] + [pad]
+
+
+def test_mask_is_computed_in_the_kernel():
+    """The mask's bindings are copied into both kernels, which read the padding mask and the
+    heads: no ``(1, 1, s, s)`` tensor is left in ``main``. Where the mask is gone, the keys of
+    a head are copied where they fit in what it held (4 s^2 bytes >= 16 s: s >= 4)."""
+    pass_ = FuseAttention()
+    after = pass_(CausalAttention)
+    assert (pass_.report.fused, pass_.report.masks) == (2, 24)
+    main = after["main"]
+    calls = [b.value for b in main.body.blocks[0].bindings if isinstance(b.value, relax.Call)]
+    assert [c.op.name for c in calls] == ["relax.call_tir", "relax.call_tir", "relax.add"]
+    assert [[a.name for a in c.args[1].fields] for c in calls[:2]] == [
+        ["pad", "qkv"],
+        ["pad", "qkv2"],
+    ]
+    assert pass_.last_result["main"].changes[-1] == "24 mask bindings computed in the kernels"
+    kernel = after["fused_attention"]
+    assert "keys = T.sblock_alloc_buffer" in kernel.script()
+    # The workspace (a row of scores, the keys where they fit) is described exactly, from
+    # the lowered kernel, whose sizes divide by powers of two as shifts.
+    ws = kernel_workspace(kernel, "fused_attention")
+    assert ws.exact, ws.notes
+    for length in CAUSAL_LENGTHS:
+        keys = 16 * length if length >= 4 else 0
+        assert ws.evaluate([length]) == 4 * length + keys, length
+
+
+def test_mask_read_elsewhere_stays_and_keys_are_read_in_place():
+    pass_ = FuseAttention()
+    after = pass_(CausalMaskAlsoRead)
+    assert pass_.report.masks == 24
+    assert "R.where" in after["main"].script()  # for R.sum
+    assert "keys" not in after["fused_attention"].script()
+    off = FuseAttention(AttentionOptions(copy_keys_within_mask=False))(CausalAttention)
+    assert "keys" not in off["fused_attention"].script()
+    kept = FuseAttention(AttentionOptions(absorb_masks=False))
+    assert "R.where" in kept(CausalAttention)["main"].script() and kept.report.masks == 0
+
+
+@pytest.mark.parametrize("s", CAUSAL_LENGTHS)
+@pytest.mark.parametrize("module", [CausalAttention, CausalMaskAlsoRead])
+def test_causal_mask_against_the_unfused_graph(module, s):
+    """Bit for bit against the unfused graph (the mask is computed as TVM's kernels compute
+    it), at lengths on both sides of the keys copy; the peak is below the kernel's that reads
+    the mask as a tensor, keys copy included (where the mask stays, no keys are copied)."""
+    args = _causal_args(module, s)
+    runs = {}
+    for name, variant in (("none", STOCK), ("fused", ATTENTION), ("tensor", NO_MASKS)):
+        runs[name] = measure_call(compile_checked(module, variant).vm(), args)
+    _assert_equal(runs["fused"].outputs, runs["none"].outputs)
+    _assert_equal(runs["tensor"].outputs, runs["none"].outputs)
+    if module is CausalAttention:
+        # At s = 4 the keys of a head take exactly what the mask held.
+        saved = runs["tensor"].peak - runs["fused"].peak
+        assert saved == 0 if s == 4 else saved > 0
+    else:  # no keys copied; the mask is made where its other reader needs it
+        assert runs["fused"].peak <= runs["tensor"].peak
+
+
+def test_causal_rows_stop_at_the_diagonal():
+    """With a causal mask and no padding, the kernel proves the mask is the lowest float above
+    the diagonal and 0 on it: row ``i`` computes ``i + 1`` scores (its maximum, sum and
+    ``P @ V`` loops run to ``i + 1``); with a padding mask it cannot, and rows run to ``s``."""
+    kernel = FuseAttention()(CausalOnly)["fused_attention"]
+    assert [p.name for p in kernel.params][-1] == "attention"  # the row length is no parameter
+    loops = _loops(kernel)
+    length = loops["row_sum"][-1]
+    assert re.fullmatch(r"i\d \+ 1", length), loops["row_sum"]
+    assert loops["matmul_1_update"][-2] == length
+    assert loops["row_max_lanes_update"][-2] == f"({length}) // 16"
+    # The keys of a head: all of them (an extent of s written with max and min; no row).
+    assert "s" in loops["keys"][-1] and not re.search(r"\bi\d", loops["keys"][-1])
+    padded = _loops(FuseAttention()(CausalAttention)["fused_attention"])
+    assert padded["row_sum"][-1] == "s"
+    off = _loops(FuseAttention(AttentionOptions(stop_rows=False))(CausalOnly)["fused_attention"])
+    assert off["row_sum"][-1] == "s"
+
+
+@pytest.mark.parametrize("s", CAUSAL_LENGTHS + [40])
+def test_causal_rows_against_the_unfused_graph(s):
+    """Bit for bit: the scores above the diagonal add exact zeros to the sum and to ``P @ V``."""
+    args = _causal_args(CausalOnly, s)
+    args[0] *= 4  # larger scores, so that probabilities differ widely
+    outs = {}
+    for name, variant in (("none", STOCK), ("fused", ATTENTION)):
+        outs[name] = measure_call(compile_checked(CausalOnly, variant).vm(), args).outputs
+    _assert_equal(outs["fused"], outs["none"])

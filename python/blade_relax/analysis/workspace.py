@@ -260,6 +260,11 @@ def _py(expr: Any, reads: Mapping[Any, str], binds: Mapping[Any, Any], depth: in
         a = _py(expr.a, reads, binds, depth + 1)
         b = _py(expr.b, reads, binds, depth + 1)
         return f"({a} {_BINARY[kind]} {b})"
+    if kind in ("RShift", "LShift") and isinstance(_shift_of(expr), int):
+        # The lowering writes a division (product) by a power of two as a shift; sizes are
+        # non-negative, so ``x >> n`` is ``x // 2**n``.
+        a = _py(expr.a, reads, binds, depth + 1)
+        return f"({a} {'//' if kind == 'RShift' else '*'} {2 ** _shift_of(expr)})"
     if kind in ("Min", "Max"):
         a = _py(expr.a, reads, binds, depth + 1)
         b = _py(expr.b, reads, binds, depth + 1)
@@ -267,6 +272,12 @@ def _py(expr: Any, reads: Mapping[Any, str], binds: Mapping[Any, Any], depth: in
     if kind == "Cast" and _is_integer(expr) and _is_integer(expr.value):
         return _py(expr.value, reads, binds, depth + 1)
     raise _Unreadable(f"{kind} in a size")
+
+
+def _shift_of(expr: Any) -> int | None:
+    """The constant amount of a shift (``RShift`` / ``LShift``), or ``None``."""
+    amount = getattr(expr, "b", None)
+    return int(amount.value) if isinstance(amount, tirx.IntImm) else None
 
 
 def _is_integer(expr: Any) -> bool:
