@@ -73,6 +73,12 @@ and casts: results unchanged), from tensors with fewer symbolic axes (an index, 
 padding mask). The original bindings are left for their other readers and removed when none
 is left.
 
+Where the kernel computes a causal mask and proves it (``AttentionOptions.stop_rows``), row
+``i`` stops at the diagonal: its scores, maximum, sum and ``P @ V`` run over ``i + 1`` keys,
+the rest adding exact zeros (see ``_masked_above_diagonal``); half the work at the same
+results. The stages are written over a row length that the schedule, once done, sets to
+``i + 1`` under the row loop (the blocks made opaque first) and to ``s`` outside it.
+
 The loops are built with TE and an ``s_tir.Schedule`` (``compute_at`` under the row loop,
 ``reorder`` and ``decompose_reduction`` of the reductions), which work for a symbolic ``s``.
 Where a schedule step fails, the kernel is the plain TE one (``topi.nn.softmax``, keys read
