@@ -10,7 +10,13 @@ All return an :class:`ImportedGraph`. torch and transformers are imported only w
 Face importer is called.
 """
 
-from .hf import TiedParameterError, import_inference, import_training_step, torch_to_numpy
+from .hf import (
+    TiedParameterError,
+    UnsupportedOperatorError,
+    import_inference,
+    import_training_step,
+    torch_to_numpy,
+)
 from .imported import (
     DimOutOfRangeError,
     DimRange,
@@ -27,6 +33,7 @@ __all__ = [
     "DimRange",
     "ImportedGraph",
     "TiedParameterError",
+    "UnsupportedOperatorError",
     "drop_upper_bounds",
     "flatten_outputs",
     "import_inference",

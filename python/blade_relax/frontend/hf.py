@@ -27,6 +27,7 @@ decomposition fails on them (``Tensor dtype mismatch! Expected: torch.bfloat16``
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -47,11 +48,13 @@ from .imported import (
 __all__ = [
     "AUTOCAST_DTYPES",
     "TiedParameterError",
+    "UnsupportedOperatorError",
     "import_inference",
     "import_training_step",
     "inference_reference",
     "torch_to_numpy",
     "training_reference",
+    "unsupported_reason",
 ]
 
 _PREFIX = "model."
@@ -61,6 +64,46 @@ AUTOCAST_DTYPES = ("bfloat16", "float16")
 
 class TiedParameterError(ValueError):
     """A tied (shared) parameter that the training import cannot handle as asked."""
+
+
+class UnsupportedOperatorError(ValueError):
+    """The exported model uses ATen operators that neither TVM's importer nor our converters
+    handle: the model is refused before anything is compiled.
+
+    Attributes
+    ----------
+    architecture
+        The model's ``config.model_type`` (``None`` when it has none).
+    operators
+        The operators, as the exported graph names them (``histc.default``).
+    """
+
+    def __init__(self, architecture: str | None, operators: Sequence[str]) -> None:
+        self.architecture = architecture
+        self.operators = tuple(operators)
+        reasons = "; ".join(f"{op} ({unsupported_reason(op)})" for op in self.operators)
+        super().__init__(
+            f"{architecture or 'this model'} is not supported: no converter for {reasons}"
+        )
+
+
+#: Why an operator is not imported, by the name of its overload packet (what precedes ``.``).
+_UNSUPPORTED_REASONS = {
+    "histc": "a mixture-of-experts router's count of tokens per expert, known only at run time",
+    "grouped_mm_fallback": "the grouped GEMM of a mixture-of-experts layer's experts",
+    "grouped_mm_fallback_backward": "the backward of the experts' grouped GEMM",
+    "_grouped_mm": "the grouped GEMM of a mixture-of-experts layer's experts",
+}
+
+
+def unsupported_reason(operator: str) -> str:
+    """Why ``operator`` (``histc.default``) cannot be imported, in a few words."""
+    packet = operator.split(".", 1)[0]
+    return _UNSUPPORTED_REASONS.get(packet, "one can be passed as custom_converters")
+
+
+def _model_type(model: Any) -> str | None:
+    return getattr(getattr(model, "config", None), "model_type", None)
 
 
 def _torch():
@@ -356,16 +399,29 @@ def _finish(
 
 
 def _import(
-    ep: Any, custom_converters: dict | None, decompose: bool, accumulate: str | None = None
+    ep: Any,
+    custom_converters: dict | None,
+    decompose: bool,
+    accumulate: str | None = None,
+    architecture: str | None = None,
 ) -> tvm.IRModule:
+    """``from_exported_program`` with our converters; a model with operators no converter
+    handles is refused with :class:`UnsupportedOperatorError` (TVM asserts, naming them)."""
     from tvm.relax.frontend.torch import from_exported_program
 
-    return from_exported_program(
-        ep,
-        keep_params_as_input=True,
-        run_ep_decomposition=decompose,
-        custom_convert_map=custom_convert_map(custom_converters, accumulate=accumulate),
-    )
+    try:
+        return from_exported_program(
+            ep,
+            keep_params_as_input=True,
+            run_ep_decomposition=decompose,
+            custom_convert_map=custom_convert_map(custom_converters, accumulate=accumulate),
+        )
+    except AssertionError as err:
+        found = re.search(r"Unsupported function types \[(.*?)\]", str(err))
+        if found is None:
+            raise
+        operators = [op.strip().strip("'\"") for op in found.group(1).split(",")]
+        raise UnsupportedOperatorError(architecture, sorted(operators)) from err
 
 
 def import_inference(
@@ -424,7 +480,7 @@ def import_inference(
     )
     with _export_settings(model, attn_implementation):
         ep = torch.export.export(wrapper, example, dynamic_shapes=dynamic)
-        mod = _import(ep, custom_converters, decompose=True)
+        mod = _import(ep, custom_converters, decompose=True, architecture=_model_type(model))
     mod, names, arrays = _finish(mod, ep, 1, dynamic["input_ids"], keep_upper_bound)
     batch_axis: int | str = "b" if max_batch_size is not None else batch_size
     named = dict(model.named_parameters(remove_duplicate=False))
@@ -709,7 +765,9 @@ def import_training_step(
         grad_targets = _relabel_gradients(joint)
         # torch sums 16-bit products in float32 and rounds once; autocast graphs do the same.
         accumulate = None if autocast is None else "float32"
-        mod = _import(joint, custom_converters, decompose=False, accumulate=accumulate)
+        mod = _import(
+            joint, custom_converters, False, accumulate=accumulate, architecture=_model_type(model)
+        )
     mod, names, arrays = _finish(mod, joint, num_input, dynamic["input_ids"], keep_upper_bound)
     targets = [t[len(_PREFIX) :] if t.startswith(_PREFIX) else t for t in grad_targets]
     if not set(targets) <= set(names):

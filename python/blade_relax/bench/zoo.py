@@ -1,0 +1,300 @@
+"""The architecture zoo: causal LMs of transformers' mapping, tiny configs with random weights,
+each imported as a training step, compiled with the default pipeline, checked against torch
+(loss and every gradient) and measured against torch eager's peak at a few lengths.
+
+``python -m blade_relax.bench.zoo --out docs/results/architectures.json`` runs every entry of
+:data:`ARCHITECTURES` and :data:`REFUSED` and prints a table; ``python -m blade_relax.bench.docs``
+turns the JSON into the README's architecture table. The tests run the same
+:func:`check_architecture` (``tests/frontend/test_hf_architectures.py``).
+
+Left out: OPT, whose key-projection bias gets a gradient that is zero in exact arithmetic (a
+constant added to every key of a row leaves its softmax unchanged), so the relative error of
+two rounding noises says nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .._cliutil import CliError, OneLineParser, check_output_path
+
+__all__ = [
+    "ARCHITECTURES",
+    "LENGTHS",
+    "MAX_LEN",
+    "REFUSED",
+    "ArchitectureResult",
+    "check_architecture",
+    "main",
+    "tiny_config",
+]
+
+DEFAULT_PROG = "python -m blade_relax.bench.zoo"
+#: The longest sequence each step is exported for, and the lengths it is measured at.
+MAX_LEN = 64
+LENGTHS = (5, 17, 40)
+#: The sizes every tiny config shares (names as most configs spell them; the rest map them).
+TINY = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=MAX_LEN,
+)
+#: How a dropout probability's name ends in transformers' configs.
+_DROPOUT_SUFFIXES = ("dropout", "pdrop", "dropout_prob", "dropout_rate")
+
+
+def tiny_config(model_type: str, **overrides: Any) -> Any:
+    """A tiny config of ``model_type`` (:data:`TINY`, then ``overrides``), dropout off as in
+    every benchmark model (the step is exported in eval mode, and torch eager runs the module
+    as it is)."""
+    import transformers
+
+    return _without_dropout(transformers.AutoConfig.for_model(model_type, **{**TINY, **overrides}))
+
+
+def _without_dropout(config: Any) -> Any:
+    """``config`` with every dropout probability 0 (``attention_dropout``, ``resid_pdrop``,
+    SeedOss's ``residual_dropout``...): torch eager would otherwise drop what the exported
+    step does not."""
+    for name, value in config.to_dict().items():
+        if name.endswith(_DROPOUT_SUFFIXES) and isinstance(value, float):
+            setattr(config, name, 0.0)
+    return config
+
+
+def _falcon() -> Any:
+    """Falcon's new decoder architecture (grouped keys and values, parallel attention): keys
+    indexed from the end (``[-2]``), a backward with ``new_empty_strided``, Python's ``pow``
+    on sizes and an ``index_put`` along an inner axis; its attention is chosen through the
+    config."""
+    import transformers
+
+    sizes = {k: v for k, v in TINY.items() if k != "head_dim"}  # a property of its config
+    config = transformers.FalconConfig(**sizes, new_decoder_architecture=True, num_kv_heads=2)
+    return _without_dropout(config)
+
+
+def _tiny(model_type: str, **overrides: Any) -> Callable[[], Any]:
+    return lambda: tiny_config(model_type, **overrides)
+
+
+#: Architectures imported and checked, by ``model_type``: a function making the tiny config.
+ARCHITECTURES: dict[str, Callable[[], Any]] = {
+    "bloom": _tiny("bloom"),
+    "cohere": _tiny("cohere"),
+    "falcon": _falcon,
+    "gemma": _tiny("gemma"),
+    "gemma2": _tiny("gemma2"),
+    "gemma3_text": _tiny("gemma3_text"),
+    "glm": _tiny("glm", pad_token_id=0),
+    "gpt2": _tiny("gpt2"),
+    # Multi-query attention: views compared as symbolic shapes.
+    "gpt_bigcode": _tiny("gpt_bigcode", multi_query=True),
+    "gpt_neox": _tiny("gpt_neox"),
+    "gptj": _tiny("gptj", rotary_dim=4),
+    "granite": _tiny("granite"),
+    "helium": _tiny("helium"),
+    "llama": _tiny("llama"),
+    "mistral": _tiny("mistral"),
+    "olmo": _tiny("olmo"),
+    "olmo2": _tiny("olmo2"),
+    "phi": _tiny("phi"),
+    "phi3": _tiny("phi3", pad_token_id=0),
+    "qwen2": _tiny("qwen2"),
+    "qwen3": _tiny("qwen3"),
+    "seed_oss": _tiny("seed_oss"),
+    "smollm3": _tiny("smollm3", pad_token_id=0),
+    "stablelm": _tiny("stablelm"),
+    "starcoder2": _tiny("starcoder2"),
+}
+#: Architectures refused at import, with the operators that refuse them: mixture-of-experts
+#: models, whose router's token counts per expert are known only at run time.
+REFUSED: dict[str, tuple[Callable[[], Any], tuple[str, ...]]] = {
+    "mixtral": (_tiny("mixtral", num_local_experts=4, num_experts_per_tok=2), ("histc",)),
+    "qwen3_moe": (_tiny("qwen3_moe", num_experts=4, num_experts_per_tok=2), ("histc",)),
+}
+
+
+@dataclass
+class ArchitectureResult:
+    """What :func:`check_architecture` found for one architecture.
+
+    Attributes
+    ----------
+    architecture
+        The ``model_type``.
+    status
+        ``"supported"`` (imported, every length correct), ``"incorrect"`` (imported, some
+        length wrong) or ``"refused"`` (refused at import, :attr:`reason` says why).
+    lengths
+        The lengths measured.
+    peaks, eager_peaks
+        Peak bytes of ``blade-relax`` and of ``torch-eager`` per length.
+    max_rel_error
+        The largest relative error against torch over lengths, loss and gradients.
+    reason
+        Why it was refused (the operators and what they do).
+    seconds
+        Import, compilation and measurement, in seconds.
+    """
+
+    architecture: str
+    status: str
+    lengths: tuple[int, ...] = ()
+    peaks: tuple[int, ...] = ()
+    eager_peaks: tuple[int, ...] = ()
+    max_rel_error: float | None = None
+    reason: str = ""
+    seconds: float = 0.0
+
+    @property
+    def peak_ratios(self) -> tuple[float, ...]:
+        """``blade-relax``'s peak over torch eager's, per length."""
+        return tuple(ours / eager for ours, eager in zip(self.peaks, self.eager_peaks))
+
+    @property
+    def at_or_below_eager(self) -> bool:
+        return bool(self.peaks) and all(r <= 1.0 for r in self.peak_ratios)
+
+
+def _model(config: Any) -> Any:
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def check_architecture(
+    architecture: str, lengths: Sequence[int] = LENGTHS
+) -> tuple[ArchitectureResult, Any]:
+    """Import, compile, check and measure one architecture of :data:`ARCHITECTURES` or
+    :data:`REFUSED`.
+
+    Returns
+    -------
+    (ArchitectureResult, BenchResult or None)
+        The summary and the benchmark's result (``None`` when the model was refused).
+
+    Raises
+    ------
+    ValueError
+        For an architecture in neither table.
+    """
+    from ..frontend import UnsupportedOperatorError, import_training_step
+    from .runner import run_benchmark
+    from .workloads import ModelSizes, Workload
+
+    if architecture in REFUSED:
+        make = REFUSED[architecture][0]
+    elif architecture in ARCHITECTURES:
+        make = ARCHITECTURES[architecture]
+    else:
+        known = ", ".join(sorted({*ARCHITECTURES, *REFUSED}))
+        raise ValueError(f"unknown architecture {architecture!r}; the zoo has {known}")
+    start = time.perf_counter()
+    try:
+        graph = import_training_step(_model(make()), max_seq_len=MAX_LEN)
+    except UnsupportedOperatorError as err:
+        return ArchitectureResult(architecture, "refused", reason=str(err)), None
+    workload = Workload(architecture, ModelSizes(max_seq_len=MAX_LEN), graph)
+    result = run_benchmark(workload, ["blade-relax", "torch-eager"], list(lengths), repeat=1)
+    rows = {(r.config, r.seq_len): r for r in result.measurements}
+    ours = [rows["blade-relax", n] for n in lengths]
+    summary = ArchitectureResult(
+        architecture,
+        "supported" if result.all_correct else "incorrect",
+        tuple(lengths),
+        tuple(r.peak_bytes for r in ours),
+        tuple(rows["torch-eager", n].peak_bytes for n in lengths),
+        max((r.max_rel_error or 0.0) for r in ours),
+        seconds=time.perf_counter() - start,
+    )
+    return summary, result
+
+
+def table(results: Sequence[ArchitectureResult]) -> str:
+    """A markdown table, one row per architecture."""
+    lengths = next((r.lengths for r in results if r.lengths), LENGTHS)
+    head = " | ".join(f"peak ÷ eager, s={n}" for n in lengths)
+    lines = [
+        f"| architecture | status | max rel. error | {head} |",
+        "|---|---|---:|" + "---:|" * len(lengths),
+    ]
+    for r in results:
+        if r.status == "refused":
+            lines.append(f"| {r.architecture} | refused: {r.reason} |" + " |" * (len(lengths) + 1))
+            continue
+        ratios = " | ".join(f"{x:.3f}" for x in r.peak_ratios)
+        lines.append(f"| {r.architecture} | {r.status} | {r.max_rel_error:.1e} | {ratios} |")
+    return "\n".join(lines)
+
+
+def build_parser(prog: str = DEFAULT_PROG) -> OneLineParser:
+    parser = OneLineParser(
+        prog=prog,
+        description="Import, check against torch and measure every architecture of the zoo "
+        "(tiny configs, random weights) as a training step.",
+    )
+    parser.add_argument(
+        "--only", default=None, help="comma-separated architectures (default: all of them)"
+    )
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, prog: str = DEFAULT_PROG) -> int:
+    """Entry point: prints the table; 0 when every architecture is supported or refused as
+    expected, 1 otherwise, 2 on bad input."""
+    names = [*ARCHITECTURES, *REFUSED]
+    try:
+        args = build_parser(prog).parse_args(argv)
+        if args.only:
+            names = [n.strip() for n in args.only.split(",") if n.strip()]
+            unknown = [n for n in names if n not in ARCHITECTURES and n not in REFUSED]
+            if unknown:
+                raise CliError(f"unknown architecture(s) {', '.join(unknown)} (see --help)")
+        check_output_path(args.out, "--out")
+    except CliError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+    from .report import provenance
+
+    results = []
+    for name in sorted(names):
+        if not args.quiet:
+            print(f"... {name}", file=sys.stderr, flush=True)
+        results.append(check_architecture(name)[0])
+    print(table(results))
+    if args.out:
+        command = " ".join([prog, *(argv if argv is not None else sys.argv[1:])])
+        document = {
+            "schema": 1,
+            "provenance": provenance(command),
+            "max_len": MAX_LEN,
+            "results": [dataclasses.asdict(r) for r in results],
+        }
+        with open(args.out, "w") as f:
+            json.dump(document, f, indent=1)
+            f.write("\n")
+    expected = all(
+        (r.status == "refused") == (r.architecture in REFUSED) and r.status != "incorrect"
+        for r in results
+    )
+    return 0 if expected else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
