@@ -463,14 +463,16 @@ def test_the_eviction_modes_run_the_budgeted_build():
     assert all(f"| {n} |" in table for n in names)
 
 
-def test_the_readme_shows_the_programs_commands_and_steps(tmp_path):
+def test_the_docs_show_the_programs_commands_and_steps(tmp_path):
+    """The README points to docs/gpu, whose first section gives the commands and the steps."""
     import re
     import shlex
 
     from blade_relax.gpuprog.__main__ import _parser
 
-    text = (ROOT / "README.md").read_text()
-    start = text.index("\n## Running on a GPU\n")
+    assert "docs/gpu/README.md#how-the-program-runs" in (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "gpu" / "README.md").read_text()
+    start = text.index("\n## How the program runs\n")
     end = text.find("\n## ", start + 1)
     section = text[start : end if end > 0 else len(text)]
     commands = []

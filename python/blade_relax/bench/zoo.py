@@ -224,21 +224,28 @@ def check_architecture(
     return summary, result
 
 
-def table(results: Sequence[ArchitectureResult]) -> str:
-    """A markdown table, one row per architecture."""
+def table(results: Sequence[ArchitectureResult], per_row: int = 1) -> str:
+    """A markdown table, ``per_row`` architectures a row, and a line per refused one saying
+    why."""
     lengths = next((r.lengths for r in results if r.lengths), LENGTHS)
-    head = " | ".join(f"peak ÷ eager, s={n}" for n in lengths)
-    lines = [
-        f"| architecture | status | max rel. error | {head} |",
-        "|---|---|---:|" + "---:|" * len(lengths),
-    ]
+    at = ", ".join(str(n) for n in lengths)
+    head = f"architecture | max rel. error | peak ÷ eager at s = {at}"
+    cells = []
     for r in results:
         if r.status == "refused":
-            lines.append(f"| {r.architecture} | refused: {r.reason} |" + " |" * (len(lengths) + 1))
-            continue
-        ratios = " | ".join(f"{x:.3f}" for x in r.peak_ratios)
-        lines.append(f"| {r.architecture} | {r.status} | {r.max_rel_error:.1e} | {ratios} |")
-    return "\n".join(lines)
+            cells.append(f"{r.architecture} | refused (below) | ")
+        else:
+            ratios = ", ".join(f"{x:.3f}" for x in r.peak_ratios)
+            status = "" if r.status == "supported" else f" ({r.status})"
+            cells.append(f"{r.architecture}{status} | {r.max_rel_error:.1e} | {ratios}")
+    rows = [cells[i : i + per_row] for i in range(0, len(cells), per_row)]
+    lines = [
+        "| " + " | ".join([head] * per_row) + " |",
+        "|" + "---|---:|---|" * per_row,
+        *("| " + " | ".join(row + [" | | "] * (per_row - len(row))) + " |" for row in rows),
+    ]
+    refused = [f"- {r.reason}" for r in results if r.status == "refused"]
+    return "\n".join([*lines, *([""] + refused if refused else [])])
 
 
 def build_parser(prog: str = DEFAULT_PROG) -> OneLineParser:

@@ -1,0 +1,46 @@
+"""The zoo's table and command line (the architectures themselves: tests/frontend)."""
+
+from __future__ import annotations
+
+from blade_relax.bench import docs, zoo
+from blade_relax.bench.zoo import ArchitectureResult, main, table
+
+ROWS = [
+    ArchitectureResult("a", "supported", (5, 17), (100, 90), (100, 100), 1e-7),
+    ArchitectureResult("b", "supported", (5, 17), (100, 110), (100, 100), 2e-7),
+    ArchitectureResult("c", "refused", reason="c is not supported: no converter for x.default (y)"),
+]
+
+
+def test_ratios_and_standing():
+    assert ROWS[0].peak_ratios == (1.0, 0.9) and ROWS[0].at_or_below_eager
+    assert not ROWS[1].at_or_below_eager and not ROWS[2].at_or_below_eager
+
+
+def test_table_one_and_two_a_row():
+    one = table(ROWS).splitlines()
+    assert one[0] == "| architecture | max rel. error | peak ÷ eager at s = 5, 17 |"
+    assert one[2] == "| a | 1.0e-07 | 1.000, 0.900 |"
+    assert one[4] == "| c | refused (below) |  |"
+    assert one[-1] == "- c is not supported: no converter for x.default (y)"
+    two = table(ROWS, per_row=2).splitlines()
+    assert two[2] == "| a | 1.0e-07 | 1.000, 0.900 | b | 2.0e-07 | 1.000, 1.100 |"
+    assert two[3].count("|") == two[2].count("|")  # the last row padded
+
+
+def test_readme_block_from_a_document():
+    document = {
+        "provenance": {"commit": "abc1234", "date": "2026-11-29", "command": "zoo --out f"},
+        "results": [vars(r) for r in ROWS],
+    }
+    block = docs.architectures_block(document)
+    assert block.startswith(docs.ARCHITECTURES_BEGIN) and block.endswith(docs.ARCHITECTURES_END)
+    assert "2 match torch (loss and every gradient), 1 of them at or below" in block
+    assert "commit `abc1234` on 2026-11-29 by `zoo --out f`" in block
+
+
+def test_bad_input_is_one_line(capsys):
+    assert main(["--only", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown architecture(s) nope" in err
+    assert set(zoo.REFUSED).isdisjoint(zoo.ARCHITECTURES)
