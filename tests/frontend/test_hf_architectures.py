@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 #: Architectures whose step is correct but peaks above torch eager's at some tested length, and
 #: what was measured. The test fails when one of them no longer does (then drop it from here).
 PEAK_ABOVE_EAGER = {
-    "bloom": "its ALiBi bias, an (h, s, s) tensor built once and read by every layer",
+    "bloom": "about 0.5 % above at s = 17 when measured",
     "cohere": "about 1.5 % above at s = 40 when measured",
     "gpt_bigcode": "about 1 % above at s = 40 when measured",
     "gpt_neox": "about 1-2 % above at s = 17 and 40 when measured",

@@ -682,7 +682,7 @@ def _softmax(
     the unfused graph's. The quotient is the accessor returned, not a stage: ``P @ V`` divides
     as it reads, once per element of ``P`` (the division is invariant in its inner loop), and
     holds no row of ``P``. With ``length``, the maximum and the sum run over the first
-    ``length`` scores of a row (see :func:`_row_length`).
+    ``length`` scores of a row (see :func:`_masked_above_diagonal`).
     """
     length = shape[-1] if length is None else length
     row_max = _lane_max(scores, shape, "row_max", length)
@@ -758,6 +758,8 @@ def _mask_accessor(
     if name in _FILL_OPS:
         fill = {"relax.zeros": 0, "relax.ones": 1}.get(name)
         if fill is None:
+            if not isinstance(args[1], tvm.ir.expr.Constant):
+                raise _Unsupported("a fill with a value that is not a constant")
             data = _constant_array(args[1])
             if data.ndim != 0:
                 raise _Unsupported("a fill with a value that is not a constant scalar")
