@@ -311,7 +311,6 @@ def test_budget_changes_no_loss_and_no_parameter(graph, run, budget_of):
     for reference, record in records:
         assert record.loss == reference.loss  # bitwise: eviction recomputes the same values
         assert record.length == reference.length and record.step == reference.step
-        assert record.evictions >= 0 and record.regenerations >= 0
         assert record.peak_bytes == budgeted.persistent_bytes + record.step_peak_bytes
     # Otherwise the equalities above would say nothing about rematerialization.
     assert sum(record.evictions for _, record in records) > 0
@@ -329,7 +328,8 @@ def test_fit_with_a_budget_matches_fit_without(graph, run):
         warnings.simplefilter("ignore", RematBudgetWarning)
         got = budgeted.fit(batches, budget=0.5, progress=False)
     assert got.losses == want.losses
-    assert all(r.evictions >= 0 for r in got.records)
+    assert sum(r.evictions for r in got.records) > 0  # the budget made it evict
+    assert not any(r.evictions for r in want.records)
 
 
 @pytest.mark.parametrize(
