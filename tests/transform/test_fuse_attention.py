@@ -228,14 +228,15 @@ class SharedKeys:
         return ctx
 
 
+# The attention of two layers sharing the mask a Hugging Face model builds: an ``arange``
+# compared with another (causal), a padding mask indexed, a ``where`` of 0 and the lowest
+# float32; two heads of 4. ``{padding}`` is the (1, s) padding mask, ``{result}`` what ``both``
+# is.
+_CAUSAL_TEMPLATE = """
 @I.ir_module
-class CausalAttention:
-    """Two heads of 4 with the mask a Hugging Face model builds: an ``arange`` compared with
-    another (causal), a padding mask indexed, a ``where`` of 0 and the lowest float32; one
-    mask for two attention layers."""
-
+class Module:
     @R.function
-    def main(qkv: R.Tensor((1, "s", 24), "float32"), qkv2: R.Tensor((1, "s", 24), "float32"), pad: R.Tensor((1, "s"), "bool")):
+    def main(qkv1: R.Tensor((1, "s", 24), "float32"), qkv2: R.Tensor((1, "s", 24), "float32"), pad: R.Tensor((1, "s"), "bool")):
         s = T.int64()
         with R.dataflow():
             batch = R.arange(0, 1, 1, dtype="int64")
@@ -245,106 +246,40 @@ class CausalAttention:
             rows = R.expand_dims(rows_at, axis=[0, 1, 3])
             cols = R.expand_dims(keys_at, axis=[0, 1, 2])
             causal = R.less_equal(cols, rows)
-            padded = R.index_tensor(pad, (b4, cols))
+            padded = R.index_tensor({padding}, (b4, cols))
             allowed = R.bitwise_and(causal, padded)
             mask = R.where(allowed, R.full(R.shape([]), R.const(0.0, "float32"), dtype="float32"), R.const(-3.4028234663852886e38, "float32"))
-            parts1 = R.split(qkv, indices_or_sections=[8, 16], axis=2)
-            qh1 = R.permute_dims(R.reshape(parts1[0], R.shape([1, s, 2, 4])), axes=[0, 2, 1, 3])
-            kh1 = R.permute_dims(R.reshape(parts1[1], R.shape([1, s, 2, 4])), axes=[0, 2, 3, 1])
-            vh1 = R.permute_dims(R.reshape(parts1[2], R.shape([1, s, 2, 4])), axes=[0, 2, 1, 3])
-            scores1 = R.multiply(R.matmul(qh1, kh1), R.const(0.5, "float32"))
-            probs1 = R.nn.softmax(R.add(scores1, mask), axis=-1)
-            ctx1 = R.permute_dims(R.matmul(probs1, vh1), axes=[0, 2, 1, 3])
-            out1 = R.reshape(ctx1, R.shape([1, s, 8]))
-            parts2 = R.split(qkv2, indices_or_sections=[8, 16], axis=2)
-            qh2 = R.permute_dims(R.reshape(parts2[0], R.shape([1, s, 2, 4])), axes=[0, 2, 1, 3])
-            kh2 = R.permute_dims(R.reshape(parts2[1], R.shape([1, s, 2, 4])), axes=[0, 2, 3, 1])
-            vh2 = R.permute_dims(R.reshape(parts2[2], R.shape([1, s, 2, 4])), axes=[0, 2, 1, 3])
-            scores2 = R.multiply(R.matmul(qh2, kh2), R.const(0.5, "float32"))
-            probs2 = R.nn.softmax(R.add(scores2, mask), axis=-1)
-            ctx2 = R.permute_dims(R.matmul(probs2, vh2), axes=[0, 2, 1, 3])
-            out2 = R.reshape(ctx2, R.shape([1, s, 8]))
-            both = R.add(out1, out2)
+{layers}            both = {result}
             R.output(both)
         return both
+"""
+_CAUSAL_LAYER = """            parts{n} = R.split(qkv{n}, indices_or_sections=[8, 16], axis=2)
+            qh{n} = R.permute_dims(R.reshape(parts{n}[0], R.shape([1, s, 2, 4])), axes=[0, 2, 1, 3])
+            kh{n} = R.permute_dims(R.reshape(parts{n}[1], R.shape([1, s, 2, 4])), axes=[0, 2, 3, 1])
+            vh{n} = R.permute_dims(R.reshape(parts{n}[2], R.shape([1, s, 2, 4])), axes=[0, 2, 1, 3])
+            scores{n} = R.multiply(R.matmul(qh{n}, kh{n}), R.const(0.5, "float32"))
+            probs{n} = R.nn.softmax(R.add(scores{n}, mask), axis=-1)
+            ctx{n} = R.permute_dims(R.matmul(probs{n}, vh{n}), axes=[0, 2, 1, 3])
+            out{n} = R.reshape(ctx{n}, R.shape([1, s, 8]))
+"""
 
-@I.ir_module
-class CausalOnly:
-    """The same with a padding mask of ones (``full_like``, as a model without
-    ``attention_mask`` builds it): the mask is causal, and the rows stop at the diagonal."""
 
-    @R.function
-    def main(qkv: R.Tensor((1, "s", 24), "float32"), qkv2: R.Tensor((1, "s", 24), "float32"), pad: R.Tensor((1, "s"), "bool")):
-        s = T.int64()
-        with R.dataflow():
-            batch = R.arange(0, 1, 1, dtype="int64")
-            keys_at = R.arange(0, s, 1, dtype="int64")
-            rows_at = R.add(R.arange(0, s, 1, dtype="int64"), R.const(0, "int64"))
-            b4 = R.expand_dims(batch, axis=[1, 2, 3])
-            rows = R.expand_dims(rows_at, axis=[0, 1, 3])
-            cols = R.expand_dims(keys_at, axis=[0, 1, 2])
-            causal = R.less_equal(cols, rows)
-            ones = R.astype(R.full_like(pad, R.const(1, "int64"), dtype="int64"), dtype="bool")
-            padded = R.index_tensor(ones, (b4, cols))
-            allowed = R.bitwise_and(causal, padded)
-            mask = R.where(allowed, R.full(R.shape([]), R.const(0.0, "float32"), dtype="float32"), R.const(-3.4028234663852886e38, "float32"))
-            parts1 = R.split(qkv, indices_or_sections=[8, 16], axis=2)
-            qh1 = R.permute_dims(R.reshape(parts1[0], R.shape([1, s, 2, 4])), axes=[0, 2, 1, 3])
-            kh1 = R.permute_dims(R.reshape(parts1[1], R.shape([1, s, 2, 4])), axes=[0, 2, 3, 1])
-            vh1 = R.permute_dims(R.reshape(parts1[2], R.shape([1, s, 2, 4])), axes=[0, 2, 1, 3])
-            scores1 = R.multiply(R.matmul(qh1, kh1), R.const(0.5, "float32"))
-            probs1 = R.nn.softmax(R.add(scores1, mask), axis=-1)
-            ctx1 = R.permute_dims(R.matmul(probs1, vh1), axes=[0, 2, 1, 3])
-            out1 = R.reshape(ctx1, R.shape([1, s, 8]))
-            parts2 = R.split(qkv2, indices_or_sections=[8, 16], axis=2)
-            qh2 = R.permute_dims(R.reshape(parts2[0], R.shape([1, s, 2, 4])), axes=[0, 2, 1, 3])
-            kh2 = R.permute_dims(R.reshape(parts2[1], R.shape([1, s, 2, 4])), axes=[0, 2, 3, 1])
-            vh2 = R.permute_dims(R.reshape(parts2[2], R.shape([1, s, 2, 4])), axes=[0, 2, 1, 3])
-            scores2 = R.multiply(R.matmul(qh2, kh2), R.const(0.5, "float32"))
-            probs2 = R.nn.softmax(R.add(scores2, mask), axis=-1)
-            ctx2 = R.permute_dims(R.matmul(probs2, vh2), axes=[0, 2, 1, 3])
-            out2 = R.reshape(ctx2, R.shape([1, s, 8]))
-            both = R.add(out1, out2)
-            R.output(both)
-        return both
+def _causal_module(padding: str, result: str) -> tvm.IRModule:
+    layers = "".join(_CAUSAL_LAYER.format(n=n) for n in (1, 2))
+    text = _CAUSAL_TEMPLATE.format(padding=padding, layers=layers, result=result)
+    return tvm.script.from_source(text)
 
-@I.ir_module
-class CausalMaskAlsoRead:
-    """The same, with the mask also read outside the attentions: it stays a tensor."""
 
-    @R.function
-    def main(qkv: R.Tensor((1, "s", 24), "float32"), qkv2: R.Tensor((1, "s", 24), "float32"), pad: R.Tensor((1, "s"), "bool")):
-        s = T.int64()
-        with R.dataflow():
-            batch = R.arange(0, 1, 1, dtype="int64")
-            keys_at = R.arange(0, s, 1, dtype="int64")
-            rows_at = R.add(R.arange(0, s, 1, dtype="int64"), R.const(0, "int64"))
-            b4 = R.expand_dims(batch, axis=[1, 2, 3])
-            rows = R.expand_dims(rows_at, axis=[0, 1, 3])
-            cols = R.expand_dims(keys_at, axis=[0, 1, 2])
-            causal = R.less_equal(cols, rows)
-            padded = R.index_tensor(pad, (b4, cols))
-            allowed = R.bitwise_and(causal, padded)
-            mask = R.where(allowed, R.full(R.shape([]), R.const(0.0, "float32"), dtype="float32"), R.const(-3.4028234663852886e38, "float32"))
-            parts1 = R.split(qkv, indices_or_sections=[8, 16], axis=2)
-            qh1 = R.permute_dims(R.reshape(parts1[0], R.shape([1, s, 2, 4])), axes=[0, 2, 1, 3])
-            kh1 = R.permute_dims(R.reshape(parts1[1], R.shape([1, s, 2, 4])), axes=[0, 2, 3, 1])
-            vh1 = R.permute_dims(R.reshape(parts1[2], R.shape([1, s, 2, 4])), axes=[0, 2, 1, 3])
-            scores1 = R.multiply(R.matmul(qh1, kh1), R.const(0.5, "float32"))
-            probs1 = R.nn.softmax(R.add(scores1, mask), axis=-1)
-            ctx1 = R.permute_dims(R.matmul(probs1, vh1), axes=[0, 2, 1, 3])
-            out1 = R.reshape(ctx1, R.shape([1, s, 8]))
-            parts2 = R.split(qkv2, indices_or_sections=[8, 16], axis=2)
-            qh2 = R.permute_dims(R.reshape(parts2[0], R.shape([1, s, 2, 4])), axes=[0, 2, 1, 3])
-            kh2 = R.permute_dims(R.reshape(parts2[1], R.shape([1, s, 2, 4])), axes=[0, 2, 3, 1])
-            vh2 = R.permute_dims(R.reshape(parts2[2], R.shape([1, s, 2, 4])), axes=[0, 2, 1, 3])
-            scores2 = R.multiply(R.matmul(qh2, kh2), R.const(0.5, "float32"))
-            probs2 = R.nn.softmax(R.add(scores2, mask), axis=-1)
-            ctx2 = R.permute_dims(R.matmul(probs2, vh2), axes=[0, 2, 1, 3])
-            out2 = R.reshape(ctx2, R.shape([1, s, 8]))
-            both = R.add(R.add(out1, out2), R.sum(mask))
-            R.output(both)
-        return both
+#: The padding mask is an input.
+CausalAttention = _causal_module("pad", "R.add(out1, out2)")
+#: The padding mask is ones (``full_like``, as a model without ``attention_mask`` builds it):
+#: the mask is causal, and the rows stop at the diagonal.
+CausalOnly = _causal_module(
+    'R.astype(R.full_like(pad, R.const(1, "int64"), dtype="int64"), dtype="bool")',
+    "R.add(out1, out2)",
+)
+#: The mask is also read outside the attentions: it stays a tensor.
+CausalMaskAlsoRead = _causal_module("pad", "R.add(R.add(out1, out2), R.sum(mask))")
 # fmt: on
 
 
@@ -621,7 +556,7 @@ def test_mask_is_computed_in_the_kernel():
     calls = [b.value for b in main.body.blocks[0].bindings if isinstance(b.value, relax.Call)]
     assert [c.op.name for c in calls] == ["relax.call_tir", "relax.call_tir", "relax.add"]
     assert [[a.name for a in c.args[1].fields] for c in calls[:2]] == [
-        ["pad", "qkv"],
+        ["pad", "qkv1"],
         ["pad", "qkv2"],
     ]
     assert pass_.last_result["main"].changes[-1] == "24 mask bindings computed in the kernels"

@@ -260,11 +260,12 @@ def _py(expr: Any, reads: Mapping[Any, str], binds: Mapping[Any, Any], depth: in
         a = _py(expr.a, reads, binds, depth + 1)
         b = _py(expr.b, reads, binds, depth + 1)
         return f"({a} {_BINARY[kind]} {b})"
-    if kind in ("RShift", "LShift") and isinstance(_shift_of(expr), int):
+    shift = _shift_of(expr) if kind in ("RShift", "LShift") else None
+    if shift is not None:
         # The lowering writes a division (product) by a power of two as a shift; sizes are
         # non-negative, so ``x >> n`` is ``x // 2**n``.
         a = _py(expr.a, reads, binds, depth + 1)
-        return f"({a} {'//' if kind == 'RShift' else '*'} {2 ** _shift_of(expr)})"
+        return f"({a} {'//' if kind == 'RShift' else '*'} {2**shift})"
     if kind in ("Min", "Max"):
         a = _py(expr.a, reads, binds, depth + 1)
         b = _py(expr.b, reads, binds, depth + 1)

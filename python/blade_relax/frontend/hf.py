@@ -766,7 +766,11 @@ def import_training_step(
         # torch sums 16-bit products in float32 and rounds once; autocast graphs do the same.
         accumulate = None if autocast is None else "float32"
         mod = _import(
-            joint, custom_converters, False, accumulate=accumulate, architecture=_model_type(model)
+            joint,
+            custom_converters,
+            decompose=False,
+            accumulate=accumulate,
+            architecture=_model_type(model),
         )
     mod, names, arrays = _finish(mod, joint, num_input, dynamic["input_ids"], keep_upper_bound)
     targets = [t[len(_PREFIX) :] if t.startswith(_PREFIX) else t for t in grad_targets]

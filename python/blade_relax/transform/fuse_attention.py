@@ -888,7 +888,7 @@ def _build_kernel(
 
 #: The length of a row of scores the kernel computes, as a parameter of the unscheduled
 #: kernel, and what it stands for outside the row loop (the number of keys): see
-#: :func:`_row_length`.
+#: :func:`_masked_above_diagonal`.
 RowLength = tuple[tirx.Var, tvm.ir.Expr]
 
 
@@ -908,12 +908,13 @@ def _kernel(
     inputs: list[relax.Var] = []
     for pos in group:
         binding = info.bindings[pos]
+        reads = _element_reads(binding)
         for var in relax.analysis.free_vars(binding.value):
             if isinstance(var.ty, tvm.ir.PrimType) or var in members or var in inputs:
                 continue  # symbolic dims are bound by the inputs' shapes
             if not isinstance(var.ty, relax.TensorType):
                 raise _Unsupported("an input that is not a tensor")
-            if var in _element_reads(binding):
+            if var in reads:
                 inputs.append(var)
     placeholders = [te.placeholder(_shape(v), str(v.ty.dtype), v.name) for v in inputs]
     access: dict[relax.Var, Accessor] = {v: _of_tensor(t) for v, t in zip(inputs, placeholders)}
