@@ -67,6 +67,21 @@ class EmbeddingGrad:
 
 
 @I.ir_module
+class VectorGatherGrad:
+    """The gradient of a gather from a vector (a mixture-of-experts layer's routing weights,
+    read in expert order): a one-dimensional accumulation."""
+
+    @R.function
+    def main(ids: R.Tensor(("s",), "int64"), dy: R.Tensor(("s",), "float32")):
+        s = T.int64()
+        with R.dataflow():
+            z = R.zeros(R.shape([10]), dtype="float32")
+            dw = R.scatter_elements(z, ids, dy, axis=0, reduction="add")
+            R.output(dw)
+        return dw
+
+
+@I.ir_module
 class EmbeddingGradOfABatch:
     """The same over a padded batch: the rows are ``b * s``, a size no buffer binds alone."""
 
@@ -268,6 +283,9 @@ def test_results_equal_the_untransformed_program(s, serial):
             ],
         ),
     ]
+    cases.append(
+        (VectorGatherGrad, [rng.integers(-10, 10, (s,)), rng.standard_normal(s).astype("float32")])
+    )
     cases.append(
         (
             EmbeddingGradOfABatch,

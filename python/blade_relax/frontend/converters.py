@@ -56,6 +56,16 @@ Why each one exists:
     Python lists, which asks a symbolic comparison for a truth value and fails
     (GPT-BigCode's multi-query attention: "Cannot use and / or / not operator to Expr"). The
     shapes are compared with TVM's symbolic analyzer (``tvm.sym.Analyzer``) instead.
+``div.Tensor_mode`` with a Python number
+    ``perm // top_k`` (a mixture-of-experts layer's token of each sorted pair) divides an
+    int64 tensor by a Python ``int``; TVM's converter makes the number an int32 constant and
+    the division is rejected (operands of different dtypes). The number takes the tensor's
+    dtype. Integer division with ``rounding_mode="trunc"`` is refused (Relax has no truncating
+    integer division; floor and true division are what exported graphs use).
+``scatter_add.default``
+    Absent from TVM's importer; routers of several mixture-of-experts models (GLM-4-MoE,
+    ERNIE-4.5-MoE, PhiMoE) and the backward of ``gather`` use it. It is ``scatter_elements``
+    with ``reduction="add"`` (an index tensor may be smaller than the data, as torch allows).
 ``slice.Tensor`` on a symbolic axis
     ``labels[..., 1:]`` arrives with ``end = 2**63 - 1``. The built-in converter keeps that end,
     so shapes become ``min(2**63 - 2, s)`` and byte counts overflow int64 during lowering. The
@@ -71,6 +81,8 @@ from typing import Any
 
 import tvm
 from tvm import relax
+
+from .moe import MOE_CONVERTERS
 
 __all__ = ["CUSTOM_CONVERTERS", "custom_convert_map"]
 
@@ -205,6 +217,30 @@ def _native_layer_norm(node: Any, importer: Any) -> relax.Var:
     return bb.emit(relax.Tuple([out, mean, rstd]))
 
 
+def _div_mode(node: Any, importer: Any) -> relax.Var:
+    args = importer.retrieve_args(node)
+    lhs, rhs = args[0], args[1]
+    mode = args[2] if len(node.args) > 2 else node.kwargs.get("rounding_mode")
+    tensor = lhs if isinstance(lhs, relax.Expr) else rhs
+    dtype = str(tensor.ty.dtype)
+    lhs, rhs = (x if isinstance(x, relax.Expr) else relax.const(x, dtype) for x in (lhs, rhs))
+    bb = importer.block_builder
+    if mode is None:
+        return bb.emit(relax.op.divide(lhs, rhs))
+    if mode == "floor":
+        return bb.emit(relax.op.floor_divide(lhs, rhs))
+    if mode == "trunc" and "float" in dtype:
+        return bb.emit(relax.op.trunc(relax.op.divide(lhs, rhs)))
+    raise ValueError(f"div with rounding_mode={mode!r} on {dtype} is not supported")
+
+
+def _scatter_add(node: Any, importer: Any) -> relax.Var:
+    x, dim, index, src = importer.retrieve_args(node)[:4]
+    return importer.block_builder.emit(
+        relax.op.scatter_elements(x, index, src, axis=int(dim), reduction="add")
+    )
+
+
 def _slice(node: Any, importer: Any) -> relax.Var:
     x = importer.env[node.args[0]]
     dim = node.args[1] if len(node.args) > 1 else 0
@@ -324,6 +360,7 @@ def _addmm(node: Any, importer: Any, accumulate: str | None = None) -> relax.Var
 CUSTOM_CONVERTERS: dict[str, Callable[[Any, Any], relax.Var]] = {
     "addmm.default": _addmm,
     "bmm.default": _matmul,
+    "div.Tensor_mode": _div_mode,
     "empty_permuted.default": _empty_permuted,
     "index.Tensor": _index_tensor,
     "index_put.default": _index_put,
@@ -334,8 +371,10 @@ CUSTOM_CONVERTERS: dict[str, Callable[[Any, Any], relax.Var]] = {
     "pow": _size_pow,
     "pow.Tensor_Scalar": _pow,
     "reshape.default": _reshape,
+    "scatter_add.default": _scatter_add,
     "slice.Tensor": _slice,
     "view.default": _reshape,
+    **MOE_CONVERTERS,
 }
 
 

@@ -43,6 +43,7 @@ from .imported import (
     DimRange,
     ImportedGraph,
     drop_upper_bounds,
+    with_function,
 )
 
 __all__ = [
@@ -89,10 +90,8 @@ class UnsupportedOperatorError(ValueError):
 
 #: Why an operator is not imported, by the name of its overload packet (what precedes ``.``).
 _UNSUPPORTED_REASONS = {
-    "histc": "a mixture-of-experts router's count of tokens per expert, known only at run time",
-    "grouped_mm_fallback": "the grouped GEMM of a mixture-of-experts layer's experts",
-    "grouped_mm_fallback_backward": "the backward of the experts' grouped GEMM",
-    "_grouped_mm": "the grouped GEMM of a mixture-of-experts layer's experts",
+    "_grouped_mm": "torch's own grouped GEMM of a mixture-of-experts layer's experts (the "
+    "fallback transformers uses without it is converted)",
 }
 
 
@@ -392,7 +391,7 @@ def _finish(
         # The importer parks the weights in an attribute; the caller holds them instead.
         func = func.without_attr("params")
     func, _ = _rename_dims(func, num_input, dynamic_axes)
-    out = tvm.IRModule({"main": func})
+    out = with_function(mod, func)
     if not keep_upper_bound:
         out = drop_upper_bounds(out)
     return out, names, arrays
@@ -587,7 +586,7 @@ def _frozen_last(
     reordered = params[:num_input] + [params[num_input + i] for i in order]
     new_func = relax.Function(reordered, func.body, func.ret_ty, func.is_pure, func.attrs)
     return (
-        tvm.IRModule({"main": new_func}),
+        with_function(mod, new_func),
         [names[i] for i in order],
         [arrays[i] for i in order],
         num_frozen,
@@ -634,7 +633,7 @@ def _regroup_outputs(
     if plan != identity:
         func = _rewrite_outputs(func, plan)
     return (
-        tvm.IRModule({"main": func}),
+        with_function(mod, func),
         [names[i] for i in kept],
         [arrays[i] for i in kept],
     )

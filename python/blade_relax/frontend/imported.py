@@ -35,6 +35,7 @@ __all__ = [
     "flatten_outputs",
     "set_dim_bounds",
     "specialize",
+    "with_function",
 ]
 
 
@@ -350,8 +351,14 @@ def drop_upper_bounds(mod: tvm.IRModule, func_name: str = "main") -> tvm.IRModul
     func = mod[func_name]
     if UPPER_BOUND_ATTR not in (func.attrs or {}):
         return mod
+    return with_function(mod, func.without_attr(UPPER_BOUND_ATTR), func_name)
+
+
+def with_function(mod: tvm.IRModule, func: Any, func_name: str = "main") -> tvm.IRModule:
+    """A copy of ``mod`` with ``func`` as its ``func_name``; the other functions (kernels the
+    importer added, such as a mixture-of-experts layer's grouped GEMMs) are kept."""
     out = tvm.IRModule(dict(mod.functions), attrs=mod.attrs)
-    out[func_name] = func.without_attr(UPPER_BOUND_ATTR)
+    out[func_name] = func
     return out
 
 
@@ -374,17 +381,14 @@ def set_dim_bounds(
             func = func.with_attr(key, value)
         elif key in (func.attrs or {}):
             func = func.without_attr(key)
-    out = tvm.IRModule(dict(mod.functions), attrs=mod.attrs)
-    out[func_name] = func
-    return out
+    return with_function(mod, func, func_name)
 
 
 def specialize(mod: tvm.IRModule, dims: Mapping[str, int], func_name: str = "main") -> tvm.IRModule:
     """A copy of ``mod`` whose ``func_name`` has every dim in ``dims`` bound to its value and
     no ``tir_var_upper_bound`` / ``tir_var_lower_bound``: the static graph of one exact shape."""
     values = {name: tvm.tirx.IntImm("int64", int(v)) for name, v in dims.items()}
-    out = tvm.IRModule(dict(mod.functions), attrs=mod.attrs)
-    out[func_name] = mod[func_name].bind_symbolic_vars(values)
+    out = with_function(mod, mod[func_name].bind_symbolic_vars(values), func_name)
     return set_dim_bounds(out, upper={}, lower={}, func_name=func_name)
 
 

@@ -242,15 +242,20 @@ def _serial_accumulate_kernel(
             out = T.arg("out", T.buffer(out_shape, update_ty.dtype))
             T.func_attr({"tirx.noalias": True})
             with T.grid(*out_shape) as p:
-                T.buffer_store(out, tirx.const(0, update_ty.dtype), list(p))
+                T.buffer_store(out, tirx.const(0, update_ty.dtype), _loop_vars(p))
             with T.grid(*update_shape) as q:
-                q = list(q)
+                q = _loop_vars(q)
                 target = _int64(_wrapped(reader.read(_Loader(root, root_ty.dtype), q), extent))
                 at = [*q[:axis], target, *q[axis + 1 :]]
                 with T.If(tirx.all(target >= 0, target < extent)):
                     with T.Then():
                         T.buffer_store(out, out[tuple(at)] + source[tuple(q)], at)
     return builder.get(), scalars
+
+
+def _loop_vars(loops: Any) -> list[tirx.Var]:
+    """The variables of ``T.grid``: one variable (not a list) for a one-dimensional grid."""
+    return [loops] if isinstance(loops, tirx.Var) else list(loops)
 
 
 def _own_dims(shape: Any, dims: dict[Any, tirx.Var]) -> list[tirx.PrimExpr]:
