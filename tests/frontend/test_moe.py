@@ -137,6 +137,39 @@ def test_scatter_add_accumulates_repeated_indices():
     np.testing.assert_allclose(got, GroupScores()(base, index, src).numpy(), rtol=1e-6)
 
 
+def test_unsorted_topk_is_a_valid_top_k():
+    class GroupChoice(torch.nn.Module):
+        def forward(self, scores):
+            return torch.topk(scores, 2, dim=-1, sorted=False)
+
+    count = torch.export.Dim("count", min=2, max=64)
+    mod = _import(GroupChoice(), (torch.randn(3, 5),), ({0: count},))
+    scores = torch.randn(7, 5)
+    values, indices = compile_and_run(mod, scores.numpy())
+    want, _ = torch.topk(scores, 2, dim=-1)
+    np.testing.assert_array_equal(np.sort(values, axis=-1), np.sort(want.numpy(), axis=-1))
+    np.testing.assert_array_equal(np.take_along_axis(scores.numpy(), indices, -1), values)
+
+
+def test_inference_of_a_mixture_of_experts_model_matches_torch():
+    import tvm
+    from tvm import relax
+
+    from blade_relax import get_pipeline
+    from blade_relax.bench.runner import relative_error
+    from blade_relax.frontend import flatten_outputs, import_inference
+
+    graph = import_inference(_mixtral_routed_to_two_experts(), max_seq_len=32)
+    exe = tvm.compile(graph.mod, "llvm", relax_pipeline=get_pipeline())
+    vm = relax.VirtualMachine(exe, tvm.cpu())
+    params = [tvm.runtime.tensor(p) for p in graph.params]
+    for n in (2, 19):
+        ids = np.random.default_rng(n).integers(0, 96, (1, n))
+        got = flatten_outputs(vm["main"](tvm.runtime.tensor(ids), *params))
+        (want,) = graph.reference([ids])
+        assert relative_error(got[0].numpy(), want) < 1e-5
+
+
 def _mixtral_routed_to_two_experts():
     """A tiny Mixtral whose routers send every token to experts 0 and 1: embeddings of unit
     scale whose first component is at least 3, routers that read only that component, with

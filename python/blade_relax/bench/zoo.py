@@ -101,6 +101,16 @@ ARCHITECTURES: dict[str, Callable[[], Any]] = {
     "gemma2": _tiny("gemma2"),
     "gemma3_text": _tiny("gemma3_text"),
     "glm": _tiny("glm", pad_token_id=0),
+    # Routed and grouped experts (2 groups, 1 chosen: an unsorted top-k).
+    "glm4_moe": _tiny(
+        "glm4_moe",
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        first_k_dense_replace=0,
+        n_group=2,
+        topk_group=1,
+    ),
     "gpt2": _tiny("gpt2"),
     # Multi-query attention: views compared as symbolic shapes.
     "gpt_bigcode": _tiny("gpt_bigcode", multi_query=True),
@@ -119,6 +129,14 @@ ARCHITECTURES: dict[str, Callable[[], Any]] = {
     "phi": _tiny("phi"),
     "phi3": _tiny("phi3", pad_token_id=0),
     "qwen2": _tiny("qwen2"),
+    # Routed experts beside a gated shared expert.
+    "qwen2_moe": _tiny(
+        "qwen2_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    ),
     "qwen3": _tiny("qwen3"),
     "qwen3_moe": _tiny("qwen3_moe", num_experts=4, num_experts_per_tok=2),
     "seed_oss": _tiny("seed_oss"),

@@ -66,6 +66,10 @@ Why each one exists:
     Absent from TVM's importer; routers of several mixture-of-experts models (GLM-4-MoE,
     ERNIE-4.5-MoE, PhiMoE) and the backward of ``gather`` use it. It is ``scatter_elements``
     with ``reduction="add"`` (an index tensor may be smaller than the data, as torch allows).
+``topk.default`` with ``sorted=False``
+    TVM's converter refuses it. torch leaves the order of an unsorted top-k unspecified, so
+    the sorted result is one it allows; the routers that ask for it (GLM-4-MoE's group and
+    expert choice) use the values and indices as sets or as pairs.
 ``slice.Tensor`` on a symbolic axis
     ``labels[..., 1:]`` arrives with ``end = 2**63 - 1``. The built-in converter keeps that end,
     so shapes become ``min(2**63 - 2, s)`` and byte counts overflow int64 during lowering. The
@@ -241,6 +245,17 @@ def _scatter_add(node: Any, importer: Any) -> relax.Var:
     )
 
 
+def _topk(node: Any, importer: Any) -> relax.Var:
+    args = importer.retrieve_args(node)
+    x = args[0]
+    k = args[1] if len(args) > 1 else node.kwargs.get("k", 1)
+    dim = args[2] if len(args) > 2 else node.kwargs.get("dim", -1)
+    largest = args[3] if len(args) > 3 else node.kwargs.get("largest", True)
+    return importer.block_builder.emit(
+        relax.op.topk(x, k=k, axis=dim, largest=largest, ret_type="both", dtype="int64")
+    )
+
+
 def _slice(node: Any, importer: Any) -> relax.Var:
     x = importer.env[node.args[0]]
     dim = node.args[1] if len(node.args) > 1 else 0
@@ -373,6 +388,7 @@ CUSTOM_CONVERTERS: dict[str, Callable[[Any, Any], relax.Var]] = {
     "reshape.default": _reshape,
     "scatter_add.default": _scatter_add,
     "slice.Tensor": _slice,
+    "topk.default": _topk,
     "view.default": _reshape,
     **MOE_CONVERTERS,
 }
