@@ -68,7 +68,7 @@ import tvm
 import tvm_ffi
 from tvm import relax, tirx
 
-from ..symbolic import ShapeGraph, SymbolicExpr
+from ..symbolic import ShapeGraph, SymbolicExpr, is_integer
 
 __all__ = [
     "CompiledModule",
@@ -270,7 +270,7 @@ def _py(expr: Any, reads: Mapping[Any, str], binds: Mapping[Any, Any], depth: in
         a = _py(expr.a, reads, binds, depth + 1)
         b = _py(expr.b, reads, binds, depth + 1)
         return f"{kind.lower()}({a}, {b})"
-    if kind == "Cast" and _is_integer(expr) and _is_integer(expr.value):
+    if kind == "Cast" and is_integer(expr) and is_integer(expr.value):
         return _py(expr.value, reads, binds, depth + 1)
     raise _Unreadable(f"{kind} in a size")
 
@@ -279,12 +279,6 @@ def _shift_of(expr: Any) -> int | None:
     """The constant amount of a shift (``RShift`` / ``LShift``), or ``None``."""
     amount = getattr(expr, "b", None)
     return int(amount.value) if isinstance(amount, tirx.IntImm) else None
-
-
-def _is_integer(expr: Any) -> bool:
-    # PrimExprs carry their dtype in ``ty`` (a PrimType) in TVM 0.27.
-    ty = getattr(expr, "ty", None)
-    return str(getattr(ty, "dtype", ty)).startswith(("int", "uint"))
 
 
 def _signature_reads(func: tirx.PrimFunc) -> dict[Any, ShapeRead]:

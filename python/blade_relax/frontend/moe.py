@@ -40,6 +40,8 @@ from typing import Any
 from tvm import relax
 from tvm.script import tirx as T
 
+from ..symbolic import is_integer
+
 __all__ = ["MOE_CONVERTERS"]
 
 
@@ -168,7 +170,7 @@ def _weight(node: Any, importer: Any, x: relax.Expr, offsets: relax.Expr) -> tup
             "grouped_mm_fallback: expected input [S, K], weight [E, K, N] and offsets [E], got "
             f"{x.ty.ndim}, {w.ty.ndim} and {offsets.ty.ndim} dimensions"
         )
-    if not str(offsets.ty.dtype).startswith("int"):
+    if not is_integer(offsets):
         raise ValueError(f"grouped_mm_fallback: offsets must be integers, not {offsets.ty.dtype}")
     return w, transposed
 

@@ -11,7 +11,7 @@ Knows nothing of passes: every other folder asks this one for facts about sizes.
 
 from .compare import Ordering
 from .dim import SymbolicDim
-from .expr import SymbolicExpr
+from .expr import SymbolicExpr, dtype_kind, is_integer
 from .graph import UNBOUNDED_STAND_IN, ShapeGraph, TypeSizes, element_bits, element_bytes
 
 __all__ = [
@@ -21,6 +21,8 @@ __all__ = [
     "SymbolicExpr",
     "TypeSizes",
     "UNBOUNDED_STAND_IN",
+    "dtype_kind",
     "element_bits",
     "element_bytes",
+    "is_integer",
 ]

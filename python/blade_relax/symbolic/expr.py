@@ -303,7 +303,7 @@ def _convert(node: Any, unsupported: dict[str, None]) -> sympy.Expr:
     if isinstance(node, tirx.IntImm):
         return sympy.Integer(int(node.value))
     if isinstance(node, tirx.Var):
-        if _dtype_kind(node) in ("int", "uint", "bool"):
+        if dtype_kind(node) in ("int", "uint", "bool"):
             return dim_symbol(node.name)
         return _opaque(node, unsupported, f"Var of type {node.ty}")
     if isinstance(node, tirx.Add):
@@ -329,13 +329,13 @@ def _convert(node: Any, unsupported: dict[str, None]) -> sympy.Expr:
     if isinstance(node, tirx.Cast):
         # Integer <-> integer casts of shape values keep the value (shapes never overflow
         # int32 in practice); a cast to or from floats is not a shape computation.
-        if _dtype_kind(node) in ("int", "uint") and _dtype_kind(node.value) in (
+        if dtype_kind(node) in ("int", "uint") and dtype_kind(node.value) in (
             "int",
             "uint",
             "bool",
         ):
             return _convert(node.value, unsupported)
-        if _dtype_kind(node) == "bool":
+        if dtype_kind(node) == "bool":
             inner = _convert(node.value, unsupported)
             return sympy.Piecewise((sympy.Integer(0), sympy.Eq(inner, 0)), (sympy.Integer(1), True))
         return _opaque(node, unsupported, f"Cast to {node.ty}")
@@ -377,8 +377,9 @@ def _convert_cond(node: Any, unsupported: dict[str, None]) -> sympy.Basic | None
     return None
 
 
-def _dtype_kind(node: Any) -> str:
-    # PrimExprs carry their dtype in `ty` (a PrimType) in TVM 0.27.
+def dtype_kind(node: Any) -> str:
+    """``"int"``, ``"uint"``, ``"bool"`` or ``"other"``: the kind of a TIR expression's (or
+    variable's) dtype. PrimExprs carry their dtype in ``ty`` (a ``PrimType``) in TVM 0.27."""
     ty = getattr(node, "ty", None)
     text = str(getattr(ty, "dtype", ty))
     if text.startswith("uint"):
@@ -388,6 +389,12 @@ def _dtype_kind(node: Any) -> str:
     if text.startswith("bool"):
         return "bool"
     return "other"
+
+
+def is_integer(node: Any) -> bool:
+    """Whether a TIR expression or variable has a signed or unsigned integer dtype (a buffer's
+    handle, a float and a bool do not)."""
+    return dtype_kind(node) in ("int", "uint")
 
 
 def _opaque(node: Any, unsupported: dict[str, None], what: str) -> sympy.Expr:

@@ -93,6 +93,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from ..analysis import memory_timeline
 from ..analysis.tir_fields import type_key
 from ..contract import EVICT, GEMM_FUNCS, GEMM_KERNEL_ATTR, REGENERATE, REMAT_BEGIN
+from ..symbolic import is_integer
 from ._collection import pauses_collection
 from .result import PassResult, counted, function_results, publish, snapshot
 
@@ -258,7 +259,7 @@ def _buffer_positions(func: tvm.tirx.PrimFunc) -> tuple[int, ...] | None:
         for i, x in enumerate(func.params)
         if type_key(getattr(x, "ty", None)) == "tirx.BufferType"
     )
-    if not all(i in positions or _is_int_scalar(x) for i, x in enumerate(func.params)):
+    if not all(i in positions or is_integer(x) for i, x in enumerate(func.params)):
         return None
     return positions
 
@@ -312,14 +313,6 @@ def _gemm_block(block: Any) -> _GemmBlock | None:
         return None
     ranks = (len(lhs.indices), len(rhs.indices), len(spatial))
     return _GemmBlock(op_a + op_b, ranks, lhs.source, rhs.source, c)
-
-
-def _is_int_scalar(param: Any) -> bool:
-    """Whether a kernel parameter is an integer scalar (a ``PrimType`` variable), not a buffer."""
-    ty = getattr(param, "ty", None)
-    if type_key(ty) != "ir.PrimType":
-        return False
-    return str(ty.dtype).startswith(("int", "uint"))
 
 
 def _is_load(node: Any) -> bool:

@@ -129,6 +129,7 @@ import tvm
 import tvm_ffi
 from tvm import relax, s_tir, te, tirx, topi
 
+from ..symbolic import is_integer
 from ._block_edit import rewrite_dataflow_blocks, vars_read_after
 from ._collection import pauses_collection
 from .result import PassResult, counted, function_results, publish
@@ -404,11 +405,6 @@ def _extend(info: _Block, group: set[int], options: AttentionOptions) -> set[int
                 group.add(producer)
                 changed = True
     return group
-
-
-def _is_integer(expr: tvm.ir.Expr) -> bool:
-    ty = getattr(expr, "ty", None)
-    return str(getattr(ty, "dtype", ty)).startswith(("int", "uint"))
 
 
 def _symbolic_axes(var: relax.Expr) -> int | None:
@@ -769,7 +765,7 @@ def _mask_accessor(
     if name == "relax.arange":
         start, _end, step = (getattr(a, "value", a) for a in args)
         start, step = (tirx.IntImm("int64", x) if isinstance(x, int) else x for x in (start, step))
-        if not dtype.startswith("int") or not all(_is_integer(x) for x in (start, step)):
+        if not dtype.startswith("int") or not all(is_integer(x) for x in (start, step)):
             raise _Unsupported("an arange that is not of integers")
         return lambda idx: tirx.Cast(dtype, start + step * idx[0])
     if name == "relax.astype":
