@@ -23,7 +23,7 @@ from blade_relax.pipeline import (
     pipeline_phases,
     stock_pipeline,
 )
-from blade_relax.testing.differential import STOCK, Variant
+from blade_relax.testing.differential import ALL_VARIANTS, STOCK, Variant
 
 CUDA = {"kind": "cuda", "arch": "sm_90"}
 
@@ -315,3 +315,44 @@ def test_host_is_llvm_for_this_machines_cpu():
     assert str(host) == str(host_target())
     assert device_for_target("host").dlpack_device_type() == tvm.cpu().dlpack_device_type()
     assert "mcpu" not in as_target("llvm").attrs
+
+
+def test_schedule_options_are_derived_from_the_passes_that_follow():
+    from blade_relax.pipeline import derived_schedule_options
+    from blade_relax.transform import RecomputeOptions, ScheduleOptions
+
+    recompute = RecomputeOptions(max_chain=1)
+    default = derived_schedule_options(PipelineFlags(recompute_options=recompute))
+    assert (default.planner, default.recompute_after) == ("plan", True)
+    assert default.recompute_options is recompute
+    # A user's options keep their own fields; those that depend on the pipeline follow it.
+    given = ScheduleOptions(planner="plan", recompute_after=True, max_versions=1)
+    derived = derived_schedule_options(
+        PipelineFlags(plan=False, recompute=False, schedule_options=given)
+    )
+    assert (derived.planner, derived.recompute_after, derived.max_versions) == ("static", False, 1)
+    off = ScheduleOptions(recompute_after=False)
+    assert not derived_schedule_options(PipelineFlags(schedule_options=off)).recompute_after
+
+
+def test_orders_are_scored_with_the_recompute_options_the_pipeline_runs(monkeypatch):
+    """The schedule's trial runs of RecomputeCheapValues use the options the pipeline runs
+    that pass with, not its defaults."""
+    from blade_relax.bench import ModelSizes, build_workload
+    from blade_relax.transform import RecomputeOptions
+    from blade_relax.transform.schedule import memory_aware_schedule
+
+    used = []
+    original = memory_aware_schedule.RecomputeCheapValues
+
+    def recording(options=None):
+        used.append(options)
+        return original(options)
+
+    monkeypatch.setattr(memory_aware_schedule, "RecomputeCheapValues", recording)
+    sizes = ModelSizes(layers=1, hidden=32, intermediate=64, vocab=64, max_seq_len=128)
+    mod = build_workload("mlp-train", sizes).graph.mod
+    recompute = RecomputeOptions(max_chain=1, min_gap=3)
+    flags = {**next(v for v in ALL_VARIANTS if v.name == "all").flags, "remat": False}
+    lower_to_memory_stage(mod, "llvm", recompute_options=recompute, **flags)
+    assert used and all(options is recompute for options in used)

@@ -340,6 +340,28 @@ def _checked_backend_phases(target: tvm.target.Target) -> Any:
     return phases
 
 
+def derived_schedule_options(flags: PipelineFlags) -> Any:
+    """The options ``MemoryAwareSchedule`` runs with in the pipeline of ``flags``: the user's
+    (``flags.schedule_options``, else the defaults) with what depends on the passes after it
+    derived here, in one place, so that orders are scored on the program that will run.
+
+    * ``planner``: the planner that follows (PlanMemory frees each tensor after its last use;
+      StaticPlanBlockMemory, without it, pools equal sizes).
+    * ``recompute_after``: compare the chosen order once more after ``RecomputeCheapValues``
+      only when that pass runs (on by default; a user's ``False`` is kept).
+    * ``recompute_options``: the options that pass runs with (``flags.recompute_options``).
+    """
+    from .transform import ScheduleOptions
+
+    given = flags.schedule_options
+    return dataclasses.replace(
+        given if given is not None else ScheduleOptions(),
+        planner="plan" if flags.plan else "static",
+        recompute_after=flags.recompute and (given is None or given.recompute_after),
+        recompute_options=flags.recompute_options,
+    )
+
+
 def _phases(
     target: tvm.target.Target,
     flags: PipelineFlags,
@@ -373,17 +395,7 @@ def _phases(
     if flags.vectorize_reductions and cpu:
         fused.append(_ours("VectorizeColumnReductions", flags.reduction_options))
     if flags.schedule:
-        schedule_options = flags.schedule_options
-        if schedule_options is None:
-            # Score orders for the planner that follows: PlanMemory frees each tensor after its
-            # last use; StaticPlanBlockMemory (the pass's default model) pools equal sizes. With
-            # RecomputeCheapValues after it, the chosen order is compared once more, recomputed.
-            from .transform import ScheduleOptions
-
-            schedule_options = ScheduleOptions(
-                planner="plan" if flags.plan else "static", recompute_after=flags.recompute
-            )
-        fused.append(_ours("MemoryAwareSchedule", schedule_options))
+        fused.append(_ours("MemoryAwareSchedule", derived_schedule_options(flags)))
     if flags.recompute:
         fused.append(_ours("RecomputeCheapValues", flags.recompute_options))
     fused += after_fusion

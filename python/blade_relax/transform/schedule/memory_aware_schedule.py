@@ -154,7 +154,7 @@ from .._collection import pauses_collection
 from .._parallel import available_cpus, map_forked
 from .._warn import warn_fallback
 from ..dispatch import DimRange, range_dispatch, range_of
-from ..recompute_cheap_values import RecomputeCheapValues
+from ..recompute_cheap_values import RecomputeCheapValues, RecomputeOptions
 from ..result import (
     FunctionResult,
     PassResult,
@@ -270,6 +270,10 @@ class ScheduleOptions:
         figures equal the measured peaks of each candidate (the README quickstart's MLP at
         s = 1024: 5,898,756 bytes, against 6,295,556 when only the choice and the input order
         are compared).
+    recompute_options
+        The :class:`~blade_relax.transform.RecomputeOptions` of the ``RecomputeCheapValues``
+        that follows (None: its defaults); :func:`blade_relax.get_pipeline` passes the options
+        it runs that pass with, so that orders are compared on the program that will run.
     recompute_candidates
         Most orders of the pool compared after recomputation besides the pass's choice and
         the input order.
@@ -308,6 +312,7 @@ class ScheduleOptions:
     min_bindings: int = 3
     max_bindings: int | None = None
     recompute_after: bool = False
+    recompute_options: RecomputeOptions | None = None
     recompute_candidates: int = 8
     recompute_work: int = 2000
     model_inplace: bool = True
@@ -334,6 +339,13 @@ class ScheduleOptions:
             raise ValueError(f"tie must be >= 0, got {self.tie}")
         if self.recompute_candidates < 0 or self.recompute_work < 0:
             raise ValueError("recompute_candidates and recompute_work must be >= 0")
+        if self.recompute_options is not None and not isinstance(
+            self.recompute_options, RecomputeOptions
+        ):
+            raise TypeError(
+                "recompute_options must be RecomputeOptions or None, not "
+                f"{type(self.recompute_options).__name__}"
+            )
         if self.min_bindings < 0:
             raise ValueError(f"min_bindings must be >= 0, got {self.min_bindings}")
         if self.jobs is not None and self.jobs < 1:
@@ -946,11 +958,15 @@ def schedule_module(
 
 
 def _recomputed(
-    mod: tvm.IRModule, gv: tvm.ir.GlobalVar, func: relax.Function
+    mod: tvm.IRModule,
+    gv: tvm.ir.GlobalVar,
+    func: relax.Function,
+    recompute: RecomputeOptions | None = None,
 ) -> tuple[relax.Function, tvm.IRModule]:
-    """``func`` in place of ``gv`` in a copy of ``mod``, after ``RecomputeCheapValues``: the
-    function and the module it runs in."""
-    trial = RecomputeCheapValues()(with_functions(mod, {gv: func}))
+    """``func`` in place of ``gv`` in a copy of ``mod``, after ``RecomputeCheapValues`` with
+    ``recompute`` (the options the pipeline runs it with): the function and the module it
+    runs in."""
+    trial = RecomputeCheapValues(recompute)(with_functions(mod, {gv: func}))
     return trial[gv], trial
 
 
@@ -1031,7 +1047,9 @@ def _after_recompute(
     for name, f in candidates:
         scorer = next((known for g, known in scored if g.same_as(f)), None)
         if scorer is None:
-            scorer = _recomputed_peaks(mod, gv, f, options.planner, options.model_inplace)
+            scorer = _recomputed_peaks(
+                mod, gv, f, options.planner, options.model_inplace, options.recompute_options
+            )
             scored.append((f, scorer))
         scorers[name] = scorer
     functions = dict(candidates)
@@ -1085,10 +1103,11 @@ def _recomputed_peaks(
     func: relax.Function,
     planner: str,
     inplace: bool = False,
+    recompute: RecomputeOptions | None = None,
 ) -> Callable[[list[dict[str, int]]], list[int]]:
-    """Peaks of ``func`` once ``RecomputeCheapValues`` ran on it, under the block model of
-    ``planner`` (plain liveness where the model cannot read a block)."""
-    recomputed, trial = _recomputed(mod, gv, func)
+    """Peaks of ``func`` once ``RecomputeCheapValues`` ran on it with ``recompute``, under the
+    block model of ``planner`` (plain liveness where the model cannot read a block)."""
+    recomputed, trial = _recomputed(mod, gv, func, recompute)
     scorer = _planned_peaks(recomputed, trial, planner, inplace)
     if scorer is not None:
         return scorer
