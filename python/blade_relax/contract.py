@@ -33,6 +33,9 @@ Function attributes:
 * :data:`GEMM_KERNEL_ATTR`: on a kernel that is a GEMM, what ``MarkGemmKernels`` recognized
   before a GPU schedule rewrote it (``"<layout>:<rank a>,<rank b>,<rank c>:<dtype>:<buffer
   positions>"``), for ``DispatchGemm`` after planning.
+* :data:`SOFTMAX_KERNEL_ATTR`: on a kernel that ``VectorizeSoftmax`` rewrote, the axis of the
+  softmax it computes (its body no longer reads as topi's softmax); ``RecomputeCheapValues``
+  recognizes attention probabilities by it.
 * :data:`REMAT_META_ATTR`: the metadata JSON of a rematerialized function (format
   :data:`REMAT_FORMAT`, described in :mod:`blade_relax.transform.remat`).
 * :data:`REMAT_REGEN_ATTR`: ``"<function>/<slot>"`` on a regeneration function.
@@ -82,6 +85,7 @@ __all__ = [
     "REMAT_REGEN_ATTR",
     "REMAT_RELEASE_ATTR",
     "SCHEDULE_VERSION_ATTR",
+    "SOFTMAX_KERNEL_ATTR",
     "UPPER_BOUND_ATTR",
     "bucket_function_name",
     "metadata_key",
@@ -99,6 +103,7 @@ GEMM_FUNCS = {layout: f"blade_relax.gemm_{layout}" for layout in GEMM_LAYOUTS}
 # --------------------------------------------------------------------- function attributes
 #: A GEMM kernel's recognized form, kept through a GPU schedule (see the list above).
 GEMM_KERNEL_ATTR = "blade_relax.gemm_kernel"
+SOFTMAX_KERNEL_ATTR = "blade_relax.softmax_axis"
 REMAT_META_ATTR = "blade_relax.remat"
 REMAT_REGEN_ATTR = "blade_relax.remat_regen"
 REMAT_RELEASE_ATTR = "blade_relax.remat_release"

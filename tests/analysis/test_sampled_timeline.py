@@ -207,3 +207,17 @@ def test_relax_stage_unchanged_by_the_memo():
     a = SampledTimeline.of(memory_timeline(rebuilt, memo=memo))
     b = SampledTimeline.of(memory_timeline(func, mod=Mixed))
     assert a == b
+
+
+def test_peaks_over_a_grid_equal_the_evaluated_timeline():
+    """At every point of a bounded dim's grid the array holds the evaluated peak."""
+    from blade_relax.analysis import peaks_over_grid
+    from blade_relax.frontend.imported import set_dim_bounds
+
+    mod = set_dim_bounds(Mixed, upper={"s": 48}, lower={"s": 1})
+    timeline = memory_timeline(mod["main"], mod=mod)
+    grid = timeline.graph.admissible_grid()
+    assert grid is not None and len(grid["s"]) == 48
+    peaks = peaks_over_grid(timeline, grid)
+    expected = [timeline.evaluate({"s": int(n)}).peak for n in grid["s"]]
+    assert peaks.tolist() == expected

@@ -354,3 +354,30 @@ def test_type_sizes_remember_known_sizes_per_type_only():
     size_a, size_b = sizes.bytes_of(unknown, a), sizes.bytes_of(unknown, b)
     assert size_a.is_unknown and size_b.is_unknown and size_a.expr != size_b.expr
     assert size_a.expr == graph.bytes_of(a).expr
+
+
+@R.function
+def bounded_length(x: R.Tensor(("s", 8), "float32")):
+    R.func_attr({"tir_var_upper_bound": {"s": 40}, "tir_var_lower_bound": {"s": 3}})
+    s = T.int64()
+    with R.dataflow():
+        y = R.reshape(x, R.shape([s * 8]))
+        R.output(y)
+    return y
+
+
+def test_admissible_grid_holds_every_value_and_evaluates_exactly():
+    import numpy as np
+
+    graph = ShapeGraph.from_function(bounded_length)
+    grid = graph.admissible_grid()
+    assert list(grid) == ["s"] and grid["s"].tolist() == list(range(3, 41))
+    s = grid["s"]
+    size = graph.bytes_of(bounded_length.params[0]) * E.dim("s") + 7
+    values = graph.evaluate_grid(size, grid)
+    assert values.tolist() == [graph.evaluate(size, {"s": int(v)}) for v in s]
+    assert graph.evaluate_grid(E.constant(5), grid).tolist() == [5.0] * len(s)
+    assert graph.admissible_grid(limit=37) is None  # 38 points
+    # An unbounded dim (b) leaves no grid.
+    assert ShapeGraph.from_function(reshape_and_match_cast).admissible_grid() is None
+    assert np.all(values > 0)

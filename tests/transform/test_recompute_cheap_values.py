@@ -697,3 +697,67 @@ def test_the_screen_decides_as_the_timelines_do(monkeypatch):
     assert any(not rejected for rejected, _ in pairs)
     assert any(decided for _, decided in pairs)
     assert changed
+
+
+def _softmax_calls(func: relax.Function) -> int:
+    return sum(
+        1
+        for block in func.body.blocks
+        for b in block.bindings
+        if isinstance(b.value, relax.Call)
+        and isinstance(b.value.op, tvm.ir.Op)
+        and b.value.op.name == "relax.call_tir"
+        and "softmax" in b.value.args[0].name_hint
+        and "log" not in b.value.args[0].name_hint
+    )
+
+
+def test_attention_probabilities_are_recomputed_in_the_backward():
+    """A two-layer causal LM's training step: each layer's probabilities are recomputed from
+    its queries and keys before the backward reads them, which lowers the peak where they
+    dominate and raises it nowhere; the step computes the same bits."""
+    pytest.importorskip("transformers")
+    import dataclasses
+
+    import transformers
+
+    from blade_relax import get_pipeline
+    from blade_relax.bench.zoo import tiny_config
+    from blade_relax.frontend import flatten_outputs, import_training_step
+    from blade_relax.pipeline import PipelineFlags, lower_to_memory_stage
+
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("starcoder2"))
+    graph = import_training_step(model, max_seq_len=64)
+    flags = {f.name: getattr(PipelineFlags(), f.name) for f in dataclasses.fields(PipelineFlags)}
+    fused = lower_to_memory_stage(
+        graph.mod, stop_before="dataflow_lower", **{**flags, "recompute": False}
+    )
+    without = RecomputeCheapValues(RecomputeOptions(attention=False))(fused)
+    pass_ = RecomputeCheapValues()
+    with_attention = pass_(fused)
+    layers = model.config.num_hidden_layers
+    assert _softmax_calls(with_attention["main"]) == _softmax_calls(without["main"]) + layers
+    peaks = [
+        memory_timeline(m["main"], mod=m).evaluate({"s": s}).peak
+        for m in (without, with_attention)
+        for s in (2, 40, 64)
+    ]
+    assert peaks[3:] <= peaks[:3] and peaks[4] < peaks[1], peaks
+
+    off = RecomputeOptions(attention=False)
+    exes = [
+        tvm.compile(graph.mod, "llvm", relax_pipeline=get_pipeline(recompute_options=o))
+        for o in (off, None)
+    ]
+    vms = [relax.VirtualMachine(exe, tvm.cpu()) for exe in exes]
+    params = [tvm.runtime.tensor(p) for p in graph.params]
+    for s in (3, 40):
+        ids = np.random.default_rng(s).integers(0, model.config.vocab_size, (1, s))
+        inputs = [tvm.runtime.tensor(ids), tvm.runtime.tensor(ids)]
+        plain, recomputed = (
+            [t.numpy() for t in flatten_outputs(vm["main"](*inputs, *params))] for vm in vms
+        )
+        for a, b in zip(plain, recomputed):
+            np.testing.assert_array_equal(b, a)

@@ -10,9 +10,14 @@ from tvm.script import relax as R
 from tvm.script import tirx as T
 
 from blade_relax.analysis.workspace import kernel_workspace
+from blade_relax.contract import SOFTMAX_KERNEL_ATTR
 from blade_relax.pipeline import get_pipeline, pipeline_phases
 from blade_relax.transform import SoftmaxOptions, VectorizeSoftmax
-from blade_relax.transform.vectorize_softmax import log_softmax_axis, softmax_axis
+from blade_relax.transform.vectorize_softmax import (
+    is_softmax_kernel,
+    log_softmax_axis,
+    softmax_axis,
+)
 
 from ._kernels import LLVM, fuse, kernels
 
@@ -143,7 +148,10 @@ def test_a_softmax_kernel_becomes_vector_loops():
     pass_ = VectorizeSoftmax()
     with LLVM:
         out = pass_(fused)
-    tvm.ir.assert_structural_equal(kernels(out)[name], rows_expected.with_attrs(kernel.attrs))
+    expected = rows_expected.with_attrs(kernel.attrs).with_attr(SOFTMAX_KERNEL_ATTR, 1)
+    tvm.ir.assert_structural_equal(kernels(out)[name], expected)
+    # The rewritten kernel no longer reads as topi's softmax; the attribute says what it is.
+    assert softmax_axis(kernels(out)[name]) is None and is_softmax_kernel(kernels(out)[name])
     assert pass_.kernels == 1 and pass_.last_result[name].changed
     # The Relax function is untouched.
     assert out["main"].same_as(fused["main"])

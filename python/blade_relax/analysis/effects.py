@@ -569,7 +569,12 @@ def reshape_pattern(func: tirx.PrimFunc) -> bool:
     of the same kernel many times (once per layer, once per trial order). Kernels are
     immutable and compare by identity; the cache holds the ones it remembers, so an identity
     is never reused while remembered. Errors of the check are raised, never remembered.
+
+    A kernel whose body is not in block form (hand-written loops: a mixture-of-experts
+    grouped GEMM, a serial scatter) is no reshape; TVM's check asserts on it.
     """
+    if not isinstance(func.body, tvm.s_tir.SBlockRealize):
+        return False
     return bool(relax.analysis.has_reshape_pattern(func))
 
 

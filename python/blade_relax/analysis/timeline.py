@@ -68,6 +68,7 @@ __all__ = [
     "TimelineMemo",
     "TimelineStep",
     "memory_timeline",
+    "peaks_over_grid",
 ]
 
 _LOWERED_MARKERS = frozenset({"relax.call_tir", "relax.builtin.alloc_tensor"})
@@ -532,6 +533,49 @@ class TimelineMemo:
             found = not kernel_workspace(func, kernel.name_hint, self.target).is_empty
             self.kernels[kernel] = found
         return found
+
+
+def peaks_over_grid(timeline: MemoryTimeline, grid: Mapping[str, Any]) -> np.ndarray | None:
+    """The peak of ``timeline`` (``live_during``, workspaces included) at every point of
+    ``grid`` (:meth:`ShapeGraph.admissible_grid`), as a float64 array; ``None`` where a size
+    or a workspace cannot be evaluated there (an UNKNOWN part).
+
+    Over a grid of every admissible point, comparing two timelines' arrays decides what the
+    symbolic comparison of their peaks (a ``Max`` over every step) may leave UNKNOWN, when the
+    step that holds the peak changes with the dims.
+    """
+    graph = timeline.graph
+    points = len(next(iter(grid.values()))) if grid else 1
+    cache: dict[Any, np.ndarray | None] = {}
+
+    def values(expr: SymbolicExpr) -> np.ndarray | None:
+        key = expr.expr
+        if key not in cache:
+            cache[key] = graph.evaluate_grid(expr, grid)
+        return cache[key]
+
+    steps = len(timeline.step_vars)
+    allocated = [np.zeros(points) for _ in range(steps)]
+    freed = [np.zeros(points) for _ in range(steps)]
+    for allocation in timeline.allocations:
+        size = values(allocation.nbytes)
+        if size is None:
+            return None
+        allocated[allocation.start] += size
+        if allocation.end is not None:
+            freed[allocation.end] += size
+    live, peak = np.zeros(points), np.zeros(points)
+    for i, workspace in enumerate(timeline.workspaces):
+        live += allocated[i]
+        during = live
+        if not (workspace.is_constant and int(workspace) == 0):
+            extra = values(workspace)
+            if extra is None:
+                return None
+            during = live + extra
+        np.maximum(peak, during, out=peak)
+        live -= freed[i]
+    return peak
 
 
 def memory_timeline(

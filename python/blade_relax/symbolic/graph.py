@@ -812,6 +812,47 @@ class ShapeGraph:
         self._sample_cache[e] = values
         return values
 
+    def admissible_grid(self, limit: int = 1 << 16) -> dict[str, Any] | None:
+        """Every admissible value of the free dims: equal-length int64 arrays by dim name, one
+        entry per point (the free dims' ranges crossed; dims defined by an expression of them
+        are not listed, :meth:`evaluate_grid` computes them). ``None`` when a free dim is
+        unbounded or there are more than ``limit`` points.
+
+        Unlike :meth:`representative_points`, a check at every point of the grid is a proof:
+        it covers every value the dims may take.
+        """
+        import numpy as np
+
+        self._rebuild()
+        axes = []
+        for root in self._roots():
+            lo, hi = self._class_range[root]
+            if hi is None:
+                return None
+            lo = DEFAULT_LOWER if lo is None else lo
+            axes.append(np.arange(lo, hi + 1, dtype=np.int64))
+        if math.prod(len(a) for a in axes) > limit:
+            return None
+        mesh = np.meshgrid(*axes, indexing="ij") if axes else []
+        return {root: m.ravel() for root, m in zip(self._roots(), mesh)}
+
+    def evaluate_grid(self, expr: SymbolicExpr | int | Any, grid: Mapping[str, Any]) -> Any:
+        """``expr`` at every point of ``grid`` (:meth:`admissible_grid`) as a float64 array
+        (exact for integers below 2**53), or ``None`` when it reads an UNKNOWN part or a dim
+        the grid does not give."""
+        import numpy as np
+
+        e = self._canon(_to_sympy(expr))
+        points = len(next(iter(grid.values()))) if grid else 1
+        symbols = sorted(e.free_symbols, key=lambda sym: sym.name)
+        if any(is_unknown_symbol(sym) or sym.name not in grid for sym in symbols):
+            return None
+        if not symbols:
+            return np.full(points, float(e))
+        function = sympy.lambdify(symbols, e, modules="numpy")
+        values = function(*(grid[sym.name] for sym in symbols))
+        return np.broadcast_to(np.asarray(values, dtype=np.float64), (points,))
+
     def bind_arguments(self, shapes: Sequence[Sequence[int] | None]) -> dict[str, int]:
         """Concrete dims from the concrete shapes of the function's parameters.
 

@@ -62,11 +62,18 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import tvm
 import tvm_ffi
 from tvm import relax, tirx
 
-from ..analysis import MemoryTimeline, SampledTimeline, TimelineMemo, memory_timeline
+from ..analysis import (
+    MemoryTimeline,
+    SampledTimeline,
+    TimelineMemo,
+    memory_timeline,
+    peaks_over_grid,
+)
 from ..analysis.effects import in_place_writes, reshape_pattern
 from ..symbolic import Ordering
 from ._block_edit import (
@@ -77,7 +84,9 @@ from ._block_edit import (
     with_blocks,
 )
 from ._collection import pauses_collection
+from .dispatch_gemm import gemm_layout
 from .result import PassResult, counted, function_results, publish
+from .vectorize_softmax import is_softmax_kernel
 
 __all__ = ["RecomputeCheapValues", "RecomputeOptions", "RecomputeReport"]
 
@@ -106,6 +115,12 @@ class RecomputeOptions:
     extend_inputs
         Also recompute a value by keeping one input of its own type alive until the late reads
         (the input takes the value's place), where the timeline proves it.
+    attention
+        Also recompute attention probabilities: a softmax (over the last axis) of a GEMM's
+        result through views and injective kernels (``softmax(q @ k^T * scale + mask)``), from
+        the GEMM's operands, which the attention's backward reads anyway. Inputs of the chain
+        that would die earlier (a mask shared by the layers) are kept alive until the copy.
+        Accepted only where the timeline proves the peak no higher (see "Attention" above).
     """
 
     enabled: bool = True
@@ -113,6 +128,7 @@ class RecomputeOptions:
     min_gap: int = 2
     max_chain: int = 3
     extend_inputs: bool = True
+    attention: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_pattern <= 2:
@@ -160,6 +176,29 @@ def _cheap_kernel(
     if not isinstance(callee, relax.GlobalVar) or patterns.get(callee.name_hint, 99) > max_pattern:
         return False
     return not reshape_pattern(mod[callee])
+
+
+def _attention_kind(mod: tvm.IRModule, binding: relax.Binding) -> str | None:
+    """``"softmax"``, ``"gemm"`` or ``"view"`` for a kernel call that may be a link of an
+    attention chain (see "Attention" in the module docstring), else ``None``."""
+    if not isinstance(binding, relax.VarBinding):
+        return None
+    value = binding.value
+    if not isinstance(value, relax.Call) or not value.op.same_as(_CALL_TIR):
+        return None
+    callee = value.args[0]
+    if not isinstance(value.ty, relax.TensorType) or not isinstance(callee, relax.GlobalVar):
+        return None
+    if _tensor_inputs(value) is None:
+        return None
+    kernel = mod[callee]
+    if not isinstance(kernel, tirx.PrimFunc):
+        return None
+    if reshape_pattern(kernel):
+        return "view"
+    if is_softmax_kernel(kernel):
+        return "softmax"
+    return "gemm" if gemm_layout(kernel) is not None else None
 
 
 def _tensor_inputs(value: relax.Call) -> list[relax.Var] | None:
@@ -238,6 +277,14 @@ class _BlockFacts:
             and _tensor_inputs(b.value) is not None
             for b in self.bindings
         ]
+        # The kernels of an attention chain (softmax <- injective <- views <- GEMM).
+        kinds = [
+            _attention_kind(mod, b) if options.attention and b.var not in live_throughout else None
+            for b in self.bindings
+        ]
+        self.softmax = [kind == "softmax" for kind in kinds]
+        self.gemm = [kind == "gemm" for kind in kinds]
+        self.view = [kind == "view" for kind in kinds]
 
     def live_until(self, var: relax.Var, position: int) -> bool:
         """Whether ``var``'s memory is live at ``position`` in the block as it is: it, or a
@@ -247,8 +294,8 @@ class _BlockFacts:
     def read_events(self, var: relax.Var) -> list[tuple[int, relax.Var]] | None:
         """The reads of ``var``'s memory in order, as ``(position, variable read)``: reads of
         ``var`` itself and of the views bindings make of it (a reshape the VM runs as a view:
-        the same memory under another shape, kept alive by the view's reads). ``None`` where
-        a view is read after the block or has views of its own (not split here)."""
+        the same memory under another shape, kept alive by the view's reads), and of views of
+        those views. ``None`` where a view is read after the block."""
         events = []
         for q in self.reads.get(var, ()):
             if not self.is_view_of(q, var):
@@ -257,11 +304,20 @@ class _BlockFacts:
             view = self.bindings[q].var
             if view in self.live_throughout:
                 return None
-            for p in self.reads.get(view, ()):
-                if self.is_view_of(p, view):
-                    return None
-                events.append((p, view))
+            nested = self.read_events(view)
+            if nested is None:
+                return None
+            events += nested
         return sorted(events, key=lambda event: event[0])
+
+    def view_path(self, view: relax.Var, var: relax.Var) -> list[int]:
+        """The positions of the views from ``var`` to ``view`` (``view`` included), in order."""
+        path = []
+        while not view.same_as(var):
+            position = self.position[view]
+            path.append(position)
+            view = _tensor_inputs(self.bindings[position].value)[0]
+        return path[::-1]
 
     def is_view_of(self, position: int, var: relax.Var) -> bool:
         """Whether binding ``position``'s result is a view of ``var``'s memory (it refers to
@@ -274,11 +330,21 @@ class _BlockFacts:
         )
 
     def chain(
-        self, position: int, until: int, depth: int, dead: frozenset = frozenset()
+        self,
+        position: int,
+        until: int,
+        depth: int,
+        dead: frozenset = frozenset(),
+        attention: bool = False,
     ) -> tuple[list[int], set] | None:
         """The cheap bindings to copy so that ``position``'s value can be recomputed with only
         inputs live at ``until`` (``dead``: values other plans let die early); ``None`` if
-        there is none within ``depth`` levels."""
+        there is none within ``depth`` levels.
+
+        With ``attention`` (the chain of a softmax, see "Attention" in the module docstring)
+        the chain may also run through views (which cost no level) and one GEMM, and an input
+        that is not live at ``until`` and that no cheap binding makes is kept alive instead
+        (a leaf: the timeline decides whether that pays)."""
         value = self.bindings[position].value
         positions, leaves = [position], set()
         for var in _tensor_inputs(value):
@@ -286,9 +352,18 @@ class _BlockFacts:
                 leaves.add(var)
                 continue
             source = self.position.get(var)
-            if source is None or depth == 0 or not self.cheap[source]:
-                return None
-            sub = self.chain(source, until, depth - 1, dead)
+            if attention and source is not None and (self.view[source] or self.gemm[source]):
+                # A view costs nothing; past the GEMM only its operands (live or kept) remain.
+                last = self.gemm[source]
+                sub = self.chain(source, until, depth, dead, attention and not last)
+                if sub is None and last:
+                    sub = ([source], set(_tensor_inputs(self.bindings[source].value)))
+            elif source is None or depth == 0 or not self.cheap[source]:
+                if not attention or var in dead:
+                    return None
+                sub = ([], {var})
+            else:
+                sub = self.chain(source, until, depth - 1, dead, attention)
             if sub is None:
                 return None
             positions += sub[0]
@@ -314,7 +389,8 @@ def _candidates(facts: _BlockFacts) -> list[_Plan]:
     """Every value worth recomputing, with the chain it needs (possibly just itself)."""
     out = []
     for position, binding in enumerate(facts.bindings):
-        if not facts.cheap[position]:
+        attention = facts.softmax[position]
+        if not facts.cheap[position] and not attention:
             continue
         events = facts.read_events(binding.var)
         if events is None or len(events) < 2:
@@ -325,15 +401,17 @@ def _candidates(facts: _BlockFacts) -> list[_Plan]:
         if reads[split] - reads[split - 1] <= facts.options.min_gap:
             continue
         late = tuple(sorted(set(reads[split:])))
-        late_views = {var for _, var in events[split:] if not var.same_as(binding.var)}
-        views = tuple(sorted(facts.position[v] for v in late_views))
+        # A view read late is copied onto the copy, with the views it is a view of.
+        views = tuple(
+            sorted({q for _, var in events[split:] for q in facts.view_path(var, binding.var)})
+        )
         unread = tuple(
             q for q in views if all(r >= late[0] for r in facts.reads[facts.bindings[q].var])
         )
-        found = facts.chain(position, late[-1], facts.options.max_chain - 1)
-        proven = found is not None and len(found[0]) == 1
+        found = facts.chain(position, late[-1], facts.options.max_chain - 1, attention=attention)
+        proven = found is not None and len(found[0]) == 1 and not attention
         extends = None
-        if found is None and facts.options.extend_inputs:
+        if found is None and facts.options.extend_inputs and not attention:
             extension = facts.extended(position, late[-1])
             if extension is not None:
                 positions, leaves, extends = extension
@@ -474,7 +552,13 @@ class RecomputeCheapValues:
         dead = frozenset().union(*(p.dying(facts.bindings) for p in accepted))
         rebuilt = []
         for plan in chains:
-            found = facts.chain(plan.chain[-1], plan.late[-1], self.options.max_chain - 1, dead)
+            found = facts.chain(
+                plan.chain[-1],
+                plan.late[-1],
+                self.options.max_chain - 1,
+                dead,
+                facts.softmax[plan.chain[-1]],
+            )
             if found is not None and len(found[0]) > 1:
                 rebuilt.append(
                     dataclasses.replace(
@@ -593,13 +677,36 @@ def _lowers(
     """
     if trial_screen is None or base_screen is None:
         verdict = base.graph.compare(trial.peak, base.peak)
-        return verdict in _NO_HIGHER and _lowers_somewhere(trial, base)
+        if verdict in _NO_HIGHER:
+            return _lowers_somewhere(trial, base)
+        return _lowers_at_every_point(trial, base) is True
     trial_peak, base_peak = trial_screen.sampled.peak, base_screen.sampled.peak
     if any(t > b for t, b in zip(trial_peak, base_peak)):
         return False
     if all(t == b for t, b in zip(trial_peak, base_peak)):
         return False
-    return base.graph.compare(trial.peak, base.peak) in _NO_HIGHER
+    if base.graph.compare(trial.peak, base.peak) in _NO_HIGHER:
+        return True
+    return _lowers_at_every_point(trial, base) is True
+
+
+def _lowers_at_every_point(trial: MemoryTimeline, base: MemoryTimeline) -> bool | None:
+    """Whether ``trial``'s peak is no higher than ``base``'s at every admissible value of the
+    dims and lower at one, decided point by point where the dims have few enough values
+    (``None`` where they do not, or a size cannot be evaluated).
+
+    The symbolic comparison bounds a peak (a ``Max`` over the steps) by one step of the other
+    peak over the whole range; an attention recomputation lowers the peak by moving it from
+    one step to another as the length grows, which that leaves UNKNOWN. Checking every point
+    is a proof as well (the grid holds every value the dims may take).
+    """
+    grid = base.graph.admissible_grid()
+    if grid is None:
+        return None
+    trial_peaks, base_peaks = peaks_over_grid(trial, grid), peaks_over_grid(base, grid)
+    if trial_peaks is None or base_peaks is None:
+        return None
+    return bool(np.all(trial_peaks <= base_peaks) and np.any(trial_peaks < base_peaks))
 
 
 _NO_HIGHER = (Ordering.LT, Ordering.LE, Ordering.EQ)

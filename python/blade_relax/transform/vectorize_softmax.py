@@ -60,10 +60,17 @@ from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script.builder import ir as T
 
+from ..contract import SOFTMAX_KERNEL_ATTR
 from ._collection import pauses_collection
 from .result import PassResult, counted, function_results, publish, with_functions
 
-__all__ = ["SoftmaxOptions", "VectorizeSoftmax", "log_softmax_axis", "softmax_axis"]
+__all__ = [
+    "SoftmaxOptions",
+    "VectorizeSoftmax",
+    "is_softmax_kernel",
+    "log_softmax_axis",
+    "softmax_axis",
+]
 
 #: Lanes of the running maximum (16 single floats: one AVX-512 register, four SSE ones).
 _LANES = 16
@@ -154,6 +161,14 @@ def softmax_axis(func: tirx.PrimFunc) -> int | None:
     if blocks is None or not _REQUIRED <= set(blocks) or not set(blocks) <= _ALLOWED:
         return None
     return _over_last_axis(blocks["T_softmax_norm"], func)
+
+
+def is_softmax_kernel(func: tirx.PrimFunc) -> bool:
+    """Whether ``func`` is a softmax over its input's last axis: topi's (:func:`softmax_axis`)
+    or one this pass rewrote (marked with :data:`~blade_relax.contract.SOFTMAX_KERNEL_ATTR`)."""
+    if func.attrs is not None and SOFTMAX_KERNEL_ATTR in func.attrs:
+        return True
+    return softmax_axis(func) is not None
 
 
 def log_softmax_axis(func: tirx.PrimFunc) -> int | None:
@@ -265,8 +280,11 @@ class VectorizeSoftmax:
             if not isinstance(func, tirx.PrimFunc):
                 continue
             for log, axis_of in ((False, softmax_axis), (True, log_softmax_axis)):
-                if axis_of(func) is not None:
+                axis = axis_of(func)
+                if axis is not None:
                     updates[gv] = vectorized_softmax(func, self.options.lanes, log=log)
+                    if not log:
+                        updates[gv] = updates[gv].with_attr(SOFTMAX_KERNEL_ATTR, axis)
                     kind = "log-softmax" if log else "softmax"
                     changes[gv.name_hint] = [f"{kind} over vectorizable loops"]
         out = with_functions(mod, updates)
