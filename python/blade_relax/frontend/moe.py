@@ -28,8 +28,9 @@ schedule that binds threads; the CPU backend compiles them as they are).
 ``grouped_mm_fallback.default``
     The grouped GEMM; rows past the last offset are zero, as transformers' fallback leaves them.
 ``grouped_mm_fallback_backward.default``
-    ``(grad_input, grad_weight)``: each expert's rows of ``grad_output @ w[e].T``, and
-    ``x[rows].T @ grad_output[rows]`` per expert (zero for an expert without rows).
+    ``(grad_input, grad_weight)``: each expert's rows of ``grad_output @ w[e].T`` (the forward
+    kernel reading the weight transposed), and ``x[rows].T @ grad_output[rows]`` per expert
+    (zero for an expert without rows).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def _row_range(offsets: Any, expert: Any) -> tuple[Any, Any]:
 
 @functools.cache
 def _grouped_kernels(dtype: str, offset_dtype: str, transposed: bool) -> dict[str, Any]:
-    """The forward and the two backward grouped GEMMs for one value dtype and offset dtype.
+    """The grouped GEMM and its weight gradient for one value dtype and offset dtype.
 
     ``transposed``: the weight is stored ``[E, N, K]`` (the layout of transformers' expert
     parameters, which the graph transposes before the grouped GEMM) and read in place, and the
@@ -90,26 +91,6 @@ def _grouped_kernels(dtype: str, offset_dtype: str, transposed: bool) -> dict[st
                     out[i, n] = T.Cast(dtype, acc[0])
 
     @T.prim_func(private=True)
-    def grouped_mm_grad_input(g_h: T.handle, w_h: T.handle, offsets_h: T.handle, out_h: T.handle):
-        T.func_attr({"tir.noalias": True})
-        rows, k_size, n_size, experts = T.int64(), T.int64(), T.int64(), T.int64()
-        g = T.match_buffer(g_h, (rows, n_size), dtype)
-        w = T.match_buffer(w_h, weight_shape(experts, k_size, n_size), dtype)
-        offsets = T.match_buffer(offsets_h, (experts,), offset_dtype)
-        out = T.match_buffer(out_h, (rows, k_size), dtype)
-        acc = T.alloc_buffer((1,), "float32")
-        for i, k in T.grid(rows, k_size):
-            out[i, k] = T.Cast(dtype, 0)
-        for e in range(experts):
-            first, end = _row_range(offsets, e)
-            for i in T.serial(first, end):
-                for k in range(k_size):
-                    acc[0] = T.float32(0)
-                    for n in range(n_size):
-                        acc[0] = acc[0] + T.Cast("float32", g[i, n]) * weight(w, e, k, n)
-                    out[i, k] = T.Cast(dtype, acc[0])
-
-    @T.prim_func(private=True)
     def grouped_mm_grad_weight(x_h: T.handle, g_h: T.handle, offsets_h: T.handle, out_h: T.handle):
         T.func_attr({"tir.noalias": True})
         rows, k_size, n_size, experts = T.int64(), T.int64(), T.int64(), T.int64()
@@ -126,11 +107,7 @@ def _grouped_kernels(dtype: str, offset_dtype: str, transposed: bool) -> dict[st
                     acc[0] = acc[0] + T.Cast("float32", x[i, k]) * T.Cast("float32", g[i, n])
                 store_weight(out, T.Cast(dtype, acc[0]), e, k, n)
 
-    return {
-        "grouped_mm": grouped_mm,
-        "grouped_mm_grad_input": grouped_mm_grad_input,
-        "grouped_mm_grad_weight": grouped_mm_grad_weight,
-    }
+    return {"grouped_mm": grouped_mm, "grouped_mm_grad_weight": grouped_mm_grad_weight}
 
 
 def _call_kernel(
@@ -195,13 +172,15 @@ def _grouped_mm_backward(node: Any, importer: Any) -> relax.Var:
     x, offsets, grad = args[0], args[2], args[3]
     w, transposed = _weight(node, importer, x, offsets)
     dtype = str(x.ty.dtype)
+    # grad_input[i, k] = sum over n of grad[i, n] * w[e, k, n]: the forward GEMM of ``grad``
+    # reading the weight the other way round.
     grad_input = _call_kernel(
         importer,
-        "grouped_mm_grad_input",
+        "grouped_mm",
         [grad, w, offsets],
         list(x.ty.shape),
         dtype,
-        transposed,
+        not transposed,
     )
     grad_weight = _call_kernel(
         importer,
