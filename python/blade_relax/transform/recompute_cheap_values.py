@@ -58,6 +58,7 @@ they are.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -192,8 +193,14 @@ def _attention_kind(mod: tvm.IRModule, binding: relax.Binding) -> str | None:
     if _tensor_inputs(value) is None:
         return None
     kernel = mod[callee]
-    if not isinstance(kernel, tirx.PrimFunc):
-        return None
+    return _attention_link(kernel) if isinstance(kernel, tirx.PrimFunc) else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _attention_link(kernel: tirx.PrimFunc) -> str | None:
+    """What ``kernel`` is in an attention chain, remembered per kernel as ``reshape_pattern``
+    is: the pass reads every block's kernels once per run, and ``MemoryAwareSchedule`` runs it
+    on many orders of the same kernels (recognizing a softmax walks the kernel's blocks)."""
     if reshape_pattern(kernel):
         return "view"
     if is_softmax_kernel(kernel):
