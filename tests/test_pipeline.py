@@ -196,6 +196,8 @@ def test_our_passes_are_placed_by_phase():
         "VectorizeColumnReductions",
         "MemoryAwareSchedule",
         "RecomputeCheapValues",
+        "FuseIntoSoleReader",
+        "MemoryAwareSchedule",
     ]
     assert _names(phases["finalize"]) == [
         "Rematerialize",
@@ -217,7 +219,7 @@ def test_our_passes_are_placed_by_phase():
         assert added == [pass_name] + (["RematTimeline"] if switch == "remat" else [])
     # On CUDA, FuseAttention and InlineKernelIntermediates are left to dlight.
     cuda = _all_names(pipeline_phases(CUDA))
-    assert "FuseAttention" not in cuda and "InlineKernelIntermediates" not in cuda
+    assert not {"FuseAttention", "InlineKernelIntermediates", "FuseIntoSoleReader"} & set(cuda)
     assert cuda.index("PlanMemory") < cuda.index("RewriteCUDAGraph")
 
 
@@ -276,6 +278,7 @@ def test_get_pipeline_keywords_are_the_pipeline_flags():
         "vectorize_softmax",
         "vectorize_reductions",
         "recompute",
+        "fuse_readers",
         "clone_generated",
         "fuse_attention",
         "dispatch_gemm",
@@ -333,6 +336,11 @@ def test_schedule_options_are_derived_from_the_passes_that_follow():
     assert (derived.planner, derived.recompute_after, derived.max_versions) == ("static", False, 1)
     off = ScheduleOptions(recompute_after=False)
     assert not derived_schedule_options(PipelineFlags(schedule_options=off)).recompute_after
+    # The run after RecomputeCheapValues polishes the order that will run, copies included.
+    second = derived_schedule_options(PipelineFlags(schedule_options=given), second_run=True)
+    assert second.strategies == ("refine",) and second.range_copies
+    assert (second.max_versions, second.recompute_after, second.planner) == (1, False, "plan")
+    assert second.refine_evaluations == given.refine_evaluations
 
 
 def test_orders_are_scored_with_the_recompute_options_the_pipeline_runs(monkeypatch):

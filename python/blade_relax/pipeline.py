@@ -39,6 +39,12 @@ Where each pass runs, and why there:
 * ``RecomputeCheapValues`` runs right after ``MemoryAwareSchedule`` (or where it would run): it
   recomputes elementwise results before their late readers in the order that will run, and
   must insert its copies into dataflow blocks.
+* ``FuseIntoSoleReader`` follows it on CPU targets: an elementwise kernel whose one reader is
+  an elementwise kernel (a recomputed copy, or the forward's copy left with one reader) is
+  computed inside that reader, which ``FuseOps`` could not decide before the copies existed.
+  Then ``MemoryAwareSchedule`` runs once more, its local search alone on the order that will
+  run (range copies included): the copies and fused kernels changed the live sets the first
+  run scored (:func:`derived_schedule_options` with ``second_run``).
 * ``Rematerialize`` runs after ``CallTIRRewrite`` and before memory planning: it inserts impure
   ``evict``/``regenerate`` calls, which may not stand in a dataflow block, and the planner must
   see them so that evictable tensors never land in shared storage.
@@ -59,7 +65,7 @@ explicit list of phases, :data:`PHASES`, run in order:
 ``fused``
     Our passes on the fused dataflow graph (``InlineKernelIntermediates``,
     ``VectorizeSoftmax``, ``VectorizeColumnReductions``, ``MemoryAwareSchedule``,
-    ``RecomputeCheapValues``).
+    ``RecomputeCheapValues``, ``FuseIntoSoleReader``, ``MemoryAwareSchedule`` again).
 ``finalize``, ``vm_lower``
     TVM's ``finalize_passes`` for the target, written out here with the ``relax.transform``
     constructors and split where the memory stage ends (``vm_lower`` starts at
@@ -163,6 +169,7 @@ class PipelineFlags:
     # Off by default: the expanded exp/tanh/sigmoid agree with libm's to rounding, not bit for bit.
     expand_math: bool = _flag(False, "ExpandMathIntrinsics", "graph", "math_options")
     recompute: bool = _flag(True, "RecomputeCheapValues", "graph", "recompute_options")
+    fuse_readers: bool = _flag(True, "FuseIntoSoleReader", "graph", "fuse_reader_options")
     # The dim-range check.
     check_dims: bool = _flag(True, "CheckDimRanges", "check", "check_options")
     # The passes' options.
@@ -179,6 +186,7 @@ class PipelineFlags:
     reduction_options: Any = None
     math_options: Any = None
     recompute_options: Any = None
+    fuse_reader_options: Any = None
     check_options: Any = None
 
     @classmethod
@@ -340,7 +348,7 @@ def _checked_backend_phases(target: tvm.target.Target) -> Any:
     return phases
 
 
-def derived_schedule_options(flags: PipelineFlags) -> Any:
+def derived_schedule_options(flags: PipelineFlags, *, second_run: bool = False) -> Any:
     """The options ``MemoryAwareSchedule`` runs with in the pipeline of ``flags``: the user's
     (``flags.schedule_options``, else the defaults) with what depends on the passes after it
     derived here, in one place, so that orders are scored on the program that will run.
@@ -350,15 +358,30 @@ def derived_schedule_options(flags: PipelineFlags) -> Any:
     * ``recompute_after``: compare the chosen order once more after ``RecomputeCheapValues``
       only when that pass runs (on by default; a user's ``False`` is kept).
     * ``recompute_options``: the options that pass runs with (``flags.recompute_options``).
+
+    With ``second_run``, the options of the run after ``RecomputeCheapValues`` (and
+    ``FuseIntoSoleReader``): their copies and fused kernels change the live sets the first run
+    scored, so the order that will run is polished once more by the local search alone
+    (``refine``, which keeps a move only if no acceptance point gets worse), on every function
+    and range copy (``range_copies``), one order each, with nothing recomputed after it.
     """
     from .transform import ScheduleOptions
 
     given = flags.schedule_options
-    return dataclasses.replace(
+    options = dataclasses.replace(
         given if given is not None else ScheduleOptions(),
         planner="plan" if flags.plan else "static",
         recompute_after=flags.recompute and (given is None or given.recompute_after),
         recompute_options=flags.recompute_options,
+    )
+    if not second_run:
+        return options
+    return dataclasses.replace(
+        options,
+        strategies=("refine",),
+        max_versions=1,
+        recompute_after=False,
+        range_copies=True,
     )
 
 
@@ -398,6 +421,10 @@ def _phases(
         fused.append(_ours("MemoryAwareSchedule", derived_schedule_options(flags)))
     if flags.recompute:
         fused.append(_ours("RecomputeCheapValues", flags.recompute_options))
+    if flags.fuse_readers and cpu:
+        fused.append(_ours("FuseIntoSoleReader", flags.fuse_reader_options))
+    if flags.schedule and flags.recompute:
+        fused.append(_ours("MemoryAwareSchedule", derived_schedule_options(flags, second_run=True)))
     fused += after_fusion
     finalize, vm_lower = _finalize_phases(target, flags, plan_memory)
     legalize = list(phases.legalize_passes(target))
@@ -452,6 +479,7 @@ def get_pipeline(
     vectorize_softmax: bool = True,
     vectorize_reductions: bool = True,
     recompute: bool = True,
+    fuse_readers: bool = True,
     clone_generated: bool = True,
     fuse_attention: bool = True,
     dispatch_gemm: bool = False,
@@ -465,6 +493,7 @@ def get_pipeline(
     softmax_options: Any = None,
     reduction_options: Any = None,
     recompute_options: Any = None,
+    fuse_reader_options: Any = None,
     clone_options: Any = None,
     attention_options: Any = None,
     gemm_options: Any = None,
@@ -483,8 +512,13 @@ def get_pipeline(
     simplify, fold_scatter, clone_generated, fuse_attention, inline_kernels, recompute
         Enable ``SimplifyTransposes``, ``FoldZeroScatter``, ``CloneGeneratedTensors``,
         ``FuseAttention`` and ``InlineKernelIntermediates`` (both on CPU targets only) and
-        ``RecomputeCheapValues``. With these, the three above and ``check_dims`` off, the
-        result is TVM's default pipeline for the target.
+        ``RecomputeCheapValues``. With these, the three above, ``fuse_readers`` and
+        ``check_dims`` off, the result is TVM's default pipeline for the target.
+    fuse_readers
+        Enable ``FuseIntoSoleReader`` (CPU targets): after ``RecomputeCheapValues``, an
+        elementwise kernel whose one reader is an elementwise kernel, reading values live
+        there anyway, is computed inside that reader (no buffer of its own); bit for bit the
+        same results.
     dispatch_gemm
         Enable ``DispatchGemm``: matmuls run on ATen's GEMMs (PyTorch's BLAS on a CPU, cuBLAS
         on CUDA targets, with ``MarkGemmKernels`` before dlight), writing into the VM's
@@ -510,8 +544,9 @@ def get_pipeline(
         declares (``tir_var_lower_bound`` / ``tir_var_upper_bound``) fails before any kernel
         runs, with an error naming the dim, its value and the range.
     schedule_options, remat_options, plan_options, simplify_options, fold_scatter_options,
-    inline_options, softmax_options, reduction_options, recompute_options, clone_options,
-    attention_options, gemm_options, math_options, check_options
+    inline_options, softmax_options, reduction_options, recompute_options,
+    fuse_reader_options, clone_options, attention_options, gemm_options, math_options,
+    check_options
         Option dataclasses handed to the passes (``None`` for their defaults).
 
     The keywords are the fields of :class:`PipelineFlags`, with its defaults.

@@ -28,6 +28,13 @@ def test_table_one_and_two_a_row():
     assert two[3].count("|") == two[2].count("|")  # the last row padded
 
 
+def test_a_failed_run_is_a_row_that_says_so():
+    """A length whose run failed has no peak: the row says "failed" instead of a ratio."""
+    failed = ArchitectureResult("d", "incorrect", (5, 17), (100, None), (100, 100), None, "s = 17")
+    assert failed.peak_ratios == (1.0, None) and not failed.at_or_below_eager
+    assert table([failed]).splitlines()[2] == "| d (incorrect) | n/a | 1.000, failed |"
+
+
 def test_readme_block_from_a_document():
     document = {
         "provenance": {"commit": "abc1234", "date": "2026-11-29", "command": "zoo --out f"},

@@ -2,7 +2,8 @@
 architectures, tiny configs with random weights), each imported as a training step, compiled
 with the default pipeline, checked against torch (loss and every gradient) at three lengths and
 measured against torch eager's peak, through the benchmark's runner (one ruler for both),
-mixture-of-experts models included."""
+mixture-of-experts models included. The suite tests every architecture but those whose every
+converter and pass another one tested here exercises (:data:`LEFT_TO_THE_ZOO_RUN`)."""
 
 from __future__ import annotations
 
@@ -16,18 +17,30 @@ transformers = pytest.importorskip("transformers")
 #: Architectures whose step is correct but peaks above torch eager's at some tested length, and
 #: what was measured. The test fails when one of them no longer does (then drop it from here).
 PEAK_ABOVE_EAGER = {
-    "bloom": "about 0.5 % above at s = 17 when measured",
     "gpt_bigcode": "about 1 % above at s = 40 when measured",
-    "gpt_neox": "about 1.3 % above at s = 17 when measured",
+    "gpt_neox": "about 0.2 % above at s = 17 when measured",
 }
 
 
+#: The zoo's architectures that share every converter and pass with one tested here, left to
+#: the zoo's own run (``python -m blade_relax.bench.zoo``, which gives the README's table), so
+#: that the suite stays short: Llama's block with a bias, a sliding window wider than the tested
+#: lengths or layers without rotary embeddings (Mistral, Qwen2, Helium, Seed-OSS, SmolLM3);
+#: Gemma, whose block Gemma 2 and 3 extend; two mixture-of-experts layers routed as Mixtral's
+#: (OLMoE, GraniteMoE).
+LEFT_TO_THE_ZOO_RUN = {
+    "gemma", "granitemoe", "helium", "mistral", "olmoe", "qwen2", "seed_oss", "smollm3",
+}  # fmt: skip
+TESTED = sorted(set(ARCHITECTURES) - LEFT_TO_THE_ZOO_RUN)
+
+
 def test_the_zoo_has_twenty_architectures_mixture_of_experts_among_them():
-    assert len(ARCHITECTURES) >= 20 and not set(ARCHITECTURES) & set(REFUSED)
-    assert {"mixtral", "qwen3_moe", "falcon", "gpt_bigcode", "bloom"} <= set(ARCHITECTURES)
+    assert len(TESTED) >= 20 and LEFT_TO_THE_ZOO_RUN < set(ARCHITECTURES)
+    assert not set(ARCHITECTURES) & set(REFUSED)
+    assert {"mixtral", "qwen3_moe", "falcon", "gpt_bigcode", "bloom"} <= set(TESTED)
 
 
-@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+@pytest.mark.parametrize("architecture", TESTED)
 def test_training_step_matches_torch_within_its_peak(architecture):
     summary, result = check_architecture(architecture)
     graph = result.workload.graph

@@ -9,6 +9,7 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
+from blade_relax.analysis.effects import inplace_verdict
 from blade_relax.analysis.workspace import kernel_workspace
 from blade_relax.contract import SOFTMAX_KERNEL_ATTR
 from blade_relax.pipeline import get_pipeline, pipeline_phases
@@ -241,3 +242,27 @@ def test_the_default_cpu_pipeline_runs_it_after_inline_kernel_intermediates():
         exe = tvm.compile(Heads, LLVM, relax_pipeline=get_pipeline(LLVM, vectorize_softmax=on))
         outs.append(relax.VirtualMachine(exe, tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy())
     np.testing.assert_array_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("s", [1, 16, 40])
+def test_the_softmax_kernel_may_write_over_its_input(s):
+    """Each row is read whole (its maximum) before any of it is written, and each element at
+    its own write after that: ``PlanMemory`` may place the probabilities in the scores'
+    storage. Run in place, the kernel computes what it computes out of place, bit for bit.
+    The log-softmax kernel reads its input again after writing: refused."""
+    with LLVM:
+        vectorized = VectorizeSoftmax()(fuse(Heads))
+        logs = VectorizeSoftmax()(fuse(LogClasses))
+    (name, kernel) = next(iter(kernels(vectorized).items()))
+    assert inplace_verdict(kernel, [0], 1).ok
+    assert not inplace_verdict(next(iter(kernels(logs).values())), [0], 1).ok
+    compiled = tvm.compile(
+        tvm.IRModule({"softmax": kernel.with_attr("global_symbol", "softmax")}), LLVM
+    )
+    rng = np.random.default_rng(s)
+    x = (rng.standard_normal((1, 2, s, s)) * 4).astype("float32")
+    apart = tvm.runtime.tensor(np.zeros_like(x))
+    compiled["softmax"](tvm.runtime.tensor(x), apart)
+    inplace = tvm.runtime.tensor(x)
+    compiled["softmax"](inplace, inplace)
+    np.testing.assert_array_equal(inplace.numpy(), apart.numpy())

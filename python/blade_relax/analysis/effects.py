@@ -30,7 +30,7 @@ from typing import Any
 import tvm
 from tvm import relax, tirx
 
-from ..contract import EVICT, REGENERATE, REMAT_BEGIN
+from ..contract import EVICT, REGENERATE, REMAT_BEGIN, SOFTMAX_KERNEL_ATTR
 from ..symbolic import ShapeGraph, SymbolicExpr
 from .liveness import BindingInfo
 from .tir_fields import field_names, type_key
@@ -817,6 +817,21 @@ class _AccessCollector:
         self.visit(blk.body, entry)
 
 
+def _is_row_softmax(func: tirx.PrimFunc, input_params: tuple[int, ...], output_param: int) -> bool:
+    """Whether ``func`` is a softmax kernel that ``VectorizeSoftmax`` wrote (its attribute,
+    :data:`~blade_relax.contract.SOFTMAX_KERNEL_ATTR`) asked to write its output over its input.
+
+    The data-flow check below refuses any reduction (an output element depends on its whole
+    row), but that kernel may run in place: per row it reads the input for the maximum, then
+    writes ``exp(x[j] - max)`` at ``j`` right after reading ``x[j]``, and reads only the output
+    after that (the sum, then the division). A row is never read after any of it is written.
+    (Its log-softmax reads the input again at the end and carries no attribute.)"""
+    attrs = func.attrs
+    if attrs is None or SOFTMAX_KERNEL_ATTR not in attrs or len(func.params) != 2:
+        return False
+    return input_params == (0,) and output_param == 1
+
+
 @functools.lru_cache(maxsize=4096)
 def _verdict(
     func: tirx.PrimFunc, input_params: tuple[int, ...], output_param: int
@@ -837,6 +852,10 @@ def _verdict(
     if any(tvm.runtime.DataType(str(v.ty.dtype)).bits != out_bits for v in in_vars):
         return InplaceVerdict(False, "input and output element sizes differ")
 
+    if _is_row_softmax(func, input_params, output_param):
+        return InplaceVerdict(
+            True, "a softmax kernel of VectorizeSoftmax reads each row before writing it"
+        )
     buffers = [p for p in params if isinstance(getattr(p, "ty", None), tirx.BufferType)]
     buffers += _alloc_buffers(func.body)
     collector = _AccessCollector(buffers)

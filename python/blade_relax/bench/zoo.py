@@ -182,13 +182,17 @@ class ArchitectureResult:
     seconds: float = 0.0
 
     @property
-    def peak_ratios(self) -> tuple[float, ...]:
-        """``blade-relax``'s peak over torch eager's, per length."""
-        return tuple(ours / eager for ours, eager in zip(self.peaks, self.eager_peaks))
+    def peak_ratios(self) -> tuple[float | None, ...]:
+        """``blade-relax``'s peak over torch eager's, per length (None where a run failed)."""
+        return tuple(
+            None if ours is None or not eager else ours / eager
+            for ours, eager in zip(self.peaks, self.eager_peaks)
+        )
 
     @property
     def at_or_below_eager(self) -> bool:
-        return bool(self.peaks) and all(r <= 1.0 for r in self.peak_ratios)
+        ratios = self.peak_ratios
+        return bool(ratios) and all(r is not None and r <= 1.0 for r in ratios)
 
 
 def _model(config: Any) -> Any:
@@ -252,6 +256,7 @@ def check_model(
         tuple(r.peak_bytes for r in ours),
         tuple(rows["torch-eager", n].peak_bytes for n in lengths),
         max((r.max_rel_error or 0.0) for r in ours),
+        reason=next((f"s = {r.seq_len}: {r.error}" for r in ours if r.error), ""),
         seconds=time.perf_counter() - start,
     )
     return summary, result
@@ -268,9 +273,10 @@ def table(results: Sequence[ArchitectureResult], per_row: int = 1) -> str:
         if r.status == "refused":
             cells.append(f"{r.architecture} | refused (below) | ")
         else:
-            ratios = ", ".join(f"{x:.3f}" for x in r.peak_ratios)
+            ratios = ", ".join("failed" if x is None else f"{x:.3f}" for x in r.peak_ratios)
             status = "" if r.status == "supported" else f" ({r.status})"
-            cells.append(f"{r.architecture}{status} | {r.max_rel_error:.1e} | {ratios}")
+            error = "n/a" if r.max_rel_error is None else f"{r.max_rel_error:.1e}"
+            cells.append(f"{r.architecture}{status} | {error} | {ratios}")
     rows = [cells[i : i + per_row] for i in range(0, len(cells), per_row)]
     lines = [
         "| " + " | ".join([head] * per_row) + " |",
@@ -317,7 +323,6 @@ def main(argv: Sequence[str] | None = None, prog: str = DEFAULT_PROG) -> int:
         if not args.quiet:
             print(f"... {name}", file=sys.stderr, flush=True)
         results.append(check_architecture(name)[0])
-    print(table(results))
     if args.out:
         command = " ".join([prog, *(argv if argv is not None else sys.argv[1:])])
         document = {
@@ -329,6 +334,10 @@ def main(argv: Sequence[str] | None = None, prog: str = DEFAULT_PROG) -> int:
         with open(args.out, "w") as f:
             json.dump(document, f, indent=1)
             f.write("\n")
+    print(table(results))
+    for r in results:
+        if r.reason and r.status != "refused":
+            print(f"{r.architecture}: {r.reason}")
     expected = all(
         (r.status == "refused") == (r.architecture in REFUSED) and r.status != "incorrect"
         for r in results

@@ -100,6 +100,7 @@ class Variant:
     vectorize_softmax: bool = False
     vectorize_reductions: bool = False
     recompute: bool = False
+    fuse_readers: bool = False
     clone_generated: bool = False
     fuse_attention: bool = False
     dispatch_gemm: bool = False
@@ -135,6 +136,7 @@ ALL_VARIANTS: tuple[Variant, ...] = (
     Variant("vectorize-softmax", inline_kernels=True, vectorize_softmax=True),
     Variant("vectorize-reductions", inline_kernels=True, vectorize_reductions=True),
     Variant("recompute", schedule=True, recompute=True),
+    Variant("fuse-readers", schedule=True, recompute=True, fuse_readers=True),
     Variant("clone-generated", clone_generated=True),
     Variant("fuse-attention", fuse_attention=True, inline_kernels=True),
     Variant(
@@ -148,6 +150,7 @@ ALL_VARIANTS: tuple[Variant, ...] = (
         vectorize_softmax=True,
         vectorize_reductions=True,
         recompute=True,
+        fuse_readers=True,
         clone_generated=True,
         fuse_attention=True,
     ),

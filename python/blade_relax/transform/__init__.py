@@ -9,6 +9,7 @@ from .dispatch_gemm import DispatchGemm, GemmOptions
 from .expand_math import ExpandMathIntrinsics, MathOptions
 from .fold_zero_scatter import FoldZeroScatter, ZeroScatterOptions
 from .fuse_attention import AttentionOptions, FuseAttention
+from .fuse_into_sole_reader import FuseIntoSoleReader, FuseReaderOptions
 from .inline_kernel_intermediates import InlineKernelIntermediates, InlineOptions
 from .mark_gemm_kernels import MarkGemmKernels
 from .plan import PlanMemory, PlanOptions
@@ -33,6 +34,8 @@ __all__ = [
     "FoldZeroScatter",
     "FunctionResult",
     "FuseAttention",
+    "FuseIntoSoleReader",
+    "FuseReaderOptions",
     "GemmOptions",
     "InlineKernelIntermediates",
     "InlineOptions",

@@ -139,6 +139,7 @@ recomputation runs ``RecomputeCheapValues`` once per candidate, at most
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -290,6 +291,11 @@ class ScheduleOptions:
         the order it picks makes the rematerialized copy peak above the plain one (83,968
         against 75,776 bytes with nothing evicted), so a budget no eviction reaches ran higher
         than no budget.
+    range_copies
+        Also schedule the range copies an earlier run of the pass made (functions carrying
+        ``contract.SCHEDULE_VERSION_ATTR``), each on its range's acceptance points; by default
+        they are left as they are. What the pipeline's second run does (see
+        :func:`blade_relax.pipeline.derived_schedule_options`).
     jobs
         Most processes the pass uses (None: one per CPU this process may run on). On a
         function whose single search takes long, the searches of its range copies run in
@@ -317,6 +323,7 @@ class ScheduleOptions:
     recompute_work: int = 2000
     model_inplace: bool = True
     model_workspaces: bool = False
+    range_copies: bool = False
     jobs: int | None = None
 
     def __post_init__(self) -> None:
@@ -913,10 +920,15 @@ def schedule_module(
     for gv, func in mod.functions.items():
         if not isinstance(func, relax.Function):
             continue
-        if func.attrs is not None and (
-            "Primitive" in func.attrs or SCHEDULE_VERSION_ATTR in func.attrs
-        ):
-            continue  # fused sub-functions (FuseTIR turns them into kernels); range copies
+        if func.attrs is not None and "Primitive" in func.attrs:
+            continue  # fused sub-functions (FuseTIR turns them into kernels)
+        copy_of = range_of(func)
+        if copy_of is not None or (func.attrs is not None and SCHEDULE_VERSION_ATTR in func.attrs):
+            if copy_of is not None and options.range_copies:
+                scheduled = _schedule_range_copy(gv, func, mod, options, copy_of[1], report)
+                if scheduled is not func:
+                    updates[gv] = scheduled
+            continue
         graph = _graph_of(func, gv.name_hint)
         if graph is None:
             continue
@@ -955,6 +967,24 @@ def schedule_module(
     functions.update(dict(added))
     out = tvm.IRModule(functions, attrs=mod.attrs, global_infos=mod.global_infos)
     return out, report
+
+
+def _schedule_range_copy(
+    gv: tvm.ir.GlobalVar,
+    func: relax.Function,
+    mod: tvm.IRModule,
+    options: ScheduleOptions,
+    rng: DimRange,
+    report: ScheduleReport,
+) -> relax.Function:
+    """A range copy scheduled again on its range (one order, no copies of its own)."""
+    if _graph_of(func, gv.name_hint) is None:
+        return func
+    graph = range_graph(func, rng)
+    single_options = dataclasses.replace(options, max_versions=1, recompute_after=False)
+    scheduled = _schedule_function(func, mod, single_options, gv.name_hint, graph, str(rng))
+    report.blocks.extend(scheduled.reports)
+    return scheduled.func
 
 
 def _recomputed(
