@@ -127,6 +127,17 @@ class Narrowing:
                 y[vi] = x[vi, T.int64(0)]
 
     @T.prim_func(private=True, s_tir=True)
+    def shift(var_x: T.handle, n: T.int64, var_y: T.handle):
+        T.func_attr({"op_pattern": 0, "tirx.noalias": True})
+        s = T.int64()
+        x = T.match_buffer(var_x, (s, T.int64(4)))
+        y = T.match_buffer(var_y, (s, T.int64(4)))
+        for i, j in T.grid(s, T.int64(4)):
+            with T.sblock("shift"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                y[vi, vj] = x[vi, vj] + T.Cast("float32", n)
+
+    @T.prim_func(private=True, s_tir=True)
     def add1(var_a: T.handle, var_b: T.handle, var_c: T.handle):
         T.func_attr({"op_pattern": 0, "tirx.noalias": True})
         s = T.int64()
@@ -187,6 +198,18 @@ def test_a_value_read_twice_is_left_alone():
     def body(bb, x, gv):
         a = _call(bb, gv, "scale", x)
         return relax.Tuple([_call(bb, gv, "add", a, x), _call(bb, gv, "exp", a)])
+
+    before = _variant(body)
+    tvm.ir.assert_structural_equal(FuseIntoSoleReader()(before), before)
+
+
+def test_a_kernel_with_a_scalar_argument_is_left_alone():
+    """A dim passed as a value (``shift(x, s)``: mixture-of-experts kernels get their row
+    counts so) would not reach the fused kernel through FuseTIR's group function."""
+
+    def body(bb, x, gv):
+        a = bb.emit(relax.call_tir(gv["shift"], [x, relax.prim_value(x.ty.shape[0])], x.ty))
+        return relax.Tuple([_call(bb, gv, "add", a, x), x])
 
     before = _variant(body)
     tvm.ir.assert_structural_equal(FuseIntoSoleReader()(before), before)
