@@ -197,7 +197,6 @@ def test_our_passes_are_placed_by_phase():
         "MemoryAwareSchedule",
         "RecomputeCheapValues",
         "FuseIntoSoleReader",
-        "MemoryAwareSchedule",
     ]
     assert _names(phases["finalize"]) == [
         "Rematerialize",
@@ -336,11 +335,6 @@ def test_schedule_options_are_derived_from_the_passes_that_follow():
     assert (derived.planner, derived.recompute_after, derived.max_versions) == ("static", False, 1)
     off = ScheduleOptions(recompute_after=False)
     assert not derived_schedule_options(PipelineFlags(schedule_options=off)).recompute_after
-    # The run after RecomputeCheapValues polishes the order that will run, copies included.
-    second = derived_schedule_options(PipelineFlags(schedule_options=given), second_run=True)
-    assert second.strategies == ("refine",) and second.range_copies
-    assert (second.max_versions, second.recompute_after, second.planner) == (1, False, "plan")
-    assert second.refine_evaluations == given.refine_evaluations
 
 
 def test_orders_are_scored_with_the_recompute_options_the_pipeline_runs(monkeypatch):

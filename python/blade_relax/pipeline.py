@@ -42,9 +42,6 @@ Where each pass runs, and why there:
 * ``FuseIntoSoleReader`` follows it on CPU targets: an elementwise kernel whose one reader is
   an elementwise kernel (a recomputed copy, or the forward's copy left with one reader) is
   computed inside that reader, which ``FuseOps`` could not decide before the copies existed.
-  Then ``MemoryAwareSchedule`` runs once more, its local search alone on the order that will
-  run (range copies included): the copies and fused kernels changed the live sets the first
-  run scored (:func:`derived_schedule_options` with ``second_run``).
 * ``Rematerialize`` runs after ``CallTIRRewrite`` and before memory planning: it inserts impure
   ``evict``/``regenerate`` calls, which may not stand in a dataflow block, and the planner must
   see them so that evictable tensors never land in shared storage.
@@ -65,7 +62,7 @@ explicit list of phases, :data:`PHASES`, run in order:
 ``fused``
     Our passes on the fused dataflow graph (``InlineKernelIntermediates``,
     ``VectorizeSoftmax``, ``VectorizeColumnReductions``, ``MemoryAwareSchedule``,
-    ``RecomputeCheapValues``, ``FuseIntoSoleReader``, ``MemoryAwareSchedule`` again).
+    ``RecomputeCheapValues``, ``FuseIntoSoleReader``).
 ``finalize``, ``vm_lower``
     TVM's ``finalize_passes`` for the target, written out here with the ``relax.transform``
     constructors and split where the memory stage ends (``vm_lower`` starts at
@@ -348,7 +345,7 @@ def _checked_backend_phases(target: tvm.target.Target) -> Any:
     return phases
 
 
-def derived_schedule_options(flags: PipelineFlags, *, second_run: bool = False) -> Any:
+def derived_schedule_options(flags: PipelineFlags) -> Any:
     """The options ``MemoryAwareSchedule`` runs with in the pipeline of ``flags``: the user's
     (``flags.schedule_options``, else the defaults) with what depends on the passes after it
     derived here, in one place, so that orders are scored on the program that will run.
@@ -358,30 +355,15 @@ def derived_schedule_options(flags: PipelineFlags, *, second_run: bool = False) 
     * ``recompute_after``: compare the chosen order once more after ``RecomputeCheapValues``
       only when that pass runs (on by default; a user's ``False`` is kept).
     * ``recompute_options``: the options that pass runs with (``flags.recompute_options``).
-
-    With ``second_run``, the options of the run after ``RecomputeCheapValues`` (and
-    ``FuseIntoSoleReader``): their copies and fused kernels change the live sets the first run
-    scored, so the order that will run is polished once more by the local search alone
-    (``refine``, which keeps a move only if no acceptance point gets worse), on every function
-    and range copy (``range_copies``), one order each, with nothing recomputed after it.
     """
     from .transform import ScheduleOptions
 
     given = flags.schedule_options
-    options = dataclasses.replace(
+    return dataclasses.replace(
         given if given is not None else ScheduleOptions(),
         planner="plan" if flags.plan else "static",
         recompute_after=flags.recompute and (given is None or given.recompute_after),
         recompute_options=flags.recompute_options,
-    )
-    if not second_run:
-        return options
-    return dataclasses.replace(
-        options,
-        strategies=("refine",),
-        max_versions=1,
-        recompute_after=False,
-        range_copies=True,
     )
 
 
@@ -423,8 +405,6 @@ def _phases(
         fused.append(_ours("RecomputeCheapValues", flags.recompute_options))
     if flags.fuse_readers and cpu:
         fused.append(_ours("FuseIntoSoleReader", flags.fuse_reader_options))
-    if flags.schedule and flags.recompute:
-        fused.append(_ours("MemoryAwareSchedule", derived_schedule_options(flags, second_run=True)))
     fused += after_fusion
     finalize, vm_lower = _finalize_phases(target, flags, plan_memory)
     legalize = list(phases.legalize_passes(target))

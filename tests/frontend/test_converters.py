@@ -223,38 +223,6 @@ def test_a_reshape_compares_symbolic_shapes_without_failing():
             np.testing.assert_array_equal(g, w.numpy())
 
 
-def test_an_expand_to_the_input_s_own_shape_is_the_input():
-    """GPT-BigCode expands its probabilities ``(1, h, s, s)`` to ``(1, h, s, s)``: torch's view
-    of the input; TVM's converter copies the whole tensor (``broadcast_to``). A real expansion
-    (``-1`` kept, a unit axis widened) is still one."""
-
-    class Expands(torch.nn.Module):
-        def forward(self, x):
-            same = x.expand(1, 2, x.shape[2], x.shape[2])
-            kept = x.expand(-1, -1, -1, x.shape[2])
-            wide = x[:, :1].expand(1, 2, x.shape[2], x.shape[2])
-            return same * 2.0, kept + 1.0, wide - 1.0
-
-    x = torch.randn(1, 2, 5, 5)
-    seq = torch.export.Dim("s", min=2, max=64)
-    mod = _import(Expands(), (x,), {"x": {2: seq, 3: seq}})
-    broadcasts = []
-    relax.analysis.post_order_visit(
-        mod["main"].body,
-        lambda e: (
-            broadcasts.append(e)
-            if isinstance(e, relax.Call) and getattr(e.op, "name", "") == "relax.broadcast_to"
-            else None
-        ),
-    )
-    assert len(broadcasts) == 1  # the widened one
-    for length in (3, 11):
-        x = torch.randn(1, 2, length, length)
-        got = compile_and_run(mod, x.numpy())
-        for g, w in zip(got, Expands()(x)):
-            np.testing.assert_array_equal(g, w.numpy())
-
-
 def _ops(mod) -> set[str]:
     names: set[str] = set()
     relax.analysis.post_order_visit(

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 #: what was measured. The test fails when one of them no longer does (then drop it from here).
 PEAK_ABOVE_EAGER = {
     "gpt_bigcode": "about 1 % above at s = 40 when measured",
-    "gpt_neox": "about 0.2 % above at s = 17 when measured",
+    "gpt_neox": "about 1.3 % above at s = 17 when measured",
 }
 
 

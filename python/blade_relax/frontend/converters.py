@@ -14,11 +14,6 @@ Why each one exists:
     of a gather along an inner axis (Falcon's grouped keys: ``[None, None, None, idx]``). It
     becomes one ``scatter_elements`` along that axis (``reduction="add"`` when accumulating)
     over flattened indices, which legalizes for any symbolic number of indices.
-``expand.default`` to the input's own shape
-    torch returns the input itself (a view); TVM's converter emits a ``broadcast_to``, a copy
-    of the whole tensor. GPT-BigCode's multi-query attention expands its probabilities
-    ``[b, h, s, s]`` to ``[b, h, s, s]``, which kept a second copy of them alive from the
-    forward to the backward. The shapes are compared as for ``view.default`` below.
 ``index.Tensor`` with one index tensor
     ``x[:, :, :, [-2]]`` (Falcon's keys) indexes from the end. TVM's converter makes it a
     ``take`` in its ``"fast"`` mode, which reads a negative index out of bounds (no error, the
@@ -160,18 +155,6 @@ def _reshape(node: Any, importer: Any) -> relax.Var:
     if current is not None and _same_shape(list(current), list(dims)):
         return x  # a reshape to the input's own shape
     return importer._emit_torch_reshape(x, dims)
-
-
-def _expand(node: Any, importer: Any) -> relax.Var:
-    args = importer.retrieve_args(node)
-    x = args[0]
-    sizes = list(args[1:] if len(args) > 2 else args[1])
-    current = importer.shape_of(x)
-    if current is not None and len(sizes) == len(current):
-        wanted = [c if isinstance(n, int) and n == -1 else n for c, n in zip(current, sizes)]
-        if _same_shape(list(current), wanted):
-            return x  # an expand to the input's own shape: torch's view, no copy
-    return importer._expand(node)
 
 
 def _index_tensor(node: Any, importer: Any) -> relax.Var:
@@ -394,7 +377,6 @@ CUSTOM_CONVERTERS: dict[str, Callable[[Any, Any], relax.Var]] = {
     "bmm.default": _matmul,
     "div.Tensor_mode": _div_mode,
     "empty_permuted.default": _empty_permuted,
-    "expand.default": _expand,
     "index.Tensor": _index_tensor,
     "index_put.default": _index_put,
     "matmul.default": _matmul,

@@ -250,34 +250,8 @@ def peak_moves(block: Block, tl: Timeline, k: int, point: int, limit: int) -> li
                 group = tl.groups[key] = hoist_group(block, pos, v, k)
             if group is not None:
                 moves.setdefault((tuple(group), k), nbytes)
-    hoist = _hoist_peak_step(block, tl, k, live, sizes)
-    if hoist is not None:
-        moves.setdefault(hoist[1:], hoist[0])
     ranked = sorted(moves.items(), key=lambda item: -item[1])[:limit]
     return [(nbytes, group, dst) for (group, dst), nbytes in ranked]
-
-
-def _hoist_peak_step(
-    block: Block, tl: Timeline, k: int, live: np.ndarray, sizes: np.ndarray
-) -> tuple[int, tuple[int, ...], int] | None:
-    """The binding at step ``k`` run just after the last of its inputs is produced, when it
-    is the last reader of buffers live at ``k``: ``(bytes it frees, (k,), destination)``.
-
-    The moves above cannot do this: they move other bindings across ``k``. When the peak is
-    reached at a binding whose result lives on (a gradient returned at the end, say) while an
-    input of it dies there, running it earlier frees that input before the results computed in
-    between accumulate."""
-    v = tl.order[k]
-    pos = tl.positions()
-    after = max((int(pos[q]) for q in block.preds[v]), default=-1) + 1
-    if after >= k:
-        return None
-    freed = sum(
-        int(size)
-        for b, size in zip(live.tolist(), sizes.tolist())
-        if int(tl.free_step[b]) == k and not block.escaping[b]
-    )
-    return (freed, (k,), after) if freed > 0 else None
 
 
 def _size_values(block: Block) -> np.ndarray:

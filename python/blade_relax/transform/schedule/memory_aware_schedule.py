@@ -294,8 +294,7 @@ class ScheduleOptions:
     range_copies
         Also schedule the range copies an earlier run of the pass made (functions carrying
         ``contract.SCHEDULE_VERSION_ATTR``), each on its range's acceptance points; by default
-        they are left as they are. What the pipeline's second run does (see
-        :func:`blade_relax.pipeline.derived_schedule_options`).
+        they are left as they are (to polish, say, the copies after passes that change them).
     jobs
         Most processes the pass uses (None: one per CPU this process may run on). On a
         function whose single search takes long, the searches of its range copies run in
