@@ -234,17 +234,24 @@ def _live_at(
     return not isinstance(arg, relax.Var) or arg in live or reads[arg][-1] >= position
 
 
-def _group_function(
-    bindings: Sequence[relax.Binding], group: _Group
-) -> tuple[relax.Function, list[relax.Expr]]:
-    """The group as a ``Primitive`` function, and the outer variables and constants it takes,
-    in order."""
+def _outer(bindings: Sequence[relax.Binding], group: _Group) -> list[relax.Expr]:
+    """The variables and constants from outside ``group`` that it reads, in order of first
+    read."""
     fused = {bindings[p].var for p in group.producers}
     outer: list[relax.Expr] = []
     for position in (*group.producers, group.reader):
         for arg in _args(bindings[position].value):
             if arg not in fused and arg not in outer:
                 outer.append(arg)
+    return outer
+
+
+def _group_function(
+    bindings: Sequence[relax.Binding], group: _Group
+) -> tuple[relax.Function, list[relax.Expr]]:
+    """The group as a ``Primitive`` function, and the outer variables and constants it takes,
+    in order (:func:`_outer`)."""
+    outer = _outer(bindings, group)
     params = _params(outer)
     renames: dict[relax.Expr, relax.Var] = dict(zip(outer, params))
     inner: list[relax.Binding] = []
@@ -445,8 +452,9 @@ class FuseIntoSoleReader:
         """The call of the fused kernel of ``group``: one kernel per distinct combination of
         kernels wired the same way (the layers of a model share them), built by
         :func:`_fused_kernel`."""
+        outer = _outer(bindings, group)
         key = tuple(
-            (bindings[p].value.args[0].name_hint, _arg_pattern(bindings, group, p))
+            (bindings[p].value.args[0].name_hint, _arg_pattern(bindings, group, p, outer))
             for p in (*group.producers, group.reader)
         )
         if key not in made:
@@ -462,7 +470,6 @@ class FuseIntoSoleReader:
         if made[key] is None:
             return None
         gv, arg_index = made[key]
-        outer = _group_function(bindings, group)[1]
         return relax.call_tir(gv, [outer[i] for i in arg_index], bindings[group.reader].var.ty)
 
 
@@ -507,16 +514,13 @@ def _called(mod: tvm.IRModule) -> set[str]:
     return read.names
 
 
-def _arg_pattern(bindings: Sequence[relax.Binding], group: _Group, position: int) -> tuple:
-    """How the call at ``position`` reads the group's values and outer variables: equal for
+def _arg_pattern(
+    bindings: Sequence[relax.Binding], group: _Group, position: int, outer: list[relax.Expr]
+) -> tuple:
+    """How the call at ``position`` reads the group's values and its ``outer`` ones: equal for
     two groups that one fused kernel serves (the same kernels wired the same way)."""
-    order: list[relax.Var] = []
-    for p in (*group.producers, group.reader):
-        for arg in _args(bindings[p].value):
-            if arg not in order:
-                order.append(arg)
     produced = {bindings[p].var: i for i, p in enumerate(group.producers)}
     return tuple(
-        ("v", produced[a]) if a in produced else ("x", order.index(a))
+        ("v", produced[a]) if a in produced else ("x", outer.index(a))
         for a in _args(bindings[position].value)
     )
