@@ -185,6 +185,7 @@ def test_our_passes_are_placed_by_phase():
     assert tuple(phases) == PHASES
     assert _names(phases["graph"]) == [
         "FuseAttention",
+        "FoldBroadcastMatmul",
         "SimplifyTransposes",
         "FoldZeroScatter",
         "CloneGeneratedTensors",
@@ -271,6 +272,7 @@ def test_get_pipeline_keywords_are_the_pipeline_flags():
         "schedule",
         "remat",
         "plan",
+        "fold_broadcast",
         "simplify",
         "fold_scatter",
         "inline_kernels",

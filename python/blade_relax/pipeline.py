@@ -153,6 +153,7 @@ class PipelineFlags:
     plan: bool = _flag(True, "PlanMemory", "memory", "plan_options")
     # The graph passes (FuseAttention and InlineKernelIntermediates on CPU targets only).
     fuse_attention: bool = _flag(True, "FuseAttention", "graph", "attention_options")
+    fold_broadcast: bool = _flag(True, "FoldBroadcastMatmul", "graph", "fold_broadcast_options")
     simplify: bool = _flag(True, "SimplifyTransposes", "graph", "simplify_options")
     fold_scatter: bool = _flag(True, "FoldZeroScatter", "graph", "fold_scatter_options")
     clone_generated: bool = _flag(True, "CloneGeneratedTensors", "graph", "clone_options")
@@ -174,6 +175,7 @@ class PipelineFlags:
     remat_options: Any = None
     plan_options: Any = None
     attention_options: Any = None
+    fold_broadcast_options: Any = None
     simplify_options: Any = None
     fold_scatter_options: Any = None
     clone_options: Any = None
@@ -380,6 +382,8 @@ def _phases(
     graph: list[tvm.transform.Pass] = []
     if flags.fuse_attention and cpu:
         graph.append(_ours("FuseAttention", flags.attention_options))
+    if flags.fold_broadcast:
+        graph.append(_ours("FoldBroadcastMatmul", flags.fold_broadcast_options))
     if flags.simplify:
         graph.append(_ours("SimplifyTransposes", flags.simplify_options))
     if flags.fold_scatter:
@@ -453,6 +457,7 @@ def get_pipeline(
     schedule: bool = True,
     remat: bool = True,
     plan: bool = True,
+    fold_broadcast: bool = True,
     simplify: bool = True,
     fold_scatter: bool = True,
     inline_kernels: bool = True,
@@ -467,6 +472,7 @@ def get_pipeline(
     schedule_options: Any = None,
     remat_options: Any = None,
     plan_options: Any = None,
+    fold_broadcast_options: Any = None,
     simplify_options: Any = None,
     fold_scatter_options: Any = None,
     inline_options: Any = None,
@@ -494,6 +500,11 @@ def get_pipeline(
         ``FuseAttention`` and ``InlineKernelIntermediates`` (both on CPU targets only) and
         ``RecomputeCheapValues``. With these, the three above, ``fuse_readers`` and
         ``check_dims`` off, the result is TVM's default pipeline for the target.
+    fold_broadcast
+        Enable ``FoldBroadcastMatmul``: a matmul whose right operand is a key or value
+        broadcast to several query heads (multi-query and grouped-query attention) reads the
+        key once, the heads sharing it as rows of one GEMM; the broadcast copy is not made.
+        Bit for bit the same results.
     fuse_readers
         Enable ``FuseIntoSoleReader`` (CPU targets): after ``RecomputeCheapValues``, an
         elementwise kernel whose one reader is an elementwise kernel, reading values live
@@ -523,8 +534,8 @@ def get_pipeline(
         Enable ``CheckDimRanges``: a call whose dims lie outside the ranges the function
         declares (``tir_var_lower_bound`` / ``tir_var_upper_bound``) fails before any kernel
         runs, with an error naming the dim, its value and the range.
-    schedule_options, remat_options, plan_options, simplify_options, fold_scatter_options,
-    inline_options, softmax_options, reduction_options, recompute_options,
+    schedule_options, remat_options, plan_options, fold_broadcast_options, simplify_options,
+    fold_scatter_options, inline_options, softmax_options, reduction_options, recompute_options,
     fuse_reader_options, clone_options, attention_options, gemm_options, math_options,
     check_options
         Option dataclasses handed to the passes (``None`` for their defaults).

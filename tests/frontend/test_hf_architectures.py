@@ -17,7 +17,6 @@ transformers = pytest.importorskip("transformers")
 #: Architectures whose step is correct but peaks above torch eager's at some tested length, and
 #: what was measured. The test fails when one of them no longer does (then drop it from here).
 PEAK_ABOVE_EAGER = {
-    "gpt_bigcode": "about 1 % above at s = 40 when measured",
     "gpt_neox": "about 1.3 % above at s = 17 when measured",
 }
 

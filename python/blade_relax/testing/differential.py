@@ -94,6 +94,7 @@ class Variant:
     schedule: bool = False
     remat: bool = False
     plan: bool = False
+    fold_broadcast: bool = False
     simplify: bool = False
     fold_scatter: bool = False
     inline_kernels: bool = False
@@ -130,6 +131,7 @@ ALL_VARIANTS: tuple[Variant, ...] = (
     Variant("schedule", schedule=True),
     Variant("remat", remat=True),
     Variant("plan", plan=True),
+    Variant("fold-broadcast", fold_broadcast=True, simplify=True),
     Variant("simplify", simplify=True),
     Variant("fold-scatter", fold_scatter=True),
     Variant("inline-kernels", inline_kernels=True),
@@ -144,6 +146,7 @@ ALL_VARIANTS: tuple[Variant, ...] = (
         schedule=True,
         remat=True,
         plan=True,
+        fold_broadcast=True,
         simplify=True,
         fold_scatter=True,
         inline_kernels=True,

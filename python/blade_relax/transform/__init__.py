@@ -7,6 +7,7 @@ from .clone_generated_tensors import CloneGeneratedTensors, CloneOptions
 from .dispatch import version_for
 from .dispatch_gemm import DispatchGemm, GemmOptions
 from .expand_math import ExpandMathIntrinsics, MathOptions
+from .fold_broadcast_matmul import BroadcastMatmulOptions, FoldBroadcastMatmul
 from .fold_zero_scatter import FoldZeroScatter, ZeroScatterOptions
 from .fuse_attention import AttentionOptions, FuseAttention
 from .fuse_into_sole_reader import FuseIntoSoleReader, FuseReaderOptions
@@ -24,6 +25,7 @@ from .vectorize_softmax import SoftmaxOptions, VectorizeSoftmax
 
 __all__ = [
     "AttentionOptions",
+    "BroadcastMatmulOptions",
     "CheckDimRanges",
     "CloneGeneratedTensors",
     "CloneOptions",
@@ -31,6 +33,7 @@ __all__ = [
     "DimRangeOptions",
     "DispatchGemm",
     "ExpandMathIntrinsics",
+    "FoldBroadcastMatmul",
     "FoldZeroScatter",
     "FunctionResult",
     "FuseAttention",
