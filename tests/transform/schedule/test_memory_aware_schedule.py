@@ -1013,23 +1013,29 @@ def test_pool_orders_are_compared_again_after_recomputation(monkeypatch):
     assert all(a <= b for a, b in zip(peaks[8], peaks[0])), peaks
     assert peaks[8][-1] < peaks[0][-1], peaks
 
-    # The figures of the comparison: the chosen candidate's recomputed, planned peaks.
+    # The figures of the comparison: at each length, the recomputed, planned peak of the
+    # candidate chosen for the range that holds it.
     seen = {}
     original = memory_aware_schedule._after_recompute
 
     def spy(mod_, gv, func, candidates, graph, options_, block):
         chosen = original(mod_, gv, func, candidates, graph, options_, block)
-        (_, _, picked), *_ = chosen
-        scorer = memory_aware_schedule._recomputed_peaks(
-            mod_, gv, picked, options_.planner, options_.model_inplace
-        )
-        seen["predicted"] = scorer([{"s": s} for s in lengths])
+        for rng, _, picked in chosen:
+            scorer = memory_aware_schedule._recomputed_peaks(
+                mod_, gv, picked, options_.planner, options_.model_inplace
+            )
+            inside = [
+                s
+                for s in lengths
+                if rng is None or rng.lower <= s and (rng.upper is None or s <= rng.upper)
+            ]
+            seen.update(zip(inside, scorer([{"s": s} for s in inside])))
         return chosen
 
     monkeypatch.setattr(memory_aware_schedule, "_after_recompute", spy)
     options = ScheduleOptions(planner="plan", recompute_after=True)
     lower_to_memory_stage(mod, "llvm", schedule_options=options, **flags)
-    assert seen["predicted"] == peaks[8]
+    assert [seen[s] for s in lengths] == peaks[8]
 
 
 def test_a_function_listed_twice_is_recomputed_once(monkeypatch):

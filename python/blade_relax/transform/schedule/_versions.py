@@ -99,8 +99,9 @@ def choose_ranges(
     ``values`` is the dim's value at each acceptance point of the pool. A range's score is the
     lowest worst-case ratio to the reference that one order of the pool reaches on the range's
     points (:func:`_best`). Ranges are split in two, at a point value, while a split lowers the
-    worst score of the range by more than ``min_gain`` and fewer than ``max_versions`` ranges
-    exist; the split with the largest gain is taken first (then the lowest mean ratio).
+    worst score on one side by more than ``min_gain`` (the range's order scored on that side's
+    points against the side's own best) and fewer than ``max_versions`` ranges exist; the split
+    with the largest gain is taken first (then the lowest mean ratio).
 
     Between two acceptance points nothing is known; with ``peaks_at(name, dim_values)``
     (the peaks of a pool order at other values of the dim) each boundary is then moved to the
@@ -112,11 +113,20 @@ def choose_ranges(
     while len(segments) < max_versions:
         best = None
         for i, (_, _, pts) in enumerate(segments):
-            current = _best(pool, pts)[0]
+            current = _best(pool, pts)[2]
             for t in np.unique(vals[pts])[:-1]:
                 left, right = pts[vals[pts] <= t], pts[vals[pts] > t]
                 (wl, ml, _), (wr, mr, _) = _best(pool, left), _best(pool, right)
-                gain = current / max(wl, wr) - 1.0
+                # What the split gives the lengths of either side: the current order's worst
+                # ratio there over the side's own best (a gain on one side is not hidden by
+                # the other side's worse points).
+                gain = (
+                    max(
+                        pool.rank_key(current, left)[1] / wl,
+                        pool.rank_key(current, right)[1] / wr,
+                    )
+                    - 1.0
+                )
                 key = (-round(gain, 9), (ml * left.size + mr * right.size) / pts.size)
                 if gain > min_gain and (best is None or key < best[0]):
                     best = (key, i, int(t), left, right)
