@@ -19,7 +19,7 @@ CONFIGS = [
     "tvm-bounded",
     "tvm-bucketed@64",
     "blade-relax",
-    "blade-relax@0.85",
+    "blade-relax@0.97",
     "torch-eager",
     "torch-compile",
 ]
@@ -71,10 +71,10 @@ def test_the_budget_is_predicted_where_the_runtime_evicts(both):
     rows = {(m.config, m.seq_len): m for m in measured.measurements}
     guess = {(m.config, m.seq_len): m for m in predicted.measurements}
     # At s=40 the runtime evicts to meet the budget: the prediction follows it there.
-    real = rows[("blade-relax@0.85", 40)]
+    real = rows[("blade-relax@0.97", 40)]
     assert real.evictions > 0
     assert real.step_peak_bytes <= real.budget_bytes < rows[("blade-relax", 40)].step_peak_bytes
-    assert guess[("blade-relax@0.85", 40)].step_peak_bytes == real.step_peak_bytes
+    assert guess[("blade-relax@0.97", 40)].step_peak_bytes == real.step_peak_bytes
 
 
 def test_lowerings_are_counted_per_configuration(both):
@@ -83,7 +83,7 @@ def test_lowerings_are_counted_per_configuration(both):
     assert summary["tvm-bounded"].compilations == 1
     assert summary["tvm-bucketed@64"].compilations == 1  # 12 and 40 share the bucket
     # The budgeted config reads the lowering of its reference, but needs it as its own.
-    assert summary["blade-relax@0.85"].compilations == 1
+    assert summary["blade-relax@0.97"].compilations == 1
     assert summary["blade-relax"].compile_time_s > 0
     assert summary["torch-eager"].compilations == 0
     assert summary["torch-compile"].compilations == 1  # dynamic: one graph for both lengths
@@ -180,7 +180,7 @@ def test_bfloat16_predictions_are_the_measured_peaks():
     )  # fmt: skip
     workload = build_workload("llama-train", sizes)
     assert {str(p.dtype) for p in workload.graph.params} == {"bfloat16"}
-    configs = ["tvm-dynamic", "blade-relax", "blade-relax@0.85", "torch-eager"]
+    configs = ["tvm-dynamic", "blade-relax", "blade-relax@0.97", "torch-eager"]
     predicted = predict_benchmark(workload, configs, [40])
     # bfloat16 keeps 8 bits of mantissa: TVM's kernels round differently from torch's.
     measured = run_benchmark(workload, configs, [40], repeat=1, tolerance=0.1)

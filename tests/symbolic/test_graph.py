@@ -381,3 +381,30 @@ def test_admissible_grid_holds_every_value_and_evaluates_exactly():
     # An unbounded dim (b) leaves no grid.
     assert ShapeGraph.from_function(reshape_and_match_cast).admissible_grid() is None
     assert np.all(values > 0)
+
+
+def test_an_unbounded_dim_splits_into_checked_values_and_a_proven_tail():
+    """Every value up to ``head`` is in the grid, and the copy starts right after them: a check
+    over the grid and a proof on the copy cover every admissible value."""
+    graph = ShapeGraph.from_ranges({"s": (2, None), "b": (1, 3)})
+    grid, tail = graph.split_unbounded(head=100)
+    assert sorted(set(grid["s"].tolist())) == list(range(2, 102))
+    assert sorted(set(grid["b"].tolist())) == [1, 2, 3]
+    assert len(grid["s"]) == 300
+    s, b = E.dim("s"), E.dim("b")
+    # 2 s^2 + 500 <= Max(1000, 4 s^2) for every s >= 2, but no one argument bounds it.
+    trial, base = 2 * s * s + 500, E.max(E.constant(1000), 4 * s * s)
+    assert graph.compare(trial, base) is Ordering.UNKNOWN
+    assert tail.compare(trial, base) is Ordering.LT
+    assert tail.dims["s"].lower == 102 and tail.dims["b"].upper == 3
+    # The original is unchanged (its caches are its own).
+    assert graph.dims["s"].lower == 2
+    assert graph.compare(trial, base) is Ordering.UNKNOWN
+    assert tail.compare(s, 101) is Ordering.GT and graph.compare(s, 101) is Ordering.UNKNOWN
+    # Two unbounded dims, or none, have no such split.
+    assert ShapeGraph.from_ranges({"s": (1, None), "n": (1, None)}).split_unbounded() is None
+    assert ShapeGraph.from_ranges({"s": (1, 64)}).split_unbounded() is None
+    with pytest.raises(KeyError, match="no dim 'q'"):
+        graph.with_lower_bounds({"q": 3})
+    with pytest.raises(ValueError, match="above its upper bound 3"):
+        graph.with_lower_bounds({"b": 4})

@@ -761,3 +761,44 @@ def test_attention_probabilities_are_recomputed_in_the_backward():
         )
         for a, b in zip(plain, recomputed):
             np.testing.assert_array_equal(b, a)
+
+
+def test_attention_recomputation_is_proven_without_an_upper_bound(monkeypatch):
+    """Without ``tir_var_upper_bound`` no grid holds every length: the recomputation is proven
+    by checking the first lengths one by one and the rest symbolically, past the lengths where
+    the step that holds the peak moves (``analysis.lowers_peak``); the symbolic comparison
+    alone proves none. In the input order, recomputing the first layer's probabilities lowers
+    the peak at s = 40 and raises it nowhere (the second's then lowers it nowhere)."""
+    pytest.importorskip("transformers")
+    import dataclasses
+
+    import transformers
+
+    from blade_relax.bench.zoo import tiny_config
+    from blade_relax.frontend import import_training_step
+    from blade_relax.pipeline import PipelineFlags, lower_to_memory_stage
+
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("starcoder2"))
+    graph = import_training_step(model, max_seq_len=64).with_upper_bounds(False)
+    flags = {f.name: getattr(PipelineFlags(), f.name) for f in dataclasses.fields(PipelineFlags)}
+    flags.update(recompute=False, schedule=False)
+    fused = lower_to_memory_stage(graph.mod, stop_before="dataflow_lower", **flags)
+    assert fused["main"].attrs is None or "tir_var_upper_bound" not in fused["main"].attrs
+    without = RecomputeCheapValues(RecomputeOptions(attention=False))(fused)
+    with_attention = RecomputeCheapValues()(fused)
+    assert _softmax_calls(with_attention["main"]) == _softmax_calls(without["main"]) + 1
+    lengths = (2, 17, 40, 64, 1000, 5000)
+    peaks = [
+        [memory_timeline(m["main"], mod=m).evaluate({"s": s}).peak for s in lengths]
+        for m in (without, with_attention)
+    ]
+    assert all(a <= b for a, b in zip(peaks[1], peaks[0])) and peaks[1][2] < peaks[0][2], peaks
+    from blade_relax.symbolic import ShapeGraph
+    from blade_relax.transform import recompute_cheap_values as rcv
+
+    monkeypatch.setattr(rcv, "_DECISIONS", rcv._DecisionMemo())
+    monkeypatch.setattr(ShapeGraph, "split_unbounded", lambda self, head=0: None)
+    unproven = RecomputeCheapValues()(fused)
+    assert _softmax_calls(unproven["main"]) == _softmax_calls(without["main"])

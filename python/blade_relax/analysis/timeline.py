@@ -48,7 +48,7 @@ import sympy
 import tvm
 from tvm import relax
 
-from ..symbolic import ShapeGraph, SymbolicExpr, TypeSizes
+from ..symbolic import Ordering, ShapeGraph, SymbolicExpr, TypeSizes
 from .effects import (
     KILLS,
     STORAGE_ALLOCS,
@@ -67,6 +67,7 @@ __all__ = [
     "SampledTimeline",
     "TimelineMemo",
     "TimelineStep",
+    "lowers_peak",
     "memory_timeline",
     "peaks_over_grid",
 ]
@@ -576,6 +577,39 @@ def peaks_over_grid(timeline: MemoryTimeline, grid: Mapping[str, Any]) -> np.nda
         np.maximum(peak, during, out=peak)
         live -= freed[i]
     return peak
+
+
+def lowers_peak(trial: MemoryTimeline, base: MemoryTimeline) -> bool | None:
+    """Whether ``trial``'s peak is no higher than ``base``'s at every admissible value of the
+    dims and lower at one, decided value by value where the symbolic comparison of the two
+    peaks (a ``Max`` over the steps of each) may not decide it: when the step holding a peak
+    moves as a dim grows.
+
+    Where the dims take few values, every one is checked (:meth:`ShapeGraph.admissible_grid`).
+    Where one dim is unbounded above, its first values are checked and the rest proven on the
+    graph restricted past them (:meth:`ShapeGraph.split_unbounded`), where the steps that hold
+    the peaks have settled. Both are proofs. ``None`` when neither applies or a size cannot be
+    evaluated; ``False`` when the trial is higher at one value or is not proven below.
+    """
+    graph = base.graph
+    grid, tail = graph.admissible_grid(), None
+    if grid is None:
+        split = graph.split_unbounded()
+        if split is None:
+            return None
+        grid, tail = split
+    trial_peaks, base_peaks = peaks_over_grid(trial, grid), peaks_over_grid(base, grid)
+    if trial_peaks is None or base_peaks is None:
+        return None
+    if not np.all(trial_peaks <= base_peaks):
+        return False
+    lower_here = bool(np.any(trial_peaks < base_peaks))
+    if tail is None:
+        return lower_here
+    verdict = tail.compare(trial.peak, base.peak)
+    if verdict in (Ordering.LT, Ordering.LE, Ordering.EQ):
+        return lower_here or verdict is Ordering.LT
+    return False
 
 
 def memory_timeline(

@@ -28,6 +28,7 @@ met in the function: parameters first, then bindings in order), or by the expres
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 import zlib
@@ -835,6 +836,60 @@ class ShapeGraph:
             return None
         mesh = np.meshgrid(*axes, indexing="ij") if axes else []
         return {root: m.ravel() for root, m in zip(self._roots(), mesh)}
+
+    def split_unbounded(self, head: int = 1 << 12) -> tuple[dict[str, Any], ShapeGraph] | None:
+        """For a graph whose one free dim is unbounded above (the others bounded): a grid of
+        its first ``head`` values (crossed with the others' ranges, as :meth:`admissible_grid`)
+        and a copy of the graph where that dim starts after them (:meth:`with_lower_bounds`).
+
+        A check at every point of the grid and a proof on the copy cover every admissible
+        value. ``None`` for any other graph, or a grid of more than ``1 << 16`` points.
+        """
+        import numpy as np
+
+        self._rebuild()
+        unbounded = [r for r in self._roots() if self._class_range[r][1] is None]
+        if len(unbounded) != 1:
+            return None
+        (dim,) = unbounded
+        axes = []
+        for root in self._roots():
+            lo, hi = self._class_range[root]
+            lo = DEFAULT_LOWER if lo is None else lo
+            axes.append(np.arange(lo, lo + head if root == dim else hi + 1, dtype=np.int64))
+            if root == dim:
+                start = lo + head
+        if math.prod(len(a) for a in axes) > 1 << 16:
+            return None
+        mesh = np.meshgrid(*axes, indexing="ij")
+        grid = {root: m.ravel() for root, m in zip(self._roots(), mesh)}
+        return grid, self.with_lower_bounds({dim: start})
+
+    def with_lower_bounds(self, lower: Mapping[str, int]) -> ShapeGraph:
+        """A copy of the graph whose dims named in ``lower`` are at least the given values
+        (their other bounds and every equality kept): for proofs over part of a range."""
+        out = copy.copy(self)
+        out._order = list(self._order)
+        out._declared = dict(self._declared)
+        out._parent = dict(self._parent)
+        out._definition = dict(self._definition)
+        out._unresolved = list(self._unresolved)
+        out._first_seen = dict(self._first_seen)
+        out._attr_lower = dict(self._attr_lower)
+        out._attr_upper = dict(self._attr_upper)
+        out._attr_nonneg = set(self._attr_nonneg)
+        # Fresh caches: _invalidate clears them in place, and these are the original's.
+        out._canon_cache, out._compare_cache, out._sample_cache = {}, {}, {}
+        out._bind_cache = {}
+        for name, value in lower.items():
+            if name not in out._declared:
+                raise KeyError(f"no dim {name!r} in the graph")
+            lo, hi = out._declared[name]
+            if hi is not None and value > hi:
+                raise ValueError(f"dim {name!r}: lower bound {value} above its upper bound {hi}")
+            out._declared[name] = (value if lo is None else max(lo, value), hi)
+        out._invalidate()
+        return out
 
     def evaluate_grid(self, expr: SymbolicExpr | int | Any, grid: Mapping[str, Any]) -> Any:
         """``expr`` at every point of ``grid`` (:meth:`admissible_grid`) as a float64 array

@@ -63,7 +63,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import tvm
 import tvm_ffi
 from tvm import relax, tirx
@@ -72,8 +71,8 @@ from ..analysis import (
     MemoryTimeline,
     SampledTimeline,
     TimelineMemo,
+    lowers_peak,
     memory_timeline,
-    peaks_over_grid,
 )
 from ..analysis.effects import in_place_writes, reshape_pattern
 from ..symbolic import Ordering
@@ -686,7 +685,7 @@ def _lowers(
         verdict = base.graph.compare(trial.peak, base.peak)
         if verdict in _NO_HIGHER:
             return _lowers_somewhere(trial, base)
-        return _lowers_at_every_point(trial, base) is True
+        return lowers_peak(trial, base) is True
     trial_peak, base_peak = trial_screen.sampled.peak, base_screen.sampled.peak
     if any(t > b for t, b in zip(trial_peak, base_peak)):
         return False
@@ -694,26 +693,7 @@ def _lowers(
         return False
     if base.graph.compare(trial.peak, base.peak) in _NO_HIGHER:
         return True
-    return _lowers_at_every_point(trial, base) is True
-
-
-def _lowers_at_every_point(trial: MemoryTimeline, base: MemoryTimeline) -> bool | None:
-    """Whether ``trial``'s peak is no higher than ``base``'s at every admissible value of the
-    dims and lower at one, decided point by point where the dims have few enough values
-    (``None`` where they do not, or a size cannot be evaluated).
-
-    The symbolic comparison bounds a peak (a ``Max`` over the steps) by one step of the other
-    peak over the whole range; an attention recomputation lowers the peak by moving it from
-    one step to another as the length grows, which that leaves UNKNOWN. Checking every point
-    is a proof as well (the grid holds every value the dims may take).
-    """
-    grid = base.graph.admissible_grid()
-    if grid is None:
-        return None
-    trial_peaks, base_peaks = peaks_over_grid(trial, grid), peaks_over_grid(base, grid)
-    if trial_peaks is None or base_peaks is None:
-        return None
-    return bool(np.all(trial_peaks <= base_peaks) and np.any(trial_peaks < base_peaks))
+    return lowers_peak(trial, base) is True
 
 
 _NO_HIGHER = (Ordering.LT, Ordering.LE, Ordering.EQ)
