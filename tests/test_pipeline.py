@@ -323,7 +323,7 @@ def test_host_is_llvm_for_this_machines_cpu():
 
 def test_schedule_options_are_derived_from_the_passes_that_follow():
     from blade_relax.pipeline import derived_schedule_options
-    from blade_relax.transform import RecomputeOptions, ScheduleOptions
+    from blade_relax.transform import FuseReaderOptions, RecomputeOptions, ScheduleOptions
 
     recompute = RecomputeOptions(max_chain=1)
     default = derived_schedule_options(PipelineFlags(recompute_options=recompute))
@@ -337,6 +337,15 @@ def test_schedule_options_are_derived_from_the_passes_that_follow():
     assert (derived.planner, derived.recompute_after, derived.max_versions) == ("static", False, 1)
     off = ScheduleOptions(recompute_after=False)
     assert not derived_schedule_options(PipelineFlags(schedule_options=off)).recompute_after
+    # FuseIntoSoleReader follows on CPU targets only, with the pipeline's options.
+    fuse = FuseReaderOptions(max_rounds=2)
+    assert (default.fuse_readers, default.fuse_reader_options) == (True, None)
+    flags = PipelineFlags(fuse_reader_options=fuse)
+    assert derived_schedule_options(flags).fuse_reader_options is fuse
+    assert not derived_schedule_options(flags, cpu=False).fuse_readers
+    assert not derived_schedule_options(PipelineFlags(fuse_readers=False)).fuse_readers
+    with pytest.raises(TypeError, match="fuse_reader_options must be FuseReaderOptions"):
+        ScheduleOptions(fuse_reader_options=3)
 
 
 def test_orders_are_scored_with_the_recompute_options_the_pipeline_runs(monkeypatch):

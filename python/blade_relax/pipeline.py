@@ -347,16 +347,20 @@ def _checked_backend_phases(target: tvm.target.Target) -> Any:
     return phases
 
 
-def derived_schedule_options(flags: PipelineFlags) -> Any:
-    """The options ``MemoryAwareSchedule`` runs with in the pipeline of ``flags``: the user's
-    (``flags.schedule_options``, else the defaults) with what depends on the passes after it
-    derived here, in one place, so that orders are scored on the program that will run.
+def derived_schedule_options(flags: PipelineFlags, cpu: bool = True) -> Any:
+    """The options ``MemoryAwareSchedule`` runs with in the pipeline of ``flags`` (for a CPU
+    target with ``cpu``): the user's (``flags.schedule_options``, else the defaults) with what
+    depends on the passes after it derived here, in one place, so that orders are scored on
+    the program that will run.
 
     * ``planner``: the planner that follows (PlanMemory frees each tensor after its last use;
       StaticPlanBlockMemory, without it, pools equal sizes).
     * ``recompute_after``: compare the chosen order once more after ``RecomputeCheapValues``
       only when that pass runs (on by default; a user's ``False`` is kept).
     * ``recompute_options``: the options that pass runs with (``flags.recompute_options``).
+    * ``fuse_readers`` / ``fuse_reader_options``: whether ``FuseIntoSoleReader`` follows
+      (CPU targets, ``flags.fuse_readers``) and its options, when orders are compared after
+      recomputation.
     """
     from .transform import ScheduleOptions
 
@@ -366,6 +370,8 @@ def derived_schedule_options(flags: PipelineFlags) -> Any:
         planner="plan" if flags.plan else "static",
         recompute_after=flags.recompute and (given is None or given.recompute_after),
         recompute_options=flags.recompute_options,
+        fuse_readers=flags.fuse_readers and cpu,
+        fuse_reader_options=flags.fuse_reader_options,
     )
 
 
@@ -404,7 +410,7 @@ def _phases(
     if flags.vectorize_reductions and cpu:
         fused.append(_ours("VectorizeColumnReductions", flags.reduction_options))
     if flags.schedule:
-        fused.append(_ours("MemoryAwareSchedule", derived_schedule_options(flags)))
+        fused.append(_ours("MemoryAwareSchedule", derived_schedule_options(flags, cpu)))
     if flags.recompute:
         fused.append(_ours("RecomputeCheapValues", flags.recompute_options))
     if flags.fuse_readers and cpu:

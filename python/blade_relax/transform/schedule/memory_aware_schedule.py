@@ -155,6 +155,7 @@ from .._collection import pauses_collection
 from .._parallel import available_cpus, map_forked
 from .._warn import warn_fallback
 from ..dispatch import DimRange, range_dispatch, range_of
+from ..fuse_into_sole_reader import FuseIntoSoleReader, FuseReaderOptions
 from ..recompute_cheap_values import RecomputeCheapValues, RecomputeOptions
 from ..result import (
     FunctionResult,
@@ -275,6 +276,10 @@ class ScheduleOptions:
         The :class:`~blade_relax.transform.RecomputeOptions` of the ``RecomputeCheapValues``
         that follows (None: its defaults); :func:`blade_relax.get_pipeline` passes the options
         it runs that pass with, so that orders are compared on the program that will run.
+    fuse_readers
+        Compare them after ``FuseIntoSoleReader`` too, with ``fuse_reader_options``, when that
+        pass follows ``RecomputeCheapValues`` (:func:`blade_relax.get_pipeline` sets both on
+        CPU targets): what it fuses of the recomputed values differs from order to order.
     recompute_candidates
         Most orders of the pool compared after recomputation besides the pass's choice and
         the input order.
@@ -318,6 +323,8 @@ class ScheduleOptions:
     max_bindings: int | None = None
     recompute_after: bool = False
     recompute_options: RecomputeOptions | None = None
+    fuse_readers: bool = False
+    fuse_reader_options: FuseReaderOptions | None = None
     recompute_candidates: int = 8
     recompute_work: int = 2000
     model_inplace: bool = True
@@ -356,6 +363,13 @@ class ScheduleOptions:
             raise ValueError(f"min_bindings must be >= 0, got {self.min_bindings}")
         if self.jobs is not None and self.jobs < 1:
             raise ValueError(f"jobs must be >= 1 or None, got {self.jobs}")
+        if self.fuse_reader_options is not None and not isinstance(
+            self.fuse_reader_options, FuseReaderOptions
+        ):
+            raise TypeError(
+                "fuse_reader_options must be FuseReaderOptions or None, not "
+                f"{type(self.fuse_reader_options).__name__}"
+            )
 
 
 @dataclass
@@ -991,11 +1005,15 @@ def _recomputed(
     gv: tvm.ir.GlobalVar,
     func: relax.Function,
     recompute: RecomputeOptions | None = None,
+    fuse: FuseReaderOptions | bool = False,
 ) -> tuple[relax.Function, tvm.IRModule]:
     """``func`` in place of ``gv`` in a copy of ``mod``, after ``RecomputeCheapValues`` with
-    ``recompute`` (the options the pipeline runs it with): the function and the module it
-    runs in."""
+    ``recompute`` (the options the pipeline runs it with) and, unless ``fuse`` is False,
+    ``FuseIntoSoleReader`` with those options (True: its defaults): the function and the
+    module it runs in."""
     trial = RecomputeCheapValues(recompute)(with_functions(mod, {gv: func}))
+    if fuse is not False:
+        trial = FuseIntoSoleReader(None if fuse is True else fuse)(trial)
     return trial[gv], trial
 
 
@@ -1077,7 +1095,13 @@ def _after_recompute(
         scorer = next((known for g, known in scored if g.same_as(f)), None)
         if scorer is None:
             scorer = _recomputed_peaks(
-                mod, gv, f, options.planner, options.model_inplace, options.recompute_options
+                mod,
+                gv,
+                f,
+                options.planner,
+                options.model_inplace,
+                options.recompute_options,
+                _fuse(options),
             )
             scored.append((f, scorer))
         scorers[name] = scorer
@@ -1126,6 +1150,13 @@ def _after_recompute(
     return out
 
 
+def _fuse(options: ScheduleOptions) -> FuseReaderOptions | bool:
+    """What :func:`_recomputed` runs after recomputation for ``options``."""
+    if not options.fuse_readers:
+        return False
+    return options.fuse_reader_options or True
+
+
 def _recomputed_peaks(
     mod: tvm.IRModule,
     gv: tvm.ir.GlobalVar,
@@ -1133,10 +1164,12 @@ def _recomputed_peaks(
     planner: str,
     inplace: bool = False,
     recompute: RecomputeOptions | None = None,
+    fuse: FuseReaderOptions | bool = False,
 ) -> Callable[[list[dict[str, int]]], list[int]]:
-    """Peaks of ``func`` once ``RecomputeCheapValues`` ran on it with ``recompute``, under the
-    block model of ``planner`` (plain liveness where the model cannot read a block)."""
-    recomputed, trial = _recomputed(mod, gv, func, recompute)
+    """Peaks of ``func`` once ``RecomputeCheapValues`` (and ``FuseIntoSoleReader``, see
+    :func:`_recomputed`) ran on it, under the block model of ``planner`` (plain liveness where
+    the model cannot read a block)."""
+    recomputed, trial = _recomputed(mod, gv, func, recompute, fuse)
     scorer = _planned_peaks(recomputed, trial, planner, inplace)
     if scorer is not None:
         return scorer
