@@ -607,9 +607,7 @@ def lowers_peak(trial: MemoryTimeline, base: MemoryTimeline) -> bool | None:
     if tail is None:
         return lower_here
     verdict = tail.compare(trial.peak, base.peak)
-    if verdict in (Ordering.LT, Ordering.LE, Ordering.EQ):
-        return lower_here or verdict is Ordering.LT
-    return False
+    return verdict.holds_le and (lower_here or verdict is Ordering.LT)
 
 
 def memory_timeline(

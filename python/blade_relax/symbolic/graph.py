@@ -822,16 +822,21 @@ class ShapeGraph:
         Unlike :meth:`representative_points`, a check at every point of the grid is a proof:
         it covers every value the dims may take.
         """
+        self._rebuild()
+        if any(self._class_range[root][1] is None for root in self._roots()):
+            return None
+        return self._grid({}, limit)
+
+    def _grid(self, upper: Mapping[str, int], limit: int) -> dict[str, Any] | None:
+        """The free dims' ranges crossed, each root ending at ``upper[root]`` when given, else
+        at its own (bounded) upper end; ``None`` past ``limit`` points."""
         import numpy as np
 
-        self._rebuild()
         axes = []
         for root in self._roots():
             lo, hi = self._class_range[root]
-            if hi is None:
-                return None
             lo = DEFAULT_LOWER if lo is None else lo
-            axes.append(np.arange(lo, hi + 1, dtype=np.int64))
+            axes.append(np.arange(lo, upper.get(root, hi) + 1, dtype=np.int64))
         if math.prod(len(a) for a in axes) > limit:
             return None
         mesh = np.meshgrid(*axes, indexing="ij") if axes else []
@@ -845,25 +850,15 @@ class ShapeGraph:
         A check at every point of the grid and a proof on the copy cover every admissible
         value. ``None`` for any other graph, or a grid of more than ``1 << 16`` points.
         """
-        import numpy as np
-
         self._rebuild()
         unbounded = [r for r in self._roots() if self._class_range[r][1] is None]
         if len(unbounded) != 1:
             return None
         (dim,) = unbounded
-        axes = []
-        for root in self._roots():
-            lo, hi = self._class_range[root]
-            lo = DEFAULT_LOWER if lo is None else lo
-            axes.append(np.arange(lo, lo + head if root == dim else hi + 1, dtype=np.int64))
-            if root == dim:
-                start = lo + head
-        if math.prod(len(a) for a in axes) > 1 << 16:
-            return None
-        mesh = np.meshgrid(*axes, indexing="ij")
-        grid = {root: m.ravel() for root, m in zip(self._roots(), mesh)}
-        return grid, self.with_lower_bounds({dim: start})
+        lo = self._class_range[dim][0]
+        last = (DEFAULT_LOWER if lo is None else lo) + head - 1
+        grid = self._grid({dim: last}, 1 << 16)
+        return None if grid is None else (grid, self.with_lower_bounds({dim: last + 1}))
 
     def with_lower_bounds(self, lower: Mapping[str, int]) -> ShapeGraph:
         """A copy of the graph whose dims named in ``lower`` are at least the given values

@@ -24,9 +24,10 @@ copy, once nothing reads it, is removed (``DeadCodeElimination``). Each output e
 same sum over ``k`` in the same order, so results are bit for bit those of the unfolded graph.
 
 Not folded: a matmul whose result leaves its dataflow block (``RewriteDataflowReshape`` makes
-views of dataflow variables only, so restoring its shape would copy it), a broadcast left operand (attention has none: its broadcast keys and values are
-always on the right), a broadcast on an inner batch axis with a real one after it, a left
-operand whose batch axes are not the right one's, operands of unknown rank or shape.
+views of dataflow variables only, so restoring its shape would copy it), a broadcast left
+operand (attention has none: its broadcast keys and values are always on the right), a
+broadcast on an inner batch axis with a real one after it, a left operand whose batch axes are
+not the right one's, operands of unknown rank or shape.
 
 Where it runs
 -------------
@@ -53,6 +54,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ._collection import pauses_collection
 from .result import PassResult, counted, function_results, publish
+from .simplify_transposes import _axes, _is_last_two_swap
 
 __all__ = ["BroadcastMatmulOptions", "BroadcastMatmulReport", "FoldBroadcastMatmul"]
 
@@ -131,11 +133,6 @@ def _product(extents: Sequence[tirx.PrimExpr]) -> tirx.PrimExpr:
     return math.prod(extents, start=tirx.IntImm("int64", 1))
 
 
-def _swap_last_two(axes: Sequence[int]) -> bool:
-    n = len(axes)
-    return n >= 2 and list(axes) == [*range(n - 2), n - 1, n - 2]
-
-
 class _Broadcasts:
     """Which variables of a function are reshaped broadcasts (:class:`_Broadcast`).
 
@@ -175,8 +172,8 @@ class _Broadcasts:
                 return inner
             return None
         if value.op.same_as(_PERMUTE) and inner is not None:
-            axes = value.attrs.axes
-            if axes is not None and _swap_last_two([int(a) for a in axes]):
+            axes = _axes(value)
+            if axes is not None and _is_last_two_swap(axes):
                 full = (*inner.full[:-2], inner.full[-1], inner.full[-2])
                 return _Broadcast(inner.x, full, inner.x_batch, not inner.transposed)
         return None

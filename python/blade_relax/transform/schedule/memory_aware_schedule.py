@@ -1005,15 +1005,14 @@ def _recomputed(
     gv: tvm.ir.GlobalVar,
     func: relax.Function,
     recompute: RecomputeOptions | None = None,
-    fuse: FuseReaderOptions | bool = False,
+    fuse: FuseReaderOptions | None = None,
 ) -> tuple[relax.Function, tvm.IRModule]:
     """``func`` in place of ``gv`` in a copy of ``mod``, after ``RecomputeCheapValues`` with
-    ``recompute`` (the options the pipeline runs it with) and, unless ``fuse`` is False,
-    ``FuseIntoSoleReader`` with those options (True: its defaults): the function and the
-    module it runs in."""
+    ``recompute`` (the options the pipeline runs it with) and, when ``fuse`` is given,
+    ``FuseIntoSoleReader`` with those options: the function and the module it runs in."""
     trial = RecomputeCheapValues(recompute)(with_functions(mod, {gv: func}))
-    if fuse is not False:
-        trial = FuseIntoSoleReader(None if fuse is True else fuse)(trial)
+    if fuse is not None:
+        trial = FuseIntoSoleReader(fuse)(trial)
     return trial[gv], trial
 
 
@@ -1150,11 +1149,11 @@ def _after_recompute(
     return out
 
 
-def _fuse(options: ScheduleOptions) -> FuseReaderOptions | bool:
-    """What :func:`_recomputed` runs after recomputation for ``options``."""
+def _fuse(options: ScheduleOptions) -> FuseReaderOptions | None:
+    """The options of the ``FuseIntoSoleReader`` that follows recomputation (None: none)."""
     if not options.fuse_readers:
-        return False
-    return options.fuse_reader_options or True
+        return None
+    return options.fuse_reader_options or FuseReaderOptions()
 
 
 def _recomputed_peaks(
@@ -1164,7 +1163,7 @@ def _recomputed_peaks(
     planner: str,
     inplace: bool = False,
     recompute: RecomputeOptions | None = None,
-    fuse: FuseReaderOptions | bool = False,
+    fuse: FuseReaderOptions | None = None,
 ) -> Callable[[list[dict[str, int]]], list[int]]:
     """Peaks of ``func`` once ``RecomputeCheapValues`` (and ``FuseIntoSoleReader``, see
     :func:`_recomputed`) ran on it, under the block model of ``planner`` (plain liveness where
