@@ -33,7 +33,9 @@ a pass that screens many variants of a function by numbers before it proves anyt
 What each binding does to memory is not decided here: :mod:`blade_relax.analysis.effects`
 (the op table every memory model reads) gives each binding's :class:`~.effects.ValueEffect`,
 and :func:`~.effects.register_timeline_rule` teaches it packed functions and operators it
-does not know. This module simulates those effects over the function.
+does not know; :mod:`blade_relax.analysis.storage_flow` follows those effects over the
+function (which allocation each variable keeps alive, and when its last holder lets it go).
+This module sums the bytes of what that flow leaves live at every step.
 """
 
 from __future__ import annotations
@@ -55,9 +57,9 @@ from .effects import (
     ValueEffect,
     binding_effect,
     call_name,
-    returns_nothing,
 )
 from .liveness import Liveness, liveness
+from .storage_flow import Allocation, storage_flow
 from .workspace import called_kernel, kernel_workspace
 
 __all__ = [
@@ -73,21 +75,6 @@ __all__ = [
 ]
 
 _LOWERED_MARKERS = frozenset({"relax.call_tir", "relax.builtin.alloc_tensor"})
-
-
-@dataclass(frozen=True)
-class Allocation:
-    """One allocation: created at binding ``start``, freed after binding ``end``.
-
-    ``end`` is ``None`` when the allocation outlives the function (it is returned, or a
-    register that is never killed holds it).
-    """
-
-    id: int
-    var: relax.Var
-    nbytes: SymbolicExpr
-    start: int
-    end: int | None
 
 
 @dataclass(frozen=True)
@@ -667,126 +654,17 @@ def memory_timeline(
         if memo.stage is None:
             memo.stage = _stage(info, mod)
         stage = memo.stage
-    explicit_kills = stage == "memory"
-    n = len(info.bindings)
-
-    # refs[var]: allocation ids the variable keeps alive.
-    refs: dict[relax.Var, frozenset[int]] = {p: frozenset() for p in info.params}
-    field_refs: dict[relax.Var, list[frozenset[int]]] = {}
-    holders: dict[int, set[relax.Var]] = {}
-    sizes: list[SymbolicExpr] = []
-    owners: list[relax.Var] = []
-    starts: list[int] = []
-    ends: list[int | None] = []
-    touched_at: list[tuple[tuple[int, ...], SymbolicExpr]] = []
-
-    # When a variable's register is dropped, in the liveness-based stages.
-    death: dict[int, list[relax.Var]] = {}
-    if not explicit_kills:
-        for binding in info.bindings:
-            last = info.last_use(binding.var)
-            if last is None:
-                death.setdefault(binding.index, []).append(binding.var)
-            elif last < n:
-                death.setdefault(last, []).append(binding.var)
-
-    # kept[(owner, key)]: allocation ids a runtime object keeps for a later binding (keeps /
-    # takes of ValueEffect); the pair itself is their holder while kept.
-    kept: dict[tuple[relax.Var, object], frozenset[int]] = {}
-
-    def let_go(holder: object, alloc_ids: frozenset[int], position: int) -> None:
-        for alloc_id in alloc_ids:
-            owners_of = holders[alloc_id]
-            owners_of.discard(holder)
-            if not owners_of and ends[alloc_id] is None:
-                ends[alloc_id] = position
-
-    def release(var: relax.Var, position: int) -> None:
-        let_go(var, refs.get(var, frozenset()), position)
-        # Dropping a runtime object drops what it kept.
-        for pair in [p for p in kept if p[0].same_as(var)]:
-            let_go(pair, kept.pop(pair), position)
-
-    workspace_at: list[SymbolicExpr] = [SymbolicExpr.constant(0)] * n
-    for binding in info.bindings:
-        i = binding.index
-        effect = effect_of(binding)
-        if effect.workspace is not None:
-            workspace_at[i] = effect.workspace
-        own: set[int] = set()
-        value = binding.value
-        if isinstance(value, relax.TupleGetItem) and value.tuple_value in field_refs:
-            # A field read keeps only that field alive, not the whole tuple.
-            own |= field_refs[value.tuple_value][value.index]
-        else:
-            for source in effect.aliases:
-                own |= refs.get(source, frozenset())
-        if isinstance(value, relax.Tuple):
-            field_refs[binding.var] = [
-                refs.get(f, frozenset()) if isinstance(f, relax.Var) else frozenset()
-                for f in value.fields
-            ]
-        allocates = effect.allocates
-        if effect.takes is not None:
-            # Relax variables hash and compare by node, so the pair finds its entry.
-            taken = kept.pop(effect.takes, None)
-            if taken is None:
-                allocates = graph.bytes_of(binding.var)
-            else:
-                own |= taken
-                # The result holds them now; the runtime object no longer does.
-                for alloc_id in taken:
-                    holders[alloc_id].discard(effect.takes)
-        if effect.keeps is not None:
-            owner, key, source = effect.keeps
-            pair = (owner, key)
-            stored = refs.get(source, frozenset())
-            kept[pair] = kept.get(pair, frozenset()) | stored
-            for alloc_id in stored:
-                holders[alloc_id].add(pair)
-        if allocates is not None:
-            alloc_id = len(sizes)
-            sizes.append(allocates)
-            owners.append(binding.var)
-            starts.append(i)
-            ends.append(None)
-            holders[alloc_id] = set()
-            own.add(alloc_id)
-        refs[binding.var] = frozenset(own)
-        for alloc_id in own:
-            holders[alloc_id].add(binding.var)
-
-        touched: set[int] = set(own)
-        for used in binding.uses:
-            touched |= refs.get(used, frozenset())
-        touched_at.append((tuple(sorted(touched)), workspace_at[i]))
-
-        if explicit_kills:
-            if effect.kills is not None:
-                release(effect.kills, i)
-            if returns_nothing(binding.var) and not own:
-                refs[binding.var] = frozenset()
-        else:
-            for var in death.get(i, ()):
-                release(var, i)
-
-    allocations = [
-        Allocation(id=k, var=owners[k], nbytes=sizes[k], start=starts[k], end=ends[k])
-        for k in range(len(sizes))
-    ]
-    output_ids: set[int] = set()
-    for var in info.outputs:
-        output_ids |= refs.get(var, frozenset())
-    persistent = _sum(graph.bytes_of(p) for p in info.params)
+    flow = storage_flow(info, effect_of, graph.bytes_of, explicit_kills=stage == "memory")
+    allocations = flow.allocations
     return MemoryTimeline(
         graph=graph,
         stage=stage,
         allocations=allocations,
-        persistent=persistent,
-        output_bytes=_sum(sizes[a] for a in sorted(output_ids)),
-        touched=touched_at,
+        persistent=_sum(graph.bytes_of(p) for p in info.params),
+        output_bytes=_sum(allocations[a].nbytes for a in sorted(flow.outputs)),
+        touched=flow.touched,
         step_vars=[binding.var for binding in info.bindings],
-        workspaces=workspace_at,
+        workspaces=flow.workspaces,
         memo=memo,
     )
 

@@ -18,7 +18,7 @@ from tvm.script import relax as R
 from tvm.script import tirx as T
 
 from blade_relax.analysis import memory_timeline
-from blade_relax.analysis.effects import _free_prim_vars, inplace_verdict
+from blade_relax.analysis.inplace_reuse import inplace_verdict
 from blade_relax.transform import PassFallbackWarning, PlanMemory, PlanOptions
 
 
@@ -162,17 +162,6 @@ def test_inplace_verdict_refuses_pointer_access():
                 B[vi] = A[vi]
     # fmt: on
     assert not inplace_verdict(opaque, [0], 1)
-
-
-def test_extent_that_is_no_prim_expr_warns_and_binds_nothing():
-    # A block iterator's extent is always a PrimExpr in valid TIR, so the fallback is reached
-    # only by calling the helper with something else.
-    with pytest.warns(
-        UserWarning,
-        match=r"^in-place analysis: the extents of block exp are read without bounds: "
-        r"InternalError: ",
-    ):
-        assert _free_prim_vars("not an expression", "exp") == []
 
 
 # ---------------------------------------------------------------------- in-place

@@ -719,7 +719,7 @@ class InplaceLate:
 
 def test_plan_model_counts_in_place_outputs():
     """``planner="plan"``: PlanMemory writes ``tanh(g)`` over ``g`` when ``g`` dies there
-    (``analysis.effects.inplace_verdict``), so reducing ``g`` first leaves one buffer where the
+    (``analysis.inplace_reuse.inplace_verdict``), so reducing ``g`` first leaves one buffer where the
     input order holds two."""
     fused = _fused(InplaceLate)
     after, report = schedule_module(

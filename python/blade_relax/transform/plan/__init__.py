@@ -4,7 +4,7 @@
 live-byte model its sharing decisions are proven on) and ``_index`` (the storages by where they
 end, searched for free ones) are its private parts. In-place verdicts
 (which input a kernel's output may overwrite) are read from the kernels by
-:func:`blade_relax.analysis.effects.inplace_verdict`, shared with ``MemoryAwareSchedule``.
+:func:`blade_relax.analysis.inplace_reuse.inplace_verdict`, shared with ``MemoryAwareSchedule``.
 """
 
 from .plan_memory import FunctionPlan, PlanMemory, PlanOptions, StoragePlan, plan_function

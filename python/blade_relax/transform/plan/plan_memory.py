@@ -27,7 +27,7 @@ How it plans
    alias, e.g. runtime eviction, so the storage must be the tensor's own) or named in the
    function attribute ``contract.NO_PLAN_ATTR`` (a list of variable names; ``Rematerialize``
    lists evictable tensors there). Sizes are canonical ``SymbolicExpr`` byte counts.
-2. **In-place** (``analysis.effects.inplace_verdict``): when a kernel's input dies at that call, every value the
+2. **In-place** (``analysis.inplace_reuse.inplace_verdict``): when a kernel's input dies at that call, every value the
    kernel reads from it flows only into the output element at the same flat position (read
    from the TIR: elementwise blocks, reshapes, fused chains; not transposes, reductions or
    splits), and the input's storage is provably no smaller (``ShapeGraph.compare``), the output
@@ -71,7 +71,7 @@ import tvm
 import tvm_ffi
 from tvm import relax, tirx
 
-from ...analysis.effects import inplace_verdict
+from ...analysis.inplace_reuse import inplace_verdict
 from ...contract import LOWER_BOUND_ATTR, NO_PLAN_ATTR, REGENERATE, UPPER_BOUND_ATTR
 from ...symbolic import ShapeGraph, SymbolicExpr
 from .._collection import pauses_collection
@@ -574,7 +574,7 @@ def _inplace_regenerated(
     (popped from the frame's stash) or one its closures recomputed into storage of its own; in
     either case, once it returns, only the VM's registers refer to the tensor. Where that tensor
     dies at a kernel call that may write its output over it (the verdict of
-    :func:`~blade_relax.analysis.effects.inplace_verdict`, equal type), the output *is* the
+    :func:`~blade_relax.analysis.inplace_reuse.inplace_verdict`, equal type), the output *is* the
     tensor: its allocation becomes ``out = regenerated`` and no storage is planned for it. Such
     an output dying at a later kernel passes the memory on in the same way. Outputs already
     placed in a planned input of equal size are left where they are.

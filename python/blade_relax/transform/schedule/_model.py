@@ -24,9 +24,9 @@ from ...analysis.effects import (
     Kind,
     classify,
     in_place_writes,
-    inplace_inputs,
     reshape_pattern,
 )
+from ...analysis.inplace_reuse import inplace_inputs
 from ...analysis.workspace import call_workspace
 from ...symbolic import Ordering, ShapeGraph, SymbolicExpr, TypeSizes
 from .._warn import warn_fallback
@@ -356,7 +356,7 @@ class BlockReader:
 
         As in ``PlanMemory``: a kernel's output takes the storage of an input of provably equal
         size that dies at the call, when the kernel's access pattern allows it
-        (:func:`blade_relax.analysis.effects.inplace_inputs`). Inputs read by anything but
+        (:func:`blade_relax.analysis.inplace_reuse.inplace_inputs`). Inputs read by anything but
         kernels (packed functions, Relax functions, operators) are never taken.
         """
         callee = call.args[0] if call.args else None

@@ -52,7 +52,7 @@ Facts of the lowering that decide the measured peak are modelled on top, per
   use, which is what ``PlanMemory`` gives: it kills such tuples after their last item access,
   and its sharing is proven never to raise the peak of the unshared program. A kernel output
   that ``PlanMemory`` writes over an input of equal size dying at the call
-  (:func:`blade_relax.analysis.effects.inplace_verdict`) allocates nothing. Use it when
+  (:func:`blade_relax.analysis.inplace_reuse.inplace_verdict`) allocates nothing. Use it when
   ``PlanMemory`` replaces ``StaticPlanBlockMemory`` (``get_pipeline(plan=True)``).
 
 On fused graphs these figures equal the memory-stage timeline

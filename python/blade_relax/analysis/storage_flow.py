@@ -1,0 +1,255 @@
+"""Storage flow of a Relax function: what each variable keeps alive, who holds it, when it dies.
+
+Every memory model of the project asks the same first questions of a function before its own:
+which allocations a binding creates, which allocations each variable keeps alive (directly,
+through a tuple or one of its fields, a view, a tensor placed in a storage, or a runtime object
+that keeps a value for a later binding), and after which binding the last holder of an
+allocation lets it go. This module answers them once, in one walk over the bindings; the
+symbolic timeline (:func:`blade_relax.analysis.memory_timeline`) is its reader, and the
+timeline's evaluations, samples and proofs read the allocations it gives.
+
+What one binding does to memory is not decided here: the caller passes the bindings'
+:class:`~.effects.ValueEffect` (the op table of :mod:`.effects`). The walk follows the effects:
+
+* ``allocates``: a new allocation, held by the bound variable;
+* ``aliases``: the bound variable keeps alive what those variables keep (a field read of a
+  tuple built in the function keeps only that field's allocations);
+* ``keeps`` / ``takes``: a runtime object keeps what a variable holds under a key for a later
+  binding, which takes it back (``evict`` / ``regenerate``); while kept, the pair is a holder;
+* ``kills``: at the memory stage (explicit kills), the killed register lets go of what it
+  holds. Before it, a register dies after its last use (the liveness ``KillAfterLastUse`` will
+  give the VM), and at once when it is never used.
+
+An allocation ends at the first binding after which no holder is left; ``None`` when it
+outlives the function (returned, or held by a register never killed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tvm import relax
+
+from ..symbolic import SymbolicExpr
+from .effects import ValueEffect, returns_nothing
+from .liveness import Liveness
+
+__all__ = ["Allocation", "StorageFlow", "death_points", "storage_flow"]
+
+_ZERO = SymbolicExpr.constant(0)
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """One allocation: created at binding ``start``, freed after binding ``end``.
+
+    ``end`` is ``None`` when the allocation outlives the function (it is returned, or a
+    register that is never killed holds it).
+    """
+
+    id: int
+    var: relax.Var
+    nbytes: SymbolicExpr
+    start: int
+    end: int | None
+
+
+@dataclass(frozen=True)
+class StorageFlow:
+    """The storage flow of one function (see the module docstring).
+
+    Attributes
+    ----------
+    allocations
+        Every allocation, in the order the bindings create them (``id`` is the position).
+    refs
+        Per variable (parameters included), the ids of the allocations it keeps alive when it
+        is bound.
+    touched
+        Per binding, the allocations it touches (its result and what its inputs keep alive)
+        and the workspace its kernel holds while it runs.
+    outputs
+        The allocations the function's result keeps alive.
+    """
+
+    allocations: list[Allocation]
+    refs: dict[relax.Var, frozenset[int]] = field(repr=False)
+    touched: list[tuple[tuple[int, ...], SymbolicExpr]] = field(repr=False)
+    outputs: frozenset[int] = frozenset()
+
+    @property
+    def workspaces(self) -> list[SymbolicExpr]:
+        """Per binding, the workspace its kernel holds while it runs."""
+        return [workspace for _, workspace in self.touched]
+
+
+def death_points(info: Liveness) -> dict[int, list[relax.Var]]:
+    """Per binding index, the variables whose register dies after it when the function has no
+    explicit kills: after their last use, or at once when never used (a result read at the
+    end, ``info.end``, never dies)."""
+    death: dict[int, list[relax.Var]] = {}
+    n = len(info.bindings)
+    for binding in info.bindings:
+        last = info.last_use(binding.var)
+        if last is None:
+            death.setdefault(binding.index, []).append(binding.var)
+        elif last < n:
+            death.setdefault(last, []).append(binding.var)
+    return death
+
+
+class _Holders:
+    """The mutable state of one walk: what each variable and kept pair holds, and who holds
+    each allocation."""
+
+    def __init__(self, params: list[relax.Var]) -> None:
+        self.refs: dict[relax.Var, frozenset[int]] = {p: frozenset() for p in params}
+        self.field_refs: dict[relax.Var, list[frozenset[int]]] = {}
+        self.holders: dict[int, set[object]] = {}
+        # kept[(owner, key)]: allocation ids a runtime object keeps for a later binding; the
+        # pair itself is their holder while kept.
+        self.kept: dict[tuple[relax.Var, object], frozenset[int]] = {}
+        self.sizes: list[SymbolicExpr] = []
+        self.owners: list[relax.Var] = []
+        self.starts: list[int] = []
+        self.ends: list[int | None] = []
+
+    def held(self, var: relax.Var) -> frozenset[int]:
+        return self.refs.get(var, frozenset())
+
+    def aliased(self, value: relax.Expr, effect: ValueEffect) -> set[int]:
+        """What the bound value keeps alive through the variables it aliases."""
+        if isinstance(value, relax.TupleGetItem) and value.tuple_value in self.field_refs:
+            # A field read keeps only that field alive, not the whole tuple.
+            return set(self.field_refs[value.tuple_value][value.index])
+        own: set[int] = set()
+        for source in effect.aliases:
+            own |= self.held(source)
+        return own
+
+    def note_fields(self, var: relax.Var, value: relax.Expr) -> None:
+        if isinstance(value, relax.Tuple):
+            self.field_refs[var] = [
+                self.held(f) if isinstance(f, relax.Var) else frozenset() for f in value.fields
+            ]
+
+    def take(self, pair: object) -> frozenset[int] | None:
+        """What a runtime object kept under ``pair``, handed to the binding that takes it."""
+        # Relax variables hash and compare by node, so the pair finds its entry.
+        taken = self.kept.pop(pair, None)
+        if taken is not None:
+            # The result holds them now; the runtime object no longer does.
+            for alloc_id in taken:
+                self.holders[alloc_id].discard(pair)
+        return taken
+
+    def keep(self, keeps: tuple[relax.Var, object, relax.Var]) -> None:
+        owner, key, source = keeps
+        pair = (owner, key)
+        stored = self.held(source)
+        self.kept[pair] = self.kept.get(pair, frozenset()) | stored
+        for alloc_id in stored:
+            self.holders[alloc_id].add(pair)
+
+    def allocate(self, var: relax.Var, nbytes: SymbolicExpr, position: int) -> int:
+        alloc_id = len(self.sizes)
+        self.sizes.append(nbytes)
+        self.owners.append(var)
+        self.starts.append(position)
+        self.ends.append(None)
+        self.holders[alloc_id] = set()
+        return alloc_id
+
+    def bind(self, var: relax.Var, own: set[int]) -> None:
+        self.refs[var] = frozenset(own)
+        for alloc_id in own:
+            self.holders[alloc_id].add(var)
+
+    def release(self, var: relax.Var, position: int) -> None:
+        """``var``'s register dies after binding ``position``."""
+        self._let_go(var, self.held(var), position)
+        # Dropping a runtime object drops what it kept.
+        for pair in [p for p in self.kept if p[0].same_as(var)]:
+            self._let_go(pair, self.kept.pop(pair), position)
+
+    def _let_go(self, holder: object, alloc_ids: frozenset[int], position: int) -> None:
+        for alloc_id in alloc_ids:
+            owners_of = self.holders[alloc_id]
+            owners_of.discard(holder)
+            if not owners_of and self.ends[alloc_id] is None:
+                self.ends[alloc_id] = position
+
+    def allocations(self) -> list[Allocation]:
+        return [
+            Allocation(
+                id=k, var=self.owners[k], nbytes=self.sizes[k], start=self.starts[k], end=end
+            )
+            for k, end in enumerate(self.ends)
+        ]
+
+
+def storage_flow(
+    info: Liveness,
+    effect_of: Callable[[relax.Binding], ValueEffect],
+    bytes_of: Callable[[relax.Var], SymbolicExpr],
+    *,
+    explicit_kills: bool,
+) -> StorageFlow:
+    """Walk the bindings of ``info`` once and record the storage flow.
+
+    Parameters
+    ----------
+    info
+        The liveness of the function (its bindings in program order, params and outputs).
+    effect_of
+        The effect of a binding (:func:`~.effects.binding_effect` or a memo of it).
+    bytes_of
+        The byte size of a variable's value: what a ``takes`` allocates when nothing was kept
+        for it (the runtime regenerates the value).
+    explicit_kills
+        The function holds explicit kills (the memory stage): a register dies at its kill or
+        never; otherwise after its last use (:func:`death_points`).
+    """
+    state = _Holders(info.params)
+    death = {} if explicit_kills else death_points(info)
+    touched_at: list[tuple[tuple[int, ...], SymbolicExpr]] = []
+    for binding in info.bindings:
+        i, var = binding.index, binding.var
+        effect = effect_of(binding)
+        own = state.aliased(binding.value, effect)
+        state.note_fields(var, binding.value)
+        allocates = effect.allocates
+        if effect.takes is not None:
+            taken = state.take(effect.takes)
+            if taken is None:
+                allocates = bytes_of(var)
+            else:
+                own |= taken
+        if effect.keeps is not None:
+            state.keep(effect.keeps)
+        if allocates is not None:
+            own.add(state.allocate(var, allocates, i))
+        state.bind(var, own)
+        touched = set(own)
+        for used in binding.uses:
+            touched |= state.held(used)
+        workspace = effect.workspace if effect.workspace is not None else _ZERO
+        touched_at.append((tuple(sorted(touched)), workspace))
+        if explicit_kills:
+            if effect.kills is not None:
+                state.release(effect.kills, i)
+            if returns_nothing(var) and not own:
+                state.refs[var] = frozenset()
+        else:
+            for dead in death.get(i, ()):
+                state.release(dead, i)
+    outputs: set[int] = set()
+    for var in info.outputs:
+        outputs |= state.held(var)
+    return StorageFlow(
+        allocations=state.allocations(),
+        refs=state.refs,
+        touched=touched_at,
+        outputs=frozenset(outputs),
+    )
