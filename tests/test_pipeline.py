@@ -353,16 +353,16 @@ def test_orders_are_scored_with_the_recompute_options_the_pipeline_runs(monkeypa
     that pass with, not its defaults."""
     from blade_relax.bench import ModelSizes, build_workload
     from blade_relax.transform import RecomputeOptions
-    from blade_relax.transform.schedule import memory_aware_schedule
+    from blade_relax.transform.schedule import _after_recompute
 
     used = []
-    original = memory_aware_schedule.RecomputeCheapValues
+    original = _after_recompute.RecomputeCheapValues
 
     def recording(options=None):
         used.append(options)
         return original(options)
 
-    monkeypatch.setattr(memory_aware_schedule, "RecomputeCheapValues", recording)
+    monkeypatch.setattr(_after_recompute, "RecomputeCheapValues", recording)
     sizes = ModelSizes(layers=1, hidden=32, intermediate=64, vocab=64, max_seq_len=128)
     mod = build_workload("mlp-train", sizes).graph.mod
     recompute = RecomputeOptions(max_chain=1, min_gap=3)

@@ -31,7 +31,12 @@ from blade_relax.transform import (
     ScheduleOptions,
     version_for,
 )
-from blade_relax.transform.schedule import memory_aware_schedule, schedule_module
+from blade_relax.transform.schedule import (
+    _after_recompute,
+    _range_copies,
+    memory_aware_schedule,
+    schedule_module,
+)
 
 DEFAULT_VARIANT = next(v for v in ALL_VARIANTS if v.name == "all")
 
@@ -289,14 +294,14 @@ def test_range_copies_searched_in_forked_processes_are_the_ones_searched_here(ma
         pytest.skip("needs the fork start method (POSIX)")
     here, here_report = schedule_module(make({}), ScheduleOptions(jobs=1))
     ran_in: list[int] = []
-    searched = memory_aware_schedule._range_outcome
+    searched = _range_copies._range_outcome
 
     def recording(*args, **kwargs):
         ran_in.append(os.getpid())  # a child's append stays in the child
         return searched(*args, **kwargs)
 
-    monkeypatch.setattr(memory_aware_schedule, "_PARALLEL_SECONDS", 0.0)
-    monkeypatch.setattr(memory_aware_schedule, "_range_outcome", recording)
+    monkeypatch.setattr(_range_copies, "_PARALLEL_SECONDS", 0.0)
+    monkeypatch.setattr(_range_copies, "_range_outcome", recording)
     spread, spread_report = schedule_module(make({}), ScheduleOptions(jobs=2))
     assert ran_in == [os.getpid()]  # the first range here, the second in a child
     tvm.ir.assert_structural_equal(spread, here)
@@ -562,7 +567,7 @@ def test_range_the_graph_rejects_warns_and_keeps_one_order(monkeypatch):
     def refuse(func, rng):
         raise ValueError(f"refused {rng}")
 
-    monkeypatch.setattr(memory_aware_schedule, "range_graph", refuse)
+    monkeypatch.setattr(_range_copies, "range_graph", refuse)
     with pytest.warns(
         PassFallbackWarning,
         match=r"^MemoryAwareSchedule: range versions left unchanged for main \(one order for all "
@@ -927,13 +932,13 @@ def test_order_is_compared_again_after_recomputation(monkeypatch):
     # The default pipeline's passes (Rematerialize does nothing without a budget).
     flags = {**DEFAULT_VARIANT.flags, "remat": False}
     compared = []
-    original = memory_aware_schedule._after_recompute
+    original = memory_aware_schedule.after_recompute
 
     def spy(*args):
         compared.append(args[1].name_hint)
         return original(*args)
 
-    monkeypatch.setattr(memory_aware_schedule, "_after_recompute", spy)
+    monkeypatch.setattr(memory_aware_schedule, "after_recompute", spy)
     peaks = {}
     for after in (False, True):
         options = ScheduleOptions(planner="plan", recompute_after=after, fuse_readers=after)
@@ -1018,12 +1023,12 @@ def test_pool_orders_are_compared_again_after_recomputation(monkeypatch):
     # The figures of the comparison: at each length, the recomputed, planned peak of the
     # candidate chosen for the range that holds it.
     seen = {}
-    original = memory_aware_schedule._after_recompute
+    original = memory_aware_schedule.after_recompute
 
     def spy(mod_, gv, func, candidates, graph, options_, block):
         chosen = original(mod_, gv, func, candidates, graph, options_, block)
         for rng, _, picked in chosen:
-            scorer = memory_aware_schedule._recomputed_peaks(
+            scorer = _after_recompute._recomputed_peaks(
                 mod_, gv, picked, options_.planner, options_.model_inplace
             )
             inside = [
@@ -1034,7 +1039,7 @@ def test_pool_orders_are_compared_again_after_recomputation(monkeypatch):
             seen.update(zip(inside, scorer([{"s": s} for s in inside])))
         return chosen
 
-    monkeypatch.setattr(memory_aware_schedule, "_after_recompute", spy)
+    monkeypatch.setattr(memory_aware_schedule, "after_recompute", spy)
     options = ScheduleOptions(planner="plan", recompute_after=True)
     lower_to_memory_stage(mod, "llvm", schedule_options=options, **flags)
     assert [seen[s] for s in lengths] == peaks[8]
@@ -1050,13 +1055,13 @@ def test_a_function_listed_twice_is_recomputed_once(monkeypatch):
     mod = build_workload("mlp-train", sizes).graph.mod
     flags = {**DEFAULT_VARIANT.flags, "remat": False}
     calls = []
-    original = memory_aware_schedule._after_recompute
+    original = memory_aware_schedule.after_recompute
 
     def spy(*args):
         calls.append(args)
         return original(*args)
 
-    monkeypatch.setattr(memory_aware_schedule, "_after_recompute", spy)
+    monkeypatch.setattr(memory_aware_schedule, "after_recompute", spy)
     options = ScheduleOptions(planner="plan", recompute_after=True)
     lower_to_memory_stage(mod, "llvm", schedule_options=options, **flags)
     assert calls
@@ -1065,13 +1070,13 @@ def test_a_function_listed_twice_is_recomputed_once(monkeypatch):
     assert len(distinct) > 1
 
     scored = []
-    recomputed_peaks = memory_aware_schedule._recomputed_peaks
+    recomputed_peaks = _after_recompute._recomputed_peaks
 
     def counted(mod__, gv_, f, *rest):
         scored.append(f)
         return recomputed_peaks(mod__, gv_, f, *rest)
 
-    monkeypatch.setattr(memory_aware_schedule, "_recomputed_peaks", counted)
+    monkeypatch.setattr(_after_recompute, "_recomputed_peaks", counted)
     once = original(mod_, gv, func, candidates, graph, options_, block)
     scored.clear()
     again = [*candidates, ("again", candidates[0][1])]

@@ -140,7 +140,7 @@ def _blocks(planner):
     mod = lower_to_memory_stage(BUILTIN_MODELS["mlp"](), "llvm", stop_before="fused")
     func = mod["main"]
     graph = ShapeGraph.from_function(func)
-    from blade_relax.transform.schedule.memory_aware_schedule import _dataflow_blocks
+    from blade_relax.transform.schedule._blocks import dataflow_blocks as _dataflow_blocks
 
     for _, blk, used_after, params, defined in _dataflow_blocks(func):
         reader = _model.BlockReader(

@@ -138,58 +138,30 @@ recomputation runs ``RecomputeCheapValues`` once per candidate, at most
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
-import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
 import tvm
 from tvm import relax
 
-from ...analysis import memory_timeline
 from ...contract import SCHEDULE_VERSION_ATTR
-from ...symbolic import ShapeGraph, SymbolicExpr
 from .._collection import pauses_collection
-from .._parallel import available_cpus, map_forked
-from .._warn import warn_fallback
 from ..dispatch import DimRange, range_dispatch, range_of
-from ..fuse_into_sole_reader import FuseIntoSoleReader, FuseReaderOptions
-from ..recompute_cheap_values import RecomputeCheapValues, RecomputeOptions
+from ..fuse_into_sole_reader import FuseReaderOptions
+from ..recompute_cheap_values import RecomputeOptions
 from ..result import (
-    FunctionResult,
     PassResult,
     collect_results,
-    counted,
     publish,
-    snapshot,
-    timeline_peak,
-    with_functions,
 )
-from ._cost import OrderProfile, UnsupportedBytes, acceptance_points, front_le
+from ._after_recompute import after_recompute, recompute_candidates
+from ._blocks import graph_of, main_block, schedule_blocks
 from ._model import (
     PLANNERS,
-    Block,
-    BlockReader,
-    UnsupportedBlock,
-    profile,
-    timeline,
-    tir_var_names,
 )
-from ._search import (
-    Decider,
-    Pool,
-    as_float,
-    balanced_search,
-    depth_first,
-    greedy,
-    refine,
-    replay,
-)
+from ._range_copies import range_copies
+from ._reports import BlockReport, ScheduleReport, schedule_result
 from ._versions import (
-    _best,
-    choose_ranges,
     range_graph,
     version_dim,
 )
@@ -372,312 +344,10 @@ class ScheduleOptions:
             )
 
 
-@dataclass
-class BlockReport:
-    """What the pass did to one dataflow block.
-
-    Attributes
-    ----------
-    function, block
-        The function's name and the block's index in its body.
-    bindings
-        Number of bindings.
-    strategy
-        The candidate whose order was kept (``"input"`` when unchanged; ``"best@3"`` is the
-        best order met at acceptance point 3, ``"point3"`` the search tuned for it,
-        ``"balanced-<start>"`` the balanced search from that candidate, ``"seed<i>"`` an order
-        from the search over the whole range), why the block was skipped (``"skipped: ..."``),
-        or, for a range copy that did not beat the single order, ``"single order kept"``.
-    proven
-        Whether the kept order's peak is proven no higher than the input's (True when
-        unchanged).
-    points
-        The acceptance points (free dims only).
-    peak_before, peak_after
-        Peak live bytes of the block at each acceptance point, input order and kept order.
-    candidates
-        Per candidate strategy: ``"proven"`` (accepted, peak proven no higher), ``"sampled"``
-        (accepted from the acceptance points), ``"rejected"``, ``"no gain"``, ``"duplicate"``
-        (same order as an earlier candidate or the input) or ``"not needed"`` (ranked below
-        the kept order).
-    peak_expr_before, peak_expr_after
-        The symbolic peaks (Max over the steps that can be the peak).
-    seconds
-        Time spent on the block.
-    version
-        For a block of a range copy, its range (``"2 <= s <= 31"``); empty otherwise.
-    """
-
-    function: str
-    block: int
-    bindings: int
-    strategy: str
-    proven: bool = True
-    points: list[dict[str, int]] = field(default_factory=list)
-    peak_before: list[int] = field(default_factory=list)
-    peak_after: list[int] = field(default_factory=list)
-    candidates: dict[str, str] = field(default_factory=dict)
-    peak_expr_before: SymbolicExpr | None = None
-    peak_expr_after: SymbolicExpr | None = None
-    seconds: float = 0.0
-    version: str = ""
-
-    @property
-    def changed(self) -> bool:
-        return self.strategy not in ("input",) and not self.strategy.startswith("skipped")
-
-
-@dataclass
-class ScheduleReport:
-    """Per-block reports of one run of the pass, and the range versions it emitted
-    (function name: ranges, in dispatch order)."""
-
-    blocks: list[BlockReport] = field(default_factory=list)
-    versions: dict[str, list[str]] = field(default_factory=dict)
-
-    @property
-    def changed(self) -> bool:
-        return any(b.changed for b in self.blocks)
-
-
 # ====================================================================== choosing
 
 
-def _search(
-    block: Block,
-    options: ScheduleOptions,
-    report: BlockReport,
-    seeds: Sequence[list[int]] = (),
-) -> Pool:
-    """Every candidate order of ``block`` (see the module docstring), scored in a pool;
-    ``seeds`` are orders found earlier (for another range of the dims) to start from."""
-    space = block.space
-    identity = list(range(block.n))
-    pool = Pool(block, timeline(block, identity).peaks)
-    pool.add("input", identity)
-    for i, order in enumerate(seeds):
-        pool.add(f"seed{i}", order)
-    # With seeds (the orders a search over a wider range scored), the list schedulers and the
-    # monotone refinement have already contributed: only the balanced search runs again.
-    strategies = options.strategies if not seeds else ()
-
-    def add(name: str, order: list[int]) -> None:
-        if not pool.add(name, order):
-            report.candidates[name] = "duplicate"
-
-    for strategy in strategies:
-        if strategy == "depth-first":
-            add(strategy, depth_first(block))
-        elif strategy == "refine":
-            add(strategy, refine(block, identity, options.refine_evaluations, options.refine_moves))
-            if block.planner == "static":
-                # Storage reuse makes the search landscape flat in places; the same search on
-                # plain liveness finds other moves, which are then scored with the planner.
-                moves: list[tuple[tuple[int, ...], int]] = []
-                refine(
-                    block,
-                    identity,
-                    options.refine_evaluations,
-                    options.refine_moves,
-                    "none",
-                    moves,
-                )
-                add("refine-liveness", replay(block, identity, moves, pool.base_exact))
-        elif strategy in ("greedy-delta", "greedy-peak"):
-            decider = Decider(space, None)
-            add(strategy, greedy(block, strategy, decider))
-            if options.point_variants and decider.met_unknown:
-                for p in range(len(space.decision_points)):
-                    add(f"{strategy}@{p}", greedy(block, strategy, Decider(space, p)))
-    if "balanced" in options.strategies:
-        budget = min(options.search_evaluations, options.search_work // max(block.n, 1))
-        balanced_search(pool, budget, options.refine_moves)
-    return pool
-
-
-def _choose(
-    block: Block, pool: Pool, options: ScheduleOptions, report: BlockReport
-) -> list[int] | None:
-    """The best accepted order of the pool, None when the input order stays."""
-    space = block.space
-    identity = list(range(block.n))
-    base = profile(block, identity)
-    report.points = [dict(p) for p in space.acceptance_points]
-    report.peak_before = [int(v) for v in base.peaks]
-    report.peak_after = list(report.peak_before)
-    report.peak_expr_before = base.peak_expr(space)
-    report.peak_expr_after = report.peak_expr_before
-
-    # Candidates best first: the lowest worst-case ratio of the peak to the best peak met at
-    # each acceptance point, then the lowest mean ratio; within ``options.tie`` of the best
-    # both, the earliest strategy (the simplest order) first. An order is taken only when it
-    # is no worse than the input at every acceptance point and better at one (proven, or
-    # sampled); among the tied orders a proven one is preferred.
-    names = [name for name in pool.orders if name != "input"]
-    rank = {name: i for i, name in enumerate(names)}
-    worst = {name: float(pool.ratios(name).max()) for name in names}
-    mean = {name: float(pool.ratios(name).mean()) for name in names}
-    eligible = []
-    for name in names:
-        peaks = pool.exact[name]
-        if space.exact and not bool((peaks <= pool.base_exact).all()):
-            report.candidates[name] = "rejected"
-        elif space.exact and not bool((peaks < pool.base_exact).any()):
-            report.candidates[name] = "no gain"
-        else:
-            eligible.append(name)
-    eligible.sort(key=lambda x: (worst[x], mean[x], rank[x]))
-    tied: set[str] = set()
-    if eligible:
-        top = worst[eligible[0]] * (1.0 + options.tie)
-        near = [x for x in eligible if worst[x] <= top]
-        low = min(mean[x] for x in near) * (1.0 + options.tie)
-        tied = {x for x in near if mean[x] <= low}
-    ordered = sorted(tied, key=lambda x: rank[x]) + [x for x in eligible if x not in tied]
-
-    chosen: tuple[str, OrderProfile, bool] | None = None
-    for name in ordered:
-        if chosen is not None and (name not in tied or chosen[2]):
-            report.candidates[name] = "not needed"
-            continue
-        peaks = pool.exact[name]
-        no_worse = bool((peaks <= pool.base_exact).all())
-        better = bool((peaks < pool.base_exact).any())
-        prof = profile(block, pool.orders[name])
-        proven = front_le(space, prof.front, base.front, options.proof_budget)
-        if proven and better:
-            report.candidates[name] = "proven"
-        elif options.accept_sampled and space.exact and no_worse and better:
-            report.candidates[name] = "sampled"
-        else:
-            report.candidates[name] = "rejected"
-            continue
-        if chosen is None or (proven and not chosen[2]):
-            chosen = (name, prof, proven)
-    if chosen is None:
-        return None
-    name, prof, proven = chosen
-    report.strategy = name
-    report.proven = proven
-    report.peak_after = [int(v) for v in prof.peaks]
-    report.peak_expr_after = prof.peak_expr(space)
-    return prof.order
-
-
 # ====================================================================== functions and modules
-
-
-def _used_vars(expr: relax.Expr) -> list[relax.Var]:
-    return list(relax.analysis.free_vars(expr))
-
-
-@dataclass
-class _Scheduled:
-    """One function scheduled for one range of its dims."""
-
-    func: relax.Function  # with the kept orders (the input object when nothing changed)
-    blocks: dict[int, tuple[Block, Pool, list[int]]]  # block index: model, pool, kept order
-    reports: list[BlockReport]
-
-
-def _graph_of(func: relax.Function, name: str) -> ShapeGraph | None:
-    body = func.body
-    if not isinstance(body, relax.SeqExpr) or not any(
-        isinstance(b, relax.DataflowBlock) for b in body.blocks
-    ):
-        return None
-    try:
-        return ShapeGraph.from_function(func)
-    except Exception as err:  # user IR: reading its shapes and bounds may fail in any way
-        warn_fallback(
-            "MemoryAwareSchedule", "dataflow blocks", name or "function", err, stacklevel=3
-        )
-        return None
-
-
-def _dataflow_blocks(
-    func: relax.Function,
-) -> Iterator[tuple[int, relax.DataflowBlock, set[relax.Var], set[relax.Var], set[str]]]:
-    """Each dataflow block of ``func`` with what :class:`BlockReader` needs: its index, the
-    variables used after it, the function's parameters and the dims defined before it."""
-    body = func.body
-    blocks = list(body.blocks)
-    # Variables used after each block: by later blocks or by the result.
-    used_after: list[set[relax.Var]] = [set() for _ in blocks]
-    later: set[relax.Var] = set(_used_vars(body.body))
-    for k in range(len(blocks) - 1, -1, -1):
-        used_after[k] = set(later)
-        for binding in blocks[k].bindings:
-            later.update(_used_vars(binding.value))
-    params = set(func.params)
-    tir_defined: set[str] = set()
-    for p in func.params:
-        tir_defined |= tir_var_names([relax.analysis.definable_tir_vars_in_type(p.ty)])
-    for k, blk in enumerate(blocks):
-        if isinstance(blk, relax.DataflowBlock):
-            yield k, blk, used_after[k], params, set(tir_defined)
-        for binding in blk.bindings:
-            if isinstance(binding, relax.MatchCast):
-                tir_defined |= tir_var_names(
-                    [relax.analysis.definable_tir_vars_in_type(binding.ty)]
-                )
-
-
-def _schedule_function(
-    func: relax.Function,
-    mod: tvm.IRModule | None,
-    options: ScheduleOptions,
-    name: str,
-    graph: ShapeGraph,
-    version: str = "",
-    seeds: dict[int, list[list[int]]] | None = None,
-) -> _Scheduled:
-    dataflow = {k: rest for k, *rest in _dataflow_blocks(func)}
-
-    result = _Scheduled(func, {}, [])
-    for k, blk in enumerate(func.body.blocks):
-        if k in dataflow:
-            _, used_after, params, tir_defined = dataflow[k]
-            entry = BlockReport(
-                function=name, block=k, bindings=len(blk.bindings), strategy="input"
-            )
-            entry.version = version
-            result.reports.append(entry)
-            scheduled = _schedule_one(
-                blk,
-                graph,
-                mod,
-                params,
-                used_after,
-                tir_defined,
-                options,
-                entry,
-                (seeds or {}).get(k, []),
-            )
-            if scheduled is not None:
-                result.blocks[k] = scheduled
-    result.func = _with_orders(func, {k: order for k, (_, _, order) in result.blocks.items()})
-    return result
-
-
-def _with_orders(func: relax.Function, orders: dict[int, list[int]]) -> relax.Function:
-    """``func`` with the bindings of each block ``k`` in ``orders`` reordered by
-    ``orders[k]`` (``func`` itself when every order is the identity)."""
-    body = func.body
-    blocks = list(body.blocks)
-    changed = False
-    for k, order in orders.items():
-        if order != list(range(len(order))):
-            bindings = list(blocks[k].bindings)
-            blocks[k] = relax.DataflowBlock([bindings[i] for i in order], blocks[k].span)
-            changed = True
-    if not changed:
-        return func
-    new_body = relax.SeqExpr(blocks, body.body, body.span)
-    new_func = relax.Function(
-        func.params, new_body, func.ret_ty, func.is_pure, func.attrs, func.span
-    )
-    return relax.BlockBuilder().normalize(new_func)
 
 
 def schedule_function(
@@ -707,213 +377,12 @@ def schedule_function(
     """
     options = options or ScheduleOptions()
     report = ScheduleReport()
-    graph = _graph_of(func, name)
+    graph = graph_of(func, name)
     if graph is None:
         return func, report
-    scheduled = _schedule_function(func, mod, options, name, graph)
+    scheduled = schedule_blocks(func, mod, options, name, graph)
     report.blocks.extend(scheduled.reports)
     return scheduled.func, report
-
-
-def _schedule_one(
-    blk: relax.DataflowBlock,
-    graph: ShapeGraph,
-    mod: tvm.IRModule | None,
-    params: set[relax.Var],
-    used_after: set[relax.Var],
-    tir_defined: set[str],
-    options: ScheduleOptions,
-    entry: BlockReport,
-    seeds: Sequence[list[int]] = (),
-) -> tuple[Block, Pool, list[int]] | None:
-    """Schedule one block: its model, the pool of scored orders and the kept order (the
-    identity when the input order stays), or None when the block is skipped."""
-    start = time.perf_counter()
-    n = len(blk.bindings)
-    try:
-        if n < max(options.min_bindings, 2):
-            entry.strategy = "skipped: too few bindings"
-            return None
-        if options.max_bindings is not None and n > options.max_bindings:
-            entry.strategy = "skipped: too many bindings"
-            return None
-        try:
-            block = BlockReader(
-                blk,
-                graph,
-                mod,
-                params,
-                used_after,
-                tir_defined,
-                options.planner,
-                inplace=options.model_inplace,
-                workspaces=options.model_workspaces,
-            ).build()
-        except (UnsupportedBlock, UnsupportedBytes) as err:
-            entry.strategy = f"skipped: {err}"
-            return None
-        pool = _search(block, options, entry, [o for o in seeds if len(o) == block.n])
-        order = _choose(block, pool, options, entry)
-        if order is None or order == list(range(n)):
-            entry.strategy = "input"
-            order = list(range(n))
-        return block, pool, order
-    finally:
-        entry.seconds = time.perf_counter() - start
-
-
-def _function_peaks(scheduled: _Scheduled, orders: dict[int, list[int]]) -> np.ndarray | None:
-    """Peaks of the function at the acceptance points: the max over its scheduled blocks of
-    each block's peak with ``orders`` (the kept order where none is given)."""
-    out = None
-    for k, (block, _, kept) in scheduled.blocks.items():
-        order = orders.get(k, kept)
-        peaks = as_float(timeline(block, order).peaks).astype(np.float64)
-        out = peaks if out is None else np.maximum(out, peaks)
-    return out
-
-
-@dataclass
-class _RangeOutcome:
-    """What the search of one range copy found (see :func:`_range_outcome`); it pickles
-    (no IR), so that a forked process can hand it back."""
-
-    # The kept order per scheduled block (None: the copy's blocks differ from the function's).
-    orders: dict[int, list[int]] | None = None
-    # Whether the copy's own orders beat the single order on the range.
-    use_own: bool = False
-    reports: list[BlockReport] = field(default_factory=list)
-    # Why the range's graph could not be built.
-    error: ValueError | None = None
-
-
-def _range_outcome(
-    func: relax.Function,
-    mod: tvm.IRModule,
-    options: ScheduleOptions,
-    name: str,
-    rng: DimRange,
-    single: _Scheduled,
-    seeds: dict[int, list[list[int]]],
-) -> _RangeOutcome:
-    """Schedule ``func`` for the dims in ``rng`` (the single search's orders as seeds) and
-    tell whether its own orders beat the single order there."""
-    try:
-        sub_graph = range_graph(func, rng)
-    except ValueError as err:
-        return _RangeOutcome(error=err)
-    sub = _schedule_function(func, mod, options, name, sub_graph, str(rng), seeds)
-    if set(sub.blocks) != set(single.blocks) or any(
-        sub.blocks[k][0].n != single.blocks[k][0].n for k in sub.blocks
-    ):
-        return _RangeOutcome()
-    # The single order and the range's own, scored at the range's points by their worst
-    # ratio to the best peaks met there (the range's own search saw the single order).
-    kept = {k: single.blocks[k][2] for k in sub.blocks}
-    single_peaks = _function_peaks(sub, kept)
-    own_peaks = _function_peaks(sub, {})
-    reference = np.max([np.maximum(p.reference, 1.0) for _, p, _ in sub.blocks.values()], axis=0)
-    use_own = (
-        single_peaks is not None
-        and own_peaks is not None
-        and float((single_peaks / reference).max())
-        > (1.0 + options.version_gain) * float((own_peaks / reference).max())
-    )
-    if not use_own:
-        for entry in sub.reports:
-            entry.strategy = "single order kept"
-    orders = {k: order for k, (_, _, order) in sub.blocks.items()}
-    return _RangeOutcome(orders=orders, use_own=use_own, reports=sub.reports)
-
-
-# A function whose single search took this long has its range copies searched in parallel
-# (below it, a fork costs more than it saves).
-_PARALLEL_SECONDS = 0.25
-
-
-def _jobs(options: ScheduleOptions) -> int:
-    """Processes the pass may use (``ScheduleOptions.jobs``; None: every usable CPU)."""
-    return available_cpus() if options.jobs is None else options.jobs
-
-
-def _versions(
-    gv: tvm.ir.GlobalVar,
-    func: relax.Function,
-    mod: tvm.IRModule,
-    options: ScheduleOptions,
-    graph: ShapeGraph,
-    single: _Scheduled,
-    report: ScheduleReport,
-) -> list[tuple[DimRange, relax.Function]] | None:
-    """Range copies of ``func`` when they lower the peak (see :mod:`._versions`)."""
-    found = version_dim(func, graph)
-    if found is None or not single.blocks:
-        return None
-    var, lower, upper = found
-    # Ranges are chosen on the block that holds the function's peak at most points.
-    block, pool, _ = single.blocks[_main_block(single)]
-    values = [int(p[var.name]) for p in block.space.acceptance_points]
-
-    def peaks_at(name: str, dim_values: list[int]) -> np.ndarray:
-        rows = timeline(block, pool.orders[name]).during
-        points = [{var.name: v} for v in dim_values]
-        return np.asarray(block.space.at_points(rows, points), dtype=np.float64).max(axis=0)
-
-    ranges = choose_ranges(
-        pool,
-        values,
-        var.name,
-        lower,
-        upper,
-        options.max_versions,
-        options.version_gain,
-        peaks_at,
-    )
-    if len(ranges) < 2:
-        return None
-
-    seeds = {k: list(p.orders.values()) for k, (_, p, _) in single.blocks.items()}
-
-    def outcome(rng: DimRange) -> _RangeOutcome:
-        return _range_outcome(func, mod, options, gv.name_hint, rng, single, seeds)
-
-    # The ranges' searches are independent of one another: on a large function (where the
-    # single search took long) they share the CPUs (see .._parallel).
-    searched = sum(entry.seconds for entry in single.reports)
-    jobs = _jobs(options) if searched >= _PARALLEL_SECONDS else 1
-    chosen: list[tuple[DimRange, relax.Function]] = []
-    reports: list[BlockReport] = []
-    gained = False
-    for rng, found in zip(ranges, map_forked(outcome, ranges, jobs)):
-        if found.error is not None:  # the function's graph was read: only the range can fail
-            note = "one order for all shapes"
-            warn_fallback(
-                "MemoryAwareSchedule", "range versions", gv.name_hint, found.error, note=note
-            )
-            return None
-        if found.orders is None:
-            return None
-        reports.extend(found.reports)
-        if found.use_own:
-            gained = True
-            chosen.append((rng, _with_orders(func, found.orders)))
-        else:
-            chosen.append((rng, single.func))
-    if not gained:
-        return None
-    # Merge neighbours that run the same function.
-    merged: list[tuple[DimRange, relax.Function]] = []
-    for rng, f in chosen:
-        if merged and merged[-1][1] is f:
-            prev = merged[-1][0]
-            merged[-1] = (DimRange(prev.dim, prev.lower, rng.upper), f)
-        else:
-            merged.append((rng, f))
-    if len(merged) < 2:
-        return None
-    report.blocks.extend(reports)
-    report.versions[gv.name_hint] = [str(r) for r, _ in merged]
-    return merged
 
 
 def schedule_module(
@@ -942,20 +411,20 @@ def schedule_module(
                 if scheduled is not func:
                     updates[gv] = scheduled
             continue
-        graph = _graph_of(func, gv.name_hint)
+        graph = graph_of(func, gv.name_hint)
         if graph is None:
             continue
-        single = _schedule_function(func, mod, options, gv.name_hint, graph)
+        single = schedule_blocks(func, mod, options, gv.name_hint, graph)
         report.blocks.extend(single.reports)
         versions = None
         if options.max_versions > 1:
-            versions = _versions(gv, func, mod, options, graph, single, report)
+            versions = range_copies(gv, func, mod, options, graph, single, report)
         candidates: list[tuple[str, relax.Function]] = []
         if options.recompute_after and single.blocks:
-            candidates = _recompute_candidates(func, single, versions, options)
+            candidates = recompute_candidates(func, single, versions, options)
         if len(candidates) > 1:  # the input order alone needs no comparison
-            block = single.blocks[_main_block(single)][0]
-            chosen = _after_recompute(mod, gv, func, candidates, graph, options, block)
+            block = single.blocks[main_block(single)][0]
+            chosen = after_recompute(mod, gv, func, candidates, graph, options, block)
             if chosen is not None:
                 names = ", ".join(name for _, name, _ in chosen)
                 for entry in single.reports:
@@ -991,232 +460,13 @@ def _schedule_range_copy(
     report: ScheduleReport,
 ) -> relax.Function:
     """A range copy scheduled again on its range (one order, no copies of its own)."""
-    if _graph_of(func, gv.name_hint) is None:
+    if graph_of(func, gv.name_hint) is None:
         return func
     graph = range_graph(func, rng)
     single_options = dataclasses.replace(options, max_versions=1, recompute_after=False)
-    scheduled = _schedule_function(func, mod, single_options, gv.name_hint, graph, str(rng))
+    scheduled = schedule_blocks(func, mod, single_options, gv.name_hint, graph, str(rng))
     report.blocks.extend(scheduled.reports)
     return scheduled.func
-
-
-def _recomputed(
-    mod: tvm.IRModule,
-    gv: tvm.ir.GlobalVar,
-    func: relax.Function,
-    recompute: RecomputeOptions | None = None,
-    fuse: FuseReaderOptions | None = None,
-) -> tuple[relax.Function, tvm.IRModule]:
-    """``func`` in place of ``gv`` in a copy of ``mod``, after ``RecomputeCheapValues`` with
-    ``recompute`` (the options the pipeline runs it with) and, when ``fuse`` is given,
-    ``FuseIntoSoleReader`` with those options: the function and the module it runs in."""
-    trial = RecomputeCheapValues(recompute)(with_functions(mod, {gv: func}))
-    if fuse is not None:
-        trial = FuseIntoSoleReader(fuse)(trial)
-    return trial[gv], trial
-
-
-def _main_block(single: _Scheduled) -> int:
-    """The scheduled block that holds the function's peak at the most acceptance points."""
-    peaks = {k: as_float(p.base) for k, (_, p, _) in single.blocks.items()}
-    top = np.max(np.array(list(peaks.values())), axis=0)
-    return max(peaks, key=lambda k: int((peaks[k] >= top).sum()))
-
-
-def _recompute_candidates(
-    func: relax.Function,
-    single: _Scheduled,
-    versions: list[tuple[DimRange, relax.Function]] | None,
-    options: ScheduleOptions,
-) -> list[tuple[str, relax.Function]]:
-    """The functions compared once more after ``RecomputeCheapValues`` (see
-    ``ScheduleOptions.recompute_after``), the pass's own choice first (so it wins ties): the
-    range copies or the scheduled order, the input order, then the other orders of the main
-    block's pool, best ranked first, up to ``recompute_candidates`` of them and
-    ``recompute_work`` bindings in all."""
-    out: list[tuple[str, relax.Function]] = []
-    for rng, f in versions or []:
-        if all(f is not g for _, g in out):
-            out.append((f"copy for {rng}", f))
-    if not versions and single.func is not func:
-        out.append(("scheduled", single.func))
-    out.append(("input", func))
-    if not single.blocks:
-        return out
-    size = sum(len(b.bindings) for b in func.body.blocks)
-    extra = min(options.recompute_candidates, options.recompute_work // max(size, 1))
-    main = _main_block(single)
-    _, pool, kept = single.blocks[main]
-    seen = {tuple(kept), tuple(range(len(kept)))}
-    kept_orders = {k: order for k, (_, _, order) in single.blocks.items()}
-    for name in sorted(pool.orders, key=pool.rank_key):
-        if extra <= 0:
-            break
-        order = pool.orders[name]
-        if tuple(order) in seen:
-            continue
-        seen.add(tuple(order))
-        out.append((name, _with_orders(func, {**kept_orders, main: order})))
-        extra -= 1
-    return out
-
-
-def _after_recompute(
-    mod: tvm.IRModule,
-    gv: tvm.ir.GlobalVar,
-    func: relax.Function,
-    candidates: list[tuple[str, relax.Function]],
-    graph: ShapeGraph,
-    options: ScheduleOptions,
-    block: Block,
-) -> list[tuple[DimRange | None, str, relax.Function]] | None:
-    """Choose among ``candidates`` (:func:`_recompute_candidates`) by their peaks once
-    ``RecomputeCheapValues`` ran on them, under the block model of ``options.planner`` (with
-    ``model_inplace``, PlanMemory's in-place placements included; plain liveness where the
-    model cannot read a block): see ``ScheduleOptions.recompute_after``.
-
-    The candidates' peaks at the acceptance points form a pool, from which ranges of the
-    function's dim are chosen as for range versions (:func:`choose_ranges`, up to
-    ``max_versions``); each range takes the candidate with the lowest worst ratio to the best
-    peak met there among those nowhere above the input order there, the earliest on ties.
-    Returns ``(range, name, function)`` per range (one entry with range None when one
-    function is kept for all shapes), or None when a point cannot be evaluated.
-    """
-    found = version_dim(func, graph)
-    points = acceptance_points(graph)
-    if found is not None:
-        points = sorted(points, key=lambda p: p[found[0].name])
-    # A candidate may be the same function under two names (a range copy that kept the input
-    # order is the input): each function is recomputed and read once.
-    scored: list[tuple[relax.Function, Callable[[list[dict[str, int]]], list[int]]]] = []
-    scorers = {}
-    for name, f in candidates:
-        scorer = next((known for g, known in scored if g.same_as(f)), None)
-        if scorer is None:
-            scorer = _recomputed_peaks(
-                mod,
-                gv,
-                f,
-                options.planner,
-                options.model_inplace,
-                options.recompute_options,
-                _fuse(options),
-            )
-            scored.append((f, scorer))
-        scorers[name] = scorer
-    functions = dict(candidates)
-    try:
-        peaks = {name: np.asarray(scorer(points)) for name, scorer in scorers.items()}
-    except (ValueError, KeyError):  # a size a point cannot evaluate: no second opinion
-        return None
-    # The pool's orders are only keys here (each candidate is a whole function), and ``block``
-    # is never scored: every peak is given.
-    pool = Pool(block, peaks["input"])
-    for i, (name, _) in enumerate(candidates):
-        pool.add(name, [i], peaks[name])
-    if found is None or options.max_versions < 2:
-        name = _best(pool, np.arange(len(points)))[2]
-        return [(None, name, functions[name])]
-    var, lower, upper = found
-
-    def peaks_at(name: str, values: list[int]) -> np.ndarray:
-        return np.asarray(scorers[name]([{var.name: v} for v in values]), dtype=np.float64)
-
-    values = np.array([p[var.name] for p in points], dtype=np.int64)
-    ranges = choose_ranges(
-        pool,
-        values.tolist(),
-        var.name,
-        lower,
-        upper,
-        options.max_versions,
-        options.version_gain,
-        peaks_at,
-    )
-    out: list[tuple[DimRange | None, str, relax.Function]] = []
-    for rng in ranges:
-        inside = values >= rng.lower
-        if rng.upper is not None:
-            inside &= values <= rng.upper
-        name = _best(pool, np.nonzero(inside)[0])[2]
-        if out and out[-1][1] == name:
-            prev = out[-1][0]
-            out[-1] = (DimRange(var.name, prev.lower, rng.upper), name, functions[name])
-        else:
-            out.append((rng, name, functions[name]))
-    if len(out) == 1:
-        return [(None, out[0][1], out[0][2])]
-    return out
-
-
-def _fuse(options: ScheduleOptions) -> FuseReaderOptions | None:
-    """The options of the ``FuseIntoSoleReader`` that follows recomputation (None: none)."""
-    if not options.fuse_readers:
-        return None
-    return options.fuse_reader_options or FuseReaderOptions()
-
-
-def _recomputed_peaks(
-    mod: tvm.IRModule,
-    gv: tvm.ir.GlobalVar,
-    func: relax.Function,
-    planner: str,
-    inplace: bool = False,
-    recompute: RecomputeOptions | None = None,
-    fuse: FuseReaderOptions | None = None,
-) -> Callable[[list[dict[str, int]]], list[int]]:
-    """Peaks of ``func`` once ``RecomputeCheapValues`` (and ``FuseIntoSoleReader``, see
-    :func:`_recomputed`) ran on it, under the block model of ``planner`` (plain liveness where
-    the model cannot read a block)."""
-    recomputed, trial = _recomputed(mod, gv, func, recompute, fuse)
-    scorer = _planned_peaks(recomputed, trial, planner, inplace)
-    if scorer is not None:
-        return scorer
-    timeline_ = memory_timeline(recomputed, mod=trial)
-    return lambda points: [timeline_.evaluate(p).peak for p in points]
-
-
-def _planned_peaks(
-    func: relax.Function, mod: tvm.IRModule, planner: str, inplace: bool = False
-) -> Callable[[list[dict[str, int]]], list[int]] | None:
-    """Peaks of ``func`` as its bindings stand, under the block model of ``planner``: for
-    ``"plan"`` the in-place placements and kernel workspaces of the lowered function, which
-    the relax-stage timeline does not see. The function's peak at each point is the largest of
-    its dataflow blocks'. None when a block cannot be read or its sizes have no exact value."""
-    graph = _graph_of(func, "")
-    if graph is None:
-        return None
-    blocks = []
-    try:
-        for _, blk, used_after, params, tir_defined in _dataflow_blocks(func):
-            block = BlockReader(
-                blk,
-                graph,
-                mod,
-                params,
-                used_after,
-                tir_defined,
-                planner,
-                inplace=inplace,
-                workspaces=True,
-            ).build()
-            if not block.space.exact:
-                return None
-            blocks.append(block)
-    except (UnsupportedBlock, UnsupportedBytes):
-        return None
-    if not blocks:
-        return None
-    rows = [timeline(b, list(range(b.n))).during for b in blocks]
-
-    def peaks(points: list[dict[str, int]]) -> list[int]:
-        values = [
-            np.asarray(b.space.at_points(r, points)).reshape(-1, len(points)).max(axis=0)
-            for b, r in zip(blocks, rows)
-        ]
-        return [int(v) for v in np.max(np.array(values, dtype=object), axis=0)]
-
-    return peaks
 
 
 @tvm.transform.module_pass(opt_level=0, name="MemoryAwareSchedule")
@@ -1252,93 +502,8 @@ class MemoryAwareSchedule:
         with collect_results():
             new_mod, report = schedule_module(mod, self.options)
         self.report = report
-        publish(self, _schedule_result(mod, new_mod, report))
+        publish(self, schedule_result(mod, new_mod, report))
         return new_mod
 
 
 # ====================================================================== the result
-
-
-def _schedule_result(mod: tvm.IRModule, out: tvm.IRModule, report: ScheduleReport) -> PassResult:
-    """The :class:`PassResult` of one run: each Relax function of ``mod``, then the range
-    copies the run added to ``out``."""
-    out_functions = {gv.name_hint: f for gv, f in out.functions.items()}
-    if out is not mod:  # the peaks are read later: from the modules as they are now
-        mod, out = snapshot(mod), snapshot(out)
-    taken = {gv.name_hint for gv in mod.get_global_vars()}
-    results: list[FunctionResult] = []
-    copies: list[FunctionResult] = []
-    for gv, func in mod.functions.items():
-        if not isinstance(func, relax.Function):
-            continue
-        name = gv.name_hint
-        new = out_functions[name]
-        blocks = [b for b in report.blocks if b.function == name]
-        notes = tuple(
-            f"block {b.block}: {b.strategy}"
-            for b in blocks
-            if not b.version
-            and (b.strategy.startswith("skipped") or "after recomputation" in b.strategy)
-        )
-        if new.same_as(func):
-            results.append(FunctionResult(name, False, notes=notes))
-            continue
-        before = timeline_peak(func, mod)
-        if name not in report.versions:
-            after = timeline_peak(new, out)
-            changes = _order_changes(func, new, [b for b in blocks if not b.version])
-            results.append(FunctionResult(name, True, changes, before, after, notes))
-            continue
-        ranges = report.versions[name]
-        phrase = f"dispatches over {counted(len(ranges), 'range copy', 'range copies')}"
-        notes += ("ranges: " + ", ".join(ranges),)
-        results.append(FunctionResult(name, True, (phrase,), before, None, notes))
-        for copy_name, copy in out_functions.items():
-            info = range_of(copy)
-            if copy_name in taken or info is None or info[0] != name:
-                continue
-            in_range = [b for b in blocks if b.version == str(info[1])]
-            changes = (f"range copy for {info[1]}", *_order_changes(func, copy, in_range))
-            after = timeline_peak(copy, out)
-            copies.append(FunctionResult(copy_name, True, changes, before, after))
-    return PassResult("MemoryAwareSchedule", (*results, *copies), detail=report)
-
-
-def _order_changes(
-    before: relax.Function, after: relax.Function, blocks: Sequence[BlockReport]
-) -> tuple[str, ...]:
-    """What a new order changed: the bindings moved and the blocks reordered (with how the
-    order was accepted)."""
-    out = []
-    moved = _bindings_moved(before, after)
-    if moved:
-        out.append(f"{counted(moved, 'binding')} moved")
-    changed = [b for b in blocks if b.changed and b.strategy != "single order kept"]
-    if changed:
-        proven = sum(1 for b in changed if b.proven)
-        how = "proven" if proven == len(changed) else f"{proven} proven, rest sampled"
-        out.append(f"{len(changed)} of {counted(len(blocks), 'block')} reordered ({how})")
-    return tuple(out)
-
-
-def _bindings_moved(before: relax.Function, after: relax.Function) -> int | None:
-    """The fewest bindings that, moved, turn the blocks of ``before`` into those of ``after``
-    (bindings told apart by name: ``after`` may be a copy with fresh variables); ``None``
-    when the blocks do not correspond."""
-    old_blocks, new_blocks = before.body.blocks, after.body.blocks
-    if len(old_blocks) != len(new_blocks):
-        return None
-    moved = 0
-    for old, new in zip(old_blocks, new_blocks):
-        names = [b.var.name for b in old.bindings]
-        index = {n: i for i, n in enumerate(names)}
-        order = [index.get(b.var.name) for b in new.bindings]
-        if len(index) != len(names) or len(order) != len(names) or None in order:
-            return None
-        # Those outside a longest increasing subsequence of the old positions move.
-        tails: list[int] = []
-        for position in order:
-            at = bisect.bisect_left(tails, position)
-            tails[at : at + 1] = [position]
-        moved += len(order) - len(tails)
-    return moved
