@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from blade_relax.bench.workloads import ModelSizes, build_workload
 from blade_relax.pipeline import PipelineFlags, _finalize_phases, as_target, lower_to_memory_stage
-from blade_relax.transform.plan import plan_memory
+from blade_relax.transform.plan import _share, plan_memory
 from blade_relax.transform.plan._index import EndIndex
 from blade_relax.transform.plan._peak import LiveModel
 
@@ -119,9 +119,9 @@ def _choose_screening_every_free_storage(
             ranked.append(((0, 0.0), storage, storage.size, storage.size_prim, in_id))
     if options.share:
         for storage in storages:
-            if storage.last >= group.start or not plan_memory._compatible(storage.head, head):
+            if storage.last >= group.start or not _share.compatible(storage.head, head):
                 continue
-            terms = plan_memory._share_terms(storage, group, graph, options)
+            terms = _share._share_terms(storage, group, graph, options)
             if terms is not None:
                 rank, new_size, new_prim = terms
                 ranked.append(((rank, -storage.last), storage, new_size, new_prim, None))
@@ -130,18 +130,18 @@ def _choose_screening_every_free_storage(
             return None
         ranked.sort(key=lambda r: r[0])
         _key, storage, new_size, new_prim, inplace_from = ranked[0]
-        regions = plan_memory._merge_delta(storage, group, new_size)
+        regions = _share._merge_delta(storage, group, new_size)
         return storage, new_size, new_prim, regions, inplace_from
     screened = []
     for key, storage, new_size, new_prim, inplace_from in ranked:
-        regions = plan_memory._merge_delta(storage, group, new_size)
+        regions = _share._merge_delta(storage, group, new_size)
         if not all(model.evaluable(r) for r in regions):
             continue
         ok, cost = model.screen(regions)
         if ok:
             screened.append(((cost, *key), (storage, new_size, new_prim, regions, inplace_from)))
     screened.sort(key=lambda r: r[0])  # stable: equal keys keep the enumeration order
-    for _key, placement in screened[: plan_memory._PROVEN]:
+    for _key, placement in screened[: _share._PROVEN]:
         if model.prove(placement[3]):
             return placement
     return None
@@ -191,7 +191,7 @@ def test_search_plans_like_screening_every_free_storage(before_plan_memory, monk
     mod, pipeline_pass = before_plan_memory
     options = dataclasses.replace(pipeline_pass.options, **changes)
     out, plans, screens = _plan_counting_screens(mod, options)
-    monkeypatch.setattr(plan_memory, "_choose", _choose_screening_every_free_storage)
+    monkeypatch.setattr(_share, "_choose", _choose_screening_every_free_storage)
     ref_out, ref_plans, ref_screens = _plan_counting_screens(mod, options)
     assert plans == ref_plans
     tvm.ir.assert_structural_equal(out, ref_out)
