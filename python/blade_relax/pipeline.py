@@ -436,8 +436,12 @@ def _phases(
 
 
 def _as_pipeline(
-    name: str, target: tvm.target.Target, passes: list[tvm.transform.Pass]
+    name: str, target: tvm.target.Target, phases: dict[str, list[tvm.transform.Pass]]
 ) -> tvm.transform.Pass:
+    """One module pass ``name`` that runs the passes of ``phases`` (:func:`_phases`) in order,
+    under ``target``."""
+    passes = [p for phase in phases.values() for p in phase]
+
     @tvm.transform.module_pass(opt_level=0, name=name)
     def _pipeline(mod: tvm.ir.IRModule, _ctx: tvm.transform.PassContext) -> tvm.ir.IRModule:
         with target:
@@ -555,9 +559,7 @@ def get_pipeline(
     """
     values = dict(locals())  # the keywords: nothing else is bound yet
     tgt = as_target(values.pop("target"))
-    flags = PipelineFlags.of(values)
-    passes = [p for phase in _phases(tgt, flags).values() for p in phase]
-    return _as_pipeline("blade_relax_pipeline", tgt, passes)
+    return _as_pipeline("blade_relax_pipeline", tgt, _phases(tgt, PipelineFlags.of(values)))
 
 
 def stock_pipeline(
@@ -578,7 +580,7 @@ def stock_pipeline(
     phases = _phases(
         tgt, PipelineFlags.stock(), after_fusion=tuple(after_fusion), plan_memory=plan_memory
     )
-    return _as_pipeline("stock_pipeline", tgt, [p for phase in phases.values() for p in phase])
+    return _as_pipeline("stock_pipeline", tgt, phases)
 
 
 def lower_to_memory_stage(

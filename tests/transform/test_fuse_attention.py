@@ -22,7 +22,7 @@ from blade_relax.transform import (
     AttentionOptions,
     FuseAttention,
     InlineKernelIntermediates,
-    fuse_attention,
+    _attention_kernel,
 )
 
 from .test_inline_kernel_intermediates import _lowered_scratch
@@ -285,7 +285,7 @@ CausalMaskAlsoRead = _causal_module("pad", "R.add(R.add(out1, out2), R.sum(mask)
 
 def _fail_schedule(monkeypatch):
     """Make every schedule of the kernel fail, as one the scheduler cannot apply would."""
-    monkeypatch.setattr(fuse_attention, "_schedule", lambda kernel, *args: None)
+    monkeypatch.setattr(_attention_kernel, "_schedule", lambda kernel, *args: None)
 
 
 def _loops(func: tvm.tirx.PrimFunc) -> dict[str, list[str]]:

@@ -10,9 +10,11 @@ Knows nothing of passes: every other folder asks this one for facts about sizes.
 """
 
 from .compare import Ordering
+from .concrete import UNBOUNDED_STAND_IN
 from .dim import SymbolicDim
 from .expr import SymbolicExpr, dtype_kind, is_integer
-from .graph import UNBOUNDED_STAND_IN, ShapeGraph, TypeSizes, element_bits, element_bytes
+from .graph import ShapeGraph, TypeSizes
+from .relax_ir import element_bits, element_bytes
 
 __all__ = [
     "Ordering",

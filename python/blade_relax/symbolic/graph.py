@@ -32,13 +32,13 @@ import copy
 import math
 import warnings
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import sympy
 
-from ..contract import LOWER_BOUND_ATTR, UPPER_BOUND_ATTR
 from .compare import BoundEngine, Ordering
+from .concrete import ConcreteValues
 from .dim import (
     DEFAULT_LOWER,
     SymbolicDim,
@@ -48,7 +48,14 @@ from .dim import (
     symbol_default_range,
     unknown_symbol,
 )
-from .expr import SymbolicExpr, _to_sympy, evaluate_sympy
+from .expr import SymbolicExpr, _to_sympy
+from .relax_ir import (
+    bindings_in_order,
+    element_bits,
+    read_bound_attrs,
+    shape_values,
+    type_of,
+)
 
 _LATTICE = (sympy.Max, sympy.Min)
 # Top-level Max/Min with at most this many arguments in all also go to the difference engine
@@ -65,9 +72,6 @@ _GE_LE = {
     Ordering.LT: (0, 2),
     Ordering.UNKNOWN: (0, 0),
 }
-
-#: Stand-in value of an unbounded dim in :meth:`ShapeGraph.representative_points`.
-UNBOUNDED_STAND_IN = 4096
 
 _ELEMENTWISE_BINARY = frozenset(
     f"relax.{name}"
@@ -98,41 +102,14 @@ _ELEMENTWISE_BINARY = frozenset(
 )
 
 
-def element_bits(dtype: str | None) -> int | None:
-    """Storage bits per element of ``dtype`` (``bits * lanes``); None if unknown.
-
-    ``bool`` is stored in one byte per element: the Relax VM allocates 80 bytes for a
-    ``(16, 5)`` bool tensor (checked by wrapping ``vm.builtin.alloc_storage``), as for ``int8``.
-    Sub-byte types (``int4``, ``float4_e2m1fn``...) report their packed width; the Relax VM
-    memory planner rejects them, and a runtime tensor of them takes the packed size rounded up
-    to whole bytes.
-    """
-    import tvm
-
-    if dtype is None or dtype in ("", "void", "None", "handle"):
-        return None
-    try:
-        dt = tvm.DataType(dtype)
-    except Exception:  # an unparsable dtype: unknown size rather than a crash
-        return None
-    if dtype.startswith("bool"):
-        return 8 * int(dt.lanes)
-    bits = int(dt.bits) * int(dt.lanes)
-    return bits if bits > 0 else None
-
-
-def element_bytes(dtype: str | None) -> int | None:
-    """Bytes per element of a byte-sized ``dtype`` (``bool``: 1); None if unknown or sub-byte."""
-    bits = element_bits(dtype)
-    return None if bits is None or bits % 8 else bits // 8
-
-
-class ShapeGraph:
+class ShapeGraph(ConcreteValues):
     """The symbolic dims of one function, their ranges and the equalities between them.
 
     Build it with :meth:`from_function` or :meth:`from_ranges`. Queries (``canonical``,
     ``compare``, ``bytes_of``) are cached; the graph is not meant to change after construction
-    (``add_equality`` clears the caches).
+    (``add_equality`` clears the caches). The queries at concrete values of the dims
+    (``evaluate``, ``bind_arguments``, sample points and grids) are those of
+    :class:`~blade_relax.symbolic.concrete.ConcreteValues`.
     """
 
     def __init__(self) -> None:
@@ -181,21 +158,21 @@ class ShapeGraph:
             raise TypeError(f"ShapeGraph.from_function expects a relax.Function, got {type(func)}")
         graph = ShapeGraph()
         graph._from_function = True
-        lower, upper, nonneg = _read_bound_attrs(func)
+        lower, upper, nonneg = read_bound_attrs(func)
         graph._attr_lower, graph._attr_upper, graph._attr_nonneg = lower, upper, nonneg
         graph._params = list(func.params)
         for p in func.params:
-            graph._collect_type(_ty(p))
+            graph._collect_type(type_of(p))
         # Bindings: collect dims first (in order), then learn equalities, so every dim has a
         # declared range before it is unified.
-        bindings = list(_iter_bindings(func.body, in_branch=False))
+        bindings = list(bindings_in_order(func.body, in_branch=False))
         for index, (b, _) in enumerate(bindings):
             graph._binding_index = index
-            graph._collect_type(_ty(b.var))
+            graph._collect_type(type_of(b.var))
             if isinstance(b, relax.MatchCast):
                 graph._collect_type(b.ty)
         graph._binding_index = len(bindings)
-        ret = _ty(func.body)
+        ret = type_of(func.body)
         if ret is not None:
             graph._collect_type(ret)
         try:
@@ -238,7 +215,7 @@ class ShapeGraph:
         self._add_dim(name, lower, self._attr_upper.get(name))
 
     def _collect_type(self, ty: Any) -> None:
-        for value in _shape_values(ty, nested=True):
+        for value in shape_values(ty, nested=True):
             self._collect_prim(value)
 
     def _collect_prim(self, value: Any) -> None:
@@ -267,10 +244,10 @@ class ShapeGraph:
 
         if isinstance(b, relax.MatchCast):
             if branch_index is None:
-                self._learn_types(_ty(b.value), b.ty)
-                self._learn_types(_ty(b.value), _ty(b.var))
+                self._learn_types(type_of(b.value), b.ty)
+                self._learn_types(type_of(b.value), type_of(b.var))
                 return
-            va, vp = _shape_values(_ty(b.value)), _shape_values(b.ty)
+            va, vp = shape_values(type_of(b.value)), shape_values(b.ty)
             if va is not None and vp is not None and len(va) == len(vp):
                 for x, y in zip(va, vp):
                     if isinstance(y, tirx.Var) and self._first_seen.get(y.name) == branch_index:
@@ -291,8 +268,8 @@ class ShapeGraph:
             for a, p in zip(actual.fields, pattern.fields):
                 self._learn_types(a, p)
             return
-        va = _shape_values(actual)
-        vp = _shape_values(pattern)
+        va = shape_values(actual)
+        vp = shape_values(pattern)
         if va is None or vp is None or len(va) != len(vp):
             return
         for x, y in zip(va, vp):
@@ -303,21 +280,21 @@ class ShapeGraph:
 
         name = call.op.name
         if name == "relax.matmul" and len(call.args) >= 2:
-            sa, sb = _shape_values(_ty(call.args[0])), _shape_values(_ty(call.args[1]))
+            sa, sb = shape_values(type_of(call.args[0])), shape_values(type_of(call.args[1]))
             if sa and sb:
                 # The reduction dim must match exactly (no broadcasting on it).
                 k_b = sb[0] if len(sb) == 1 else sb[-2]
                 self._learn_prim_equal(sa[-1], k_b)
                 self._learn_broadcast(sa[:-2], sb[:-2])
         elif name in _ELEMENTWISE_BINARY and len(call.args) >= 2:
-            sa, sb = _shape_values(_ty(call.args[0])), _shape_values(_ty(call.args[1]))
+            sa, sb = shape_values(type_of(call.args[0])), shape_values(type_of(call.args[1]))
             if sa is not None and sb is not None:
                 self._learn_broadcast(sa, sb)
         elif name == "relax.concat" and call.args and isinstance(call.args[0], relax.Tuple):
             axis = getattr(call.attrs, "axis", None)
             if axis is None:
                 return
-            shapes = [_shape_values(_ty(f)) for f in call.args[0].fields]
+            shapes = [shape_values(type_of(f)) for f in call.args[0].fields]
             if any(s is None for s in shapes) or len({len(s) for s in shapes}) != 1:
                 return
             ndim = len(shapes[0])
@@ -635,7 +612,7 @@ class ShapeGraph:
         from tvm import ir, relax
 
         if isinstance(value, relax.Expr):
-            ty = _ty(value)
+            ty = type_of(value)
             key = getattr(value, "name", None) or f"expr{value.__hash__()}"
             if ty is None:
                 return SymbolicExpr(unknown_symbol(f"bytes_of_{key}"))
@@ -657,7 +634,7 @@ class ShapeGraph:
         if not isinstance(ty, relax.TensorType):
             return SymbolicExpr.constant(0)
         bits = element_bits(None if ty.dtype is None else str(ty.dtype))
-        values = _shape_values(ty)
+        values = shape_values(ty)
         if bits is None or values is None:
             return SymbolicExpr(unknown_symbol(key))
         numel = sympy.Integer(1)
@@ -666,199 +643,6 @@ class ShapeGraph:
         # Sub-byte elements are packed, the total rounded up to whole bytes.
         size = numel * (bits // 8) if bits % 8 == 0 else sympy.ceiling(numel * bits / 8)
         return SymbolicExpr(self._canon(size))
-
-    def evaluate(self, expr: SymbolicExpr | int | Any, bindings: Mapping[str, int]) -> int:
-        """Evaluate ``expr`` at concrete dims, checked against the declared ranges.
-
-        Raises
-        ------
-        ValueError
-            If a needed dim is missing, a binding is outside its dim's range, two equal dims
-            get different values, or the expression is UNKNOWN.
-        """
-        env = self._resolve_bindings(bindings)
-        e = self._canon(_to_sympy(expr))
-        try:
-            return evaluate_sympy(e, env)
-        except ValueError as err:
-            missing = [
-                s.name for s in e.free_symbols if not is_unknown_symbol(s) and s.name not in env
-            ]
-            if missing:
-                details = ", ".join(
-                    f"{n!r} (range {format_range(*self._range_of_symbol(self._symbol_for(n)))})"
-                    for n in sorted(missing)
-                )
-                raise ValueError(
-                    f"cannot evaluate {SymbolicExpr(e)}: no value for dim {details}"
-                ) from None
-            raise ValueError(f"cannot evaluate {SymbolicExpr(e)}: {err}") from None
-
-    def _symbol_for(self, name: str) -> sympy.Symbol:
-        return self._symbol_of.get(name) or dim_symbol(name)
-
-    def _resolve_bindings(self, bindings: Mapping[str, int]) -> dict[str, int]:
-        """Map given dim values to values of the free roots (checked); extra names pass through."""
-        key = tuple(sorted((str(k), int(v)) for k, v in bindings.items()))
-        cached = self._bind_cache.get(key)
-        if cached is not None:
-            return cached
-        self._rebuild()
-        env: dict[str, int] = {}
-        given_defined: list[tuple[str, int]] = []
-        for name, value in key:
-            if name not in self._parent:
-                env[name] = value
-                continue
-            lo, hi = self._declared[name]
-            if (lo is not None and value < lo) or (hi is not None and value > hi):
-                raise ValueError(
-                    f"dim {name!r} = {value} is outside its range {format_range(lo, hi)}"
-                )
-            root = self._find(name)
-            if root in self._definition:
-                given_defined.append((name, value))
-                continue
-            clo, chi = self._class_range[root]
-            if (clo is not None and value < clo) or (chi is not None and value > chi):
-                raise ValueError(
-                    f"dim {name!r} = {value} is outside the range {format_range(clo, chi)} of "
-                    f"its class {sorted(self._members(root))}"
-                )
-            if root in env and env[root] != value:
-                raise ValueError(
-                    f"dims {sorted(self._members(root))} are equal but got different values "
-                    f"({root!r} = {env[root]}, {name!r} = {value})"
-                )
-            env[root] = value
-        for name, value in given_defined:
-            expr = self._canon(self._symbol_of[name])
-            try:
-                expected = evaluate_sympy(expr, env)
-            except (ValueError, ZeroDivisionError):
-                continue
-            if expected != value:
-                raise ValueError(
-                    f"dim {name!r} = {value} contradicts {name} = {SymbolicExpr(expr)} = {expected}"
-                )
-        self._bind_cache[key] = env
-        return env
-
-    def _all_values(self, env: Mapping[str, int]) -> dict[str, int]:
-        """Values of every dim computable from root values ``env``."""
-        out: dict[str, int] = {}
-        for name in self._order:
-            try:
-                out[name] = evaluate_sympy(self._canon(self._symbol_of[name]), env)
-            except (ValueError, ZeroDivisionError):
-                continue
-        return out
-
-    def representative_points(self) -> list[dict[str, int]]:
-        """Documented sample points of the dims' ranges (for reports and tests, never proofs).
-
-        With ``lo``/``hi`` the class range of each free dim (``hi`` = max(lo,
-        :data:`UNBOUNDED_STAND_IN`) when unbounded) and ``mid`` = round(sqrt(max(lo, 1) * hi))
-        (the geometric midpoint, clamped into the range), the points are, in order, without
-        duplicates: every dim at ``lo``; every dim at ``mid``; every dim at ``hi``; and, with
-        several free dims, each dim at ``hi`` with the others at ``lo``. Every dim of the graph
-        gets a value: equal dims the same one, dims defined by an expression its value.
-        """
-        self._rebuild()
-        roots = self._roots()
-        lo_hi: dict[str, tuple[int, int, int]] = {}
-        for r in roots:
-            lo, hi = self._class_range[r]
-            lo = DEFAULT_LOWER if lo is None else lo
-            hi = max(lo, UNBOUNDED_STAND_IN) if hi is None else hi
-            mid = min(hi, max(lo, round(math.sqrt(max(lo, 1) * hi))))
-            lo_hi[r] = (lo, mid, hi)
-        choices = [
-            {r: v[0] for r, v in lo_hi.items()},
-            {r: v[1] for r, v in lo_hi.items()},
-            {r: v[2] for r, v in lo_hi.items()},
-        ]
-        if len(roots) > 1:
-            for r in roots:
-                point = {q: v[0] for q, v in lo_hi.items()}
-                point[r] = lo_hi[r][2]
-                choices.append(point)
-        points: list[dict[str, int]] = []
-        seen: set[tuple] = set()
-        for env in choices:
-            key = tuple(sorted(env.items()))
-            if key in seen:
-                continue
-            seen.add(key)
-            points.append(self._all_values(env))
-        return points
-
-    def sample(self, expr: SymbolicExpr | int | Any) -> tuple[int, ...] | None:
-        """The values of ``expr`` at :meth:`representative_points`, or None where one of them
-        cannot be evaluated (an UNKNOWN part).
-
-        A screen for proofs, never a proof: ``compare(a, b)`` can prove ``a >= b`` only if
-        ``a``'s sample is at least ``b``'s at every point (the points are admissible), so a
-        caller may skip a comparison the samples already refute.
-        """
-        e = self._canon(_to_sympy(expr))
-        if e in self._sample_cache:
-            return self._sample_cache[e]
-        if self._sample_points is None:
-            self._sample_points = self.representative_points()
-        try:
-            values = tuple(evaluate_sympy(e, point) for point in self._sample_points)
-        except ValueError:
-            values = None
-        self._sample_cache[e] = values
-        return values
-
-    def admissible_grid(self, limit: int = 1 << 16) -> dict[str, Any] | None:
-        """Every admissible value of the free dims: equal-length int64 arrays by dim name, one
-        entry per point (the free dims' ranges crossed; dims defined by an expression of them
-        are not listed, :meth:`evaluate_grid` computes them). ``None`` when a free dim is
-        unbounded or there are more than ``limit`` points.
-
-        Unlike :meth:`representative_points`, a check at every point of the grid is a proof:
-        it covers every value the dims may take.
-        """
-        self._rebuild()
-        if any(self._class_range[root][1] is None for root in self._roots()):
-            return None
-        return self._grid({}, limit)
-
-    def _grid(self, upper: Mapping[str, int], limit: int) -> dict[str, Any] | None:
-        """The free dims' ranges crossed, each root ending at ``upper[root]`` when given, else
-        at its own (bounded) upper end; ``None`` past ``limit`` points."""
-        import numpy as np
-
-        axes = []
-        for root in self._roots():
-            lo, hi = self._class_range[root]
-            lo = DEFAULT_LOWER if lo is None else lo
-            axes.append(np.arange(lo, upper.get(root, hi) + 1, dtype=np.int64))
-        if math.prod(len(a) for a in axes) > limit:
-            return None
-        mesh = np.meshgrid(*axes, indexing="ij") if axes else []
-        return {root: m.ravel() for root, m in zip(self._roots(), mesh)}
-
-    def split_unbounded(self, head: int = 1 << 12) -> tuple[dict[str, Any], ShapeGraph] | None:
-        """For a graph whose one free dim is unbounded above (the others bounded): a grid of
-        its first ``head`` values (crossed with the others' ranges, as :meth:`admissible_grid`)
-        and a copy of the graph where that dim starts after them (:meth:`with_lower_bounds`).
-
-        A check at every point of the grid and a proof on the copy cover every admissible
-        value. ``None`` for any other graph, or a grid of more than ``1 << 16`` points.
-        """
-        self._rebuild()
-        unbounded = [r for r in self._roots() if self._class_range[r][1] is None]
-        if len(unbounded) != 1:
-            return None
-        (dim,) = unbounded
-        lo = self._class_range[dim][0]
-        last = (DEFAULT_LOWER if lo is None else lo) + head - 1
-        grid = self._grid({dim: last}, 1 << 16)
-        return None if grid is None else (grid, self.with_lower_bounds({dim: last + 1}))
 
     def with_lower_bounds(self, lower: Mapping[str, int]) -> ShapeGraph:
         """A copy of the graph whose dims named in ``lower`` are at least the given values
@@ -886,81 +670,6 @@ class ShapeGraph:
         out._invalidate()
         return out
 
-    def evaluate_grid(self, expr: SymbolicExpr | int | Any, grid: Mapping[str, Any]) -> Any:
-        """``expr`` at every point of ``grid`` (:meth:`admissible_grid`) as a float64 array
-        (exact for integers below 2**53), or ``None`` when it reads an UNKNOWN part or a dim
-        the grid does not give."""
-        import numpy as np
-
-        e = self._canon(_to_sympy(expr))
-        points = len(next(iter(grid.values()))) if grid else 1
-        symbols = sorted(e.free_symbols, key=lambda sym: sym.name)
-        if any(is_unknown_symbol(sym) or sym.name not in grid for sym in symbols):
-            return None
-        if not symbols:
-            return np.full(points, float(e))
-        function = sympy.lambdify(symbols, e, modules="numpy")
-        values = function(*(grid[sym.name] for sym in symbols))
-        return np.broadcast_to(np.asarray(values, dtype=np.float64), (points,))
-
-    def bind_arguments(self, shapes: Sequence[Sequence[int] | None]) -> dict[str, int]:
-        """Concrete dims from the concrete shapes of the function's parameters.
-
-        Parameters
-        ----------
-        shapes : sequence
-            One entry per parameter: the tensor's (or ``R.Shape`` value's) shape as ints, None to
-            skip the parameter, or for a tuple parameter a sequence of such entries.
-
-        Returns
-        -------
-        dict
-            The value of every dim computable from the shapes (equal dims included).
-
-        Raises
-        ------
-        ValueError
-            On a rank or constant-dim mismatch, an out-of-range dim, or contradictory values;
-            the message names the parameter, the dim and its range.
-        """
-        if not self._from_function:
-            raise ValueError("bind_arguments needs a graph built with ShapeGraph.from_function")
-        if len(shapes) != len(self._params):
-            raise ValueError(
-                f"expected {len(self._params)} parameter shapes "
-                f"({[p.name for p in self._params]}), got {len(shapes)}"
-            )
-        pairs: list[tuple[str, Any, int]] = []
-        for param, shape in zip(self._params, shapes):
-            if shape is not None:
-                _match_shape(param.name, _ty(param), shape, pairs)
-        from tvm import tirx
-
-        given: dict[str, int] = {}
-        checks: list[tuple[str, Any, int]] = []
-        for where, dim, value in pairs:
-            if isinstance(dim, tirx.Var):
-                name = dim.name
-                if name in given and given[name] != value:
-                    raise ValueError(
-                        f"{where}: dim {name!r} = {value} but it is {given[name]} elsewhere"
-                    )
-                given[name] = value
-            else:
-                checks.append((where, dim, value))
-        env = self._resolve_bindings(given)
-        for where, dim, value in checks:
-            expr = self._canon(SymbolicExpr.from_prim_expr(dim).expr)
-            try:
-                expected = evaluate_sympy(expr, env)
-            except (ValueError, ZeroDivisionError):
-                continue  # not determined by the parameters alone
-            if expected != value:
-                raise ValueError(
-                    f"{where}: expected {SymbolicExpr(expr)} = {expected}, got {value}"
-                )
-        return self._all_values(env)
-
     def __repr__(self) -> str:
         parts = []
         for name, d in self.dims.items():
@@ -968,103 +677,6 @@ class ShapeGraph:
             eq = "" if str(rep) == name else f" = {rep}"
             parts.append(f"{name}{eq} in {d.range_str}")
         return f"ShapeGraph({', '.join(parts)})"
-
-
-# ====================================================================== helpers
-
-
-def _ty(node: Any) -> Any:
-    try:
-        return node.ty
-    except Exception:  # a non-normalized expression has no type yet
-        return None
-
-
-def _shape_values(ty: Any, nested: bool = False) -> list[Any] | None:
-    """PrimExpr dims of a tensor / shape type (None if unknown); with ``nested``, all dims
-    found inside tuples too (for collection)."""
-    from tvm import relax
-
-    if ty is None:
-        return [] if nested else None
-    if isinstance(ty, relax.TupleType):
-        if not nested:
-            return None
-        out: list[Any] = []
-        for f in ty.fields:
-            out.extend(_shape_values(f, nested=True) or [])
-        return out
-    if isinstance(ty, relax.TensorType):
-        shape = ty.shape
-        if shape is None:
-            return [] if nested else None
-        if isinstance(shape, relax.ShapeExpr):
-            return list(shape.values)
-        shape_ty = _ty(shape)
-        if isinstance(shape_ty, relax.ShapeType) and shape_ty.values is not None:
-            return list(shape_ty.values)
-        return [] if nested else None
-    if isinstance(ty, relax.ShapeType):
-        if ty.values is None:
-            return [] if nested else None
-        return list(ty.values)
-    return [] if nested else None
-
-
-def _iter_bindings(expr: Any, in_branch: bool) -> Iterable[tuple[Any, bool]]:
-    """Bindings in program order, each with whether it sits inside an If branch."""
-    from tvm import relax
-
-    if isinstance(expr, relax.SeqExpr):
-        for block in expr.blocks:
-            for b in block.bindings:
-                yield b, in_branch
-                if isinstance(b.value, (relax.If, relax.SeqExpr)):
-                    yield from _iter_bindings(b.value, in_branch)
-    elif isinstance(expr, relax.If):
-        yield from _iter_bindings(expr.true_branch, True)
-        yield from _iter_bindings(expr.false_branch, True)
-
-
-def _read_bound_attrs(func: Any) -> tuple[dict[str, int], dict[str, int], set[str]]:
-    attrs = func.attrs
-    lower: dict[str, int] = {}
-    upper: dict[str, int] = {}
-    nonneg: set[str] = set()
-    if attrs is None:
-        return lower, upper, nonneg
-    if LOWER_BOUND_ATTR in attrs:
-        lower = {str(k): int(v) for k, v in attrs[LOWER_BOUND_ATTR].items()}
-    if UPPER_BOUND_ATTR in attrs:
-        upper = {str(k): int(v) for k, v in attrs[UPPER_BOUND_ATTR].items()}
-    if "tir_non_negative_var" in attrs:
-        nonneg = {str(getattr(v, "name", v)) for v in attrs["tir_non_negative_var"]}
-    return lower, upper, nonneg
-
-
-def _match_shape(where: str, ty: Any, shape: Any, pairs: list[tuple[str, Any, int]]) -> None:
-    from tvm import relax
-
-    if isinstance(ty, relax.TupleType):
-        if len(shape) != len(ty.fields):
-            raise ValueError(f"{where}: expected a tuple of {len(ty.fields)} shapes, got {shape}")
-        for i, (f, s) in enumerate(zip(ty.fields, shape)):
-            if s is not None:
-                _match_shape(f"{where}[{i}]", f, s, pairs)
-        return
-    values = _shape_values(ty)
-    if values is None:
-        ndim = getattr(ty, "ndim", -1)
-        if ndim is not None and ndim >= 0 and len(shape) != ndim:
-            raise ValueError(f"{where}: expected rank {ndim}, got shape {tuple(shape)}")
-        return
-    if len(values) != len(shape):
-        raise ValueError(
-            f"{where}: expected rank {len(values)} ({[str(v) for v in values]}), "
-            f"got shape {tuple(shape)}"
-        )
-    for i, (dim, value) in enumerate(zip(values, shape)):
-        pairs.append((f"{where} dim {i}", dim, int(value)))
 
 
 class TypeSizes:
