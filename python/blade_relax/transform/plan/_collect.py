@@ -180,121 +180,152 @@ def collect_facts(
     -------
     FunctionFacts
     """
-    trusted = frozenset(trusted_packed)
-    excluded = frozenset(no_plan)
-    allocs: list[Allocation] = []
-    kernels: dict[int, KernelCall] = {}
-    aliases: dict[relax.Var, frozenset[int]] = {}
-    fields: dict[relax.Var, list[frozenset[int]]] = {}
-    var_defined_at: dict[tirx.Var, int] = {}
-    # Tuple-valued vars built by a Tuple binding, and whether something other than an item
-    # access reads them (item accesses are canonicalized away before kills are inserted).
-    tuple_read: dict[relax.Var, bool] = {}
-    tuple_last: dict[relax.Var, int] = {}
-    tuple_killable: dict[relax.Var, bool] = {}
-    # Vars that refer to memory at an offset or with another element layout (memory.view).
-    inexact: set[relax.Var] = set()
-    tuple_items: dict[relax.Var, list[relax.Expr]] = {}
-    # Runtime rematerialization: slot -> allocations handed to ``evict`` under that slot.
-    stash: dict[int, frozenset[int]] = {}
-    regenerated: dict[relax.Var, tuple[int, int]] = {}
+    walk = _FactWalk(mod, frozenset(trusted_packed), frozenset(no_plan))
     for param in func.params:
         for var in _tir_vars_in_type(param.ty):
-            var_defined_at.setdefault(var, -1)
-
+            walk.var_defined_at.setdefault(var, -1)
     body = func.body
     blocks = list(body.blocks) if isinstance(body, relax.SeqExpr) else []
     index = 0
     for block_index, block in enumerate(blocks):
         for binding in block.bindings:
-            var, value = binding.var, binding.value
-            if isinstance(binding, relax.MatchCast):
-                for tvar in _tir_vars_in_type(binding.ty):
-                    var_defined_at.setdefault(tvar, index)
-            item_of = (
-                value.tuple_value
-                if isinstance(value, relax.TupleGetItem)
-                and isinstance(value.tuple_value, relax.Var)
-                and value.tuple_value in tuple_read
-                else None
-            )
-            for used_var in _free_vars(value):
-                if used_var in tuple_read and not used_var.same_as(item_of):
-                    tuple_read[used_var] = True
-            if item_of is not None:
-                tuple_last[item_of] = index
-                if isinstance(block, relax.DataflowBlock):
-                    tuple_killable[item_of] = False
-            used = _used_allocs(value, aliases)
-            for alloc_id in used:
-                alloc = allocs[alloc_id]
-                if alloc.first_use is None:
-                    alloc.first_use = index
-                alloc.last_use = index
-                if alloc.block != block_index:
-                    alloc.refuse("used outside the binding block that allocates it")
-            # Classified once: what a call does decides its effect and marks regenerated tensors.
-            inst = classify(value, mod) if isinstance(value, relax.Call) else None
-            result = _binding_effect(
-                binding,
-                inst,
-                index,
-                block_index,
-                mod,
-                trusted,
-                allocs,
-                kernels,
-                aliases,
-                fields,
-                stash,
-            )
-            aliases[var] = result
-            if len(result) == 1 and inst is not None and inst.kind is Kind.REGENERATE:
-                regenerated[var] = (index, next(iter(result)))
-            if _is_inexact(binding, value, inexact, tuple_items):
-                inexact.add(var)
-            if isinstance(value, relax.Tuple):
-                tuple_items[var] = list(value.fields)
-                tuple_read[var] = False
-                tuple_last[var] = index
-                tuple_killable[var] = not isinstance(block, relax.DataflowBlock)
-            if var.name in excluded:
-                for alloc_id in result:
-                    allocs[alloc_id].refuse("marked as not plannable (may be evicted)", True)
+            walk.visit(binding, block, block_index, index)
             index += 1
+    return walk.finish(body.body if isinstance(body, relax.SeqExpr) else body, index)
 
-    result_expr = body.body if isinstance(body, relax.SeqExpr) else body
-    for used_var in _free_vars(result_expr):
-        if used_var in tuple_read:
-            tuple_read[used_var] = True
-    pinning: list[tuple[relax.Var, int]] = []
-    pinned_items: dict[relax.Var, frozenset[int]] = {}
-    for tuple_var, read in tuple_read.items():
-        if not read:
-            items = aliases.get(tuple_var, frozenset())
-            for alloc_id in items:
-                allocs[alloc_id].pinned = True
-            if tuple_killable.get(tuple_var, False) and items:
-                pinning.append((tuple_var, tuple_last[tuple_var]))
-                pinned_items[tuple_var] = items
-    for alloc_id in _used_allocs(result_expr, aliases):
-        allocs[alloc_id].last_use = index
-        allocs[alloc_id].refuse("part of the function's result")
-    for alloc in allocs:
-        if alloc.kind == "tensor" and alloc.first_use is None:
-            # Never written by a kernel: nothing to gain, keep it as it is.
-            alloc.refuse("never used")
-    for call in kernels.values():
-        call.arg_exact = [not (isinstance(a, relax.Var) and a in inexact) for a in call.args]
-    return FunctionFacts(
-        allocations=allocs,
-        kernels=kernels,
-        num_bindings=index,
-        var_defined_at=var_defined_at,
-        pinning_tuples=pinning,
-        _tuple_items=pinned_items,
-        regenerated=regenerated,
-    )
+
+class _FactWalk:
+    """The state of one :func:`collect_facts`: allocations, aliases and tuple reads so far."""
+
+    def __init__(self, mod: tvm.IRModule, trusted: frozenset[str], excluded: frozenset[str]):
+        self.mod, self.trusted, self.excluded = mod, trusted, excluded
+        self.allocs: list[Allocation] = []
+        self.kernels: dict[int, KernelCall] = {}
+        self.aliases: dict[relax.Var, frozenset[int]] = {}
+        self.fields: dict[relax.Var, list[frozenset[int]]] = {}
+        self.var_defined_at: dict[tirx.Var, int] = {}
+        # Tuple-valued vars built by a Tuple binding, and whether something other than an item
+        # access reads them (item accesses are canonicalized away before kills are inserted).
+        self.tuple_read: dict[relax.Var, bool] = {}
+        self.tuple_last: dict[relax.Var, int] = {}
+        self.tuple_killable: dict[relax.Var, bool] = {}
+        # Vars that refer to memory at an offset or with another element layout (memory.view).
+        self.inexact: set[relax.Var] = set()
+        self.tuple_items: dict[relax.Var, list[relax.Expr]] = {}
+        # Runtime rematerialization: slot -> allocations handed to ``evict`` under that slot.
+        self.stash: dict[int, frozenset[int]] = {}
+        self.regenerated: dict[relax.Var, tuple[int, int]] = {}
+
+    def visit(
+        self, binding: relax.Binding, block: relax.BindingBlock, block_index: int, index: int
+    ) -> None:
+        """Record what one binding allocates, reads and aliases."""
+        var, value = binding.var, binding.value
+        if isinstance(binding, relax.MatchCast):
+            for tvar in _tir_vars_in_type(binding.ty):
+                self.var_defined_at.setdefault(tvar, index)
+        self._note_tuple_reads(value, isinstance(block, relax.DataflowBlock), index)
+        self._note_uses(value, block_index, index)
+        # Classified once: what a call does decides its effect and marks regenerated tensors.
+        inst = classify(value, self.mod) if isinstance(value, relax.Call) else None
+        result = _binding_effect(
+            binding,
+            inst,
+            index,
+            block_index,
+            self.mod,
+            self.trusted,
+            self.allocs,
+            self.kernels,
+            self.aliases,
+            self.fields,
+            self.stash,
+        )
+        self.aliases[var] = result
+        if len(result) == 1 and inst is not None and inst.kind is Kind.REGENERATE:
+            self.regenerated[var] = (index, next(iter(result)))
+        if _is_inexact(binding, value, self.inexact, self.tuple_items):
+            self.inexact.add(var)
+        if isinstance(value, relax.Tuple):
+            self.tuple_items[var] = list(value.fields)
+            self.tuple_read[var] = False
+            self.tuple_last[var] = index
+            self.tuple_killable[var] = not isinstance(block, relax.DataflowBlock)
+        if var.name in self.excluded:
+            for alloc_id in result:
+                self.allocs[alloc_id].refuse("marked as not plannable (may be evicted)", True)
+
+    def _note_tuple_reads(self, value: relax.Expr, in_dataflow: bool, index: int) -> None:
+        """Whether a tuple is read other than through an item access, and its last access."""
+        tuple_read = self.tuple_read
+        item_of = (
+            value.tuple_value
+            if isinstance(value, relax.TupleGetItem)
+            and isinstance(value.tuple_value, relax.Var)
+            and value.tuple_value in tuple_read
+            else None
+        )
+        for used_var in _free_vars(value):
+            if used_var in tuple_read and not used_var.same_as(item_of):
+                tuple_read[used_var] = True
+        if item_of is not None:
+            self.tuple_last[item_of] = index
+            if in_dataflow:
+                self.tuple_killable[item_of] = False
+
+    def _note_uses(self, value: relax.Expr, block_index: int, index: int) -> None:
+        """First and last use of every allocation the value reads."""
+        for alloc_id in _used_allocs(value, self.aliases):
+            alloc = self.allocs[alloc_id]
+            if alloc.first_use is None:
+                alloc.first_use = index
+            alloc.last_use = index
+            if alloc.block != block_index:
+                alloc.refuse("used outside the binding block that allocates it")
+
+    def finish(self, result_expr: relax.Expr, index: int) -> FunctionFacts:
+        """The facts, once the function's result (read at ``index``) is known."""
+        allocs = self.allocs
+        for used_var in _free_vars(result_expr):
+            if used_var in self.tuple_read:
+                self.tuple_read[used_var] = True
+        pinning, pinned_items = self._pinning_tuples()
+        for alloc_id in _used_allocs(result_expr, self.aliases):
+            allocs[alloc_id].last_use = index
+            allocs[alloc_id].refuse("part of the function's result")
+        for alloc in allocs:
+            if alloc.kind == "tensor" and alloc.first_use is None:
+                # Never written by a kernel: nothing to gain, keep it as it is.
+                alloc.refuse("never used")
+        for call in self.kernels.values():
+            call.arg_exact = [
+                not (isinstance(a, relax.Var) and a in self.inexact) for a in call.args
+            ]
+        return FunctionFacts(
+            allocations=allocs,
+            kernels=self.kernels,
+            num_bindings=index,
+            var_defined_at=self.var_defined_at,
+            pinning_tuples=pinning,
+            _tuple_items=pinned_items,
+            regenerated=self.regenerated,
+        )
+
+    def _pinning_tuples(
+        self,
+    ) -> tuple[list[tuple[relax.Var, int]], dict[relax.Var, frozenset[int]]]:
+        """Pin the items of tuples read only through item accesses; those a kill may release."""
+        pinning: list[tuple[relax.Var, int]] = []
+        pinned_items: dict[relax.Var, frozenset[int]] = {}
+        for tuple_var, read in self.tuple_read.items():
+            if not read:
+                items = self.aliases.get(tuple_var, frozenset())
+                for alloc_id in items:
+                    self.allocs[alloc_id].pinned = True
+                if self.tuple_killable.get(tuple_var, False) and items:
+                    pinning.append((tuple_var, self.tuple_last[tuple_var]))
+                    pinned_items[tuple_var] = items
+        return pinning, pinned_items
 
 
 def _binding_effect(

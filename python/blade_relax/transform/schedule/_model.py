@@ -107,6 +107,32 @@ def tir_var_names(exprs: Sequence) -> set[str]:
     return names
 
 
+@dataclass
+class _BlockRead:
+    """What :meth:`BlockReader._read_bindings` finds in a block, per binding."""
+
+    preds: list[set[int]]
+    uses: list[list[relax.Var]] = field(default_factory=list)
+    creates: list[tuple[int, ...]] = field(default_factory=list)
+    touch: list[list[int]] = field(default_factory=list)
+    match_defs: list[tuple[int, set[str]]] = field(default_factory=list)
+    is_call: list[bool] = field(default_factory=list)
+    view_like: list[bool] = field(default_factory=list)
+    index_of: dict[relax.Var, int] = field(default_factory=dict)
+
+
+def _consumer_runs(consumers: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The buffers with consumers (ascending), the start of each one's run, and the runs
+    (consumers grouped by buffer), as flat arrays."""
+    buffers = np.array([b for b in range(len(consumers)) if consumers[b]], dtype=np.int64)
+    runs = [len(consumers[b]) for b in buffers]
+    if not buffers.size:
+        return buffers, np.zeros(0, dtype=np.int64), np.array([], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(runs)[:-1]]).astype(np.int64)
+    nodes = np.array([j for b in buffers for j in consumers[b]], dtype=np.int64)
+    return buffers, starts, nodes
+
+
 class BlockReader:
     """Reads one dataflow block into a :class:`Block`."""
 
@@ -410,111 +436,31 @@ class BlockReader:
     def build(self) -> Block:
         bindings = list(self.block.bindings)
         n = len(bindings)
-        index_of: dict[relax.Var, int] = {}
-        uses: list[list[relax.Var]] = []
-        creates: list[tuple[int, ...]] = []
-        touch: list[list[int]] = []
-        preds: list[set[int]] = [set() for _ in range(n)]
-        match_defs: list[tuple[int, set[str]]] = []
-        external_set: set[int] = set()
-        is_call: list[bool] = []
-        view_like: list[bool] = []
-        for i, binding in enumerate(bindings):
-            var = binding.var
-            value = binding.value
-            used = list(dict.fromkeys(relax.analysis.free_vars(value)))
-            uses.append(used)
-            for u in used:
-                j = index_of.get(u)
-                if j is not None:
-                    preds[i].add(j)
-            before = len(self.size_exprs)
-            if isinstance(binding, relax.MatchCast):
-                if not isinstance(value, (relax.Var, relax.Tuple, *_LEAVES)):
-                    raise UnsupportedBlock(f"match_cast of a {type(value).__name__} in {var.name}")
-                refs = self._value_refs(var, value)
-                defined = (
-                    tir_var_names([relax.analysis.definable_tir_vars_in_type(binding.ty)])
-                    - self.tir_defined_before
-                )
-                if defined:
-                    match_defs.append((i, defined))
-            else:
-                refs = self._value_refs(var, value)
-            is_call.append(
-                isinstance(value, relax.Call)
-                and not self.is_view
-                and not isinstance(binding, relax.MatchCast)
-            )
-            view_like.append(self.is_view)
-            # Buffers created by this binding (external ones met now are live on entry).
-            external_set.update(self.external[len(external_set) :])
-            own = tuple(b for b in range(before, len(self.size_exprs)) if b not in external_set)
-            creates.append(own)
-            self.refs[var] = refs
-            index_of[var] = i
-            t: list[int] = []
-            for u in used:
-                t.extend(self._refs_of(u))
-            t.extend(own)
-            touch.append(list(dict.fromkeys(t)))
-            if isinstance(value, relax.Call) and not self.is_view:
-                if self.model_inplace:
-                    self._note_inplace(i, value, own, t)
-                if self.model_workspaces:
-                    self._note_workspace(i, value, var)
-
-        read: set[relax.Var] = {u for used in uses for u in used}
-        for i, binding in enumerate(bindings):
-            var = binding.var
-            if var in read or var in self.used_after:
-                continue
-            if view_like[i] or isinstance(binding.value, relax.Tuple):
-                self.leaked.update(self.refs.get(var, ()))
-        if match_defs:
-            self._match_cast_edges(bindings, match_defs, preds)
+        read = self._read_bindings(bindings)
+        self._mark_leaked(bindings, read)
+        preds = read.preds
+        if read.match_defs:
+            self._match_cast_edges(bindings, read.match_defs, preds)
         num_buffers = len(self.size_exprs)
         consumers: list[list[int]] = [[] for _ in range(num_buffers)]
-        for i, t in enumerate(touch):
+        for i, t in enumerate(read.touch):
             for b in t:
                 consumers[b].append(i)
-        self._write_edges(bindings, uses, preds)
+        self._write_edges(bindings, read.uses, preds)
         escaping = np.zeros(num_buffers, dtype=bool)
         for var, refs in self.refs.items():
             if var in self.used_after:
                 escaping[list(refs)] = True
-
-        space = ByteSpace(self.graph, self.size_exprs + [w for _, w in self.workspaces])
-        sizes = space.vectors[:num_buffers]
-        workspace = None
-        if self.workspaces:
-            workspace = np.zeros((n, space.size), dtype=space.dtype)
-            for k, (i, _) in enumerate(self.workspaces):
-                workspace[i] += space.vectors[num_buffers + k]
-        alloc = np.zeros((n, space.size), dtype=space.dtype)
-        for i, own in enumerate(creates):
-            for b in own:
-                alloc[i] += sizes[b]
-        initial = space.zero()
-        for b in self.external:
-            initial = initial + sizes[b]
+        space, sizes, alloc, initial, workspace = self._byte_arrays(read.creates, n)
         plannable = np.zeros(num_buffers, dtype=bool)
         plannable[sorted(self.plannable - self.discarded - set(self.external))] = True
         plannable &= ~escaping
         # Values the lowered function never kills live until it returns (see BlockReader).
         leaked = self.leaked if self.planner == "plan" else self.leaked | self.tuple_fields
         escaping[sorted(leaked)] = True
-        size_keys = [tuple(row.tolist()) for row in sizes]
-        const_sizes = [space.constant_value(row) for row in sizes]
-        call_consumers = [[j for j in cons if is_call[j]] for cons in consumers]
-        call_cons_buffer = np.array(
-            [b for b in range(num_buffers) if call_consumers[b]], dtype=np.int64
-        )
-        call_runs = [len(call_consumers[b]) for b in call_cons_buffer]
-        call_cons_start = np.concatenate([[0], np.cumsum(call_runs)[:-1]]).astype(np.int64)
-        call_cons_node = np.array(
-            [j for b in call_cons_buffer for j in call_consumers[b]], dtype=np.int64
-        )
+        call_consumers = [[j for j in cons if read.is_call[j]] for cons in consumers]
+        call_cons_buffer, call_cons_start, call_cons_node = _consumer_runs(call_consumers)
+        cons_buffer, cons_start, cons_node = _consumer_runs(consumers)
         pred_lists = [sorted(p) for p in preds]
         succs: list[list[int]] = [[] for _ in range(n)]
         for i, p in enumerate(pred_lists):
@@ -523,15 +469,11 @@ class BlockReader:
         # Argument order for the depth-first strategy: first use first.
         ordered_preds = []
         for i in range(n):
-            seen = dict.fromkeys(index_of[u] for u in uses[i] if u in index_of)
+            seen = dict.fromkeys(read.index_of[u] for u in read.uses[i] if u in read.index_of)
             ordered_preds.append(list(seen) + [j for j in pred_lists[i] if j not in seen])
         created_by = np.full(num_buffers, -1, dtype=np.int64)
-        for i, own in enumerate(creates):
+        for i, own in enumerate(read.creates):
             created_by[list(own)] = i
-        cons_buffer = np.array([b for b in range(num_buffers) if consumers[b]], dtype=np.int64)
-        runs = [len(consumers[b]) for b in cons_buffer]
-        cons_start = np.concatenate([[0], np.cumsum(runs)[:-1]]).astype(np.int64)
-        cons_node = np.array([j for b in cons_buffer for j in consumers[b]], dtype=np.int64)
         candidates = [
             (i, u, t)
             for i, u, t in self.inplace
@@ -546,20 +488,20 @@ class BlockReader:
             planner=self.planner,
             plannable=plannable,
             dtypes=self.dtypes,
-            size_keys=size_keys,
-            const_sizes=const_sizes,
+            size_keys=[tuple(row.tolist()) for row in sizes],
+            const_sizes=[space.constant_value(row) for row in sizes],
             call_cons_buffer=call_cons_buffer,
-            call_cons_start=call_cons_start if call_cons_buffer.size else np.zeros(0, np.int64),
+            call_cons_start=call_cons_start,
             call_cons_node=call_cons_node,
-            touch_rank=[{b: r for r, b in enumerate(t)} for t in touch],
+            touch_rank=[{b: r for r, b in enumerate(t)} for t in read.touch],
             created_by=created_by,
             cons_buffer=cons_buffer,
-            cons_start=cons_start if cons_buffer.size else np.zeros(0, dtype=np.int64),
+            cons_start=cons_start,
             cons_node=cons_node,
             bindings=bindings,
             preds=ordered_preds,
             succs=succs,
-            touch=touch,
+            touch=read.touch,
             alloc=alloc,
             sizes=sizes,
             escaping=escaping,
@@ -567,6 +509,91 @@ class BlockReader:
             consumers=consumers,
             space=space,
         )
+
+    def _read_bindings(self, bindings: list[relax.Binding]) -> _BlockRead:
+        """Read every binding: what it uses and creates, the buffers it touches, its
+        def-use predecessors, the dims a ``match_cast`` defines, and the notes on in-place
+        placements and workspaces."""
+        read = _BlockRead(preds=[set() for _ in bindings])
+        external_set: set[int] = set()
+        for i, binding in enumerate(bindings):
+            var = binding.var
+            value = binding.value
+            used = list(dict.fromkeys(relax.analysis.free_vars(value)))
+            read.uses.append(used)
+            for u in used:
+                j = read.index_of.get(u)
+                if j is not None:
+                    read.preds[i].add(j)
+            before = len(self.size_exprs)
+            if isinstance(binding, relax.MatchCast):
+                if not isinstance(value, (relax.Var, relax.Tuple, *_LEAVES)):
+                    raise UnsupportedBlock(f"match_cast of a {type(value).__name__} in {var.name}")
+                refs = self._value_refs(var, value)
+                defined = (
+                    tir_var_names([relax.analysis.definable_tir_vars_in_type(binding.ty)])
+                    - self.tir_defined_before
+                )
+                if defined:
+                    read.match_defs.append((i, defined))
+            else:
+                refs = self._value_refs(var, value)
+            read.is_call.append(
+                isinstance(value, relax.Call)
+                and not self.is_view
+                and not isinstance(binding, relax.MatchCast)
+            )
+            read.view_like.append(self.is_view)
+            # Buffers created by this binding (external ones met now are live on entry).
+            external_set.update(self.external[len(external_set) :])
+            own = tuple(b for b in range(before, len(self.size_exprs)) if b not in external_set)
+            read.creates.append(own)
+            self.refs[var] = refs
+            read.index_of[var] = i
+            t: list[int] = []
+            for u in used:
+                t.extend(self._refs_of(u))
+            t.extend(own)
+            read.touch.append(list(dict.fromkeys(t)))
+            if isinstance(value, relax.Call) and not self.is_view:
+                if self.model_inplace:
+                    self._note_inplace(i, value, own, t)
+                if self.model_workspaces:
+                    self._note_workspace(i, value, var)
+        return read
+
+    def _mark_leaked(self, bindings: list[relax.Binding], read: _BlockRead) -> None:
+        """Views and tuples nobody reads: the lowered function never kills them."""
+        used_vars: set[relax.Var] = {u for used in read.uses for u in used}
+        for i, binding in enumerate(bindings):
+            var = binding.var
+            if var in used_vars or var in self.used_after:
+                continue
+            if read.view_like[i] or isinstance(binding.value, relax.Tuple):
+                self.leaked.update(self.refs.get(var, ()))
+
+    def _byte_arrays(
+        self, creates: list[tuple[int, ...]], n: int
+    ) -> tuple[ByteSpace, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+        """The byte space of the block's sizes and workspaces; each buffer's size vector,
+        the bytes each binding allocates, the bytes live on entry, and the workspace each
+        binding holds while it runs (None without workspaces)."""
+        num_buffers = len(self.size_exprs)
+        space = ByteSpace(self.graph, self.size_exprs + [w for _, w in self.workspaces])
+        sizes = space.vectors[:num_buffers]
+        workspace = None
+        if self.workspaces:
+            workspace = np.zeros((n, space.size), dtype=space.dtype)
+            for k, (i, _) in enumerate(self.workspaces):
+                workspace[i] += space.vectors[num_buffers + k]
+        alloc = np.zeros((n, space.size), dtype=space.dtype)
+        for i, own in enumerate(creates):
+            for b in own:
+                alloc[i] += sizes[b]
+        initial = space.zero()
+        for b in self.external:
+            initial = initial + sizes[b]
+        return space, sizes, alloc, initial, workspace
 
     @staticmethod
     def _match_cast_edges(
