@@ -84,12 +84,21 @@ class StorageFlow:
         return [workspace for _, workspace in self.touched]
 
 
-def death_points(info: Liveness) -> dict[int, list[relax.Var]]:
+def death_points(info: Liveness, *, params: bool = False) -> dict[int, list[relax.Var]]:
     """Per binding index, the variables whose register dies after it when the function has no
-    explicit kills: after their last use, or at once when never used (a result read at the
-    end, ``info.end``, never dies)."""
+    explicit kills (``KillAfterLastUse``'s view): after their last use, or at once when never
+    used; a variable the function returns (read at ``info.end``) never dies.
+
+    With ``params``, parameters die after their last use too (a parameter never read is not
+    dropped): what a callee's registers do when its caller's storages are passed in.
+    """
     death: dict[int, list[relax.Var]] = {}
     n = len(info.bindings)
+    if params:
+        for param in info.params:
+            last = info.last_use(param)
+            if last is not None and last < n:
+                death.setdefault(last, []).append(param)
     for binding in info.bindings:
         last = info.last_use(binding.var)
         if last is None:

@@ -44,6 +44,8 @@ import tvm
 from tvm import relax
 
 from ...analysis.effects import Kind, classify
+from ...analysis.liveness import liveness
+from ...analysis.storage_flow import death_points
 from ...analysis.workspace import call_reads
 from ...contract import (
     REMAT_FORMAT,
@@ -193,30 +195,6 @@ class Simulation:
                 terms.append(" + ".join(live) if live else "0")
         unique = list(dict.fromkeys(terms))
         return unique[0] if len(unique) == 1 else f"max({', '.join(unique)})"
-
-
-def _last_uses(func: relax.Function) -> dict[int, list[relax.Var]]:
-    """Binding position -> variables whose last occurrence it is (as KillAfterLastUse sees)."""
-    last: dict[relax.Var, int] = {}
-    index = 0
-    for block in func.body.blocks:
-        for binding in block.bindings:
-            for var in relax.analysis.free_vars(binding.value):
-                last[var] = index
-            index += 1
-    for var in relax.analysis.free_vars(func.body.body):
-        last[var] = index  # returned: never dropped
-    # A variable never read dies right after its binding (KillAfterLastUse removes unused
-    # trivial bindings, and no kernel output goes unread in a lowered function).
-    index = 0
-    for block in func.body.blocks:
-        for binding in block.bindings:
-            last.setdefault(binding.var, index)
-            index += 1
-    out: dict[int, list[relax.Var]] = {}
-    for var, position in last.items():
-        out.setdefault(position, []).append(var)
-    return out
 
 
 # Deepest chain of Relax function calls the simulation follows (a deeper or recursive chain
@@ -374,7 +352,7 @@ class _Walker:
         """Walk one function (a callee when ``rename`` is a dict); its result's storages."""
         for param in func.params:
             self.hold(param, params.get(param, frozenset()))
-        deaths = _last_uses(func) if self.stage == "lowered" else {}
+        deaths = death_points(liveness(func), params=True) if self.stage == "lowered" else {}
         index = 0
         for block in func.body.blocks:
             for binding in block.bindings:
