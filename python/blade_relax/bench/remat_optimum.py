@@ -1,8 +1,8 @@
 """An exact reference for the remat decision: the optimal eviction set, as an integer program.
 
-The runtime (:mod:`blade_relax.runtime._remat_policy`) decides by exhaustive search on few
+The runtime (:mod:`blade_relax.runtime.remat_policy`) decides by exhaustive search on few
 slots and by greedy and local searches on more. This module finds, for one concrete timeline,
-the *optimal* eviction set under the same model (``_evaluate``: the predicted peak and
+the *optimal* eviction set under the same model (``evaluate``: the predicted peak and
 recompute cost of an eviction set in a regime of chained inputs), with a mixed-integer program
 in the manner of Checkmate (Jain et al., 2020) restricted to the evict / regenerate model,
 solved by HiGHS through :func:`scipy.optimize.milp`. It is a yardstick for the runtime's
@@ -10,7 +10,7 @@ searches, not a runtime path.
 
 Formulation (one program per pure regime)
 -----------------------------------------
-Slots are processed in the order of their ``regenerate`` sites (then index), as ``_evaluate``
+Slots are processed in the order of their ``regenerate`` sites (then index), as ``evaluate``
 does.
 
 * ``e[k]``: slot ``k`` is evicted (binary).
@@ -20,13 +20,13 @@ does.
   input is materialized iff it is pending and a later entry of the plan that reads it is
   materialized (``m <= pend``, ``m <= sum(readers)``, ``m >= pend + reader - 1``); ``j``
   itself iff evicted (temp regime) or evicted and not materialized earlier (cache regime). So
-  for every ``e`` exactly one ``m`` is feasible, the one ``_evaluate`` computes, and it is
+  for every ``e`` exactly one ``m`` is feasible, the one ``evaluate`` computes, and it is
   integral. (All of them are declared integral to the solver all the same: HiGHS 1.12's
   presolve returned suboptimal "optimal" answers with ``m`` continuous.)
 * Live bytes at point ``i``: ``base[i]`` less, for every slot ``k``, its bytes when ``i`` lies in
   ``[start[k], end]``, where ``end`` is the site that first materializes ``k`` (in the cache
   regime exactly one site materializes an evicted slot, so this is linear in ``m``) or its own
-  site (temp). When ``start > end + 1`` both copies are live in between, as in ``_evaluate``.
+  site (temp). When ``start > end + 1`` both copies are live in between, as in ``evaluate``.
 * The materialization of ``x`` at ``j``'s site peaks at ``live[site] + regen_peak[x]`` plus
   the outputs of the earlier materializations of the call still held: all of them (cache), or
   those with a materialized reader at or after ``x`` (temp: a temporary is freed after its last
@@ -48,7 +48,7 @@ live, in place of the input's own site.
 :func:`optimal_minimum_peak` minimizes ``P``, then the cost with ``P`` at that minimum;
 :func:`optimal_decision` minimizes the cost with ``P`` within the budget. Both solve the two
 pure regimes and keep the better answer; the temp regime's answer bounds the cache regime's
-search (a cutoff: the cache regime's programs are the harder ones where chains are deep). Every answer is re-evaluated with ``_evaluate``: its
+search (a cutoff: the cache regime's programs are the harder ones where chains are deep). Every answer is re-evaluated with ``evaluate``: its
 live bytes, materializations, peak and cost must equal the program's own values at the rounded
 solution, and its peak must not exceed the solver's ``P`` (anything else is a formulation bug,
 raised as :class:`RuntimeError`).
@@ -56,7 +56,7 @@ raised as :class:`RuntimeError`).
 Limits
 ------
 * The *mixed* regime (each chained input kept or a temporary, chosen per slot), which
-  :func:`~blade_relax.runtime._remat_policy.minimum_peak` and ``decide`` may use, is left
+  :func:`~blade_relax.runtime.remat_policy.minimum_peak` and ``decide`` may use, is left
   out: the runtime's answer can then beat this reference.
 * Bytes are expressed in a unit: their greatest common divisor when the largest value is at
   most ``2**16`` of them (the answers are then exact), else ``1/2**16`` of the largest value
@@ -83,7 +83,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
-from ..runtime._remat_policy import ConcreteTimeline, _evaluate
+from ..runtime.remat_policy import ConcreteTimeline, evaluate
 
 __all__ = ["Optimum", "optimal_decision", "optimal_minimum_peak"]
 
@@ -108,7 +108,7 @@ class Optimum:
     cache
         The regime of chained inputs: kept once materialized (``True``) or temporaries.
     peak
-        Predicted peak bytes (``_evaluate`` of the answer).
+        Predicted peak bytes (``evaluate`` of the answer).
     cost
         Recompute cost of the answer.
     optimal
@@ -175,7 +175,7 @@ class _Model:
 
 @dataclass(frozen=True)
 class _Solution:
-    """An answer of one regime, as ``_evaluate`` sees it."""
+    """An answer of one regime, as ``evaluate`` sees it."""
 
     evicted: frozenset[int]
     peak: int
@@ -184,7 +184,7 @@ class _Solution:
 
 
 def _rank(tl: ConcreteTimeline) -> np.ndarray:
-    """Each slot's place in the order ``_evaluate`` processes them: by site, then index."""
+    """Each slot's place in the order ``evaluate`` processes them: by site, then index."""
     order = sorted(range(len(tl.slots)), key=lambda s: (tl.slots[s].site, s))
     rank = np.empty(len(order), dtype=np.int64)
     rank[order] = np.arange(len(order))
@@ -418,7 +418,7 @@ def _build(
 
 
 def _check(tl: ConcreteTimeline, model: _Model, values: np.ndarray, optimal: bool) -> _Solution:
-    """The program's own values at a rounded solution, checked against ``_evaluate``."""
+    """The program's own values at a rounded solution, checked against ``evaluate``."""
     on = (np.rint(values) > 0) & model.binary
     slots = tl.slots
     evicted = frozenset(k for k in range(len(slots)) if on[k])
@@ -440,18 +440,16 @@ def _check(tl: ConcreteTimeline, model: _Model, values: np.ndarray, optimal: boo
         events.append((site, value, event.x))
         cost += slots[event.x].cost
     peak = max([int(live.max())] + [v for _, v, _ in events])
-    ev = _evaluate(tl, evicted, model.cache)
+    ev = evaluate(tl, evicted, model.cache)
     what = f"the {'cache' if model.cache else 'temp'} program at {sorted(evicted)}"
     if not np.array_equal(ev.live, live):
         raise RuntimeError(
-            f"{what}: live bytes {live.tolist()}, _evaluate {np.asarray(ev.live).tolist()}"
+            f"{what}: live bytes {live.tolist()}, evaluate {np.asarray(ev.live).tolist()}"
         )
     if sorted(events) != sorted(ev.events):
-        raise RuntimeError(f"{what}: materializations {sorted(events)}, _evaluate {ev.events}")
+        raise RuntimeError(f"{what}: materializations {sorted(events)}, evaluate {ev.events}")
     if peak != ev.peak or not math.isclose(cost, ev.cost, rel_tol=1e-9, abs_tol=1e-9):
-        raise RuntimeError(
-            f"{what}: peak {peak} and cost {cost}, _evaluate {ev.peak} and {ev.cost}"
-        )
+        raise RuntimeError(f"{what}: peak {peak} and cost {cost}, evaluate {ev.peak} and {ev.cost}")
     solver_peak = float(values[model.peak]) * model.unit
     if peak > solver_peak + 1e-5 * max(abs(peak), 1) + model.unit:
         raise RuntimeError(
@@ -590,7 +588,7 @@ def optimal_minimum_peak(tl: ConcreteTimeline, *, time_limit: float = 60.0) -> O
     Raises
     ------
     RuntimeError
-        When an answer disagrees with ``_evaluate`` (a formulation bug).
+        When an answer disagrees with ``evaluate`` (a formulation bug).
     """
     started = time.perf_counter()
     if not tl.slots or not len(tl.base):
@@ -640,7 +638,7 @@ def optimal_decision(
     TimeoutError
         When no regime found a solution and one ran out of time before proving there is none.
     RuntimeError
-        When an answer disagrees with ``_evaluate`` (a formulation bug), or rounded answers
+        When an answer disagrees with ``evaluate`` (a formulation bug), or rounded answers
         keep missing the budget by the solver's tolerance.
     """
     started = time.perf_counter()

@@ -135,8 +135,8 @@ def measure_workload(
     import tvm
 
     from blade_relax.runtime import last_remat_decision, measure_call
-    from blade_relax.runtime._remat_policy import ConcreteTimeline, decide
     from blade_relax.runtime.remat import remat_programs
+    from blade_relax.runtime.remat_policy import ConcreteTimeline, decide
 
     from .configs import get_config
     from .remat_optimum import optimal_decision, optimal_minimum_peak
