@@ -297,107 +297,58 @@ def _window(tl: ConcreteTimeline, k: int, site: int, points: np.ndarray) -> np.n
     return missing.astype(np.int64) - doubled.astype(np.int64)
 
 
+@dataclass(frozen=True)
+class _Columns:
+    """The decision columns of one regime's program (see the module docstring).
+
+    ``evict[k]``: slot ``k`` is evicted. ``mat[j, x]``: slot ``x`` is materialized at ``j``'s
+    site (``mat[j, j]`` is the eviction itself in the temp regime). ``chained[x]``: the sites
+    that may materialize ``x`` as a chained input, in processing order.
+    """
+
+    cache: bool
+    rank: np.ndarray
+    evict: list[int]
+    mat: dict[tuple[int, int], int]
+    chained: dict[int, list[int]]
+
+    def pending(self, j: int, x: int) -> list[tuple[int, float]]:
+        """``x`` evicted and, in the cache regime, not materialized before ``j``'s site."""
+        terms = [(self.evict[x], 1.0)]
+        if self.cache:
+            rank = self.rank
+            terms += [(self.mat[s, x], -1.0) for s in self.chained[x] if rank[s] < rank[j]]
+        return terms
+
+
+def _minus(terms: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """``terms`` negated."""
+    return [(c, -v) for c, v in terms]
+
+
 def _build(
     tl: ConcreteTimeline, plans: list[_Plan], rank: np.ndarray, unit: float, cache: bool
 ) -> _Model:
     """The program of one regime (see the module docstring), bytes in ``unit``."""
-    slots = tl.slots
-    n = len(slots)
     nbytes = tl._nbytes / unit
     regen = tl._regen / unit
     rows = _Rows()
-    # In the temp regime a slot that frees nothing is never worth evicting (module docstring).
-    evict = [
-        rows.column(binary=True, integral=True, upper=1.0 if cache or s.effective else 0.0)
-        for s in slots
-    ]
-    order = sorted(range(n), key=lambda s: rank[s])
-    # m[j, x]; m[j, j] is the eviction itself in the temp regime.
-    mat: dict[tuple[int, int], int] = {}
-    # The sites that may materialize each slot as a chained input, in processing order.
-    chained: dict[int, list[int]] = {k: [] for k in range(n)}
-    for j in order:
-        mat[j, j] = rows.column(binary=True, integral=True) if cache else evict[j]
-        for x in plans[j].slots[:-1]:
-            mat[j, x] = rows.column(binary=True, integral=True)
-            chained[x].append(j)
-
-    def pending(j: int, x: int) -> list[tuple[int, float]]:
-        """``x`` evicted and, in the cache regime, not materialized before ``j``'s site."""
-        terms = [(evict[x], 1.0)]
-        if cache:
-            terms += [(mat[s, x], -1.0) for s in chained[x] if rank[s] < rank[j]]
-        return terms
-
-    def minus(terms: list[tuple[int, float]]) -> list[tuple[int, float]]:
-        return [(c, -v) for c, v in terms]
-
-    for j in range(n):
-        plan = plans[j]
-        if cache:
-            rows.add([(mat[j, j], 1.0), *minus(pending(j, j))], 0.0, 0.0)
-        for p, x in enumerate(plan.slots[:-1]):
-            col = mat[j, x]
-            readers = [mat[j, plan.slots[q]] for q in plan.readers[p]]
-            pend = minus(pending(j, x))
-            rows.add([(col, 1.0), *pend], -np.inf, 0.0)
-            rows.add([(col, 1.0), *[(r, -1.0) for r in readers]], -np.inf, 0.0)
-            for r in readers:
-                rows.add([(col, 1.0), *pend, (r, -1.0)], -1.0, np.inf)
-
-    # Live bytes at the points that matter, and P above them.
-    windows = [(k, slots[k].site, mat[k, k]) for k in range(n)]
+    columns = _decision_columns(rows, tl, plans, rank, cache)
+    _chain_rows(rows, plans, columns)
+    windows = [(k, slot.site, columns.mat[k, k]) for k, slot in enumerate(tl.slots)]
     if cache:
-        windows += [(x, slots[j].site, mat[j, x]) for j in range(n) for x in plans[j].slots[:-1]]
+        windows += [
+            (x, tl.slots[j].site, columns.mat[j, x])
+            for j in range(len(tl.slots))
+            for x in plans[j].slots[:-1]
+        ]
     peak = rows.column(binary=False, lower=-np.inf, upper=np.inf)
-    points = _points(tl, windows)
-    live: dict[int, int] = {}
-    coefs = np.stack([_window(tl, k, site, points) * nbytes[k] for k, site, _ in windows], axis=1)
-    for i, point in enumerate(points.tolist()):
-        col = rows.column(binary=False, lower=-np.inf, upper=np.inf)
-        live[point] = col
-        terms = [(windows[w][2], float(coefs[i, w])) for w in np.flatnonzero(coefs[i])]
-        rows.add([(col, 1.0), *terms], tl.base[point] / unit, tl.base[point] / unit)
-        rows.add([(peak, 1.0), (col, -1.0)], 0.0, np.inf)
-
-    # Materializations.
-    events: list[_Event] = []
-    for j in range(n):
-        plan = plans[j]
-        site = slots[j].site
-        for p, x in enumerate(plan.slots):
-            held: list[tuple[int, int, tuple[int, ...] | None]] = []
-            # Bytes of the outputs held at this materialization, as terms of the row of P.
-            terms: list[tuple[int, float]] = []
-            for a in range(p):
-                y = plan.slots[a]
-                if cache:
-                    held.append((y, mat[j, y], None))
-                    terms.append((mat[j, y], -nbytes[y]))
-                    continue
-                later = tuple(mat[j, plan.slots[q]] for q in plan.readers[a] if q >= p)
-                if not later:
-                    continue  # freed after its last reader, before x
-                # h = m[j, y] AND any(later), exactly.
-                h = rows.column(binary=False)
-                rows.add([(h, 1.0), (mat[j, y], -1.0)], -np.inf, 0.0)
-                rows.add([(h, 1.0), *[(r, -1.0) for r in later]], -np.inf, 0.0)
-                for r in later:
-                    rows.add([(h, 1.0), (mat[j, y], -1.0), (r, -1.0)], -1.0, np.inf)
-                held.append((y, mat[j, y], later))
-                terms.append((h, -nbytes[y]))
-            events.append(_Event(j=j, x=x, column=mat[j, x], held=tuple(held)))
-            rows.add([(peak, 1.0), (live[site], -1.0), *terms, (mat[j, x], -regen[x])], 0.0, np.inf)
-
-    ncols = len(rows.binary)
-    cost = np.zeros(ncols)
-    top = max((abs(s.cost) for s in slots), default=0.0)
-    cost_scale = top if top > 0 else 1.0
-    for (_, x), col in mat.items():
-        cost[col] += slots[x].cost / cost_scale
+    live = _live_rows(rows, tl, windows, peak, nbytes, unit)
+    events = _event_rows(rows, tl, plans, columns, peak, live, nbytes, regen)
+    cost, cost_scale = _objective(tl, columns, len(rows.binary))
     matrix = coo_array(
         (np.asarray(rows.vals), (np.asarray(rows.rows), np.asarray(rows.cols))),
-        shape=(len(rows.lower), ncols),
+        shape=(len(rows.lower), len(rows.binary)),
     )
     return _Model(
         cache=cache,
@@ -415,6 +366,125 @@ def _build(
         windows=tuple(windows),
         events=tuple(events),
     )
+
+
+def _decision_columns(
+    rows: _Rows, tl: ConcreteTimeline, plans: list[_Plan], rank: np.ndarray, cache: bool
+) -> _Columns:
+    """The columns ``e`` and ``m``, added to ``rows``: evictions first, then the
+    materializations of each site in processing order."""
+    slots = tl.slots
+    n = len(slots)
+    # In the temp regime a slot that frees nothing is never worth evicting (module docstring).
+    evict = [
+        rows.column(binary=True, integral=True, upper=1.0 if cache or s.effective else 0.0)
+        for s in slots
+    ]
+    order = sorted(range(n), key=lambda s: rank[s])
+    mat: dict[tuple[int, int], int] = {}
+    chained: dict[int, list[int]] = {k: [] for k in range(n)}
+    for j in order:
+        mat[j, j] = rows.column(binary=True, integral=True) if cache else evict[j]
+        for x in plans[j].slots[:-1]:
+            mat[j, x] = rows.column(binary=True, integral=True)
+            chained[x].append(j)
+    return _Columns(cache=cache, rank=rank, evict=evict, mat=mat, chained=chained)
+
+
+def _chain_rows(rows: _Rows, plans: list[_Plan], columns: _Columns) -> None:
+    """The rows that make ``m`` the one materialization ``e`` implies: a slot at its own site
+    iff pending (cache regime), a chained input iff pending and one of its readers is."""
+    mat = columns.mat
+    for j, plan in enumerate(plans):
+        if columns.cache:
+            rows.add([(mat[j, j], 1.0), *_minus(columns.pending(j, j))], 0.0, 0.0)
+        for p, x in enumerate(plan.slots[:-1]):
+            col = mat[j, x]
+            readers = [mat[j, plan.slots[q]] for q in plan.readers[p]]
+            pend = _minus(columns.pending(j, x))
+            rows.add([(col, 1.0), *pend], -np.inf, 0.0)
+            rows.add([(col, 1.0), *[(r, -1.0) for r in readers]], -np.inf, 0.0)
+            for r in readers:
+                rows.add([(col, 1.0), *pend, (r, -1.0)], -1.0, np.inf)
+
+
+def _live_rows(
+    rows: _Rows,
+    tl: ConcreteTimeline,
+    windows: list[tuple[int, int, int]],
+    peak: int,
+    nbytes: np.ndarray,
+    unit: float,
+) -> dict[int, int]:
+    """A column of live bytes at each point that matters, and ``P`` above it; returns the
+    columns by point."""
+    points = _points(tl, windows)
+    live: dict[int, int] = {}
+    coefs = np.stack([_window(tl, k, site, points) * nbytes[k] for k, site, _ in windows], axis=1)
+    for i, point in enumerate(points.tolist()):
+        col = rows.column(binary=False, lower=-np.inf, upper=np.inf)
+        live[point] = col
+        terms = [(windows[w][2], float(coefs[i, w])) for w in np.flatnonzero(coefs[i])]
+        rows.add([(col, 1.0), *terms], tl.base[point] / unit, tl.base[point] / unit)
+        rows.add([(peak, 1.0), (col, -1.0)], 0.0, np.inf)
+    return live
+
+
+def _event_rows(
+    rows: _Rows,
+    tl: ConcreteTimeline,
+    plans: list[_Plan],
+    columns: _Columns,
+    peak: int,
+    live: dict[int, int],
+    nbytes: np.ndarray,
+    regen: np.ndarray,
+) -> list[_Event]:
+    """``P`` above every possible materialization: the live bytes at its site, the outputs
+    of the call still held, and its own peak."""
+    mat = columns.mat
+    events: list[_Event] = []
+    for j, plan in enumerate(plans):
+        site = tl.slots[j].site
+        for p, x in enumerate(plan.slots):
+            held: list[tuple[int, int, tuple[int, ...] | None]] = []
+            # Bytes of the outputs held at this materialization, as terms of the row of P.
+            terms: list[tuple[int, float]] = []
+            for a in range(p):
+                y = plan.slots[a]
+                if columns.cache:
+                    held.append((y, mat[j, y], None))
+                    terms.append((mat[j, y], -nbytes[y]))
+                    continue
+                later = tuple(mat[j, plan.slots[q]] for q in plan.readers[a] if q >= p)
+                if not later:
+                    continue  # freed after its last reader, before x
+                held.append((y, mat[j, y], later))
+                terms.append((_held_after(rows, mat[j, y], later), -nbytes[y]))
+            events.append(_Event(j=j, x=x, column=mat[j, x], held=tuple(held)))
+            rows.add([(peak, 1.0), (live[site], -1.0), *terms, (mat[j, x], -regen[x])], 0.0, np.inf)
+    return events
+
+
+def _held_after(rows: _Rows, made: int, later: tuple[int, ...]) -> int:
+    """A column ``h = made AND any(later)`` (a temporary materialized and still to be read),
+    linearized exactly."""
+    h = rows.column(binary=False)
+    rows.add([(h, 1.0), (made, -1.0)], -np.inf, 0.0)
+    rows.add([(h, 1.0), *[(r, -1.0) for r in later]], -np.inf, 0.0)
+    for r in later:
+        rows.add([(h, 1.0), (made, -1.0), (r, -1.0)], -1.0, np.inf)
+    return h
+
+
+def _objective(tl: ConcreteTimeline, columns: _Columns, ncols: int) -> tuple[np.ndarray, float]:
+    """The recompute cost of every column, divided by the largest slot cost (returned too)."""
+    cost = np.zeros(ncols)
+    top = max((abs(s.cost) for s in tl.slots), default=0.0)
+    cost_scale = top if top > 0 else 1.0
+    for (_, x), col in columns.mat.items():
+        cost[col] += tl.slots[x].cost / cost_scale
+    return cost, cost_scale
 
 
 def _check(tl: ConcreteTimeline, model: _Model, values: np.ndarray, optimal: bool) -> _Solution:
