@@ -9,11 +9,11 @@ import pytest
 
 from blade_relax.bench import remat_optimum
 from blade_relax.bench.remat_optimum import optimal_decision, optimal_minimum_peak
-from blade_relax.runtime._remat_policy import (
+from blade_relax.runtime.remat_policy import (
     ConcreteTimeline,
     SlotTimeline,
-    _evaluate,
     decide,
+    evaluate,
     minimum_peak,
     predict_peak,
 )
@@ -74,7 +74,7 @@ def _every_answer(tl: ConcreteTimeline) -> list[tuple[int, float, frozenset[int]
     for size in range(len(tl.slots) + 1):
         for subset in itertools.combinations(range(len(tl.slots)), size):
             for cache in (True, False):
-                ev = _evaluate(tl, subset, cache)
+                ev = evaluate(tl, subset, cache)
                 out.append((ev.peak, ev.cost, frozenset(subset), cache))
     return out
 
@@ -95,7 +95,7 @@ def test_least_peak_matches_exhaustive_search(seed):
     best = optimal_minimum_peak(tl)
     assert best.optimal
     assert (best.peak, best.cost) == (peak, cost)
-    ev = _evaluate(tl, best.evicted, best.cache)
+    ev = evaluate(tl, best.evicted, best.cache)
     assert (ev.peak, ev.cost) == (best.peak, best.cost)
 
 
@@ -116,7 +116,7 @@ def test_cheapest_fit_matches_exhaustive_search(seed):
         assert found is not None and found.optimal
         assert found.cost == min(fits), budget
         assert found.peak <= budget
-        ev = _evaluate(tl, found.evicted, found.cache)
+        ev = evaluate(tl, found.evicted, found.cache)
         assert (ev.peak, ev.cost) == (found.peak, found.cost)
 
 
@@ -197,7 +197,7 @@ def test_plan_out_of_dependency_order_is_rejected():
 
 
 def test_a_formulation_bug_is_reported(monkeypatch):
-    """The program's answer is checked against ``_evaluate``, not trusted: here a program
+    """The program's answer is checked against ``evaluate``, not trusted: here a program
     that counts every eviction's freed bytes twice."""
     tl = _timeline(3)
     window = remat_optimum._window
@@ -206,7 +206,7 @@ def test_a_formulation_bug_is_reported(monkeypatch):
         return 2 * window(tl, k, site, points)
 
     monkeypatch.setattr(remat_optimum, "_window", doubled)
-    with pytest.raises(RuntimeError, match="_evaluate"):
+    with pytest.raises(RuntimeError, match="evaluate"):
         optimal_decision(tl, tl.base_peak - 1)
 
 

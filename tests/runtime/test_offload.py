@@ -39,7 +39,7 @@ from blade_relax.runtime import (
 )
 from blade_relax.runtime import offload as offload_module
 from blade_relax.runtime import remat as remat_module
-from blade_relax.runtime._remat_policy import ConcreteTimeline, SlotTimeline, decide
+from blade_relax.runtime.remat_policy import ConcreteTimeline, SlotTimeline, decide
 
 LAYERS, WIDTH = 4, 32
 LENGTHS = (64, 160, 300)

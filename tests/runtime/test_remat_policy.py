@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import itertools
 import json
 import pickle
+import pkgutil
 import warnings
 from dataclasses import replace
 from unittest import mock
@@ -23,21 +26,50 @@ from blade_relax.runtime import (
     RematProgram,
     last_remat_decision,
     memory_stats,
+    remat_policy,
     reset_memory_stats,
     set_memory_budget,
 )
-from blade_relax.runtime import _remat_policy as policy
-from blade_relax.runtime._remat_policy import (
+from blade_relax.runtime.remat import compile_expressions
+from blade_relax.runtime.remat_policy import (
     ConcreteTimeline,
+    Decision,
     SlotTimeline,
-    _evaluate,
-    _gains,
-    _peak_is_fixed,
+    _calls,
+    _cheapening,
+    _floor,
+    _greedy,
+    _local_search,
+    _neighbours,
+    _search,
+    _timeline,
     decide,
+    effective_slots,
+    evaluate,
     minimum_peak,
     predict_peak,
 )
-from blade_relax.runtime.remat import compile_expressions
+from blade_relax.runtime.remat_policy._evaluation import _evaluate_many, _evaluate_once
+from blade_relax.runtime.remat_policy._floor import _peak_is_fixed
+from blade_relax.runtime.remat_policy._greedy import _gains
+
+# Every module of the policy package: a search's helpers live in several, each reading the
+# others' functions by name.
+_POLICY_MODULES = [
+    importlib.import_module(f"{remat_policy.__name__}.{info.name}")
+    for info in pkgutil.iter_modules(remat_policy.__path__)
+]
+
+
+@contextlib.contextmanager
+def _replaced(name: str, new):
+    """``name`` replaced by ``new`` in every module of the policy that reads it: every call
+    the policy makes of that function goes to ``new`` (yielded, as ``mock.patch`` does)."""
+    with contextlib.ExitStack() as stack:
+        for module in _POLICY_MODULES:
+            if name in vars(module):
+                stack.enter_context(mock.patch.object(module, name, new))
+        yield new
 
 
 def slot(k, nbytes, start, site, cost=1.0, regen_peak=None, deps=()):
@@ -492,7 +524,7 @@ def test_minimum_is_never_above_a_greedy_budget_decision(seed):
 # --------------------------------------------------------------------------- least work
 def _plain_greedy_cost(tl: ConcreteTimeline, budget: int) -> float | None:
     """What the budget greedy alone (pruned, not made cheaper) costs, or ``None``."""
-    found = [policy._greedy(tl, policy._effective(tl), budget, c) for c in (True, False)]
+    found = [_greedy._greedy(tl, effective_slots(tl), budget, c) for c in (True, False)]
     return min((d.cost for d in found if d is not None), default=None)
 
 
@@ -541,17 +573,17 @@ def test_made_cheaper_never_costs_more_or_breaks_the_budget(seed, fraction):
     tl = _random_timeline(seed, npoints=30, nslots=14)
     budget = int(fraction * tl.base_peak)
     for cache in (True, False):
-        start = policy._greedy(tl, policy._effective(tl), budget, cache)
+        start = _greedy._greedy(tl, effective_slots(tl), budget, cache)
         if start is None:
             continue
-        cheaper = policy._cheapen(tl, start.evicted, cache, budget)
+        cheaper = _cheapening._cheapen(tl, start.evicted, cache, budget)
         assert predict_peak(tl, cheaper, cache) <= budget
-        assert _evaluate(tl, cheaper, cache).cost <= start.cost
-        for move in (policy._put_back, policy._swap_in):
+        assert evaluate(tl, cheaper, cache).cost <= start.cost
+        for move in (_cheapening._put_back, _cheapening._swap_in):
             effective = np.zeros(len(tl.slots), dtype=bool)
-            effective[policy._effective(tl)] = True
+            effective[effective_slots(tl)] = True
             for x in range(len(tl.slots)):
-                if (x in start.evicted) != (move is policy._put_back) or not effective[x]:
+                if (x in start.evicted) != (move is _cheapening._put_back) or not effective[x]:
                     continue
                 moved = move(tl, set(start.evicted), x, effective, cache, budget)
                 assert moved is None or predict_peak(tl, moved, cache) <= budget
@@ -562,16 +594,16 @@ def test_putting_back_skips_only_what_surely_breaks_the_limit():
     slot back never peaks below what is live on its window plus its bytes."""
     for seed in range(30):
         tl = _random_timeline(seed)
-        chosen = set(policy._effective(tl))
-        lowest = policy._lowest_live(tl, chosen)
+        chosen = set(effective_slots(tl))
+        lowest = _floor._lowest_live(tl, chosen)
         for k in chosen:
             for cache in (True, False):
                 peak = predict_peak(tl, chosen - {k}, cache)
                 window = lowest[tl.slots[k].start : tl.slots[k].site + 1]
                 assert peak >= int(window.max()) + tl.slots[k].nbytes
     negative = ConcreteTimeline(base=np.array([5, 5]), slots=(slot(0, -1, 0, 1),))
-    assert policy._lowest_live(negative, {0}) is None
-    assert not policy._returns_above(negative, None, 0, 0)
+    assert _floor._lowest_live(negative, {0}) is None
+    assert not _floor._returns_above(negative, None, 0, 0)
 
 
 # --------------------------------------------------------------------------- fast paths
@@ -687,7 +719,7 @@ def test_evaluation_agrees_with_the_plain_model(tl, data):
     for _ in range(6):
         evicted = data.draw(st.frozensets(indices))
         cache = data.draw(st.one_of(st.booleans(), st.frozensets(indices)))
-        ev = _evaluate(tl, evicted, cache)
+        ev = evaluate(tl, evicted, cache)
         peak, cost, live, events = _plain_evaluate(tl, evicted, cache)
         assert (ev.peak, ev.cost, ev.live.tolist(), ev.events) == (peak, cost, live, events)
         assert predict_peak(tl, evicted, cache) == peak
@@ -703,7 +735,7 @@ def test_the_floors_matrix_product_is_exact(seed, high):
     rng = np.random.default_rng(seed)
     counts = rng.integers(0, 3, (7, 5))
     values = rng.integers(-high, high, (5, 9))
-    assert policy._product(counts, values).tolist() == (counts @ values).tolist()
+    assert _floor._product(counts, values).tolist() == (counts @ values).tolist()
 
 
 def test_a_plan_out_of_dependency_order_is_walked_backwards():
@@ -719,7 +751,7 @@ def test_a_plan_out_of_dependency_order_is_walked_backwards():
         for k, s in enumerate(others)
     )
     tl = ConcreteTimeline(base=np.full(10, 50), slots=slots)
-    ev = _evaluate(tl, {0, 1, 2, 3}, True)
+    ev = evaluate(tl, {0, 1, 2, 3}, True)
     assert [x for site, _, x in ev.events if site == 3] == [0, 1, 2]
     assert (ev.peak, ev.cost, ev.live.tolist(), ev.events) == _plain_evaluate(tl, {0, 1, 2, 3})
 
@@ -744,7 +776,7 @@ def test_plans_out_of_dependency_order_follow_the_plain_model(tl, data):
     every = frozenset(range(len(slots)))
     for evicted in (every, every, data.draw(st.frozensets(indices))):
         cache = data.draw(st.one_of(st.booleans(), st.frozensets(indices)))
-        ev = _evaluate(shuffled, evicted, cache)
+        ev = evaluate(shuffled, evicted, cache)
         peak, cost, live, events = _plain_evaluate(shuffled, evicted, cache)
         assert (ev.peak, ev.cost, ev.live.tolist(), ev.events) == (peak, cost, live, events)
 
@@ -759,13 +791,13 @@ def test_a_batch_of_evaluations_agrees_with_the_plain_model(tl, data):
     regimes = st.one_of(st.booleans(), st.frozensets(indices))
     items = data.draw(st.lists(st.tuples(st.frozensets(indices), regimes), max_size=8))
     items += items[:2]
-    for (evicted, cache), ev in zip(items, policy._evaluate_many(tl, items)):
+    for (evicted, cache), ev in zip(items, _evaluate_many(tl, items)):
         peak, cost, live, events = _plain_evaluate(tl, evicted, cache)
         assert (ev.peak, ev.cost, ev.live.tolist(), ev.events) == (peak, cost, live, events)
     keep = data.draw(st.frozensets(indices, min_size=1))
-    kept = policy._kept(tl, keep)
+    kept = _timeline._kept(tl, keep)
     for evicted, cache in items:
-        ev = policy._evaluate_many(kept, [(evicted, cache)])[0]
+        ev = _evaluate_many(kept, [(evicted, cache)])[0]
         peak, cost, live, events = _plain_evaluate(kept, evicted, cache)
         assert (ev.peak, ev.cost, ev.live.tolist(), ev.events) == (peak, cost, live, events)
         assert predict_peak(kept, evicted, cache) == peak
@@ -779,7 +811,7 @@ def test_a_peak_no_eviction_lowers_ends_the_search_as_the_searches_would(tl, fra
     budget = int(fraction * tl.base_peak)
     fast = (decide(tl, budget), decide(tl, budget, exact_limit=0), minimum_peak(tl))
     fresh = ConcreteTimeline(base=tl.base, slots=tl.slots)
-    with mock.patch.object(policy, "_peak_is_fixed", lambda _tl: False):
+    with _replaced("_peak_is_fixed", lambda _tl: False):
         plain = (decide(fresh, budget), decide(fresh, budget, exact_limit=0), minimum_peak(fresh))
     assert fast == plain
     if _peak_is_fixed(tl):
@@ -812,17 +844,17 @@ def test_a_remembered_greedy_run_is_the_run(seed, fraction):
     is the plain greedy's, and the caller may change the set it gets."""
     tl = _random_timeline(seed, npoints=30, nslots=14)
     target = int(fraction * tl.base_peak)
-    candidates = policy._effective(tl)
+    candidates = effective_slots(tl)
     for cache in (True, False):
-        plain, plain_ev = policy._greedy_run(
+        plain, plain_ev = _greedy._greedy_run(
             ConcreteTimeline(tl.base, tl.slots), candidates, target, cache
         )
-        chosen, ev = policy._greedy_toward(tl, candidates, target, cache)
+        chosen, ev = _greedy._greedy_toward(tl, candidates, target, cache)
         assert (chosen, ev.peak) == (plain, plain_ev.peak)
         chosen.add(-1)
-        again, second = policy._greedy_toward(tl, candidates, target, cache)
+        again, second = _greedy._greedy_toward(tl, candidates, target, cache)
         assert (again, second.peak) == (plain, plain_ev.peak)
-        assert policy._greedy_minimum(tl, target, cache) == (again, second.peak)
+        assert _local_search._greedy_minimum(tl, target, cache) == (again, second.peak)
 
 
 @settings(max_examples=40, deadline=None)
@@ -833,13 +865,13 @@ def test_a_budget_the_first_pass_misses_gets_the_whole_search(seed, fraction):
     whole search's."""
     tl = _random_timeline(seed, npoints=30, nslots=14)
     budget = int(fraction * tl.base_peak)
-    dearest = policy._minimum_from_all
-    with mock.patch.object(policy, "_minimum_from_all", side_effect=dearest) as runs:
+    dearest = _local_search._minimum_from_all
+    with _replaced("_minimum_from_all", mock.MagicMock(side_effect=dearest)) as runs:
         found = minimum_peak(tl, budget)
     assert found.peak == predict_peak(tl, found.evicted, found.cache)
     fresh = ConcreteTimeline(base=tl.base, slots=tl.slots)
-    rounds = policy._minimum_rounds
-    with mock.patch.object(policy, "_minimum_rounds", lambda t, b, **_: rounds(t, b, dearest=True)):
+    rounds = _search._minimum_rounds
+    with _replaced("_minimum_rounds", lambda t, b, **_: rounds(t, b, dearest=True)):
         whole = minimum_peak(fresh, budget)
     floor = tl.unevictable()[0]
     if found.reachable:
@@ -858,7 +890,7 @@ def test_gains_of_a_negative_size_follow_the_plain_formula():
         slots=(slot(0, -5, 1, 3), slot(1, 10, 0, 4, deps=(0,)), slot(2, 20, 2, 3, cost=2.0)),
     )
     for evicted in ([], [0], [1, 2], [0, 1, 2]):
-        ev = _evaluate(tl, evicted, False)
+        ev = evaluate(tl, evicted, False)
         for budget in (0, 25, 45):
             assert _gains(tl, ev, budget).tolist() == _plain_gains(tl, ev, budget)
 
@@ -889,16 +921,16 @@ def test_the_exact_search_skips_only_sets_that_cannot_win(seed, fraction):
     exceeds its cost are skipped: the answer is that of every subset tried."""
     tl = _random_timeline(seed, npoints=20, nslots=6)
     budget = int(fraction * tl.base_peak)
-    candidates = policy._effective(tl)
+    candidates = effective_slots(tl)
     evaluated = []
-    real = policy._evaluate_once
+    real = _evaluate_once
 
     def counted(*args):
         evaluated.append(args[1:])
         return real(*args)
 
-    with mock.patch.object(policy, "_evaluate_once", counted):
-        found = policy._exact(tl, candidates, budget)
+    with _replaced("_evaluate_once", counted):
+        found = _search._exact(tl, candidates, budget)
     assert (found.evicted, found.cache) == _every_subset(tl, candidates, budget)
     if found.reachable and found.cost < sum(tl.slots[k].cost for k in candidates):
         assert len(evaluated) < 2 * (2 ** len(candidates) - 1)
@@ -927,7 +959,7 @@ def test_a_search_at_the_floor_skips_the_dearest_search():
     )
     assert tl.unevictable()[0] == 10
     # Evicting the slot reaches the floor at once; every-eviction-first is not started.
-    with mock.patch.object(policy, "_minimum_from_all", side_effect=AssertionError) as dear:
+    with _replaced("_minimum_from_all", mock.MagicMock(side_effect=AssertionError)) as dear:
         best = minimum_peak(tl)
     assert best.peak == 10 and best.evicted == frozenset({0})
     assert dear.call_count == 0
@@ -946,20 +978,20 @@ def test_a_call_is_walked_again_only_when_what_it_materializes_changes():
         base=np.full(10, 100), slots=(slot(0, 5, 1, 8), slot(1, 5, 1, 7), chained)
     )
     built = []
-    real = policy._run
+    real = _calls._run
 
     def counted(tl, k, pending, keep):
         built.append(k)
         return real(tl, k, pending, keep)
 
-    with mock.patch.object(policy, "_run", counted):
-        first = _evaluate(tl, {1, 2}, False)
+    with _replaced("_run", counted):
+        first = evaluate(tl, {1, 2}, False)
         assert sorted(built) == [1, 2]
         built.clear()
-        second = _evaluate(tl, {0, 1, 2}, False)
+        second = evaluate(tl, {0, 1, 2}, False)
         assert built == [0]  # slot 2's call (materializing 1, then 2) is the last one
         built.clear()
-        third = _evaluate(tl, {0, 2}, False)
+        third = evaluate(tl, {0, 2}, False)
         assert built == [2]  # 1 is not evicted any more: slot 2 materializes itself alone
     for evicted, ev in (({1, 2}, first), ({0, 1, 2}, second), ({0, 2}, third)):
         peak, cost, live, events = _plain_evaluate(tl, evicted, False)
@@ -977,7 +1009,7 @@ def test_sets_that_differ_in_one_slot_follow_the_plain_model(tl, data):
     for _ in range(12):
         evicted ^= {data.draw(indices)}
         cache = data.draw(st.one_of(st.booleans(), st.frozensets(indices)))
-        ev = _evaluate(tl, evicted, cache)
+        ev = evaluate(tl, evicted, cache)
         peak, cost, live, events = _plain_evaluate(tl, evicted, cache)
         assert (ev.peak, ev.cost, ev.live.tolist(), ev.events) == (peak, cost, live, events)
         for limit in sorted({v for _, v, _ in events} | {ev.peak, -1}):
@@ -990,7 +1022,7 @@ def test_a_budget_below_what_always_stays_goes_to_the_minimum_search(seed):
     is the minimum search's, and no greedy runs (it would evict all it can, for nothing)."""
     tl = _random_timeline(seed)
     assert 1 < int(tl._fewest().max())
-    with mock.patch.object(policy, "_greedy", side_effect=AssertionError) as greedy:
+    with _replaced("_greedy", mock.MagicMock(side_effect=AssertionError)) as greedy:
         decision = decide(tl, 1)
     assert greedy.call_count == 0
     assert decision == minimum_peak(ConcreteTimeline(tl.base, tl.slots), 1)
@@ -1003,7 +1035,7 @@ def test_a_few_slots_are_still_tried_exactly_below_what_always_stays(seed):
     its least peak may be below the minimum search's."""
     tl = _random_timeline(seed, npoints=20, nslots=6)
     budget = int(tl._fewest().max()) - 1
-    with mock.patch.object(policy, "_exact", side_effect=policy._exact) as exact:
+    with _replaced("_exact", mock.MagicMock(side_effect=_search._exact)) as exact:
         decision = decide(tl, budget)
     assert exact.call_count == 1 and not decision.reachable
     lowest = minimum_peak(ConcreteTimeline(tl.base, tl.slots), budget)
@@ -1016,8 +1048,8 @@ def test_a_budget_below_what_always_stays_runs_the_whole_search_at_once(seed):
     some point whatever is evicted: only the whole search runs."""
     tl = _random_timeline(seed)
     budget = int(tl._fewest().max()) - 1
-    rounds = policy._minimum_rounds
-    with mock.patch.object(policy, "_minimum_rounds", side_effect=rounds) as passes:
+    rounds = _search._minimum_rounds
+    with _replaced("_minimum_rounds", mock.MagicMock(side_effect=rounds)) as passes:
         found = minimum_peak(tl, budget)
     assert [call.kwargs["dearest"] for call in passes.call_args_list] == [True]
     assert found.peak == predict_peak(tl, found.evicted, found.cache)
@@ -1032,8 +1064,8 @@ def test_a_budget_pass_runs_the_local_searches_of_every_round_first():
     tl = _random_timeline(45)
     calls = []
     real_local, real_greedy, real_floor = (
-        policy._minimum,
-        policy._greedy_minimum,
+        _local_search._minimum,
+        _local_search._greedy_minimum,
         ConcreteTimeline._floor,
     )
 
@@ -1050,8 +1082,8 @@ def test_a_budget_pass_runs_the_local_searches_of_every_round_first():
         return real_floor(t)
 
     with (
-        mock.patch.object(policy, "_minimum", local),
-        mock.patch.object(policy, "_greedy_minimum", greedy),
+        _replaced("_minimum", local),
+        _replaced("_greedy_minimum", greedy),
         mock.patch.object(ConcreteTimeline, "_floor", floor),
     ):
         found = minimum_peak(tl, 134)
@@ -1068,13 +1100,13 @@ def test_the_later_rounds_leave_out_the_dearest_search_and_greed_keeps_temporari
     of every evicted slot in each of its steps), and every round's greedy starts are in the
     temp regime: these seeds run more than one round."""
     tl = _random_timeline(seed)
-    real_once, real_greedy = policy._minimum_once, policy._greedy_minimum
+    real_once, real_greedy = _search._minimum_once, _local_search._greedy_minimum
     with (
-        mock.patch.object(policy, "_minimum_once", side_effect=real_once) as rounds,
-        mock.patch.object(
-            policy, "_minimum_from_all", side_effect=policy._minimum_from_all
+        _replaced("_minimum_once", mock.MagicMock(side_effect=real_once)) as rounds,
+        _replaced(
+            "_minimum_from_all", mock.MagicMock(side_effect=_local_search._minimum_from_all)
         ) as dear,
-        mock.patch.object(policy, "_greedy_minimum", side_effect=real_greedy) as greedy,
+        _replaced("_greedy_minimum", mock.MagicMock(side_effect=real_greedy)) as greedy,
     ):
         best = minimum_peak(tl)
     assert rounds.call_count > 1 and dear.call_count == 1
@@ -1089,13 +1121,13 @@ def test_a_local_search_stops_within_its_limit(seed, cache):
     """With a limit (the budget, or the floor) the local searches stop at their first set
     within it; without one they run until no move lowers the peak."""
     tl = _random_timeline(seed)
-    whole, lowest = policy._minimum(tl, cache)
+    whole, lowest = _local_search._minimum(tl, cache)
     assert lowest == predict_peak(tl, whole, cache)
-    assert policy._minimum(tl, cache, limit=tl.base_peak) == (set(), tl.base_peak)
+    assert _local_search._minimum(tl, cache, limit=tl.base_peak) == (set(), tl.base_peak)
     limit = (lowest + tl.base_peak) // 2
-    chosen, peak = policy._minimum(tl, cache, limit=limit)
+    chosen, peak = _local_search._minimum(tl, cache, limit=limit)
     assert peak <= limit and len(chosen) <= len(whole)
-    evicted, keep = policy._refine(tl, set(whole), cache, limit=lowest)
+    evicted, keep = _local_search._refine(tl, set(whole), cache, limit=lowest)
     assert evicted == frozenset(whole)
 
 
@@ -1105,7 +1137,7 @@ def test_the_fallbacks_set_is_made_cheaper_without_swaps():
     repairing."""
     tl = _random_timeline(112, npoints=40, nslots=16)
     budget = int(0.65 * tl.base_peak)
-    with mock.patch.object(policy, "_swap_in", side_effect=AssertionError) as swaps:
+    with _replaced("_swap_in", mock.MagicMock(side_effect=AssertionError)) as swaps:
         decision = decide(tl, budget)
     assert swaps.call_count == 0
     assert decision.reachable and decision.peak <= budget
@@ -1122,11 +1154,11 @@ def test_keeping_a_chained_input_makes_a_set_cheaper_where_the_budget_allows():
         base[s.start : s.site + 1] += s.nbytes
     tl = ConcreteTimeline(base=base, slots=slots)
     evicted = frozenset({0, 1, 2})
-    assert (_evaluate(tl, evicted, False).peak, _evaluate(tl, evicted, False).cost) == (20, 14.0)
+    assert (evaluate(tl, evicted, False).peak, evaluate(tl, evicted, False).cost) == (20, 14.0)
     kept = frozenset({0})
-    assert (_evaluate(tl, evicted, kept).peak, _evaluate(tl, evicted, kept).cost) == (25, 6.0)
-    assert policy._keep_more(tl, evicted, frozenset(), 30) == frozenset({0})
-    assert policy._keep_more(tl, evicted, frozenset(), 24) == frozenset()
+    assert (evaluate(tl, evicted, kept).peak, evaluate(tl, evicted, kept).cost) == (25, 6.0)
+    assert _cheapening._keep_more(tl, evicted, frozenset(), 30) == frozenset({0})
+    assert _cheapening._keep_more(tl, evicted, frozenset(), 24) == frozenset()
 
 
 @settings(max_examples=40, deadline=None)
@@ -1138,9 +1170,9 @@ def test_keeping_more_never_costs_more_or_breaks_the_budget(seed, fraction):
     if not found.reachable or found.cache is True:
         return
     keep = found.cache or frozenset()
-    more = policy._keep_more(tl, found.evicted, keep, budget)
+    more = _cheapening._keep_more(tl, found.evicted, keep, budget)
     assert keep <= more
-    ev = _evaluate(tl, found.evicted, more)
+    ev = evaluate(tl, found.evicted, more)
     assert ev.peak <= budget and ev.cost <= found.cost
 
 
@@ -1150,14 +1182,14 @@ def test_the_first_pass_runs_the_cache_local_search_alone_in_its_first_round(see
     keeps a tensor runs the temp regime's first."""
     tl = _random_timeline(seed)
     calls = []
-    real_local = policy._minimum
+    real_local = _local_search._minimum
 
     def local(t, cache, limit=-1):
         calls.append((bool(t._kept_set), cache))
         return real_local(t, cache, limit)
 
-    with mock.patch.object(policy, "_minimum", local):
-        found = policy._minimum_sweeps(tl, int(0.5 * tl.base_peak))
+    with _replaced("_minimum", local):
+        found = _search._minimum_sweeps(tl, int(0.5 * tl.base_peak))
     assert [cache for kept, cache in calls if not kept] == [True]
     later = [cache for kept, cache in calls if kept]
     assert not later or later[0] is False
@@ -1168,7 +1200,7 @@ def test_a_budget_the_temp_greedy_misses_runs_no_cache_greedy():
     """The cache regime's greedy runs only when the temp regime's fits the budget; one that
     misses goes to the minimum search."""
     seen = {True: 0, False: 0}
-    real = policy._greedy
+    real = _greedy._greedy
 
     def greedy(t, candidates, budget, cache):
         found = real(t, candidates, budget, cache)
@@ -1179,7 +1211,7 @@ def test_a_budget_the_temp_greedy_misses_runs_no_cache_greedy():
         tl = _random_timeline(seed, npoints=40, nslots=16)
         for fraction in (0.8, 0.6):
             regimes = []
-            with mock.patch.object(policy, "_greedy", greedy):
+            with _replaced("_greedy", greedy):
                 decision = decide(tl, int(fraction * tl.base_peak))
             if not regimes:
                 continue
@@ -1201,11 +1233,11 @@ def test_neighbours_in_the_temp_regime_follow_the_plain_model(tl, data):
     indices = st.sampled_from(range(len(tl.slots)))
     chosen = data.draw(st.frozensets(indices))
     if data.draw(st.booleans()):
-        policy._evaluate(tl, chosen ^ {data.draw(indices)}, False)  # one trial already known
+        evaluate(tl, chosen ^ {data.draw(indices)}, False)  # one trial already known
     for add in (True, False):
         slots = data.draw(st.lists(indices, max_size=6))
-        ev = _evaluate(tl, chosen, False)
-        results = policy._evaluate_neighbours(tl, chosen, ev, slots, add)
+        ev = evaluate(tl, chosen, False)
+        results = _neighbours._evaluate_neighbours(tl, chosen, ev, slots, add)
         for x, result in zip(slots, results, strict=True):
             trial = chosen | {x} if add else chosen - {x}
             peak, cost, live, events = _plain_evaluate(tl, trial, False)
@@ -1216,7 +1248,7 @@ def test_neighbours_in_the_temp_regime_follow_the_plain_model(tl, data):
                 events,
             )
             if trial:  # (remembered: the empty set's evaluation is made afresh)
-                assert _evaluate(tl, trial, False) is result
+                assert evaluate(tl, trial, False) is result
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -1224,10 +1256,10 @@ def test_a_kept_timeline_derives_what_one_built_from_its_slots_does(seed):
     """A timeline with slots kept shares the arrays of the plans with the one it was made from
     and derives the rest again: the same arrays as a timeline built from its slots."""
     tl = _random_timeline(seed, 40, 16)
-    keep = frozenset(policy._effective(tl)[::3])
-    kept = policy._kept(tl, keep)
+    keep = frozenset(effective_slots(tl)[::3])
+    kept = _timeline._kept(tl, keep)
     built = ConcreteTimeline(base=kept.base, slots=kept.slots)
-    policy._evaluate(tl, policy._effective(tl)[:5], False)  # (fills the shared caches)
+    evaluate(tl, effective_slots(tl)[:5], False)  # (fills the shared caches)
     caches = {"_plan_reads", "_runs", "_runs_by_sequence", "_last_runs", "_earlier_runs"}
     caches |= {"_evaluations", "_kept_set", "_kept_evaluations"}
     assert set(vars(kept)) == set(vars(built))
@@ -1246,20 +1278,20 @@ def test_a_kept_timeline_derives_what_one_built_from_its_slots_does(seed):
 
 
 class _WalkedNeighbours:
-    """:class:`policy._TempNeighbours` by walking every set in full (what it saves)."""
+    """:class:`_neighbours._TempNeighbours` by walking every set in full (what it saves)."""
 
     def __init__(self, tl: ConcreteTimeline, ev) -> None:
         self.tl, self.chosen = tl, frozenset(run.slot for run in ev.calls)
 
     def added(self, x: int):
-        return policy._walk(self.tl, self.chosen | {x}, 0)
+        return _calls._walk(self.tl, self.chosen | {x}, 0)
 
     def removed(self, x: int):
-        return policy._walk(self.tl, self.chosen - {x}, 0)
+        return _calls._walk(self.tl, self.chosen - {x}, 0)
 
 
 def _walked_neighbours(tl, chosen, ev, slots, add):
-    return [_evaluate(tl, chosen | {x} if add else chosen - {x}, False) for x in slots]
+    return [evaluate(tl, chosen | {x} if add else chosen - {x}, False) for x in slots]
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -1270,15 +1302,15 @@ def test_decisions_are_the_same_with_every_set_walked_in_full(seed):
     tl = _random_timeline(seed, npoints, nslots)
     budgets = [int(f * tl.base_peak) for f in (0.9, 0.75, 0.6, 0.45)]
 
-    def decisions() -> list[policy.Decision]:
+    def decisions() -> list[Decision]:
         fresh = [_random_timeline(seed, npoints, nslots) for _ in range(len(budgets) + 1)]
         found = [decide(t, b, exact_limit=0) for t, b in zip(fresh, budgets)]
         return found + [minimum_peak(fresh[-1])]
 
     fast = decisions()
     with (
-        mock.patch.object(policy, "_evaluate_neighbours", _walked_neighbours),
-        mock.patch.object(policy, "_TempNeighbours", _WalkedNeighbours),
+        _replaced("_evaluate_neighbours", _walked_neighbours),
+        _replaced("_TempNeighbours", _WalkedNeighbours),
     ):
         walked = decisions()
     assert fast == walked

@@ -9,11 +9,11 @@ a device. Per length and budget (``--fractions`` of the unevicted peak) it times
 
 * the *cached* decision: :meth:`RematProgram.decision` for a shape and budget it has decided
   before, as every call of a training loop after the first (microseconds per call);
-* the *uncached* decision: :func:`~blade_relax.runtime._remat_policy.decide` on a timeline
+* the *uncached* decision: :func:`~blade_relax.runtime.remat_policy.decide` on a timeline
   built afresh for every repeat, so that none of the search's caches are warm (the first call
   at a new shape and budget; a budget no eviction set reaches runs the minimum search, unless
   no eviction lowers the peak at all);
-* the *minimum search*: :func:`~blade_relax.runtime._remat_policy.minimum_peak` alone, on a
+* the *minimum search*: :func:`~blade_relax.runtime.remat_policy.minimum_peak` alone, on a
   fresh timeline (what an unreachable budget pays, and ``RematProgram.minimum_peak``).
 
 Times are medians over ``--repeat`` repeats, on the wall clock (``--clock wall``, the default)
@@ -137,7 +137,7 @@ def _fresh_times(
 ) -> tuple[list[float], Any]:
     """Seconds of ``run`` on a copy of ``tl`` with cold caches, ``repeat`` times, on
     ``clock``; its result."""
-    from ..runtime._remat_policy import ConcreteTimeline
+    from ..runtime.remat_policy import ConcreteTimeline
 
     times, result = [], None
     # Collected once, not before every repeat: a collection right before the call would time
@@ -201,7 +201,7 @@ def time_timeline(
     -------
     TimelineTiming
     """
-    from ..runtime._remat_policy import _effective, decide, minimum_peak
+    from ..runtime.remat_policy import decide, effective_slots, minimum_peak
 
     key = tuple(int(d) for d in dims)
     tl = program.timeline(key)
@@ -211,7 +211,7 @@ def time_timeline(
         length=length,
         function=program.function,
         slots=len(tl.slots),
-        candidates=len(_effective(tl)),
+        candidates=len(effective_slots(tl)),
         points=len(tl.base),
         base_peak=tl.base_peak,
         floor=tl.unevictable()[0],

@@ -1,8 +1,8 @@
 """An exact reference for the remat decision: the optimal eviction set, as an integer program.
 
-The runtime (:mod:`blade_relax.runtime._remat_policy`) decides by exhaustive search on few
+The runtime (:mod:`blade_relax.runtime.remat_policy`) decides by exhaustive search on few
 slots and by greedy and local searches on more. This module finds, for one concrete timeline,
-the *optimal* eviction set under the same model (``_evaluate``: the predicted peak and
+the *optimal* eviction set under the same model (``evaluate``: the predicted peak and
 recompute cost of an eviction set in a regime of chained inputs), with a mixed-integer program
 in the manner of Checkmate (Jain et al., 2020) restricted to the evict / regenerate model,
 solved by HiGHS through :func:`scipy.optimize.milp`. It is a yardstick for the runtime's
@@ -10,7 +10,7 @@ searches, not a runtime path.
 
 Formulation (one program per pure regime)
 -----------------------------------------
-Slots are processed in the order of their ``regenerate`` sites (then index), as ``_evaluate``
+Slots are processed in the order of their ``regenerate`` sites (then index), as ``evaluate``
 does.
 
 * ``e[k]``: slot ``k`` is evicted (binary).
@@ -20,13 +20,13 @@ does.
   input is materialized iff it is pending and a later entry of the plan that reads it is
   materialized (``m <= pend``, ``m <= sum(readers)``, ``m >= pend + reader - 1``); ``j``
   itself iff evicted (temp regime) or evicted and not materialized earlier (cache regime). So
-  for every ``e`` exactly one ``m`` is feasible, the one ``_evaluate`` computes, and it is
+  for every ``e`` exactly one ``m`` is feasible, the one ``evaluate`` computes, and it is
   integral. (All of them are declared integral to the solver all the same: HiGHS 1.12's
   presolve returned suboptimal "optimal" answers with ``m`` continuous.)
 * Live bytes at point ``i``: ``base[i]`` less, for every slot ``k``, its bytes when ``i`` lies in
   ``[start[k], end]``, where ``end`` is the site that first materializes ``k`` (in the cache
   regime exactly one site materializes an evicted slot, so this is linear in ``m``) or its own
-  site (temp). When ``start > end + 1`` both copies are live in between, as in ``_evaluate``.
+  site (temp). When ``start > end + 1`` both copies are live in between, as in ``evaluate``.
 * The materialization of ``x`` at ``j``'s site peaks at ``live[site] + regen_peak[x]`` plus
   the outputs of the earlier materializations of the call still held: all of them (cache), or
   those with a materialized reader at or after ``x`` (temp: a temporary is freed after its last
@@ -48,7 +48,7 @@ live, in place of the input's own site.
 :func:`optimal_minimum_peak` minimizes ``P``, then the cost with ``P`` at that minimum;
 :func:`optimal_decision` minimizes the cost with ``P`` within the budget. Both solve the two
 pure regimes and keep the better answer; the temp regime's answer bounds the cache regime's
-search (a cutoff: the cache regime's programs are the harder ones where chains are deep). Every answer is re-evaluated with ``_evaluate``: its
+search (a cutoff: the cache regime's programs are the harder ones where chains are deep). Every answer is re-evaluated with ``evaluate``: its
 live bytes, materializations, peak and cost must equal the program's own values at the rounded
 solution, and its peak must not exceed the solver's ``P`` (anything else is a formulation bug,
 raised as :class:`RuntimeError`).
@@ -56,7 +56,7 @@ raised as :class:`RuntimeError`).
 Limits
 ------
 * The *mixed* regime (each chained input kept or a temporary, chosen per slot), which
-  :func:`~blade_relax.runtime._remat_policy.minimum_peak` and ``decide`` may use, is left
+  :func:`~blade_relax.runtime.remat_policy.minimum_peak` and ``decide`` may use, is left
   out: the runtime's answer can then beat this reference.
 * Bytes are expressed in a unit: their greatest common divisor when the largest value is at
   most ``2**16`` of them (the answers are then exact), else ``1/2**16`` of the largest value
@@ -83,7 +83,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
-from ..runtime._remat_policy import ConcreteTimeline, _evaluate
+from ..runtime.remat_policy import ConcreteTimeline, evaluate
 
 __all__ = ["Optimum", "optimal_decision", "optimal_minimum_peak"]
 
@@ -108,7 +108,7 @@ class Optimum:
     cache
         The regime of chained inputs: kept once materialized (``True``) or temporaries.
     peak
-        Predicted peak bytes (``_evaluate`` of the answer).
+        Predicted peak bytes (``evaluate`` of the answer).
     cost
         Recompute cost of the answer.
     optimal
@@ -175,7 +175,7 @@ class _Model:
 
 @dataclass(frozen=True)
 class _Solution:
-    """An answer of one regime, as ``_evaluate`` sees it."""
+    """An answer of one regime, as ``evaluate`` sees it."""
 
     evicted: frozenset[int]
     peak: int
@@ -184,7 +184,7 @@ class _Solution:
 
 
 def _rank(tl: ConcreteTimeline) -> np.ndarray:
-    """Each slot's place in the order ``_evaluate`` processes them: by site, then index."""
+    """Each slot's place in the order ``evaluate`` processes them: by site, then index."""
     order = sorted(range(len(tl.slots)), key=lambda s: (tl.slots[s].site, s))
     rank = np.empty(len(order), dtype=np.int64)
     rank[order] = np.arange(len(order))
@@ -297,107 +297,58 @@ def _window(tl: ConcreteTimeline, k: int, site: int, points: np.ndarray) -> np.n
     return missing.astype(np.int64) - doubled.astype(np.int64)
 
 
+@dataclass(frozen=True)
+class _Columns:
+    """The decision columns of one regime's program (see the module docstring).
+
+    ``evict[k]``: slot ``k`` is evicted. ``mat[j, x]``: slot ``x`` is materialized at ``j``'s
+    site (``mat[j, j]`` is the eviction itself in the temp regime). ``chained[x]``: the sites
+    that may materialize ``x`` as a chained input, in processing order.
+    """
+
+    cache: bool
+    rank: np.ndarray
+    evict: list[int]
+    mat: dict[tuple[int, int], int]
+    chained: dict[int, list[int]]
+
+    def pending(self, j: int, x: int) -> list[tuple[int, float]]:
+        """``x`` evicted and, in the cache regime, not materialized before ``j``'s site."""
+        terms = [(self.evict[x], 1.0)]
+        if self.cache:
+            rank = self.rank
+            terms += [(self.mat[s, x], -1.0) for s in self.chained[x] if rank[s] < rank[j]]
+        return terms
+
+
+def _minus(terms: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """``terms`` negated."""
+    return [(c, -v) for c, v in terms]
+
+
 def _build(
     tl: ConcreteTimeline, plans: list[_Plan], rank: np.ndarray, unit: float, cache: bool
 ) -> _Model:
     """The program of one regime (see the module docstring), bytes in ``unit``."""
-    slots = tl.slots
-    n = len(slots)
     nbytes = tl._nbytes / unit
     regen = tl._regen / unit
     rows = _Rows()
-    # In the temp regime a slot that frees nothing is never worth evicting (module docstring).
-    evict = [
-        rows.column(binary=True, integral=True, upper=1.0 if cache or s.effective else 0.0)
-        for s in slots
-    ]
-    order = sorted(range(n), key=lambda s: rank[s])
-    # m[j, x]; m[j, j] is the eviction itself in the temp regime.
-    mat: dict[tuple[int, int], int] = {}
-    # The sites that may materialize each slot as a chained input, in processing order.
-    chained: dict[int, list[int]] = {k: [] for k in range(n)}
-    for j in order:
-        mat[j, j] = rows.column(binary=True, integral=True) if cache else evict[j]
-        for x in plans[j].slots[:-1]:
-            mat[j, x] = rows.column(binary=True, integral=True)
-            chained[x].append(j)
-
-    def pending(j: int, x: int) -> list[tuple[int, float]]:
-        """``x`` evicted and, in the cache regime, not materialized before ``j``'s site."""
-        terms = [(evict[x], 1.0)]
-        if cache:
-            terms += [(mat[s, x], -1.0) for s in chained[x] if rank[s] < rank[j]]
-        return terms
-
-    def minus(terms: list[tuple[int, float]]) -> list[tuple[int, float]]:
-        return [(c, -v) for c, v in terms]
-
-    for j in range(n):
-        plan = plans[j]
-        if cache:
-            rows.add([(mat[j, j], 1.0), *minus(pending(j, j))], 0.0, 0.0)
-        for p, x in enumerate(plan.slots[:-1]):
-            col = mat[j, x]
-            readers = [mat[j, plan.slots[q]] for q in plan.readers[p]]
-            pend = minus(pending(j, x))
-            rows.add([(col, 1.0), *pend], -np.inf, 0.0)
-            rows.add([(col, 1.0), *[(r, -1.0) for r in readers]], -np.inf, 0.0)
-            for r in readers:
-                rows.add([(col, 1.0), *pend, (r, -1.0)], -1.0, np.inf)
-
-    # Live bytes at the points that matter, and P above them.
-    windows = [(k, slots[k].site, mat[k, k]) for k in range(n)]
+    columns = _decision_columns(rows, tl, plans, rank, cache)
+    _chain_rows(rows, plans, columns)
+    windows = [(k, slot.site, columns.mat[k, k]) for k, slot in enumerate(tl.slots)]
     if cache:
-        windows += [(x, slots[j].site, mat[j, x]) for j in range(n) for x in plans[j].slots[:-1]]
+        windows += [
+            (x, tl.slots[j].site, columns.mat[j, x])
+            for j in range(len(tl.slots))
+            for x in plans[j].slots[:-1]
+        ]
     peak = rows.column(binary=False, lower=-np.inf, upper=np.inf)
-    points = _points(tl, windows)
-    live: dict[int, int] = {}
-    coefs = np.stack([_window(tl, k, site, points) * nbytes[k] for k, site, _ in windows], axis=1)
-    for i, point in enumerate(points.tolist()):
-        col = rows.column(binary=False, lower=-np.inf, upper=np.inf)
-        live[point] = col
-        terms = [(windows[w][2], float(coefs[i, w])) for w in np.flatnonzero(coefs[i])]
-        rows.add([(col, 1.0), *terms], tl.base[point] / unit, tl.base[point] / unit)
-        rows.add([(peak, 1.0), (col, -1.0)], 0.0, np.inf)
-
-    # Materializations.
-    events: list[_Event] = []
-    for j in range(n):
-        plan = plans[j]
-        site = slots[j].site
-        for p, x in enumerate(plan.slots):
-            held: list[tuple[int, int, tuple[int, ...] | None]] = []
-            # Bytes of the outputs held at this materialization, as terms of the row of P.
-            terms: list[tuple[int, float]] = []
-            for a in range(p):
-                y = plan.slots[a]
-                if cache:
-                    held.append((y, mat[j, y], None))
-                    terms.append((mat[j, y], -nbytes[y]))
-                    continue
-                later = tuple(mat[j, plan.slots[q]] for q in plan.readers[a] if q >= p)
-                if not later:
-                    continue  # freed after its last reader, before x
-                # h = m[j, y] AND any(later), exactly.
-                h = rows.column(binary=False)
-                rows.add([(h, 1.0), (mat[j, y], -1.0)], -np.inf, 0.0)
-                rows.add([(h, 1.0), *[(r, -1.0) for r in later]], -np.inf, 0.0)
-                for r in later:
-                    rows.add([(h, 1.0), (mat[j, y], -1.0), (r, -1.0)], -1.0, np.inf)
-                held.append((y, mat[j, y], later))
-                terms.append((h, -nbytes[y]))
-            events.append(_Event(j=j, x=x, column=mat[j, x], held=tuple(held)))
-            rows.add([(peak, 1.0), (live[site], -1.0), *terms, (mat[j, x], -regen[x])], 0.0, np.inf)
-
-    ncols = len(rows.binary)
-    cost = np.zeros(ncols)
-    top = max((abs(s.cost) for s in slots), default=0.0)
-    cost_scale = top if top > 0 else 1.0
-    for (_, x), col in mat.items():
-        cost[col] += slots[x].cost / cost_scale
+    live = _live_rows(rows, tl, windows, peak, nbytes, unit)
+    events = _event_rows(rows, tl, plans, columns, peak, live, nbytes, regen)
+    cost, cost_scale = _objective(tl, columns, len(rows.binary))
     matrix = coo_array(
         (np.asarray(rows.vals), (np.asarray(rows.rows), np.asarray(rows.cols))),
-        shape=(len(rows.lower), ncols),
+        shape=(len(rows.lower), len(rows.binary)),
     )
     return _Model(
         cache=cache,
@@ -417,8 +368,127 @@ def _build(
     )
 
 
+def _decision_columns(
+    rows: _Rows, tl: ConcreteTimeline, plans: list[_Plan], rank: np.ndarray, cache: bool
+) -> _Columns:
+    """The columns ``e`` and ``m``, added to ``rows``: evictions first, then the
+    materializations of each site in processing order."""
+    slots = tl.slots
+    n = len(slots)
+    # In the temp regime a slot that frees nothing is never worth evicting (module docstring).
+    evict = [
+        rows.column(binary=True, integral=True, upper=1.0 if cache or s.effective else 0.0)
+        for s in slots
+    ]
+    order = sorted(range(n), key=lambda s: rank[s])
+    mat: dict[tuple[int, int], int] = {}
+    chained: dict[int, list[int]] = {k: [] for k in range(n)}
+    for j in order:
+        mat[j, j] = rows.column(binary=True, integral=True) if cache else evict[j]
+        for x in plans[j].slots[:-1]:
+            mat[j, x] = rows.column(binary=True, integral=True)
+            chained[x].append(j)
+    return _Columns(cache=cache, rank=rank, evict=evict, mat=mat, chained=chained)
+
+
+def _chain_rows(rows: _Rows, plans: list[_Plan], columns: _Columns) -> None:
+    """The rows that make ``m`` the one materialization ``e`` implies: a slot at its own site
+    iff pending (cache regime), a chained input iff pending and one of its readers is."""
+    mat = columns.mat
+    for j, plan in enumerate(plans):
+        if columns.cache:
+            rows.add([(mat[j, j], 1.0), *_minus(columns.pending(j, j))], 0.0, 0.0)
+        for p, x in enumerate(plan.slots[:-1]):
+            col = mat[j, x]
+            readers = [mat[j, plan.slots[q]] for q in plan.readers[p]]
+            pend = _minus(columns.pending(j, x))
+            rows.add([(col, 1.0), *pend], -np.inf, 0.0)
+            rows.add([(col, 1.0), *[(r, -1.0) for r in readers]], -np.inf, 0.0)
+            for r in readers:
+                rows.add([(col, 1.0), *pend, (r, -1.0)], -1.0, np.inf)
+
+
+def _live_rows(
+    rows: _Rows,
+    tl: ConcreteTimeline,
+    windows: list[tuple[int, int, int]],
+    peak: int,
+    nbytes: np.ndarray,
+    unit: float,
+) -> dict[int, int]:
+    """A column of live bytes at each point that matters, and ``P`` above it; returns the
+    columns by point."""
+    points = _points(tl, windows)
+    live: dict[int, int] = {}
+    coefs = np.stack([_window(tl, k, site, points) * nbytes[k] for k, site, _ in windows], axis=1)
+    for i, point in enumerate(points.tolist()):
+        col = rows.column(binary=False, lower=-np.inf, upper=np.inf)
+        live[point] = col
+        terms = [(windows[w][2], float(coefs[i, w])) for w in np.flatnonzero(coefs[i])]
+        rows.add([(col, 1.0), *terms], tl.base[point] / unit, tl.base[point] / unit)
+        rows.add([(peak, 1.0), (col, -1.0)], 0.0, np.inf)
+    return live
+
+
+def _event_rows(
+    rows: _Rows,
+    tl: ConcreteTimeline,
+    plans: list[_Plan],
+    columns: _Columns,
+    peak: int,
+    live: dict[int, int],
+    nbytes: np.ndarray,
+    regen: np.ndarray,
+) -> list[_Event]:
+    """``P`` above every possible materialization: the live bytes at its site, the outputs
+    of the call still held, and its own peak."""
+    mat = columns.mat
+    events: list[_Event] = []
+    for j, plan in enumerate(plans):
+        site = tl.slots[j].site
+        for p, x in enumerate(plan.slots):
+            held: list[tuple[int, int, tuple[int, ...] | None]] = []
+            # Bytes of the outputs held at this materialization, as terms of the row of P.
+            terms: list[tuple[int, float]] = []
+            for a in range(p):
+                y = plan.slots[a]
+                if columns.cache:
+                    held.append((y, mat[j, y], None))
+                    terms.append((mat[j, y], -nbytes[y]))
+                    continue
+                later = tuple(mat[j, plan.slots[q]] for q in plan.readers[a] if q >= p)
+                if not later:
+                    continue  # freed after its last reader, before x
+                held.append((y, mat[j, y], later))
+                terms.append((_held_after(rows, mat[j, y], later), -nbytes[y]))
+            events.append(_Event(j=j, x=x, column=mat[j, x], held=tuple(held)))
+            rows.add([(peak, 1.0), (live[site], -1.0), *terms, (mat[j, x], -regen[x])], 0.0, np.inf)
+    return events
+
+
+def _held_after(rows: _Rows, made: int, later: tuple[int, ...]) -> int:
+    """A column ``h = made AND any(later)`` (a temporary materialized and still to be read),
+    linearized exactly."""
+    h = rows.column(binary=False)
+    rows.add([(h, 1.0), (made, -1.0)], -np.inf, 0.0)
+    rows.add([(h, 1.0), *[(r, -1.0) for r in later]], -np.inf, 0.0)
+    for r in later:
+        rows.add([(h, 1.0), (made, -1.0), (r, -1.0)], -1.0, np.inf)
+    return h
+
+
+def _objective(tl: ConcreteTimeline, columns: _Columns, ncols: int) -> tuple[np.ndarray, float]:
+    """The recompute cost of every column, divided by the largest slot cost (returned too)."""
+    cost = np.zeros(ncols)
+    top = max((abs(s.cost) for s in tl.slots), default=0.0)
+    cost_scale = top if top > 0 else 1.0
+    for (_, x), col in columns.mat.items():
+        cost[col] += tl.slots[x].cost / cost_scale
+    return cost, cost_scale
+
+
 def _check(tl: ConcreteTimeline, model: _Model, values: np.ndarray, optimal: bool) -> _Solution:
-    """The program's own values at a rounded solution, checked against ``_evaluate``."""
+    """The program's own values at a rounded solution, checked against ``evaluate``."""
     on = (np.rint(values) > 0) & model.binary
     slots = tl.slots
     evicted = frozenset(k for k in range(len(slots)) if on[k])
@@ -440,18 +510,16 @@ def _check(tl: ConcreteTimeline, model: _Model, values: np.ndarray, optimal: boo
         events.append((site, value, event.x))
         cost += slots[event.x].cost
     peak = max([int(live.max())] + [v for _, v, _ in events])
-    ev = _evaluate(tl, evicted, model.cache)
+    ev = evaluate(tl, evicted, model.cache)
     what = f"the {'cache' if model.cache else 'temp'} program at {sorted(evicted)}"
     if not np.array_equal(ev.live, live):
         raise RuntimeError(
-            f"{what}: live bytes {live.tolist()}, _evaluate {np.asarray(ev.live).tolist()}"
+            f"{what}: live bytes {live.tolist()}, evaluate {np.asarray(ev.live).tolist()}"
         )
     if sorted(events) != sorted(ev.events):
-        raise RuntimeError(f"{what}: materializations {sorted(events)}, _evaluate {ev.events}")
+        raise RuntimeError(f"{what}: materializations {sorted(events)}, evaluate {ev.events}")
     if peak != ev.peak or not math.isclose(cost, ev.cost, rel_tol=1e-9, abs_tol=1e-9):
-        raise RuntimeError(
-            f"{what}: peak {peak} and cost {cost}, _evaluate {ev.peak} and {ev.cost}"
-        )
+        raise RuntimeError(f"{what}: peak {peak} and cost {cost}, evaluate {ev.peak} and {ev.cost}")
     solver_peak = float(values[model.peak]) * model.unit
     if peak > solver_peak + 1e-5 * max(abs(peak), 1) + model.unit:
         raise RuntimeError(
@@ -590,7 +658,7 @@ def optimal_minimum_peak(tl: ConcreteTimeline, *, time_limit: float = 60.0) -> O
     Raises
     ------
     RuntimeError
-        When an answer disagrees with ``_evaluate`` (a formulation bug).
+        When an answer disagrees with ``evaluate`` (a formulation bug).
     """
     started = time.perf_counter()
     if not tl.slots or not len(tl.base):
@@ -640,7 +708,7 @@ def optimal_decision(
     TimeoutError
         When no regime found a solution and one ran out of time before proving there is none.
     RuntimeError
-        When an answer disagrees with ``_evaluate`` (a formulation bug), or rounded answers
+        When an answer disagrees with ``evaluate`` (a formulation bug), or rounded answers
         keep missing the budget by the solver's tolerance.
     """
     started = time.perf_counter()

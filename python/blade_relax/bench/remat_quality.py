@@ -27,9 +27,14 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._cliutil import CliError, OneLineParser, check_output_path, first_line
+
+if TYPE_CHECKING:
+    from ..runtime import CallMeasurement
+    from ..runtime.remat import RematProgram
+    from ..runtime.remat_policy import ConcreteTimeline
 
 __all__ = ["BudgetRow", "LengthReport", "OptimumRow", "build_parser", "main", "measure_workload"]
 
@@ -134,24 +139,13 @@ def measure_workload(
     """Measure one workload at ``lengths`` (see the module docstring)."""
     import tvm
 
-    from blade_relax.runtime import last_remat_decision, measure_call
-    from blade_relax.runtime._remat_policy import ConcreteTimeline, decide
     from blade_relax.runtime.remat import remat_programs
 
-    from .configs import get_config
-    from .remat_optimum import optimal_decision, optimal_minimum_peak
     from .workloads import build_workload
 
     workload = build_workload(name, _sizes(name, lengths))
     say(f"... {name}: compiling")
-    # What the bench measures as blade-relax, so that the figures match its tables.
-    config = get_config("blade-relax")
-    target = tvm.target.Target("llvm")
-    exe = tvm.compile(
-        workload.graph.with_upper_bounds(config.keep_bounds).mod,
-        target,
-        relax_pipeline=config.pipeline(target),
-    )
+    exe = _compile(workload)
     device = tvm.cpu()
     # Programs are registered per process under their metadata key, and every workload has a
     # `main`: the ones this executable registers are its own.
@@ -160,83 +154,143 @@ def measure_workload(
     for length in lengths:
         say(f"... {name}: s={length}")
         args = [tvm.runtime.tensor(a) for a in workload.inputs(length) + workload.graph.params]
-        plain = measure_call(exe, args, device=device)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            lowest = measure_call(exe, args, device=device, budget=1)
-        decision = lowest.decision or last_remat_decision()
-        live = decision["live_at_entry"]
-        # (A program met before under the same key has the same metadata: either will do.)
-        mine = [p for key, p in remat_programs().items() if key not in earlier] or list(
-            remat_programs().values()
+        report, plain, program, dims = _minimum_report(name, length, exe, args, device, earlier)
+        report.budgets += _held_budgets(exe, args, device, plain, report.floor)
+        report.optimum += _optimum_rows(
+            program.timeline(dims), plain.peak_bytes, optimum_time_limit
         )
-        program = next(p for p in mine if p.function == decision["function"])
-        dims = tuple(decision["dims"][d] for d in program.dims)
-        report = LengthReport(
-            workload=name,
-            length=length,
-            slots=len(program.slots),
-            unbudgeted=plain.peak_bytes,
-            floor=decision["unevictable_peak"] - live,
-            minimum=lowest.peak_bytes,
-            minimum_predicted=decision["predicted_peak"] - live,
-            minimum_bitwise_equal=_same(lowest.outputs, plain.outputs),
-        )
-        low = int(FLOOR_MARGIN * report.floor)
-        if low <= plain.peak_bytes:
-            step = (plain.peak_bytes - low) / max(HELD_BUDGETS - 1, 1)
-            for k in range(HELD_BUDGETS):
-                budget = int(low + k * step)
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    run = measure_call(exe, args, device=device, budget=budget)
-                made = run.decision or last_remat_decision()
-                report.budgets.append(
-                    BudgetRow(
-                        budget=budget,
-                        peak=run.peak_bytes,
-                        predicted=made["predicted_peak"] - made["live_at_entry"],
-                        held=run.peak_bytes <= budget,
-                        reachable=bool(made["reachable"]),
-                        bitwise_equal=_same(run.outputs, plain.outputs),
-                        evictions=run.evictions,
-                        recompute_cost=float(made["recompute_cost"]),
-                    )
-                )
-        timeline = program.timeline(dims)
-        lowest_optimum = None
-        for fraction in OPTIMUM_FRACTIONS:
-            budget = int(fraction * plain.peak_bytes)
-            # A fresh timeline: the decision is timed without the searches' caches.
-            fresh = ConcreteTimeline(base=timeline.base, slots=timeline.slots)
-            start = time.perf_counter()
-            runtime = decide(fresh, budget)
-            runtime_seconds = time.perf_counter() - start
-            best = optimal_decision(timeline, budget, time_limit=optimum_time_limit)
-            if best is None:  # no eviction set fits: compare the smallest peaks
-                if lowest_optimum is None:
-                    lowest_optimum = optimal_minimum_peak(timeline, time_limit=optimum_time_limit)
-                best = lowest_optimum
-                feasible = False
-            else:
-                feasible = True
-            report.optimum.append(
-                OptimumRow(
-                    fraction=fraction,
-                    budget=budget,
-                    runtime_peak=runtime.peak,
-                    runtime_cost=runtime.cost,
-                    runtime_reachable=runtime.reachable,
-                    optimum_peak=best.peak,
-                    optimum_cost=best.cost,
-                    optimum_feasible=feasible,
-                    optimal=best.optimal,
-                    runtime_seconds=runtime_seconds,
-                    optimum_seconds=best.seconds,
-                )
-            )
         reports.append(report)
     return reports
+
+
+def _compile(workload: Any) -> Any:
+    """The workload's executable, compiled as the bench's ``blade-relax`` configuration."""
+    import tvm
+
+    from .configs import get_config
+
+    # What the bench measures as blade-relax, so that the figures match its tables.
+    config = get_config("blade-relax")
+    target = tvm.target.Target("llvm")
+    return tvm.compile(
+        workload.graph.with_upper_bounds(config.keep_bounds).mod,
+        target,
+        relax_pipeline=config.pipeline(target),
+    )
+
+
+def _minimum_report(
+    name: str, length: int, exe: Any, args: list[Any], device: Any, earlier: set[str]
+) -> tuple[LengthReport, CallMeasurement, RematProgram, tuple[int, ...]]:
+    """Steps 1 and 2 at one length: the unbudgeted run and the run at the smallest peak.
+
+    Returns the report (without budget or optimum rows), the unbudgeted run, and the remat
+    program that made the decision, with the dims it was made at (``earlier``: the program
+    keys registered before this executable ran).
+    """
+    from blade_relax.runtime import last_remat_decision, measure_call
+    from blade_relax.runtime.remat import remat_programs
+
+    plain = measure_call(exe, args, device=device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lowest = measure_call(exe, args, device=device, budget=1)
+    decision = lowest.decision or last_remat_decision()
+    live = decision["live_at_entry"]
+    # (A program met before under the same key has the same metadata: either will do.)
+    mine = [p for key, p in remat_programs().items() if key not in earlier] or list(
+        remat_programs().values()
+    )
+    program = next(p for p in mine if p.function == decision["function"])
+    dims = tuple(decision["dims"][d] for d in program.dims)
+    report = LengthReport(
+        workload=name,
+        length=length,
+        slots=len(program.slots),
+        unbudgeted=plain.peak_bytes,
+        floor=decision["unevictable_peak"] - live,
+        minimum=lowest.peak_bytes,
+        minimum_predicted=decision["predicted_peak"] - live,
+        minimum_bitwise_equal=_same(lowest.outputs, plain.outputs),
+    )
+    return report, plain, program, dims
+
+
+def _held_budgets(
+    exe: Any, args: list[Any], device: Any, plain: CallMeasurement, floor: int
+) -> list[BudgetRow]:
+    """Step 3: runs under budgets spread over ``[FLOOR_MARGIN x floor, unbudgeted peak]``,
+    against the unbudgeted run ``plain``; none when that range is empty."""
+    from blade_relax.runtime import last_remat_decision, measure_call
+
+    rows: list[BudgetRow] = []
+    low = int(FLOOR_MARGIN * floor)
+    if low > plain.peak_bytes:
+        return rows
+    step = (plain.peak_bytes - low) / max(HELD_BUDGETS - 1, 1)
+    for k in range(HELD_BUDGETS):
+        budget = int(low + k * step)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            run = measure_call(exe, args, device=device, budget=budget)
+        made = run.decision or last_remat_decision()
+        rows.append(
+            BudgetRow(
+                budget=budget,
+                peak=run.peak_bytes,
+                predicted=made["predicted_peak"] - made["live_at_entry"],
+                held=run.peak_bytes <= budget,
+                reachable=bool(made["reachable"]),
+                bitwise_equal=_same(run.outputs, plain.outputs),
+                evictions=run.evictions,
+                recompute_cost=float(made["recompute_cost"]),
+            )
+        )
+    return rows
+
+
+def _optimum_rows(
+    timeline: ConcreteTimeline, unbudgeted: int, time_limit: float
+) -> list[OptimumRow]:
+    """Step 4: the runtime's decision on ``timeline`` against the integer program's optimum,
+    at each of :data:`OPTIMUM_FRACTIONS` of the unbudgeted peak."""
+    from blade_relax.runtime.remat_policy import ConcreteTimeline, decide
+
+    from .remat_optimum import optimal_decision, optimal_minimum_peak
+
+    rows = []
+    lowest_optimum = None
+    for fraction in OPTIMUM_FRACTIONS:
+        budget = int(fraction * unbudgeted)
+        # A fresh timeline: the decision is timed without the searches' caches.
+        fresh = ConcreteTimeline(base=timeline.base, slots=timeline.slots)
+        start = time.perf_counter()
+        runtime = decide(fresh, budget)
+        runtime_seconds = time.perf_counter() - start
+        best = optimal_decision(timeline, budget, time_limit=time_limit)
+        if best is None:  # no eviction set fits: compare the smallest peaks
+            if lowest_optimum is None:
+                lowest_optimum = optimal_minimum_peak(timeline, time_limit=time_limit)
+            best = lowest_optimum
+            feasible = False
+        else:
+            feasible = True
+        rows.append(
+            OptimumRow(
+                fraction=fraction,
+                budget=budget,
+                runtime_peak=runtime.peak,
+                runtime_cost=runtime.cost,
+                runtime_reachable=runtime.reachable,
+                optimum_peak=best.peak,
+                optimum_cost=best.cost,
+                optimum_feasible=feasible,
+                optimal=best.optimal,
+                runtime_seconds=runtime_seconds,
+                optimum_seconds=best.seconds,
+            )
+        )
+    return rows
 
 
 def _tables(reports: Sequence[LengthReport]) -> str:

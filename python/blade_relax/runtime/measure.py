@@ -5,6 +5,30 @@
 harness and the overhead benchmark all measure through it. :func:`measure_memory` is the block
 it is built on, for callers that run the call themselves.
 
+The rules, in the order they apply:
+
+1. Garbage is collected first (``collect_garbage``): tensors of earlier calls that only a
+   reference cycle still holds would count as live bytes of this one.
+2. Given an executable, the call runs on a fresh VM, dropped once the outputs are
+   converted. A Relax VM keeps the value it returned last alive until its next call
+   *returns* (``return_value_`` in TVM's ``vm.cc``), so a reused VM enters the call with
+   its previous result live. Without a budget that changes nothing (those bytes are in the
+   base and stay live until after the call's last allocation), but under a budget they
+   count against it and the remat runtime may let them go during the call, which would
+   credit the call with bytes the previous one left behind. Given a VM, the call reuses it
+   (to check, say, what a VM releases once dropped); its previous result is then part of
+   ``live_before``, not of ``peak_bytes``.
+3. The thread's statistics are reset and the bytes live at entry read: ``live_before``, the
+   base (:func:`measure_memory`, which also counts the kernels' workspaces when a table is
+   given, and runs the caller's ``instrument``).
+4. The memory budget counts every live byte of the thread (the caller's tensors a VM
+   allocated, other VMs' results, ...), not the call's alone: a call allowed ``x`` bytes
+   runs under ``set_memory_budget(live_before + x)`` (``budget=x``). A caller that computed
+   the runtime's figure itself passes ``runtime_budget`` instead.
+5. ``peak_bytes`` is the thread's peak during the call minus ``live_before``.
+6. The last remat decision is cleared before the call, so that ``decision`` is this call's
+   (kept only when made for this call's budget).
+
 ``measure_memory`` wraps what runs inside its block (one call of a VM function, usually) and
 reads the accounting of :mod:`blade_relax.runtime.accounting` around it:
 
@@ -212,31 +236,10 @@ def measure_call(
     collect_garbage: bool = True,
     record_warnings: bool = False,
 ) -> CallMeasurement:
-    """Call ``vm[function](*args)`` once and measure its memory.
-
-    The rules, in the order they apply:
-
-    1. Garbage is collected first (``collect_garbage``): tensors of earlier calls that only a
-       reference cycle still holds would count as live bytes of this one.
-    2. Given an executable, the call runs on a fresh VM, dropped once the outputs are
-       converted. A Relax VM keeps the value it returned last alive until its next call
-       *returns* (``return_value_`` in TVM's ``vm.cc``), so a reused VM enters the call with
-       its previous result live. Without a budget that changes nothing (those bytes are in the
-       base and stay live until after the call's last allocation), but under a budget they
-       count against it and the remat runtime may let them go during the call, which would
-       credit the call with bytes the previous one left behind. Given a VM, the call reuses it
-       (to check, say, what a VM releases once dropped); its previous result is then part of
-       ``live_before``, not of ``peak_bytes``.
-    3. The thread's statistics are reset and the bytes live at entry read: ``live_before``, the
-       base (:func:`measure_memory`, which also counts the kernels' workspaces when a table is
-       given, and runs the caller's ``instrument``).
-    4. The memory budget counts every live byte of the thread (the caller's tensors a VM
-       allocated, other VMs' results, ...), not the call's alone: a call allowed ``x`` bytes
-       runs under ``set_memory_budget(live_before + x)`` (``budget=x``). A caller that computed
-       the runtime's figure itself passes ``runtime_budget`` instead.
-    5. ``peak_bytes`` is the thread's peak during the call minus ``live_before``.
-    6. The last remat decision is cleared before the call, so that ``decision`` is this call's
-       (kept only when made for this call's budget).
+    """Call ``vm[function](*args)`` once and measure its memory, by the rules of the module
+    docstring (numbered there): garbage collected first, an executable run on a fresh VM, the
+    budget counted on top of the bytes live at entry, and the remat decision kept only when
+    it is this call's.
 
     Parameters
     ----------
@@ -274,7 +277,7 @@ def measure_call(
     CallMeasurement
         The outputs, the bytes and what the remat runtime did.
     """
-    from .remat import RematBudgetWarning, clear_last_remat_decision, last_remat_decision
+    from .remat import clear_last_remat_decision
 
     if budget is not None and runtime_budget is not None:
         raise ValueError("measure_call: give budget or runtime_budget, not both")
@@ -284,27 +287,58 @@ def measure_call(
     if not isinstance(vm, relax.VirtualMachine):
         vm = relax.VirtualMachine(vm, device)
     call = vm[function]
-    passed_as_is = (tvm.runtime.Tensor, tvm.runtime.ShapeTuple)
-    tensors = [a if isinstance(a, passed_as_is) else tvm.runtime.tensor(a, device) for a in args]
+    tensors = _on_device(args, device)
     clear_last_remat_decision()
-    recording = warnings.catch_warnings(record=True) if record_warnings else None
-    with recording or contextlib.nullcontext() as caught:
-        if record_warnings:
-            warnings.simplefilter("always")
+    with _warnings_recorded(record_warnings) as caught:
         with measure_memory(vm, workspaces=workspaces, instrument=instrument) as measured:
             if budget is not None:
                 runtime_budget = measured.live_before + budget
-            if runtime_budget is None:
-                out = call(*tensors)
-            else:
-                with set_memory_budget(runtime_budget):
-                    out = call(*tensors)
+            out = _call_within(call, tensors, runtime_budget)
     outputs = convert(out) if convert is not None else None
     del out, call, vm
+    return _measurement(outputs, measured, runtime_budget, tuple(caught))
+
+
+def _on_device(args: Sequence[Any], device: Any) -> list[Any]:
+    """The arguments as the VM takes them: tensors and shape tuples as they are, the rest
+    (numpy arrays) copied to ``device``."""
+    passed_as_is = (tvm.runtime.Tensor, tvm.runtime.ShapeTuple)
+    return [a if isinstance(a, passed_as_is) else tvm.runtime.tensor(a, device) for a in args]
+
+
+@contextlib.contextmanager
+def _warnings_recorded(record: bool) -> Iterator[list[warnings.WarningMessage]]:
+    """Every warning the block raises, caught into the yielded list (none is shown) when
+    ``record``; otherwise the caller's filters apply and the list stays empty."""
+    if not record:
+        yield []
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield caught
+
+
+def _call_within(call: Callable[..., Any], tensors: Sequence[Any], runtime_budget: int | None):
+    """``call(*tensors)``, under ``runtime_budget`` when one is given (rule 4)."""
+    if runtime_budget is None:
+        return call(*tensors)
+    with set_memory_budget(runtime_budget):
+        return call(*tensors)
+
+
+def _measurement(
+    outputs: Any,
+    measured: CallMemory,
+    runtime_budget: int | None,
+    recorded: tuple[warnings.WarningMessage, ...],
+) -> CallMeasurement:
+    """The record of a measured call: its bytes and counters, and the remat decision when
+    the runtime made it for this call's budget (rule 6)."""
+    from .remat import RematBudgetWarning, last_remat_decision
+
     decision = last_remat_decision() if runtime_budget is not None else None
     if decision is not None and decision.get("budget") != runtime_budget:
         decision = None
-    recorded = tuple(caught or ())
     stats = measured.stats
     return CallMeasurement(
         outputs=outputs,

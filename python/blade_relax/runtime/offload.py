@@ -65,9 +65,9 @@ from typing import Any
 import tvm
 import tvm_ffi
 
-from ._remat_policy import ConcreteTimeline, SlotTimeline
 from .accounting import record_host_release, record_offload, record_reload, track_allocation
 from .budget import EvictionMode
+from .remat_policy import ConcreteTimeline, SlotTimeline
 
 __all__ = [
     "HOST_POOL_LIMIT",

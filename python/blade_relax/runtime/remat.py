@@ -93,9 +93,9 @@ import tvm
 
 from ..contract import EVICT, REGENERATE, REMAT_ACTIVE, REMAT_BEGIN, REMAT_FORMAT
 from . import budget as _budget
-from ._remat_policy import ConcreteTimeline, Decision, SlotTimeline, decide, minimum_peak
 from .accounting import current_live_bytes, record_eviction, record_regeneration
 from .offload import EvictionRates, HostCopy, eviction_timeline, resolve_rates, to_device, to_host
+from .remat_policy import ConcreteTimeline, Decision, SlotTimeline, decide, minimum_peak
 
 __all__ = [
     "RematBudgetWarning",
