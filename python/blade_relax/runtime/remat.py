@@ -33,7 +33,7 @@ registers and the stash holds a regenerated tensor.
 The metadata is the function's symbolic timeline: every storage the function allocates with
 its symbolic size and live interval over the timeline's points, and per evictable tensor its
 symbolic bytes, symbolic recompute cost, the peak bytes of its regeneration, its window and its
-regeneration plan (see :mod:`blade_relax.runtime._remat_policy` for the model). Symbolic sizes
+regeneration plan (see :mod:`blade_relax.runtime.remat_policy` for the model). Symbolic sizes
 are Python integer expressions over the dims, compiled once per key.
 
 The budget
