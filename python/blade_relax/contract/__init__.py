@@ -2,7 +2,7 @@
 
 The compiler side (``transform/``) and the runtime side (``runtime/``) meet only through what an
 executable carries: calls of packed functions by name, function attributes, and the remat
-metadata JSON. This module is that contract. It imports nothing but the standard library, so
+metadata JSON. This package is that contract. It imports nothing but the standard library, so
 either side (and a user's tool that reads a compiled module) can use it without pulling in the
 other.
 

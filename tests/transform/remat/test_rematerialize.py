@@ -860,7 +860,7 @@ def test_simulation_follows_a_call_in_the_callers_dims():
     by_name = {s.name: s for s in sim.storages}
     assert set(by_name) == {"a", "b", "t", "u", "d"}
     for name in ("t", "u"):  # the helper's sizes, over main's dim n
-        assert eval(by_name[name].size, {}, {"n": 10}) == 10 * 4 * 4
+        assert compile_expressions(["n"], [by_name[name].size])(10) == (10 * 4 * 4,)
     # t dies when the helper returns; u, its result, lives on in g until main's last read.
     assert by_name["t"].end == by_name["u"].first + 1
     assert by_name["u"].end > by_name["d"].first
