@@ -20,6 +20,7 @@ from blade_relax.analysis import (
     kernel_workspaces,
     memory_timeline,
 )
+from blade_relax.contract.dimexpr import compile_expressions
 from blade_relax.pipeline import lower_to_memory_stage, stock_pipeline
 from blade_relax.runtime import measure_memory
 from blade_relax.symbolic import ShapeGraph, SymbolicExpr
@@ -121,7 +122,7 @@ def test_scratch_buffer_is_described_over_the_kernels_argument_shapes():
         assert ws.nbytes_of([x, x]) == n * 8 * 4
     # Symbolically, and as text over another expression (a caller's dims).
     assert ws.evaluate([SymbolicExpr.dim("s")]) == SymbolicExpr.dim("s") * 32
-    assert eval(ws.substitute(["2 * m"]), {"m": 5}) == 10 * 32
+    assert compile_expressions(["m"], [ws.substitute(["2 * m"])])(5) == (10 * 32,)
 
 
 def test_kernel_without_intermediates_has_no_workspace():

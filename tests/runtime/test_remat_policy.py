@@ -19,7 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import blade_relax  # noqa: F401  (registers the builtins)
-from blade_relax.contract import REMAT_FORMAT, metadata_key
+from blade_relax.contract import REMAT_FORMAT, RematFormatError, RematMetadata, metadata_key
+from blade_relax.contract.dimexpr import compile_expressions
 from blade_relax.runtime import (
     RematBudgetWarning,
     RematInexactWarning,
@@ -30,7 +31,6 @@ from blade_relax.runtime import (
     reset_memory_stats,
     set_memory_budget,
 )
-from blade_relax.runtime.remat import compile_expressions
 from blade_relax.runtime.remat_policy import (
     ConcreteTimeline,
     Decision,
@@ -294,6 +294,8 @@ def _meta() -> dict:
 
 def test_program_evaluates_the_timeline_once_per_shape():
     program = RematProgram(_meta())
+    assert RematProgram.from_json(json.dumps(_meta())).metadata == program.metadata
+    assert program.metadata == RematMetadata.from_dict(_meta())
     tl = program.timeline([10])
     assert tl.base.tolist() == [40, 120, 160, 120]
     assert tl.slots[0].nbytes == 80 and tl.slots[0].cost == 30.0
@@ -306,8 +308,10 @@ def test_program_evaluates_the_timeline_once_per_shape():
 
 
 def test_program_rejects_other_formats_and_code():
-    with pytest.raises(ValueError, match="format"):
+    with pytest.raises(RematFormatError, match="format 'other/9'"):
         RematProgram({**_meta(), "format": "other/9"})
+    with pytest.raises(RematFormatError, match="format 'other/9'"):
+        RematProgram.from_json(json.dumps({**_meta(), "format": "other/9"}))
     for bad in ("__import__('os')", "s.real", "open(s)", "1.5 * s", "t + 1"):
         with pytest.raises(ValueError):
             compile_expressions(["s"], [bad])

@@ -48,17 +48,21 @@ It is read in three places, from the same expression:
   reads, see :func:`blade_relax.runtime.measure_memory`). The table must come from the module
   the executable was built from: :func:`compile_keeping_module` compiles and keeps it.
 
-Assumptions: sizes are non-negative, so TIR's truncating ``Div``/``Mod`` are Python's ``//`` and
-``%``; an allocation inside a loop is allocated and freed once per iteration, so it counts once
-(inside a ``parallel`` loop it would be once per thread: such a kernel is flagged inexact in
-:attr:`KernelWorkspace.notes`). A kernel the lowering cannot handle, or a size the reads
-cannot express, is described as no workspace with a note saying why.
+Sizes are dim expressions (:mod:`blade_relax.contract.dimexpr`) written by
+:func:`blade_relax.analysis.dimexpr.from_prim_expr`, the converter the remat timeline uses too:
+TIR's truncating ``Div``/``Mod`` stay truncating, except over values proven non-negative (the
+reads of shape dims are), where they equal ``//`` and ``%``. A size is written without
+comparisons or ``Select``, which its symbolic evaluation could not branch on.
+
+Assumptions: an allocation inside a loop is allocated and freed once per iteration, so it
+counts once (inside a ``parallel`` loop it would be once per thread: such a kernel is flagged
+inexact in :attr:`KernelWorkspace.notes`). A kernel the lowering cannot handle, or a size the
+reads cannot express, is described as no workspace with a note saying why.
 """
 
 from __future__ import annotations
 
 import functools
-import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -68,7 +72,9 @@ import tvm
 import tvm_ffi
 from tvm import relax, tirx
 
-from ..symbolic import ShapeGraph, SymbolicExpr, is_integer
+from ..contract.dimexpr import compile_expressions, substitute
+from ..symbolic import ShapeGraph, SymbolicExpr
+from .dimexpr import SYMBOLIC_FUNCTIONS, UndefinedVariable, UnsupportedNode, from_prim_expr
 
 __all__ = [
     "CompiledModule",
@@ -118,7 +124,7 @@ class WorkspaceAllocation:
     buffer
         The buffer it backs (``T_softmax_exp``).
     nbytes
-        Bytes, as a Python integer expression over ``v0``, ``v1``, ... (the values of
+        Bytes, as a dim expression over ``v0``, ``v1``, ... (the values of
         :attr:`KernelWorkspace.reads`, in order).
     device_type
         The DLPack device type the call allocates on (1: CPU, 2: CUDA).
@@ -152,23 +158,23 @@ class KernelWorkspace:
     allocations: tuple[WorkspaceAllocation, ...] = ()
     live_sets: tuple[tuple[int, ...], ...] = ()
     notes: tuple[str, ...] = ()
-    _code: Any = field(default=None, init=False, repr=False, compare=False)
-    _reader: Any = field(default=None, init=False, repr=False, compare=False)
+    _integer: Any = field(default=None, init=False, repr=False, compare=False)
+    _symbolic: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        text = self.formula
-        object.__setattr__(self, "_code", compile(text, f"<workspace of {self.kernel}>", "eval"))
-        reads = ", ".join(
-            f"args[{r.param}]" if r.dim is None else f"args[{r.param}].shape[{r.dim}]"
-            for r in self.reads
-        )
-        params = ", ".join(f"v{i}" for i in range(len(self.reads)))
-        source = f"lambda args: (lambda {params}: {text})({reads})"
-        object.__setattr__(self, "_reader", eval(source, _INT_SCOPE))  # noqa: S307 (our text)
+        names, formula = self._names(), [self.formula]
+        object.__setattr__(self, "_integer", compile_expressions(names, formula))
+        symbolic = compile_expressions(names, formula, SYMBOLIC_FUNCTIONS)
+        object.__setattr__(self, "_symbolic", symbolic)
+
+    def _names(self) -> list[str]:
+        """The names the formula calls the reads by."""
+        return [f"v{i}" for i in range(len(self.reads))]
 
     @property
     def formula(self) -> str:
-        """The kernel's workspace in bytes: the largest total of one live set (Python text)."""
+        """The kernel's workspace in bytes: the largest total of one live set (a dim
+        expression over ``v0``, ``v1``, ...)."""
         totals = [
             " + ".join(self.allocations[i].nbytes for i in live) for live in self.live_sets if live
         ]
@@ -195,16 +201,14 @@ class KernelWorkspace:
         if len(values) != len(self.reads):
             raise ValueError(f"{self.kernel}: {len(self.reads)} values needed, got {len(values)}")
         symbolic = any(isinstance(v, SymbolicExpr) for v in values)
-        scope = dict(_SYMBOLIC_SCOPE if symbolic else _INT_SCOPE)
-        scope.update({f"v{i}": v for i, v in enumerate(values)})
-        return eval(self._code, scope)  # noqa: S307 (text built by this module from TIR)
+        return (self._symbolic if symbolic else self._integer)(*values)[0]
 
     def substitute(self, texts: Sequence[str]) -> str:
-        """The workspace as Python text with each read replaced by ``texts[i]`` (e.g. an
+        """The workspace as a dim expression with each read replaced by ``texts[i]`` (e.g. an
         expression over a caller's dims)."""
         if len(texts) != len(self.reads):
             raise ValueError(f"{self.kernel}: {len(self.reads)} values needed, got {len(texts)}")
-        return re.sub(r"\bv(\d+)\b", lambda m: f"({texts[int(m.group(1))]})", self.formula)
+        return substitute(self.formula, dict(zip(self._names(), texts)))
 
     def nbytes_of(self, args: Sequence[Any]) -> int:
         """Bytes of workspace for one call, from the arguments the VM passes the kernel.
@@ -215,72 +219,13 @@ class KernelWorkspace:
             The kernel's arguments in parameter order: tensors (anything with ``.shape``) for
             buffer parameters, integers for scalar parameters.
         """
-        return int(self._reader(args))
-
-
-# The functions a size expression may call, for integer and for symbolic values.
-_INT_SCOPE: dict[str, Any] = {"__builtins__": {}, "max": max, "min": min}
-_SYMBOLIC_SCOPE: dict[str, Any] = {
-    "__builtins__": {},
-    "max": SymbolicExpr.max,
-    "min": SymbolicExpr.min,
-}
+        values = [
+            args[r.param] if r.dim is None else args[r.param].shape[r.dim] for r in self.reads
+        ]
+        return int(self._integer(*values)[0])
 
 
 # --------------------------------------------------------------------------- lowering
-class _Unreadable(Exception):
-    """A workspace size that the kernel's argument reads cannot express."""
-
-
-_BINARY = {
-    "Add": "+",
-    "Sub": "-",
-    "Mul": "*",
-    "FloorDiv": "//",
-    "FloorMod": "%",
-    "Div": "//",
-    "Mod": "%",
-}
-
-
-def _py(expr: Any, reads: Mapping[Any, str], binds: Mapping[Any, Any], depth: int = 0) -> str:
-    """``expr`` as Python text over the read names, inlining let-bound variables."""
-    if depth > 64:
-        raise _Unreadable("let chain too deep")
-    if isinstance(expr, tirx.IntImm):
-        return str(int(expr.value))
-    if isinstance(expr, tirx.Var):
-        if expr in reads:
-            return reads[expr]
-        if expr in binds:
-            return _py(binds[expr], reads, binds, depth + 1)
-        raise _Unreadable(f"variable {expr.name} is not read from the arguments")
-    kind = type(expr).__name__
-    if kind in _BINARY:
-        a = _py(expr.a, reads, binds, depth + 1)
-        b = _py(expr.b, reads, binds, depth + 1)
-        return f"({a} {_BINARY[kind]} {b})"
-    shift = _shift_of(expr) if kind in ("RShift", "LShift") else None
-    if shift is not None:
-        # The lowering writes a division (product) by a power of two as a shift; sizes are
-        # non-negative, so ``x >> n`` is ``x // 2**n``.
-        a = _py(expr.a, reads, binds, depth + 1)
-        return f"({a} {'//' if kind == 'RShift' else '*'} {2**shift})"
-    if kind in ("Min", "Max"):
-        a = _py(expr.a, reads, binds, depth + 1)
-        b = _py(expr.b, reads, binds, depth + 1)
-        return f"{kind.lower()}({a}, {b})"
-    if kind == "Cast" and is_integer(expr) and is_integer(expr.value):
-        return _py(expr.value, reads, binds, depth + 1)
-    raise _Unreadable(f"{kind} in a size")
-
-
-def _shift_of(expr: Any) -> int | None:
-    """The constant amount of a shift (``RShift`` / ``LShift``), or ``None``."""
-    amount = getattr(expr, "b", None)
-    return int(amount.value) if isinstance(amount, tirx.IntImm) else None
-
-
 def _signature_reads(func: tirx.PrimFunc) -> dict[Any, ShapeRead]:
     """The kernel's variables that the VM's arguments define: buffer dims, scalar params."""
     reads: dict[Any, ShapeRead] = {}
@@ -338,6 +283,8 @@ class _Collector:
     """Workspace calls of a lowered function, in program order, with what is live at each."""
 
     reads: Mapping[Any, str]
+    # The reads that are dims of a buffer's shape (never negative).
+    dims: frozenset[Any] = frozenset()
     binds: dict[Any, Any] = field(default_factory=dict)
     allocations: list[WorkspaceAllocation] = field(default_factory=list)
     live: list[int] = field(default_factory=list)
@@ -390,8 +337,8 @@ class _Collector:
         if any(loop.kind == tirx.ForKind.PARALLEL for loop in self.loops):
             self.notes.append(f"{buffer or 'a workspace'} is allocated once per parallel thread")
         try:
-            nbytes = _py(call.args[2], self.reads, self.binds)
-        except _Unreadable as err:
+            nbytes = self._size(call.args[2])
+        except ValueError as err:
             self.notes.append(f"{buffer or 'a workspace'}: {err}; not counted")
             nbytes = "0"
         index = len(self.allocations)
@@ -399,6 +346,17 @@ class _Collector:
         self.live.append(index)
         self.sets.append(tuple(self.live))
         return index
+
+    def _size(self, expr: Any) -> str:
+        """An allocation's bytes over the reads, let-bound variables inlined."""
+        try:
+            return from_prim_expr(
+                expr, self.reads, strict=True, nonnegative=self.dims, lets=self.binds, logic=False
+            )
+        except UndefinedVariable as err:
+            raise ValueError(f"variable {err.var.name} is not read from the arguments") from None
+        except UnsupportedNode as err:
+            raise ValueError(f"{type(err.node).__name__} in a size") from None
 
     def _free(self, data: Any) -> None:
         target = data.args[0] if _op_name(data) == "tirx.buffer_data" and data.args else data
@@ -438,7 +396,8 @@ def _describe(func: tirx.PrimFunc, name: str, target: tvm.target.Target) -> Kern
     except Exception as err:  # a kernel this target cannot lower on its own
         note = f"lowering for {target.kind.name} failed ({type(err).__name__}); not counted"
         return KernelWorkspace(kernel=name, notes=(note,))
-    collector = _Collector(read_names)
+    dims = frozenset(var for var, read in signature.items() if read.dim is not None)
+    collector = _Collector(read_names, dims)
     for fn in lowered.functions.values():
         if isinstance(fn, tirx.PrimFunc):
             collector.run(fn.body)

@@ -33,8 +33,9 @@ registers and the stash holds a regenerated tensor.
 The metadata is the function's symbolic timeline: every storage the function allocates with
 its symbolic size and live interval over the timeline's points, and per evictable tensor its
 symbolic bytes, symbolic recompute cost, the peak bytes of its regeneration, its window and its
-regeneration plan (see :mod:`blade_relax.runtime.remat_policy` for the model). Symbolic sizes
-are Python integer expressions over the dims, compiled once per key.
+regeneration plan (:class:`blade_relax.contract.RematMetadata` describes it; see
+:mod:`blade_relax.runtime.remat_policy` for the decision's model). Symbolic sizes are dim
+expressions (:mod:`blade_relax.contract.dimexpr`) over the dims, compiled once per key.
 
 The budget
 ----------
@@ -78,20 +79,25 @@ previous call would otherwise stay alive (and counted) until this call returns.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import json
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import tvm
 
-from ..contract import EVICT, REGENERATE, REMAT_ACTIVE, REMAT_BEGIN, REMAT_FORMAT
+from ..contract import (
+    EVICT,
+    REGENERATE,
+    REMAT_ACTIVE,
+    REMAT_BEGIN,
+    RematMetadata,
+    RematSlot,
+)
+from ..contract.dimexpr import compile_expressions
 from . import budget as _budget
 from .accounting import current_live_bytes, record_eviction, record_regeneration
 from .offload import EvictionRates, HostCopy, eviction_timeline, resolve_rates, to_device, to_host
@@ -121,159 +127,36 @@ class RematInexactWarning(RematBudgetWarning):
     """
 
 
-# --------------------------------------------------------------------------- expressions
-_ALLOWED_NODES = (
-    ast.Expression,
-    ast.Tuple,
-    ast.BinOp,
-    ast.UnaryOp,
-    ast.BoolOp,
-    ast.Compare,
-    ast.IfExp,
-    ast.Call,
-    ast.Name,
-    ast.Load,
-    ast.Constant,
-    ast.Add,
-    ast.Sub,
-    ast.Mult,
-    ast.FloorDiv,
-    ast.Mod,
-    ast.USub,
-    ast.Not,
-    ast.And,
-    ast.Or,
-    ast.Lt,
-    ast.LtE,
-    ast.Gt,
-    ast.GtE,
-    ast.Eq,
-    ast.NotEq,
-)
-_FUNCTIONS = {"max": max, "min": min}
-
-
-def _tdiv(a: int, b: int) -> int:
-    """Integer division truncating toward zero (TIR ``Div`` on integers)."""
-    q = abs(a) // abs(b)
-    return q if (a >= 0) == (b >= 0) else -q
-
-
-def _tmod(a: int, b: int) -> int:
-    """Remainder of :func:`_tdiv` (TIR ``Mod`` on integers)."""
-    return a - b * _tdiv(a, b)
-
-
-_FUNCTIONS.update({"tdiv": _tdiv, "tmod": _tmod})
-
-
-def compile_expressions(dims: Sequence[str], exprs: Sequence[str]) -> Callable[..., tuple]:
-    """Compile integer expressions over ``dims`` into one function returning all their values.
-
-    Only arithmetic, comparisons, conditionals, ``max``/``min``/``tdiv``/``tmod`` and the dim
-    names are accepted: the expressions come from an executable, and nothing else may run.
-
-    Parameters
-    ----------
-    dims
-        Argument names, in the order the function takes them.
-    exprs
-        Python expressions, e.g. ``"32 * n"``.
-
-    Returns
-    -------
-    Callable
-        ``f(*dim_values) -> tuple[int, ...]``.
-    """
-    names = set(dims) | set(_FUNCTIONS)
-    body = "(" + "".join(f"({e})," for e in exprs) + ")"
-    tree = ast.parse(body, mode="eval")
-    for node in ast.walk(tree):
-        if not isinstance(node, _ALLOWED_NODES):
-            raise ValueError(f"remat metadata: unsupported expression node {type(node).__name__}")
-        if isinstance(node, ast.Name) and node.id not in names:
-            raise ValueError(f"remat metadata: unknown name {node.id!r} in an expression")
-        if isinstance(node, ast.Constant) and not isinstance(node.value, int):
-            raise ValueError(f"remat metadata: non-integer constant {node.value!r}")
-        if isinstance(node, ast.Call) and (
-            not isinstance(node.func, ast.Name) or node.func.id not in _FUNCTIONS
-        ):
-            raise ValueError("remat metadata: only max/min/tdiv/tmod may be called")
-    code = compile(tree, "<remat metadata>", "eval")
-    scope: dict[str, Any] = dict(_FUNCTIONS)
-    scope["__builtins__"] = {}
-
-    def evaluate(*values: int) -> tuple:
-        env = dict(scope)
-        env.update(zip(dims, (int(v) for v in values)))
-        return eval(code, env)  # noqa: S307 (checked above: integer arithmetic on dims only)
-
-    return evaluate
-
-
 # --------------------------------------------------------------------------- programs
-@dataclass(frozen=True)
-class _Node:
-    """One materialization at a ``regenerate`` site: slot, and where each closure input is."""
-
-    slot: int
-    refs: tuple[tuple[str, int], ...]  # ("a", call argument index) | ("s", slot)
-
-
-@dataclass(frozen=True)
-class _Slot:
-    name: str
-    nbytes: int  # expression indices
-    cost: int
-    regen_peak: int
-    start: int
-    site: int
-    plan: tuple[_Node, ...]
-
-
 class RematProgram:
     """The rematerialization metadata of one compiled function, parsed and compiled.
 
     Parameters
     ----------
     meta
-        The decoded JSON metadata (see the module docstring of
-        :mod:`blade_relax.transform.rematerialize` for the format).
+        The metadata (:class:`blade_relax.contract.RematMetadata`), or its decoded JSON.
+
+    Raises
+    ------
+    blade_relax.contract.RematFormatError
+        For metadata of another format version (the module was compiled by another
+        blade_relax), or malformed; a ``ValueError``.
     """
 
-    def __init__(self, meta: Mapping[str, Any]) -> None:
-        if meta.get("format") != REMAT_FORMAT:
-            raise ValueError(
-                f"remat metadata of format {meta.get('format')!r}; this runtime reads "
-                f"{REMAT_FORMAT!r} (recompile the module with this version of blade_relax)"
-            )
-        self.function: str = str(meta["function"])
-        self.dims: tuple[str, ...] = tuple(meta["dims"])
-        self.exact: bool = bool(meta.get("exact", False))
+    def __init__(self, meta: RematMetadata | Mapping[str, Any]) -> None:
+        if not isinstance(meta, RematMetadata):
+            meta = RematMetadata.from_dict(meta)
+        self.metadata = meta
+        self.function: str = meta.function
+        self.dims: tuple[str, ...] = meta.dims
+        self.exact: bool = meta.exact
         # Why the timeline is inexact (calls it could not follow, control flow, ...).
-        self.notes: tuple[str, ...] = tuple(str(n) for n in meta.get("notes", ()))
+        self.notes: tuple[str, ...] = meta.notes
         self.warned_inexact = False
-        self.npoints: int = int(meta["points"])
-        exprs = list(meta["exprs"])
-        self._evaluate = compile_expressions(self.dims, exprs)
-        self._storages = np.array(
-            [[int(s), int(a), int(b)] for s, a, b in meta["storages"]], dtype=np.int64
-        ).reshape(-1, 3)
-        self.slots: tuple[_Slot, ...] = tuple(
-            _Slot(
-                name=str(s["name"]),
-                nbytes=int(s["bytes"]),
-                cost=int(s["cost"]),
-                regen_peak=int(s["regen_peak"]),
-                start=int(s["start"]),
-                site=int(s["site"]),
-                plan=tuple(
-                    _Node(int(slot), tuple((str(kind), int(i)) for kind, i in refs))
-                    for slot, refs in s["plan"]
-                ),
-            )
-            for s in meta["slots"]
-        )
+        self.npoints: int = meta.points
+        self._evaluate = compile_expressions(self.dims, meta.exprs)
+        self._storages = np.array(meta.storages, dtype=np.int64).reshape(-1, 3)
+        self.slots: tuple[RematSlot, ...] = meta.slots
         self._timelines: dict[tuple[int, ...], ConcreteTimeline] = {}
         self._eviction_timelines: dict[
             tuple[tuple[int, ...], EvictionRates], tuple[ConcreteTimeline, frozenset[int]]
@@ -284,8 +167,8 @@ class RematProgram:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> RematProgram:
-        """Parse the JSON metadata."""
-        return cls(json.loads(text))
+        """Parse the JSON metadata (:meth:`blade_relax.contract.RematMetadata.from_json`)."""
+        return cls(RematMetadata.from_json(text))
 
     def timeline(self, dims: Sequence[int], rates: EvictionRates | None = None) -> ConcreteTimeline:
         """The timeline evaluated at concrete dims (cached per shape).

@@ -14,7 +14,15 @@ from tvm.script import tirx as T
 
 import blade_relax  # noqa: F401  (registers the runtime builtins)
 from blade_relax.analysis import memory_timeline
-from blade_relax.contract import EVICT, REGENERATE, REMAT_BEGIN, REMAT_COPY_ATTR, REMAT_META_ATTR
+from blade_relax.contract import (
+    EVICT,
+    REGENERATE,
+    REMAT_BEGIN,
+    REMAT_COPY_ATTR,
+    REMAT_META_ATTR,
+    RematMetadata,
+)
+from blade_relax.contract.dimexpr import compile_expressions
 from blade_relax.transform import PassFallbackWarning, Rematerialize, RematOptions, version_for
 from blade_relax.transform.remat import RematHazardError
 from blade_relax.transform.remat._timeline import simulate
@@ -227,9 +235,11 @@ def test_metadata_symbolic_bytes_cost_and_timeline():
     assert meta["exact"] is False  # the estimate, before planning
     (slot,) = meta["slots"]
     assert slot["name"] == "a" and slot["regen"] == "main_remat0"
-    env = {"n": 10}
-    assert eval(meta["exprs"][slot["bytes"]], {}, env) == 10 * 4 * 4
-    assert eval(meta["exprs"][slot["cost"]], {}, env) == 10 * 4  # one store per element
+    nbytes, cost = compile_expressions(
+        meta["dims"], [meta["exprs"][slot["bytes"]], meta["exprs"][slot["cost"]]]
+    )(10)
+    assert nbytes == 10 * 4 * 4
+    assert cost == 10 * 4  # one store per element
     assert slot["plan"] == [[0, [["a", 0]]]]
     assert slot["start"] <= slot["site"] < meta["points"]
     # Every storage of the lowered function (a, b, c, d) is on the timeline.
@@ -274,6 +284,22 @@ def test_evictable_tensor_owns_its_storage_after_stock_planning():
     assert meta["exact"] is True
     # RematTimeline found the window: the storage is gone between the evict and the regenerate.
     assert meta["slots"][0]["start"] <= meta["slots"][0]["site"]
+
+
+def test_metadata_is_written_by_rematerialize_and_updated_by_remat_timeline():
+    """Both writes are the contract's dataclass as JSON: the estimate after Rematerialize, the
+    exact timeline once RematTimeline read the planned IR, with the same slots."""
+    estimate = RematMetadata.from_json(
+        str(Rematerialize(OPTIONS)(_chain_module())["main"].attrs[REMAT_META_ATTR])
+    )
+    text = str(_lower_to_memory(_chain_module())["main"].attrs[REMAT_META_ATTR])
+    exact = RematMetadata.from_json(text)
+    assert exact.to_json() == text
+    assert (estimate.exact, exact.exact) == (False, True)
+    assert [(s.name, s.regen, s.plan) for s in exact.slots] == [
+        (s.name, s.regen, s.plan) for s in estimate.slots
+    ]
+    assert exact.exprs[exact.slots[0].cost] == estimate.exprs[estimate.slots[0].cost]
 
 
 def test_hazard_detected_when_a_plan_reuses_an_evictable_storage():
@@ -834,7 +860,7 @@ def test_simulation_follows_a_call_in_the_callers_dims():
     by_name = {s.name: s for s in sim.storages}
     assert set(by_name) == {"a", "b", "t", "u", "d"}
     for name in ("t", "u"):  # the helper's sizes, over main's dim n
-        assert eval(by_name[name].size, {}, {"n": 10}) == 10 * 4 * 4
+        assert compile_expressions(["n"], [by_name[name].size])(10) == (10 * 4 * 4,)
     # t dies when the helper returns; u, its result, lives on in g until main's last read.
     assert by_name["t"].end == by_name["u"].first + 1
     assert by_name["u"].end > by_name["d"].first

@@ -186,20 +186,51 @@ def build_recipe(
         When the recomputation needs an opaque or mutated value, or more than ``max_ops``
         kernels.
     """
-    site = cand.regen_before
-    interior: dict[int, Op] = {}
-    inputs: list[relax.Var] = []
-    resolved: dict[relax.Var, relax.Var] = {}
-    kernels = 0
-    params = set(model.params)
+    builder = _RecipeBuilder(model, cand, candidates, max_ops)
+    builder.compute(cand.root)
+    ops = [builder.interior[i] for i in sorted(builder.interior)]
+    return Recipe(
+        ops=ops, inputs=builder.inputs, resolved=builder.resolved, kernels=builder.kernels
+    )
 
-    def boundary(var: relax.Var) -> relax.Var:
-        if var not in inputs:
-            inputs.append(var)
+
+class _RecipeBuilder:
+    """The walk back from a candidate to the values that cost no memory at its site.
+
+    Each variable the recomputation reads is *resolved* once: it is an input of the recipe
+    (:meth:`boundary`), recomputed by its kernel (:meth:`compute`), or an interior binding that
+    reads other variables (a view, a constant, a ``match_cast``).
+    """
+
+    def __init__(
+        self,
+        model: FunctionModel,
+        cand: Candidate,
+        candidates: dict[relax.Var, Candidate],
+        max_ops: int,
+    ) -> None:
+        self.model = model
+        self.cand = cand
+        self.candidates = candidates
+        self.max_ops = max_ops
+        self.site = cand.regen_before
+        self.params = set(model.params)
+        # Position -> binding of the recomputation; its inputs in order; variable -> the
+        # variable it stands for inside the recipe; kernels replayed so far.
+        self.interior: dict[int, Op] = {}
+        self.inputs: list[relax.Var] = []
+        self.resolved: dict[relax.Var, relax.Var] = {}
+        self.kernels = 0
+
+    def boundary(self, var: relax.Var) -> relax.Var:
+        """``var`` is an input of the recipe."""
+        if var not in self.inputs:
+            self.inputs.append(var)
         return var
 
-    def compute(root: relax.Var) -> relax.Var:
-        nonlocal kernels
+    def compute(self, root: relax.Var) -> relax.Var:
+        """Replay the kernel that writes ``root`` (and resolve what that kernel reads)."""
+        model = self.model
         if root in model.mutable:
             raise RecipeError(f"{root.name} may be mutated")
         kernel_index = model.writer.get(root)
@@ -208,74 +239,83 @@ def build_recipe(
         kernel = model.ops[kernel_index]
         if model.writes is not None:
             for v in kernel.reads:
-                if model.writes.written_between(v, kernel_index, site):
+                if model.writes.written_between(v, kernel_index, self.site):
                     raise RecipeError(f"{v.name} is overwritten in place before {root.name}'s site")
-        if kernel_index not in interior:
-            kernels += 1
-            if kernels > max_ops:
-                raise RecipeError(f"more than {max_ops} kernels")
-            interior[kernel_index] = kernel
+        if kernel_index not in self.interior:
+            self.kernels += 1
+            if self.kernels > self.max_ops:
+                raise RecipeError(f"more than {self.max_ops} kernels")
+            self.interior[kernel_index] = kernel
             for out in kernel.outputs:
                 alloc = model.op_of[out]
-                interior[alloc.index] = alloc
+                self.interior[alloc.index] = alloc
                 for v in alloc.reads:
-                    resolve(v)
+                    self.resolve(v)
             for v in kernel.reads:
-                resolve(v)
+                self.resolve(v)
         return root
 
-    def resolve(var: relax.Var) -> relax.Var:
-        if var in resolved:
-            return resolved[var]
-        if var in params:
-            result = boundary(var)
+    def resolve(self, var: relax.Var) -> relax.Var:
+        """What the recipe reads for ``var`` (resolved once)."""
+        if var in self.resolved:
+            return self.resolved[var]
+        if var in self.params:
+            result = self.boundary(var)
         else:
-            op = model.op_of.get(var)
+            op = self.model.op_of.get(var)
             if op is None:
                 raise RecipeError(f"{var.name} is not defined in the function")
-            result = _resolve_op(op, var)
-        resolved[var] = result
+            result = self._resolve_op(op, var)
+        self.resolved[var] = result
         return result
 
-    def _resolve_op(op: Op, var: relax.Var) -> relax.Var:
+    def _resolve_op(self, op: Op, var: relax.Var) -> relax.Var:
         if op.kind == "inert":
-            interior[op.index] = op
+            self.interior[op.index] = op
             return var
         if op.kind == "alloc":
-            other = candidates.get(var)
-            if var is cand.root:
-                return compute(var)
-            if other is not None:
-                if classify_at(other, site, model) != "dead":
-                    return boundary(var)
-                return compute(var)
-            if _available(model, var, site, candidates):
-                return boundary(var)
-            return compute(var)
+            return self._resolve_tensor(var)
         if op.kind in ("alias", "getitem"):
-            source = op.source
-            if op.kind == "getitem":
-                fields = model.tuple_fields.get(op.source)
-                if fields is None or not isinstance(fields[int(op.value.index)], relax.Var):
-                    raise RecipeError(f"{var.name} reads a tuple that is not a literal")
-                source = fields[int(op.value.index)]
-            if op.is_match_cast:
-                interior[op.index] = op
-                resolve(source)
-                return var
-            return resolve(source)
+            return self._resolve_alias(op, var)
         if op.kind == "view":
-            roots = model.holds.get(var, frozenset())
-            if not (roots & set(candidates)) and _available(model, var, site, candidates):
-                return boundary(var)
-            interior[op.index] = op
+            roots = self.model.holds.get(var, frozenset())
+            if not (roots & set(self.candidates)) and self._available(var):
+                return self.boundary(var)
+            self.interior[op.index] = op
             for v in op.reads:
-                resolve(v)
+                self.resolve(v)
             return var
-        if _available(model, var, site, candidates):
-            return boundary(var)
+        if self._available(var):
+            return self.boundary(var)
         raise RecipeError(f"{var.name} comes from an opaque {op.kind} binding")
 
-    compute(cand.root)
-    ops = [interior[i] for i in sorted(interior)]
-    return Recipe(ops=ops, inputs=inputs, resolved=resolved, kernels=kernels)
+    def _resolve_tensor(self, var: relax.Var) -> relax.Var:
+        """A fresh tensor: an input when it costs nothing at the site (a candidate the runtime
+        holds or hands back there, a tensor live anyway), else recomputed."""
+        other = self.candidates.get(var)
+        if var is self.cand.root:
+            return self.compute(var)
+        if other is not None:
+            if classify_at(other, self.site, self.model) != "dead":
+                return self.boundary(var)
+            return self.compute(var)
+        if self._available(var):
+            return self.boundary(var)
+        return self.compute(var)
+
+    def _resolve_alias(self, op: Op, var: relax.Var) -> relax.Var:
+        """An alias or a tuple field: what it names (a ``match_cast`` stays a binding)."""
+        source = op.source
+        if op.kind == "getitem":
+            fields = self.model.tuple_fields.get(op.source)
+            if fields is None or not isinstance(fields[int(op.value.index)], relax.Var):
+                raise RecipeError(f"{var.name} reads a tuple that is not a literal")
+            source = fields[int(op.value.index)]
+        if op.is_match_cast:
+            self.interior[op.index] = op
+            self.resolve(source)
+            return var
+        return self.resolve(source)
+
+    def _available(self, var: relax.Var) -> bool:
+        return _available(self.model, var, self.site, self.candidates)

@@ -2,11 +2,15 @@
 
 ``Rematerialize`` runs before memory planning, but what the VM allocates is decided by the
 planner (``StaticPlanBlockMemory``, ``PlanMemory``) and ``KillAfterLastUse``. So the timeline is
-computed twice: ``Rematerialize`` attaches an estimate from the lowered IR (every
-``R.builtin.alloc_tensor`` its own storage, registers dropped after their last use), and
-:class:`RematTimeline`, run after ``KillAfterLastUse``, replaces it with the exact one read
-from the planned IR (``alloc_storage`` sizes, explicit kills). The pipeline runs both; a
-user's own pipeline without ``RematTimeline`` still works, on the estimate.
+computed twice, each time by :func:`write_metadata`: ``Rematerialize`` attaches an estimate
+from the lowered IR (every ``R.builtin.alloc_tensor`` its own storage, registers dropped after
+their last use), and :class:`RematTimeline`, run after ``KillAfterLastUse``, replaces it with
+the exact one read from the planned IR (``alloc_storage`` sizes, explicit kills). The second
+write is an update, not a repetition: the planned IR does not exist when ``Rematerialize``
+runs, and a module ``Rematerialize`` returned must carry a timeline of its own (a user's
+pipeline without ``RematTimeline`` still works, on the estimate; ``RematTimeline`` reads the
+slots' names, plans and costs back from it). The metadata is a
+:class:`~blade_relax.contract.RematMetadata`.
 
 :func:`simulate` walks a function once, tracking which storages each register keeps alive:
 
@@ -14,8 +18,8 @@ user's own pipeline without ``RematTimeline`` still works, on the estimate.
   call (the live bytes right before it) and every kernel call with a workspace (the live bytes
   while it runs, its workspace a storage live at that point only:
   :mod:`blade_relax.analysis.workspace`);
-* each storage's live interval over the points, its size as a Python integer expression over
-  the function's dims;
+* each storage's live interval over the points, its size as a dim expression
+  (:mod:`blade_relax.contract.dimexpr`) over the function's dims;
 * each slot's window: ``start`` is the first point after the VM has let go of the evicted
   tensor's storage (the ``evict`` call keeps it in the runtime's stash when the tensor is
   kept), ``site`` the point of its ``regenerate`` call.
@@ -34,7 +38,6 @@ raises :class:`RematHazardError` if it does.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,14 +46,17 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ...analysis.dimexpr import UndefinedVariable, from_prim_expr
 from ...analysis.effects import Kind, classify
 from ...analysis.liveness import liveness
 from ...analysis.storage_flow import death_points
 from ...analysis.workspace import call_reads
 from ...contract import (
-    REMAT_FORMAT,
     REMAT_META_ATTR,
     REMAT_REGEN_ATTR,
+    PlanNode,
+    RematMetadata,
+    RematSlot,
     metadata_key,
 )
 from .._collection import pauses_collection
@@ -59,9 +65,11 @@ __all__ = [
     "RematHazardError",
     "RematTimeline",
     "Simulation",
+    "SlotSpec",
     "attach_metadata",
     "prim_to_py",
     "simulate",
+    "write_metadata",
 ]
 
 # The VM builtin that calls a closure (the function inserts it to call ``release``).
@@ -73,67 +81,26 @@ class RematHazardError(RuntimeError):
 
 
 # --------------------------------------------------------------------------- expressions
-_BINARY = {
-    "Add": "+",
-    "Sub": "-",
-    "Mul": "*",
-    "FloorDiv": "//",
-    "FloorMod": "%",
-    "LT": "<",
-    "LE": "<=",
-    "GT": ">",
-    "GE": ">=",
-    "EQ": "==",
-    "NE": "!=",
-    "And": "and",
-    "Or": "or",
-}
-
-
 def prim_to_py(expr: Any, rename: dict[Any, str] | None = None, strict: bool = False) -> str:
-    """A Python integer expression equal to a TIR ``PrimExpr`` (names are the vars' names).
+    """The dim expression of a TIR ``PrimExpr`` over the function's dims (names are the vars'
+    names): :func:`blade_relax.analysis.dimexpr.from_prim_expr`.
 
-    ``rename`` replaces variables by given Python text (to express a kernel's sizes in its
-    caller's dims); with ``strict``, a variable missing from ``rename`` is an error (a callee's
-    var may share its name with an unrelated dim of the caller).
+    ``rename`` replaces variables by given text (to express a kernel's sizes in its caller's
+    dims); with ``strict``, a variable missing from ``rename`` is an error (a callee's var may
+    share its name with an unrelated dim of the caller).
 
     Raises
     ------
     ValueError
-        For nodes other than integer constants, vars, arithmetic, min/max, casts, comparisons,
-        logic and ``Select``.
+        For a node without a dim expression, or a variable ``strict`` refuses (the message,
+        which the timeline's notes quote, says which).
     """
-    if isinstance(expr, int):
-        return str(expr)
-    if isinstance(expr, tvm.tirx.IntImm):
-        return str(int(expr.value))
-    if isinstance(expr, tvm.tirx.Var):
-        if rename is not None and expr in rename:
-            return rename[expr]
-        if strict:
-            raise ValueError(f"symbolic var {expr.name} is not defined by the call's arguments")
-        return str(expr.name)
-
-    def py(x: Any) -> str:
-        return prim_to_py(x, rename, strict)
-
-    kind = type(expr).__name__
-    if kind in _BINARY:
-        return f"({py(expr.a)} {_BINARY[kind]} {py(expr.b)})"
-    if kind in ("Min", "Max"):
-        return f"{kind.lower()}({py(expr.a)}, {py(expr.b)})"
-    if kind == "Div":
-        return f"tdiv({py(expr.a)}, {py(expr.b)})"
-    if kind == "Mod":
-        return f"tmod({py(expr.a)}, {py(expr.b)})"
-    if kind == "Cast":
-        return py(expr.value)
-    if kind == "Not":
-        return f"(not {py(expr.a)})"
-    if kind == "Select":
-        cond, t, f = (py(x) for x in (expr.condition, expr.true_value, expr.false_value))
-        return f"({t} if {cond} else {f})"
-    raise ValueError(f"cannot evaluate a {kind} at run time: {expr}")
+    try:
+        return from_prim_expr(expr, rename, strict=strict)
+    except UndefinedVariable as err:
+        raise ValueError(
+            f"symbolic var {err.var.name} is not defined by the call's arguments"
+        ) from None
 
 
 def _itemsize(dtype: Any) -> int:
@@ -142,7 +109,7 @@ def _itemsize(dtype: Any) -> int:
 
 
 def tensor_bytes_py(ty: relax.TensorType, rename: dict[Any, str] | None = None) -> str:
-    """Bytes of a tensor type as a Python expression (``rename``: see :func:`prim_to_py`)."""
+    """Bytes of a tensor type as a dim expression (``rename``: see :func:`prim_to_py`)."""
     shape = ty.shape
     if not isinstance(shape, relax.ShapeExpr) or ty.dtype is None:
         raise ValueError(f"tensor type without a known shape and dtype: {ty}")
@@ -527,15 +494,42 @@ class _Walker:
 
 
 # --------------------------------------------------------------------------- metadata
+@dataclass(frozen=True)
+class SlotSpec:
+    """What ``Rematerialize`` decides about one slot; the simulation gives the rest.
+
+    Attributes
+    ----------
+    name
+        The evictable tensor's variable.
+    regen
+        The name of its regeneration function in the module.
+    cost
+        Its recompute cost, a dim expression.
+    plan
+        The regeneration closures its ``regenerate`` call runs.
+    """
+
+    name: str
+    regen: str
+    cost: str
+    plan: tuple[PlanNode, ...]
+
+
+def slot_specs(meta: RematMetadata) -> list[SlotSpec]:
+    """The slots of written metadata, as ``Rematerialize`` decided them."""
+    return [SlotSpec(s.name, s.regen, meta.exprs[s.cost], s.plan) for s in meta.slots]
+
+
 def build_metadata(
     function: str,
     dims: Sequence[str],
     sim: Simulation,
-    slots: Sequence[dict[str, Any]],
+    slots: Sequence[SlotSpec],
     regen_peaks: Sequence[str],
     exact: bool,
-) -> dict[str, Any]:
-    """Assemble the metadata JSON the runtime reads.
+) -> RematMetadata:
+    """Assemble the metadata the runtime reads.
 
     Parameters
     ----------
@@ -546,8 +540,7 @@ def build_metadata(
     sim
         The simulation of the function.
     slots
-        Per slot, its static part: ``name``, ``cost`` (expression), ``plan``, ``regen``
-        (name of its regeneration function).
+        Per slot, what ``Rematerialize`` decided.
     regen_peaks
         Per slot, the peak bytes of its regeneration function (expression).
     exact
@@ -562,35 +555,84 @@ def build_metadata(
             exprs.append(text)
         return index_of[text]
 
-    storages = [[expr(s.size), s.first, s.end] for s in sim.storages]
+    storages = tuple((expr(s.size), s.first, s.end) for s in sim.storages)
     out_slots = []
-    for k, static in enumerate(slots):
+    for k, spec in enumerate(slots):
         window = sim.slots.get(k, SlotWindow())
         site = window.site if window.site is not None else 0
         start = window.start if window.start is not None and window.site is not None else site + 1
         out_slots.append(
-            {
-                "name": static["name"],
-                "regen": static["regen"],
-                "bytes": expr(window.nbytes),
-                "cost": expr(static["cost"]),
-                "regen_peak": expr(regen_peaks[k]),
-                "start": start,
-                "site": site,
-                "plan": static["plan"],
-            }
+            RematSlot(
+                name=spec.name,
+                regen=spec.regen,
+                nbytes=expr(window.nbytes),
+                cost=expr(spec.cost),
+                regen_peak=expr(regen_peaks[k]),
+                start=start,
+                site=site,
+                plan=spec.plan,
+            )
         )
-    return {
-        "format": REMAT_FORMAT,
-        "function": function,
-        "dims": list(dims),
-        "exact": bool(exact and sim.exact),
-        "notes": list(dict.fromkeys(sim.notes)),
-        "points": max(sim.points, 1),
-        "exprs": exprs,
-        "storages": storages,
-        "slots": out_slots,
-    }
+    return RematMetadata(
+        function=function,
+        dims=tuple(dims),
+        exact=bool(exact and sim.exact),
+        notes=tuple(dict.fromkeys(sim.notes)),
+        points=max(sim.points, 1),
+        exprs=tuple(exprs),
+        storages=storages,
+        slots=tuple(out_slots),
+    )
+
+
+def write_metadata(
+    func: relax.Function,
+    mod: tvm.IRModule,
+    stage: str,
+    function: str,
+    dims: Sequence[str],
+    slots: Sequence[SlotSpec],
+) -> relax.Function:
+    """Simulate ``func`` and its slots' regeneration functions at ``stage``, and attach the
+    metadata: the one way metadata is written.
+
+    ``Rematerialize`` writes it at the ``"lowered"`` stage (an estimate: every
+    ``R.builtin.alloc_tensor`` its own storage), :class:`RematTimeline` again at the
+    ``"memory"`` stage, after planning and ``KillAfterLastUse``, where the timeline is exact
+    (see the module docstring for why both).
+
+    Parameters
+    ----------
+    func
+        The rewritten function.
+    mod
+        A module holding ``func``'s callees and the regeneration functions of ``slots``.
+    stage
+        As for :func:`simulate`; the metadata is exact only at ``"memory"``.
+    function, dims, slots
+        As for :func:`build_metadata`.
+
+    Raises
+    ------
+    ValueError
+        When a slot's regeneration function is missing from ``mod``.
+    RematHazardError
+        As :func:`simulate`.
+    """
+    regens = regen_functions(mod)
+    sim = simulate(func, mod, stage)
+    peaks = []
+    for slot in slots:
+        regen = regens.get(slot.regen)
+        if regen is None:
+            raise ValueError(f"regeneration function {slot.regen} is missing from the module")
+        regen_sim = simulate(regen, mod, stage)
+        if not regen_sim.exact:
+            sim.exact = False
+            sim.notes.extend(f"{slot.regen}: {note}" for note in regen_sim.notes)
+        peaks.append(regen_sim.peak_expr())
+    meta = build_metadata(function, dims, sim, slots, peaks, exact=stage == "memory")
+    return attach_metadata(func, meta)
 
 
 def metadata_constant(text: str) -> relax.Expr:
@@ -598,10 +640,10 @@ def metadata_constant(text: str) -> relax.Expr:
     return relax.const(np.frombuffer(text.encode(), dtype=np.uint8).copy(), "uint8")
 
 
-def attach_metadata(func: relax.Function, meta: dict[str, Any]) -> relax.Function:
+def attach_metadata(func: relax.Function, meta: RematMetadata) -> relax.Function:
     """Write ``meta`` into the ``remat_begin`` call of ``func`` and into its attribute."""
-    text = json.dumps(meta, separators=(",", ":"))
-    key = metadata_key(meta["function"], text)
+    text = meta.to_json()
+    key = metadata_key(meta.function, text)
     body = func.body
     blocks = []
     replaced = False
@@ -652,8 +694,8 @@ def regen_functions(mod: tvm.IRModule) -> dict[str, relax.Function]:
 
 
 def refresh_metadata(mod: tvm.IRModule, stage: str) -> tvm.IRModule:
-    """Recompute the metadata of every rematerialized function of ``mod`` at ``stage``."""
-    regens = regen_functions(mod)
+    """Rewrite the metadata of every rematerialized function of ``mod`` at ``stage``: the
+    same slots, the timeline simulated again (:func:`write_metadata`)."""
     updates = {}
     for gv, func in mod.functions.items():
         if (
@@ -662,28 +704,8 @@ def refresh_metadata(mod: tvm.IRModule, stage: str) -> tvm.IRModule:
             or REMAT_META_ATTR not in func.attrs
         ):
             continue
-        old = json.loads(str(func.attrs[REMAT_META_ATTR]))
-        sim = simulate(func, mod, stage)
-        peaks = []
-        for slot in old["slots"]:
-            regen = regens.get(slot["regen"])
-            if regen is None:
-                raise ValueError(
-                    f"regeneration function {slot['regen']} is missing from the module"
-                )
-            regen_sim = simulate(regen, mod, stage)
-            if not regen_sim.exact:
-                sim.exact = False
-                sim.notes.extend(f"{slot['regen']}: {note}" for note in regen_sim.notes)
-            peaks.append(regen_sim.peak_expr())
-        statics = [
-            {k: s[k] for k in ("name", "regen", "plan")} | {"cost": old["exprs"][s["cost"]]}
-            for s in old["slots"]
-        ]
-        meta = build_metadata(
-            old["function"], old["dims"], sim, statics, peaks, exact=stage == "memory"
-        )
-        updates[gv] = attach_metadata(func, meta)
+        old = RematMetadata.from_json(str(func.attrs[REMAT_META_ATTR]))
+        updates[gv] = write_metadata(func, mod, stage, old.function, old.dims, slot_specs(old))
     if not updates:
         return mod
     mod = mod.clone() if hasattr(mod, "clone") else mod
@@ -697,8 +719,10 @@ class RematTimeline:
     """Replace the estimated remat timeline with the one read from the planned IR.
 
     Runs after ``KillAfterLastUse`` (the IR then holds ``alloc_storage`` with the planned sizes
-    and the VM's kills) and before ``VMShapeLower``. A module without rematerialized functions
-    passes through unchanged.
+    and the VM's kills) and before ``VMShapeLower``. The metadata ``Rematerialize`` wrote is
+    written again, through the same :func:`write_metadata`: an update, since the planned IR did
+    not exist when it was first written (see the module docstring). A module without
+    rematerialized functions passes through unchanged.
     """
 
     @pauses_collection

@@ -82,7 +82,6 @@ outputs; the function's symbolic dims are all defined by its parameters' shapes.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -92,30 +91,21 @@ from tvm import relax
 
 from ...analysis.effects import Kind, classify
 from ...contract import (
-    EVICT,
-    NO_PLAN_ATTR,
-    REGENERATE,
-    REMAT_BEGIN,
     REMAT_COPY_ATTR,
     REMAT_META_ATTR,
     REMAT_REGEN_ATTR,
     REMAT_RELEASE_ATTR,
+    RematMetadata,
 )
-from ...runtime.remat import compile_expressions
+from ...contract.dimexpr import compile_expressions, validate
 from .._collection import pauses_collection
 from .._warn import warn_fallback
 from ..dispatch import budget_dispatch
 from ..result import FunctionResult, PassResult, counted, publish, snapshot, timeline_peak
 from ._ir import FunctionModel, Op, RecipeError, UnsupportedFunction, build_model
-from ._select import Candidate, Recipe, build_recipe, classify_at, find_gaps
-from ._timeline import (
-    INVOKE_CLOSURE,
-    attach_metadata,
-    build_metadata,
-    prim_to_py,
-    simulate,
-    tensor_bytes_py,
-)
+from ._rewrite import rewrite, substitute
+from ._select import Candidate, Recipe, build_recipe, find_gaps
+from ._timeline import SlotSpec, prim_to_py, tensor_bytes_py, write_metadata
 
 __all__ = ["RematOptions", "Rematerialize"]
 
@@ -262,17 +252,17 @@ class Rematerialize:
         self, func: relax.Function, new_func: relax.Function, mod: tvm.IRModule, out: tvm.IRModule
     ) -> FunctionResult:
         """The result of a rewritten function, read from its metadata."""
-        meta = json.loads(str(new_func.attrs[REMAT_META_ATTR]))
-        names = [slot["name"] for slot in meta["slots"]]
+        meta = RematMetadata.from_json(str(new_func.attrs[REMAT_META_ATTR]))
+        names = [slot.name for slot in meta.slots]
         shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
         changes = [f"{counted(len(names), 'tensor')} evictable ({shown})"]
         notes = ["peak after: the rewritten function with nothing evicted"]
         if self.options.plain_without_budget:
             changes.append("dispatches on a memory budget to the rewritten or the plain copy")
-        if meta["notes"]:
-            notes.append("estimated timeline inexact: " + "; ".join(meta["notes"]))
+        if meta.notes:
+            notes.append("estimated timeline inexact: " + "; ".join(meta.notes))
         before, after = timeline_peak(func, mod), timeline_peak(new_func, out)
-        return FunctionResult(meta["function"], True, tuple(changes), before, after, tuple(notes))
+        return FunctionResult(meta.function, True, tuple(changes), before, after, tuple(notes))
 
 
 _CALLED = "called by a function the pass can transform (that caller decides for it)"
@@ -317,30 +307,6 @@ def _called_by_transformable(
         relax.analysis.post_order_visit(caller.body, visit)
         found |= named - {gv}  # a function naming itself (recursion) stays eligible
     return found
-
-
-def _calls_relax_function(value: relax.Expr, mod: tvm.IRModule) -> bool:
-    op = getattr(value, "op", None)
-    return (
-        isinstance(value, relax.Call)
-        and isinstance(op, relax.GlobalVar)
-        and op in mod.functions
-        and isinstance(mod[op], relax.Function)
-    )
-
-
-def _substitute(expr: relax.Expr, lookup) -> relax.Expr:
-    """Replace variables in an A-normal-form value."""
-    if isinstance(expr, relax.Var):
-        return lookup(expr)
-    if isinstance(expr, relax.Call):
-        op = lookup(expr.op) if isinstance(expr.op, relax.Var) else expr.op
-        return relax.Call(op, [_substitute(a, lookup) for a in expr.args], expr.attrs, expr.ty_args)
-    if isinstance(expr, relax.Tuple):
-        return relax.Tuple([_substitute(f, lookup) for f in expr.fields])
-    if isinstance(expr, relax.TupleGetItem):
-        return relax.TupleGetItem(_substitute(expr.tuple_value, lookup), expr.index)
-    return expr
 
 
 def _signature_dims(func: relax.Function) -> list[tvm.tirx.Var]:
@@ -399,7 +365,7 @@ def _kernel_cost(op: Op, mod: tvm.IRModule, dims: set[str]) -> str:
             elif isinstance(arg, tvm.ir.PrimExpr):
                 rename[param] = f"({prim_to_py(arg)})"
         text = " + ".join(prim_to_py(s, rename) for s in stores)
-        compile_expressions(sorted(dims), [text])  # only the caller's dims may remain
+        validate(text, dims)  # only the caller's dims may remain
         return text
     except Exception:  # any kernel the estimate cannot read (user TIR): its output bytes
         # Not warned: only the ranking estimate changes, never what the pass does. Taken today
@@ -427,7 +393,7 @@ def _regen_function(
 
     bindings: list[relax.Binding] = []
     for op in recipe.ops:
-        value = _substitute(op.value, lookup)
+        value = substitute(op.value, lookup)
         new_var = relax.Var(op.var.name, op.var.ty)
         if op.is_match_cast:
             bindings.append(relax.MatchCast(new_var, value, op.var.ty))
@@ -528,6 +494,8 @@ def _rematerialize(
     builder: relax.BlockBuilder,
     model: FunctionModel | UnsupportedFunction,
 ) -> relax.Function | None:
+    """The rewritten ``func`` (its regeneration functions added to ``builder``), or None when
+    no tensor is worth evicting."""
     if options.max_candidates == 0:
         return None
     if isinstance(model, UnsupportedFunction):
@@ -539,15 +507,54 @@ def _rematerialize(
     except Exception as err:  # user IR: the timeline may fail to read it in any way
         warn_fallback("Rematerialize", "function", name, err)
         return None
-    gaps = find_gaps(model, hot, options.min_gap)
-    # Only tensors whose size the runtime can evaluate from the dims, and not provably tiny.
+    gaps = _worth_evicting(model, graph, hot, points, peaks, dim_names, options)
+    candidates = _select(model, gaps, options)
+    cost_of = _CostTexts(mod, dim_names)
+    if len(candidates) > options.max_candidates:
+        candidates = _most_freeing(model, candidates, hot, points, cost_of, options)
+    if not candidates:
+        return None
+
+    ordered = sorted(candidates.values(), key=lambda c: model.writer[c.root])
+    for slot, cand in enumerate(ordered):
+        cand.slot = slot
+    gvs, takes_dims = _add_regen_functions(builder, name, ordered, dims)
+    release = _release_function(builder)
+    new_func, plans = rewrite(func, model, ordered, candidates, gvs, takes_dims, dims, release, mod)
+    if options.own_storage_fraction is not None:
+        large = _large_tensors(model, graph, points, peaks, options.own_storage_fraction)
+        new_func = _own_storage(new_func, large - set(candidates))
+    slots = [
+        SlotSpec(cand.root.name, gvs[cand.slot].name_hint, cost_of(cand), plans[cand.slot])
+        for cand in ordered
+    ]
+    # The estimate: the lowered IR, before planning (RematTimeline writes the exact one).
+    new_func = builder.normalize(new_func)
+    meta_dims = [d.name for d in dims]
+    return builder.normalize(
+        write_metadata(new_func, builder.get(), "lowered", name, meta_dims, slots)
+    )
+
+
+def _worth_evicting(
+    model: FunctionModel,
+    graph: Any,
+    hot: set[int],
+    points: list,
+    peaks: list,
+    dim_names: set[str],
+    options: RematOptions,
+) -> dict[relax.Var, tuple[int, int]]:
+    """The gaps (:func:`find_gaps`) of the tensors worth evicting: those whose size the runtime
+    can evaluate from the dims, not provably below ``min_bytes``, and not among the smallest
+    that together stay under ``min_fraction`` of the peak (:func:`_negligible`)."""
     from ...symbolic import Ordering
 
+    gaps = find_gaps(model, hot, options.min_gap)
     sizes: dict[relax.Var, list[int]] = {}
     for root in list(gaps):
         try:
-            text = tensor_bytes_py(root.ty)
-            compile_expressions(sorted(dim_names), [text])
+            validate(tensor_bytes_py(root.ty), dim_names)
         except ValueError:
             del gaps[root]
             continue
@@ -559,80 +566,71 @@ def _rematerialize(
     spans = {root: b - a for root, (a, b) in gaps.items()}
     for root in _negligible(sizes, [options.min_fraction * peak for peak in peaks], spans):
         del gaps[root]
-    candidates = _select(model, gaps, options)
-    if not candidates:
-        return None
+    return gaps
 
-    costs: dict[relax.Var, str] = {}
 
-    def cost_of(cand: Candidate) -> str:
-        if cand.root not in costs:
+class _CostTexts:
+    """Each candidate's recompute cost as a dim expression: the loop iterations of its recipe's
+    kernels (:func:`_kernel_cost`), written once per tensor."""
+
+    def __init__(self, mod: tvm.IRModule, dim_names: set[str]) -> None:
+        self.mod = mod
+        self.dim_names = dim_names
+        self.texts: dict[relax.Var, str] = {}
+
+    def __call__(self, cand: Candidate) -> str:
+        if cand.root not in self.texts:
             terms = [
-                _kernel_cost(op, mod, dim_names) for op in cand.recipe.ops if op.kind == "kernel"
+                _kernel_cost(op, self.mod, self.dim_names)
+                for op in cand.recipe.ops
+                if op.kind == "kernel"
             ]
-            costs[cand.root] = " + ".join(f"({t})" for t in terms) or "1"
-        return costs[cand.root]
+            self.texts[cand.root] = " + ".join(f"({t})" for t in terms) or "1"
+        return self.texts[cand.root]
 
-    if len(candidates) > options.max_candidates:
-        evaluators = {}
-        scores = {}
-        for root, cand in candidates.items():
-            cost_text = cost_of(cand)
-            evaluators[root] = compile_expressions(
-                sorted(dim_names), [cost_text, tensor_bytes_py(root.ty)]
-            )
-            covered = sum(1 for t in hot if cand.evict_after < t < cand.regen_before)
-            freed = cost = 0.0
-            for point in points:
-                values = [point.get(d, 1) for d in sorted(dim_names)]
-                point_cost, nbytes = evaluators[root](*values)
-                freed += nbytes * covered
-                cost += point_cost
-            scores[root] = (-freed, cost)
-        keep = sorted(candidates, key=lambda r: scores[r])[: options.max_candidates]
-        kept = {r: candidates[r] for r in keep}
-        candidates = _select(
-            model, {r: (c.evict_after, c.regen_before) for r, c in kept.items()}, options
-        )
-        if not candidates:
-            return None
 
-    ordered = sorted(candidates.values(), key=lambda c: model.writer[c.root])
-    for slot, cand in enumerate(ordered):
-        cand.slot = slot
+def _most_freeing(
+    model: FunctionModel,
+    candidates: dict[relax.Var, Candidate],
+    hot: set[int],
+    points: list,
+    cost_of: _CostTexts,
+    options: RematOptions,
+) -> dict[relax.Var, Candidate]:
+    """The ``max_candidates`` candidates that free the most bytes over the hot bindings (summed
+    over the representative shapes), the cheaper to recompute first among equals, with their
+    recipes built again for that smaller set."""
+    names = sorted(cost_of.dim_names)
+    scores = {}
+    for root, cand in candidates.items():
+        evaluate = compile_expressions(names, [cost_of(cand), tensor_bytes_py(root.ty)])
+        covered = sum(1 for t in hot if cand.evict_after < t < cand.regen_before)
+        freed = cost = 0.0
+        for point in points:
+            point_cost, nbytes = evaluate(*(int(point.get(d, 1)) for d in names))
+            freed += nbytes * covered
+            cost += point_cost
+        scores[root] = (-freed, cost)
+    keep = sorted(candidates, key=lambda r: scores[r])[: options.max_candidates]
+    gaps = {r: (candidates[r].evict_after, candidates[r].regen_before) for r in keep}
+    return _select(model, gaps, options)
 
-    regens: dict[int, relax.Function] = {}
+
+def _add_regen_functions(
+    builder: relax.BlockBuilder,
+    name: str,
+    ordered: list[Candidate],
+    dims: list[tvm.tirx.Var],
+) -> tuple[dict[int, relax.GlobalVar], dict[int, bool]]:
+    """Add each candidate's regeneration function to the module, named ``<name>_remat<slot>``;
+    by slot, its global var and whether it takes the trailing dims shape."""
     gvs: dict[int, relax.GlobalVar] = {}
     takes_dims: dict[int, bool] = {}
     for cand in ordered:
         fn, with_dims = _regen_function(name, cand.slot, cand, cand.recipe, dims)
-        regens[cand.slot] = fn
         gvs[cand.slot] = builder.add_func(fn, f"{name}_remat{cand.slot}")
         takes_dims[cand.slot] = with_dims
-
-    release = _release_function(builder)
-    new_func, plans = _rewrite(
-        func, model, ordered, candidates, gvs, takes_dims, dims, release, mod
-    )
-    if options.own_storage_fraction is not None:
-        large = _large_tensors(model, graph, points, peaks, options.own_storage_fraction)
-        new_func = _own_storage(new_func, large - set(candidates))
-    statics = [
-        {
-            "name": cand.root.name,
-            "regen": gvs[cand.slot].name_hint,
-            "cost": cost_of(cand),
-            "plan": plans[cand.slot],
-        }
-        for cand in ordered
-    ]
-    # The estimate: the lowered IR, before planning.
-    new_func = builder.normalize(new_func)
-    probe = builder.get()
-    sim = simulate(new_func, probe, "lowered")
-    peaks = [simulate(regens[c.slot], probe, "lowered").peak_expr() for c in ordered]
-    meta = build_metadata(name, [d.name for d in dims], sim, statics, peaks, exact=False)
-    return builder.normalize(attach_metadata(new_func, meta))
+    return gvs, takes_dims
 
 
 def _large_tensors(
@@ -713,225 +711,3 @@ def _release_function(builder: relax.BlockBuilder) -> relax.GlobalVar:
     func = relax.Function([], body, relax.TupleType([]), True)
     func = func.with_attr(REMAT_RELEASE_ATTR, True)
     return builder.add_func(relax.BlockBuilder().normalize(func), "blade_relax_remat_release")
-
-
-def _builtin(name: str, args: list[relax.Expr], ty: relax.Type) -> relax.Call:
-    return relax.op.call_builtin_with_ctx(relax.ExternFunc(name), relax.Tuple(args), ty_args=ty)
-
-
-def _drop_unread_views(
-    bindings: list[relax.Binding], result: relax.Expr, model: FunctionModel
-) -> list[relax.Binding]:
-    """Remove views and aliases that nothing reads any more.
-
-    A view of an evicted tensor whose later readers now read the rebuilt view would otherwise
-    keep the evicted storage alive: ``KillAfterLastUse`` never kills a variable nobody reads.
-    """
-    removable = {op.var for op in model.ops if op.kind in ("alias", "view", "getitem")}
-    while True:
-        read: set[relax.Var] = set(relax.analysis.free_vars(result))
-        for b in bindings:
-            read.update(relax.analysis.free_vars(b.value))
-        kept = [b for b in bindings if b.var in read or b.var not in removable]
-        if len(kept) == len(bindings):
-            return kept
-        bindings = kept
-
-
-def _regen_position(model: FunctionModel, cand: Candidate) -> int:
-    """Where the ``regenerate`` call of ``cand`` goes: before its site's reader, and before the
-    allocations of that reader's outputs right in front of it.
-
-    The outputs are written only by the reader, so the recomputation may run first: its
-    temporaries are then gone before the outputs take memory, instead of on top of them.
-    """
-    site = cand.regen_before
-    reader = model.ops[site]
-    outputs = set(reader.outputs) if reader.kind == "kernel" else set()
-    position = site
-    while (
-        position - 1 > cand.evict_after
-        and model.ops[position - 1].kind == "alloc"
-        and model.ops[position - 1].var in outputs
-    ):
-        position -= 1
-    return position
-
-
-def _rewrite(
-    func: relax.Function,
-    model: FunctionModel,
-    ordered: list[Candidate],
-    candidates: dict[relax.Var, Candidate],
-    gvs: dict[int, relax.GlobalVar],
-    takes_dims: dict[int, bool],
-    dims: list[tvm.tirx.Var],
-    release: relax.GlobalVar,
-    mod: tvm.IRModule,
-) -> tuple[relax.Function, dict[int, list]]:
-    """Insert the runtime calls and redirect later uses to the regenerated tensors.
-
-    After every call of another Relax function it also calls ``release``: the VM keeps a
-    function's result in its return register until the next function returns, so without it
-    the callee's result would outlive its last reader until a decision-dependent point (a
-    ``regenerate`` that recomputes runs closures, one that hands back a kept tensor does not).
-    """
-    frame = relax.Var("remat_frame", relax.ObjectType())
-    dims_expr = relax.ShapeExpr(list(dims))
-    evict_after: dict[int, list[Candidate]] = {}
-    regen_before: dict[int, list[Candidate]] = {}
-    for cand in ordered:
-        evict_after.setdefault(cand.evict_after, []).append(cand)
-        regen_before.setdefault(_regen_position(model, cand), []).append(cand)
-    regenerated: dict[int, relax.Var] = {}
-    subst: dict[relax.Var, relax.Var] = {}
-
-    def lookup(v: relax.Var) -> relax.Var:
-        return subst.get(v, v)
-
-    def plan_for(cand: Candidate) -> tuple[list[list], list[relax.Expr]]:
-        site = cand.regen_before
-        nodes: list[list] = []
-        args: list[relax.Expr] = []
-        visited: set[int] = set()
-
-        def arg(expr: relax.Expr) -> int:
-            for i, existing in enumerate(args):
-                if existing.same_as(expr):
-                    return i
-            args.append(expr)
-            return len(args) - 1
-
-        def visit(c: Candidate) -> None:
-            if c.slot in visited:
-                return
-            visited.add(c.slot)
-            refs: list[list] = []
-            for inp in c.recipe.inputs:
-                other = candidates.get(inp)
-                if other is None:
-                    refs.append(["a", arg(inp)])
-                    continue
-                where = classify_at(other, site, model)
-                if where == "orig":
-                    refs.append(["a", arg(inp)])
-                elif where == "regen":
-                    if other.slot not in regenerated:
-                        raise AssertionError(f"{other.root.name} is not regenerated before {site}")
-                    refs.append(["a", arg(regenerated[other.slot])])
-                elif where == "slot":
-                    visit(other)
-                    refs.append(["s", other.slot])
-                else:
-                    raise AssertionError(f"{other.root.name} is dead at {site}")
-            if takes_dims[c.slot]:
-                refs.append(["a", arg(dims_expr)])
-            nodes.append([c.slot, refs])
-
-        visit(cand)
-        return nodes, args
-
-    plans: dict[int, list] = {}
-    # The regeneration functions, by slot, reach the runtime once per call (not once per
-    # regenerate call): the frame keeps them.
-    out: list[relax.Binding] = [
-        relax.VarBinding(
-            frame,
-            _builtin(
-                REMAT_BEGIN,
-                [
-                    tvm.ir.StringImm("pending"),
-                    relax.const(0, "uint8"),
-                    dims_expr,
-                    release,
-                    *[gvs[c.slot] for c in ordered],
-                ],
-                relax.ObjectType(),
-            ),
-        ),
-    ]
-    bindings = [b for block in func.body.blocks for b in block.bindings]
-    for op, binding in zip(model.ops, bindings):
-        here = regen_before.get(op.index, [])
-        for cand in sorted(here, key=lambda c: (c.regen_before, model.writer[c.root])):
-            nodes, args = plan_for(cand)
-            plans[cand.slot] = nodes
-            new = relax.Var(f"{cand.root.name}_remat", cand.root.ty)
-            # The inputs of the regeneration travel in one tuple (built by the VM in C++): the
-            # runtime converts its fields only when it recomputes, so keeping a tensor costs
-            # three arguments whatever the plan's size. The tuple is read only during the call.
-            inputs = relax.Var(f"{cand.root.name}_inputs", relax.TupleType([a.ty for a in args]))
-            out.append(relax.VarBinding(inputs, relax.Tuple(args)))
-            # A plain packed call: the planner may keep the inputs in planned storage (the
-            # runtime reads them only during the call), and the result is never planned.
-            call = relax.Call(
-                relax.ExternFunc(REGENERATE),
-                [frame, relax.prim_value(cand.slot), inputs],
-                ty_args=[cand.root.ty],
-            )
-            out.append(relax.VarBinding(new, call))
-            regenerated[cand.slot] = new
-            subst[cand.root] = new
-            # Views and aliases of the tensor defined before the gap and read after it. Every
-            # alias is renamed first: a rebuilt view may read one that is itself not read later.
-            earlier = [
-                m
-                for m in model.members.get(cand.root, [])
-                if m is not cand.root and model.defined_at(m) < op.index
-            ]
-            for member in earlier:
-                mop = model.op_of[member]
-                if mop.kind in ("alias", "getitem") and not mop.is_match_cast:
-                    subst[member] = new
-            # Rebuild the views read later, and the views those are built from.
-            needed: set[relax.Var] = set()
-            for member in reversed(earlier):
-                if member in needed or any(p >= op.index for p in model.var_uses.get(member, ())):
-                    needed.add(member)
-                    source = model.op_of[member].source
-                    if source is not None:
-                        needed.add(source)
-            for member in earlier:
-                if member not in needed:
-                    continue
-                mop = model.op_of[member]
-                if mop.kind == "view" or mop.is_match_cast:
-                    fresh = relax.Var(f"{member.name}_remat", member.ty)
-                    value = _substitute(mop.value, lookup)
-                    if mop.is_match_cast:
-                        out.append(relax.MatchCast(fresh, value, member.ty))
-                    else:
-                        out.append(relax.VarBinding(fresh, value))
-                    subst[member] = fresh
-                else:  # an alias or a tuple field: the same tensor
-                    subst[member] = new
-        value = _substitute(binding.value, lookup)
-        if isinstance(binding, relax.MatchCast):
-            out.append(relax.MatchCast(binding.var, value, binding.ty))
-        else:
-            out.append(relax.VarBinding(binding.var, value))
-        if _calls_relax_function(binding.value, mod):
-            # Through the builtin: a VM function call whose result nobody reads is not
-            # supported by the VM's code generator (it writes to the void register).
-            out.append(
-                relax.VarBinding(
-                    relax.Var("_", relax.ObjectType()),
-                    _builtin(INVOKE_CLOSURE, [release], relax.ObjectType()),
-                )
-            )
-        for cand in evict_after.get(op.index, []):
-            out.append(
-                relax.VarBinding(
-                    relax.Var("_", relax.ObjectType()),
-                    _builtin(
-                        EVICT, [frame, relax.prim_value(cand.slot), cand.root], relax.ObjectType()
-                    ),
-                )
-            )
-    result = _substitute(func.body.body, lookup)
-    out = _drop_unread_views(out, result, model)
-    body = relax.SeqExpr([relax.BindingBlock(out)], result)
-    new_func = relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs, func.span)
-    # Evictable tensors keep their own storage under PlanMemory too.
-    new_func = new_func.with_attr(NO_PLAN_ATTR, [c.root.name for c in ordered])
-    return new_func, plans

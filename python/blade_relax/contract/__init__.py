@@ -2,7 +2,7 @@
 
 The compiler side (``transform/``) and the runtime side (``runtime/``) meet only through what an
 executable carries: calls of packed functions by name, function attributes, and the remat
-metadata JSON. This module is that contract. It imports nothing but the standard library, so
+metadata JSON. This package is that contract. It imports nothing but the standard library, so
 either side (and a user's tool that reads a compiled module) can use it without pulling in the
 other.
 
@@ -36,8 +36,8 @@ Function attributes:
 * :data:`SOFTMAX_KERNEL_ATTR`: on a kernel that ``VectorizeSoftmax`` rewrote, the axis of the
   softmax it computes (its body no longer reads as topi's softmax); ``RecomputeCheapValues``
   recognizes attention probabilities by it.
-* :data:`REMAT_META_ATTR`: the metadata JSON of a rematerialized function (format
-  :data:`REMAT_FORMAT`, described in :mod:`blade_relax.transform.remat`).
+* :data:`REMAT_META_ATTR`: the metadata JSON of a rematerialized function
+  (:class:`RematMetadata`, format :data:`REMAT_FORMAT`: :mod:`.remat_metadata`).
 * :data:`REMAT_REGEN_ATTR`: ``"<function>/<slot>"`` on a regeneration function.
 * :data:`REMAT_RELEASE_ATTR`: on the module's no-op release function.
 * :data:`REMAT_COPY_ATTR`: ``{"of": <dispatcher>, "budget": 0 | 1}`` on the two copies a remat
@@ -58,11 +58,26 @@ Function attributes:
 CUDA graphs (TVM's, read by :mod:`blade_relax.runtime.cuda_graphs`): a module built with the
 PassContext option :data:`CUDA_GRAPH_OPTION` has its captured regions launched through
 :data:`CUDA_GRAPH_RUN` and its static storages in one function, :data:`CUDA_GRAPH_ALLOC`.
+
+Data formats, each in a module of this package:
+
+* :mod:`.dimexpr`: the integer expressions over dims that the compiler writes and the runtime
+  evaluates (sizes, costs), with their one evaluator;
+* :mod:`.remat_metadata`: the remat metadata (:class:`RematMetadata`), its JSON and its
+  version :data:`REMAT_FORMAT`.
 """
 
 from __future__ import annotations
 
 import hashlib
+
+from .remat_metadata import (
+    REMAT_FORMAT,
+    PlanNode,
+    RematFormatError,
+    RematMetadata,
+    RematSlot,
+)
 
 __all__ = [
     "CHECKED_DIMS_ATTR",
@@ -76,6 +91,7 @@ __all__ = [
     "LENGTH_BUCKET_ATTR",
     "LOWER_BOUND_ATTR",
     "NO_PLAN_ATTR",
+    "PlanNode",
     "REGENERATE",
     "REMAT_ACTIVE",
     "REMAT_BEGIN",
@@ -87,6 +103,9 @@ __all__ = [
     "SCHEDULE_VERSION_ATTR",
     "SOFTMAX_KERNEL_ATTR",
     "UPPER_BOUND_ATTR",
+    "RematFormatError",
+    "RematMetadata",
+    "RematSlot",
     "bucket_function_name",
     "metadata_key",
 ]
@@ -122,11 +141,6 @@ CUDA_GRAPH_OPTION = "relax.backend.use_cuda_graph"
 CUDA_GRAPH_ALLOC = "cuda_graph_alloc"
 #: The VM builtin that replays a captured region (capturing it on its first call).
 CUDA_GRAPH_RUN = "vm.builtin.cuda_graph.run_or_capture"
-
-# ------------------------------------------------------------------------ metadata format
-#: Version of the remat metadata JSON; the runtime refuses any other (the module must be
-#: recompiled with the same blade_relax).
-REMAT_FORMAT = "blade_relax.remat/2"
 
 
 def bucket_function_name(function: str, dim: str, length: int) -> str:
