@@ -35,7 +35,7 @@ from ..symbolic import SymbolicExpr
 from .effects import ValueEffect, returns_nothing
 from .liveness import Liveness
 
-__all__ = ["Allocation", "StorageFlow", "death_points", "storage_flow"]
+__all__ = ["Allocation", "Holders", "StorageFlow", "death_points", "storage_flow"]
 
 _ZERO = SymbolicExpr.constant(0)
 
@@ -108,24 +108,73 @@ def death_points(info: Liveness, *, params: bool = False) -> dict[int, list[rela
     return death
 
 
-class _Holders:
-    """The mutable state of one walk: what each variable and kept pair holds, and who holds
-    each allocation."""
+class Holders:
+    """Who keeps each storage alive: the one bookkeeping of holders that every walk over
+    storages uses (the symbolic flow below, and ``Rematerialize``'s walk of the VM's
+    registers, callees and stash).
+
+    A holder is anything hashable: a variable (its register), a pair a runtime object keeps a
+    value under, the VM's return register. A storage is an integer id. A holder keeps a set
+    of storages; a storage is live while any holder keeps it.
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[object, frozenset[int]] = {}
+        self._holders: dict[int, set[object]] = {}
+
+    def add(self, storage: int) -> None:
+        """A new storage, held by nobody yet."""
+        self._holders[storage] = set()
+
+    def hold(self, holder: object, storages: frozenset[int]) -> None:
+        """``holder`` now keeps ``storages`` (what it kept before is not let go)."""
+        self._held[holder] = storages
+        for storage in storages:
+            self._holders[storage].add(holder)
+
+    def held(self, holder: object) -> frozenset[int]:
+        """The storages ``holder`` keeps (none for a holder never seen)."""
+        return self._held.get(holder, frozenset())
+
+    def is_held(self, storage: int) -> bool:
+        return bool(self._holders[storage])
+
+    def let_go(self, holder: object, storages: frozenset[int] | None = None) -> list[int]:
+        """``holder`` no longer keeps ``storages`` (by default all it keeps); the storages it
+        was the last holder of, in the order given."""
+        storages = self.held(holder) if storages is None else storages
+        for storage in storages:
+            self._holders[storage].discard(holder)
+        return [storage for storage in storages if not self._holders[storage]]
+
+    def forget(self, holder: object) -> frozenset[int]:
+        """Drop ``holder``'s record (not its storages' holders); what it kept."""
+        return self._held.pop(holder, frozenset())
+
+    def variables(self) -> dict[relax.Var, frozenset[int]]:
+        """What every variable seen keeps."""
+        return {h: ids for h, ids in self._held.items() if isinstance(h, relax.Var)}
+
+
+class _Flow:
+    """The mutable state of one :func:`storage_flow`: the holders, tuple fields, kept values
+    and the allocations made so far."""
 
     def __init__(self, params: list[relax.Var]) -> None:
-        self.refs: dict[relax.Var, frozenset[int]] = {p: frozenset() for p in params}
+        self.holders = Holders()
+        for param in params:
+            self.holders.hold(param, frozenset())
         self.field_refs: dict[relax.Var, list[frozenset[int]]] = {}
-        self.holders: dict[int, set[object]] = {}
-        # kept[(owner, key)]: allocation ids a runtime object keeps for a later binding; the
-        # pair itself is their holder while kept.
-        self.kept: dict[tuple[relax.Var, object], frozenset[int]] = {}
+        # Pairs ``(owner, key)`` under which a runtime object keeps a value for a later
+        # binding; the pair itself is a holder while kept.
+        self.kept: set[tuple[relax.Var, object]] = set()
         self.sizes: list[SymbolicExpr] = []
         self.owners: list[relax.Var] = []
         self.starts: list[int] = []
         self.ends: list[int | None] = []
 
     def held(self, var: relax.Var) -> frozenset[int]:
-        return self.refs.get(var, frozenset())
+        return self.holders.held(var)
 
     def aliased(self, value: relax.Expr, effect: ValueEffect) -> set[int]:
         """What the bound value keeps alive through the variables it aliases."""
@@ -143,23 +192,21 @@ class _Holders:
                 self.held(f) if isinstance(f, relax.Var) else frozenset() for f in value.fields
             ]
 
-    def take(self, pair: object) -> frozenset[int] | None:
+    def take(self, pair: tuple[relax.Var, object]) -> frozenset[int] | None:
         """What a runtime object kept under ``pair``, handed to the binding that takes it."""
         # Relax variables hash and compare by node, so the pair finds its entry.
-        taken = self.kept.pop(pair, None)
-        if taken is not None:
-            # The result holds them now; the runtime object no longer does.
-            for alloc_id in taken:
-                self.holders[alloc_id].discard(pair)
-        return taken
+        if pair not in self.kept:
+            return None
+        self.kept.discard(pair)
+        # The result holds them now; the runtime object no longer does.
+        self.holders.let_go(pair)
+        return self.holders.forget(pair)
 
     def keep(self, keeps: tuple[relax.Var, object, relax.Var]) -> None:
         owner, key, source = keeps
         pair = (owner, key)
-        stored = self.held(source)
-        self.kept[pair] = self.kept.get(pair, frozenset()) | stored
-        for alloc_id in stored:
-            self.holders[alloc_id].add(pair)
+        self.kept.add(pair)
+        self.holders.hold(pair, self.holders.held(pair) | self.held(source))
 
     def allocate(self, var: relax.Var, nbytes: SymbolicExpr, position: int) -> int:
         alloc_id = len(self.sizes)
@@ -167,26 +214,21 @@ class _Holders:
         self.owners.append(var)
         self.starts.append(position)
         self.ends.append(None)
-        self.holders[alloc_id] = set()
+        self.holders.add(alloc_id)
         return alloc_id
-
-    def bind(self, var: relax.Var, own: set[int]) -> None:
-        self.refs[var] = frozenset(own)
-        for alloc_id in own:
-            self.holders[alloc_id].add(var)
 
     def release(self, var: relax.Var, position: int) -> None:
         """``var``'s register dies after binding ``position``."""
-        self._let_go(var, self.held(var), position)
+        self._end(self.holders.let_go(var), position)
         # Dropping a runtime object drops what it kept.
         for pair in [p for p in self.kept if p[0].same_as(var)]:
-            self._let_go(pair, self.kept.pop(pair), position)
+            self.kept.discard(pair)
+            self._end(self.holders.let_go(pair), position)
+            self.holders.forget(pair)
 
-    def _let_go(self, holder: object, alloc_ids: frozenset[int], position: int) -> None:
-        for alloc_id in alloc_ids:
-            owners_of = self.holders[alloc_id]
-            owners_of.discard(holder)
-            if not owners_of and self.ends[alloc_id] is None:
+    def _end(self, freed: list[int], position: int) -> None:
+        for alloc_id in freed:
+            if self.ends[alloc_id] is None:
                 self.ends[alloc_id] = position
 
     def allocations(self) -> list[Allocation]:
@@ -220,7 +262,7 @@ def storage_flow(
         The function holds explicit kills (the memory stage): a register dies at its kill or
         never; otherwise after its last use (:func:`death_points`).
     """
-    state = _Holders(info.params)
+    state = _Flow(info.params)
     death = {} if explicit_kills else death_points(info)
     touched_at: list[tuple[tuple[int, ...], SymbolicExpr]] = []
     for binding in info.bindings:
@@ -239,7 +281,7 @@ def storage_flow(
             state.keep(effect.keeps)
         if allocates is not None:
             own.add(state.allocate(var, allocates, i))
-        state.bind(var, own)
+        state.holders.hold(var, frozenset(own))
         touched = set(own)
         for used in binding.uses:
             touched |= state.held(used)
@@ -249,7 +291,7 @@ def storage_flow(
             if effect.kills is not None:
                 state.release(effect.kills, i)
             if returns_nothing(var) and not own:
-                state.refs[var] = frozenset()
+                state.holders.hold(var, frozenset())
         else:
             for dead in death.get(i, ()):
                 state.release(dead, i)
@@ -258,7 +300,7 @@ def storage_flow(
         outputs |= state.held(var)
     return StorageFlow(
         allocations=state.allocations(),
-        refs=state.refs,
+        refs=state.holders.variables(),
         touched=touched_at,
         outputs=frozenset(outputs),
     )

@@ -49,7 +49,7 @@ from tvm import relax
 from ...analysis.dimexpr import UndefinedVariable, from_prim_expr
 from ...analysis.effects import Kind, classify
 from ...analysis.liveness import liveness
-from ...analysis.storage_flow import death_points
+from ...analysis.storage_flow import Holders, death_points
 from ...analysis.workspace import call_reads
 from ...contract import (
     REMAT_META_ATTR,
@@ -229,8 +229,7 @@ class _Walker:
         self.mod = mod
         self.stage = stage
         self.sim = Simulation()
-        self.holds: dict[Any, frozenset[int]] = {}
-        self.registers: dict[int, set[Any]] = {}
+        self.holders = Holders()
         self.stash: dict[int, frozenset[int]] = {}
         self.stashed: dict[int, int] = {}
         self.tainted: set[int] = set()
@@ -240,11 +239,7 @@ class _Walker:
     # ----------------------------------------------------------------- holders
     def drop(self, var: Any) -> None:
         sim = self.sim
-        for sid in self.holds.get(var, ()):
-            owners = self.registers[sid]
-            owners.discard(var)
-            if owners:
-                continue
+        for sid in self.holders.let_go(var):
             if self.stashed.get(sid, 0) == 0:
                 if self.ends[sid] is None:
                     self.ends[sid] = sim.points
@@ -254,18 +249,18 @@ class _Walker:
                     if (
                         sid in sids
                         and window.start is None
-                        and not any(self.registers[s] for s in sids)
+                        and not any(self.holders.is_held(s) for s in sids)
                     ):
                         window.start = sim.points
-        self.holds[var] = frozenset()
+        self.holders.hold(var, frozenset())
 
     def allocate(self, var: relax.Var, size: str) -> None:
         sim = self.sim
         sid = len(sim.storages)
         sim.storages.append(StorageInterval(size=size, first=sim.points, end=-1, name=var.name))
         self.ends[sid] = None
-        self.registers[sid] = {var}
-        self.holds[var] = frozenset({sid})
+        self.holders.add(sid)
+        self.holders.hold(var, frozenset({sid}))
         sim.points += 1
 
     def workspace(self, call: relax.Call, var: relax.Var, rename: dict[Any, str] | None) -> None:
@@ -285,18 +280,16 @@ class _Walker:
             StorageInterval(size=size, first=sim.points, end=-1, name=f"workspace:{ws.kernel}")
         )
         self.ends[sid] = sim.points + 1
-        self.registers[sid] = set()
+        self.holders.add(sid)
         sim.points += 1
 
     def hold(self, var: Any, sids: frozenset[int]) -> None:
-        self.holds[var] = sids
-        for sid in sids:
-            self.registers[sid].add(var)
+        self.holders.hold(var, sids)
 
     def held_by(self, expr: Any) -> frozenset[int]:
         """Storages an argument or a result expression keeps alive."""
         if isinstance(expr, relax.Var):
-            return self.holds.get(expr, frozenset())
+            return self.holders.held(expr)
         if isinstance(expr, relax.Tuple):
             out: frozenset[int] = frozenset()
             for field_ in expr.fields:
@@ -358,7 +351,7 @@ class _Walker:
             elif kind is Kind.TENSOR_ALLOC and stage == "lowered":
                 self.allocate(var, tensor_bytes_py(var.ty, rename))
             elif kind is Kind.TENSOR_IN_STORAGE:
-                sids = self.holds.get(args[0], frozenset())
+                sids = self.holders.held(args[0])
                 if sids & (self.tainted | set(self.stashed)):
                     raise RematHazardError(
                         f"`{var.name}` is placed in a storage that holds an evictable or "
@@ -372,7 +365,7 @@ class _Walker:
                 sources = [a for a in args[:1] if isinstance(a, relax.Var)]
             elif kind is Kind.EVICT:
                 slot = int(args[1].value)
-                sids = self.holds.get(args[2], frozenset())
+                sids = self.holders.held(args[2])
                 window = sim.slots.setdefault(slot, SlotWindow())
                 window.nbytes = " + ".join(sim.storages[s].size for s in sorted(sids)) or "0"
                 self.stash[slot] = sids
@@ -414,7 +407,7 @@ class _Walker:
             sids: frozenset[int] = frozenset()
             for s in sources:
                 if isinstance(s, relax.Var):
-                    sids |= self.holds.get(s, frozenset())
+                    sids |= self.holders.held(s)
             self.hold(var, sids)
 
     # ----------------------------------------------------------------- calls
