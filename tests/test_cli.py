@@ -19,8 +19,7 @@ import tvm
 from tvm import relax
 from tvm.script import relax as R
 
-from blade_relax import _quiet, cli
-from blade_relax._cliutil import available_memory
+from blade_relax import cli
 from blade_relax.analysis import compile_keeping_module, memory_timeline
 from blade_relax.bench import WORKLOADS
 from blade_relax.bench.cli import WORKLOAD_NAMES
@@ -29,6 +28,8 @@ from blade_relax.bench.workloads import ModelSizes
 from blade_relax.frontend.builtin import BUILTIN_MODELS, attention_block, random_arguments
 from blade_relax.pipeline import lower_to_memory_stage, stock_pipeline
 from blade_relax.runtime import measure_memory
+from blade_relax.util import quiet as stderr_filter
+from blade_relax.util.cliargs import available_memory
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -535,15 +536,15 @@ NATIVE_NOISE = [
 
 
 def test_noise_patterns():
-    assert all(_quiet.is_noise(line) for line in NATIVE_NOISE)
-    assert not _quiet.is_noise("[20:31:44] /project/src/x.cc:1: Warning: something else")
-    assert not _quiet.is_noise("Traceback (most recent call last):")
+    assert all(stderr_filter.is_noise(line) for line in NATIVE_NOISE)
+    assert not stderr_filter.is_noise("[20:31:44] /project/src/x.cc:1: Warning: something else")
+    assert not stderr_filter.is_noise("Traceback (most recent call last):")
 
 
 _FILTER_SCRIPT = textwrap.dedent(
     """
     import os, sys
-    from blade_relax._quiet import quiet_stderr
+    from blade_relax.util.quiet import quiet_stderr
     noise = {noise!r}
     with quiet_stderr():
         print("python line 1", file=sys.stderr, flush=True)
@@ -559,9 +560,9 @@ _FILTER_SCRIPT = textwrap.dedent(
 @pytest.mark.parametrize("verbose", [False, True])
 def test_native_stderr_is_filtered_unless_verbose(verbose):
     env = dict(os.environ)
-    env.pop(_quiet.VERBOSE_ENV, None)
+    env.pop(stderr_filter.VERBOSE_ENV, None)
     if verbose:
-        env[_quiet.VERBOSE_ENV] = "1"
+        env[stderr_filter.VERBOSE_ENV] = "1"
     proc = subprocess.run(
         [sys.executable, "-c", _FILTER_SCRIPT.format(noise=NATIVE_NOISE)],
         capture_output=True,
@@ -577,7 +578,7 @@ def test_native_stderr_is_filtered_unless_verbose(verbose):
     assert set(wanted) <= set(lines)
     assert lines.index("python line 1") < lines.index("python line 2")
     assert lines.index("native line that matters") < lines.index("after the context")
-    assert any(_quiet.is_noise(line) for line in lines) == verbose
+    assert any(stderr_filter.is_noise(line) for line in lines) == verbose
 
 
 def test_report_of_a_hugging_face_model_prints_no_tvm_warning(tmp_path):

@@ -49,7 +49,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._cliutil import (
+from .bench.cli import WORKLOAD_NAMES
+from .util.cliargs import (
     CliError,
     OneLineParser,
     available_memory,
@@ -58,8 +59,7 @@ from ._cliutil import (
     human_bytes,
     refuse_beyond_memory,
 )
-from ._figures import save_png
-from .bench.cli import WORKLOAD_NAMES
+from .util.figures import save_png
 
 if TYPE_CHECKING:
     from .bench.workloads import ModelSizes
@@ -1547,9 +1547,9 @@ def _load_package() -> None:
     The accounting, the runtime builtins and the registered pipeline are then in place before
     the command creates any VM, as in a program that imports the package.
     """
-    from . import _load
+    from . import load
 
-    _load()
+    load()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1565,7 +1565,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     int
         The exit status: 0 on success, 1 when a check fails (demo, train), 2 on bad input.
     """
-    from ._quiet import quiet_stderr
+    from .util.quiet import quiet_stderr
 
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0] == "bench":

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .._figures import save_png
+from ..util.figures import save_png
 from .sft import pad_batch, sft_trace
 from .trace import length_trace
 from .workloads import PRESETS, ModelSizes, build_workload
