@@ -28,8 +28,9 @@ on for that configuration's blocks only: the module is shared).
 
 Each row also reports the configuration's step peak at the length, measured as the ruler
 measures it (TVM: :func:`blade_relax.runtime.measure_call` on a fresh VM, under the budget;
-PyTorch: the step counted by :class:`~.torch_memory.LiveBytesCounter` on the CPU, the
-allocator's peak on CUDA), so that the peak a budget or checkpointing saves and the time it
+PyTorch: the step counted by
+:class:`~blade_relax.training.torch_memory.LiveBytesCounter` on the CPU, the allocator's peak on
+CUDA), so that the peak a budget or checkpointing saves and the time it
 costs stand side by side.
 
 It also reports what the remat runtime's decision costs per call: the ``blade_relax.

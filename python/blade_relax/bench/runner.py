@@ -9,8 +9,9 @@ What is measured, per configuration and sequence length:
     TVM: the peak of ``blade_relax.runtime.memory_stats()`` over one VM call (every storage the
     VM allocates, at the size requested, and the workspace of the kernel running at that point,
     see ``workspace_bytes``), minus the live bytes before the call, on a fresh VM
-    (``blade_relax.runtime.measure_call``). PyTorch: the peak of :class:`~.torch_memory.LiveBytesCounter` over one step (every storage an ATen op
-    creates, gradients included; ``.grad`` is reset to ``None`` before the step, as TVM returns
+    (``blade_relax.runtime.measure_call``). PyTorch: the peak of
+    :class:`~blade_relax.training.torch_memory.LiveBytesCounter` over one step (every storage an
+    ATen op creates, gradients included; ``.grad`` is reset to ``None`` before the step, as TVM returns
     fresh gradients). With gradient checkpointing (``torch-*-ckpt``) the recomputation in the
     backward pass is counted the same way.
 ``workspace_bytes`` (TVM)
@@ -382,7 +383,7 @@ class _TorchRunner:
             self.module = copy.deepcopy(self.module, memo).to(f"cuda:{device.index}")
             self.params = [memo.get(id(p), p) for p in self.params]
         if config.checkpointing:
-            from .hf_checkpointing import checkpointing_model
+            from ..training.hf_checkpointing import checkpointing_model
 
             try:
                 checkpointing_model(self.module)
@@ -403,8 +404,8 @@ class _TorchRunner:
 
     @contextlib.contextmanager
     def _settings(self) -> Iterator[None]:
-        from .hf_checkpointing import gradient_checkpointing
-        from .torch_memory import visible_inductor_allocations
+        from ..training.hf_checkpointing import gradient_checkpointing
+        from ..training.torch_memory import visible_inductor_allocations
 
         with contextlib.ExitStack() as stack:
             if self.config.checkpointing:
@@ -450,9 +451,10 @@ class _TorchRunner:
         return seconds, (self._graph_count() - before if self.config.compile else 0)
 
     def _counted_step(self, tensors: Sequence[Any]) -> tuple[int, list[Any]]:
-        """One step on the CPU counted by :class:`~.torch_memory.LiveBytesCounter`: its
-        peak bytes, and its outputs."""
-        from .torch_memory import LiveBytesCounter
+        """One step on the CPU counted by
+        :class:`~blade_relax.training.torch_memory.LiveBytesCounter`: its peak bytes, and its
+        outputs."""
+        from ..training.torch_memory import LiveBytesCounter
 
         counter = LiveBytesCounter()
         with counter:
