@@ -53,6 +53,7 @@ __all__ = [
     "import_inference",
     "import_training_step",
     "inference_reference",
+    "max_positions",
     "torch_to_numpy",
     "training_reference",
     "unsupported_reason",
@@ -203,7 +204,14 @@ def _set_attn(model: Any, implementation: str) -> None:
         model.config._attn_implementation = implementation
 
 
-def _max_positions(model: Any) -> int | None:
+def max_positions(model: Any) -> int | None:
+    """The longest sequence a Hugging Face model's config declares, or None if it declares none.
+
+    Read from ``config.max_position_embeddings`` (Llama and most models) or
+    ``config.n_positions`` (GPT-2), the first that is an ``int``: the limit an import checks
+    ``max_seq_len`` against, and the ``max_seq_len`` a :class:`~blade_relax.training.Trainer`
+    takes when none is given.
+    """
     config = getattr(model, "config", None)
     for key in ("max_position_embeddings", "n_positions"):
         value = getattr(config, key, None)
@@ -226,7 +234,7 @@ def _check_sizes(
 ) -> tuple[int, int, int, int | None]:
     """The size options of ``call`` as ints, checked; each error names the option and what to
     pass."""
-    limit = _max_positions(model)
+    limit = max_positions(model)
     if not _is_int(min_seq_len) or min_seq_len < 2:
         raise ValueError(
             f"min_seq_len must be an int >= 2 (torch.export specializes sizes 0 and 1), got "
@@ -285,7 +293,7 @@ def size_options(call: str, model: Any, *, min_option: bool = True) -> dict[str,
     seq: dict[str, Any] = {"what": "sequence length", "max": "max_seq_len"}
     if min_option:
         seq.update({"min": "min_seq_len", "lowest": 2})
-    seq["limit"] = _max_positions(model)
+    seq["limit"] = max_positions(model)
     return {"call": call, "axes": [{"what": "batch", "max": "max_batch_size"}, seq]}
 
 
