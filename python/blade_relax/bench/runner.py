@@ -597,6 +597,51 @@ def run_benchmark(
         from ..runtime.devices import configure_cuda_compiler
 
         configure_cuda_compiler()  # on a GPU machine TVM compiles the CUDA C while building
+    cases = _cases(workload, lengths, say)
+    summaries: list[ConfigSummary] = []
+    rows: list[Measurement] = []
+
+    def result() -> BenchResult:
+        return BenchResult(
+            workload=workload,
+            target=str(tgt.kind.name) if not isinstance(target, str) else target,
+            lengths=cases.lengths,
+            trace=trace or {},
+            repeat=repeat,
+            tolerance=tolerance,
+            configs=summaries,
+            measurements=rows,
+        )
+
+    def measured(row: Measurement) -> None:
+        rows.append(row)
+        if on_row is not None:
+            on_row(result())
+
+    session = _Session(workload.graph, cases, tgt, device, builds, repeat, tolerance, say)
+    for config, requested in resolve_configs(list(config_names)):
+        summary = _summary(config, requested)
+        summaries.append(summary)
+        _measure_config(session, config, summary, rows.append, measured)
+    return result()
+
+
+@dataclass
+class _Cases:
+    """What every configuration runs on, per length: the inputs, their dims, the bytes the
+    caller holds (parameters and inputs), torch's outputs and the lower bound."""
+
+    lengths: list[int]
+    inputs: dict[int, list[np.ndarray]]
+    dims: dict[int, dict[str, int]]
+    caller: dict[int, int]
+    references: dict[int, list[np.ndarray] | None]
+    lower: dict[int, int | None]
+
+
+def _cases(workload: Workload, lengths: Sequence[int], say: Callable[[str], None]) -> _Cases:
+    """The inputs of ``workload`` at every length (their ranges checked before anything runs),
+    torch's reference outputs and the lower bounds."""
     graph = workload.graph
     lengths = sorted(set(int(n) for n in lengths))
     inputs = {n: workload.inputs(n) for n in lengths}
@@ -606,68 +651,75 @@ def run_benchmark(
     say("computing torch references and lower bounds")
     references = {n: graph.reference(inputs[n]) if graph.reference else None for n in lengths}
     lower = _lower_bounds(graph, dims, say)
+    return _Cases(lengths, inputs, dims, caller, references, lower)
 
-    plan = resolve_configs(list(config_names))
-    summaries: list[ConfigSummary] = []
-    rows: list[Measurement] = []
 
-    def result() -> BenchResult:
-        return BenchResult(
-            workload=workload,
-            target=str(tgt.kind.name) if not isinstance(target, str) else target,
-            lengths=lengths,
-            trace=trace or {},
-            repeat=repeat,
-            tolerance=tolerance,
-            configs=summaries,
-            measurements=rows,
+@dataclass
+class _Session:
+    """What every configuration of one :func:`run_benchmark` is measured with."""
+
+    graph: ImportedGraph
+    cases: _Cases
+    target: tvm.target.Target
+    device: Any
+    builds: dict[Any, Any] | None
+    repeat: int
+    tolerance: float
+    say: Callable[[str], None]
+    #: (configuration, length) -> its step peak, the base of the budgets taken from it.
+    step_peaks: dict[tuple[str, int], int | None] = field(default_factory=dict)
+
+
+def _measure_config(
+    session: _Session,
+    config: BenchConfig,
+    summary: ConfigSummary,
+    unmeasured: Callable[[Measurement], None],
+    measured: Callable[[Measurement], None],
+) -> None:
+    """One configuration at every length: a row each, handed to ``measured`` once measured
+    (to ``unmeasured`` when it could not run: no runner, no peak to take its budget from)."""
+    graph, cases, say = session.graph, session.cases, session.say
+    try:
+        runner: Any = (
+            _TvmRunner(config, graph, session.target, session.device, session.builds)
+            if isinstance(config, TvmConfig)
+            else _TorchRunner(config, graph, session.device)
         )
-
-    step_peaks: dict[tuple[str, int], int | None] = {}
-    for config, requested in plan:
-        summary = _summary(config, requested)
-        summaries.append(summary)
+    except Exception as err:
+        for n in cases.lengths:
+            unmeasured(Measurement(config.name, n, error=_describe(err)))
+        say(f"{config.name}: failed to set up: {_describe(err)}")
+        return
+    for n in cases.lengths:
+        row = Measurement(
+            config.name, n, caller_bytes=cases.caller[n], lower_bound_bytes=cases.lower[n]
+        )
+        if isinstance(config, TvmConfig) and config.bucket is not None:
+            padded, _ = pad_for_bucket(config, graph, cases.inputs[n], cases.dims[n])
+            row.caller_bytes = graph.param_bytes + int(sum(a.nbytes for a in padded))
+        budget = None
+        if isinstance(config, TvmConfig) and config.budget is not None:
+            reference_peak = session.step_peaks.get((config.budget_of, n))
+            if reference_peak is None:
+                row.error = f"no peak of {config.budget_of} at s={n} to take the budget from"
+                unmeasured(row)
+                continue
+            budget = max(1, int(config.budget * reference_peak))
+            row.budget_bytes = budget
+        say(f"{config.name}: s={n}")
         try:
-            runner: Any = (
-                _TvmRunner(config, graph, tgt, device, builds)
-                if isinstance(config, TvmConfig)
-                else _TorchRunner(config, graph, device)
-            )
+            outputs = runner.measure(row, cases.inputs[n], cases.dims[n], session.repeat, budget)
+            row.peak_bytes = row.step_peak_bytes + row.caller_bytes
+            row.step_time_s = statistics.median(row.step_times_s)
+            _check(row, outputs, cases.references[n], graph, session.tolerance)
         except Exception as err:
-            for n in lengths:
-                rows.append(Measurement(config.name, n, error=_describe(err)))
-            say(f"{config.name}: failed to set up: {_describe(err)}")
-            continue
-        for n in lengths:
-            row = Measurement(config.name, n, caller_bytes=caller[n], lower_bound_bytes=lower[n])
-            if isinstance(config, TvmConfig) and config.bucket is not None:
-                padded, _ = pad_for_bucket(config, graph, inputs[n], dims[n])
-                row.caller_bytes = graph.param_bytes + int(sum(a.nbytes for a in padded))
-            budget = None
-            if isinstance(config, TvmConfig) and config.budget is not None:
-                reference_peak = step_peaks.get((config.budget_of, n))
-                if reference_peak is None:
-                    row.error = f"no peak of {config.budget_of} at s={n} to take the budget from"
-                    rows.append(row)
-                    continue
-                budget = max(1, int(config.budget * reference_peak))
-                row.budget_bytes = budget
-            say(f"{config.name}: s={n}")
-            try:
-                outputs = runner.measure(row, inputs[n], dims[n], repeat, budget)
-                row.peak_bytes = row.step_peak_bytes + row.caller_bytes
-                row.step_time_s = statistics.median(row.step_times_s)
-                _check(row, outputs, references[n], graph, tolerance)
-            except Exception as err:
-                row.error = _describe(err)
-                say(f"{config.name}: s={n}: {row.error}")
-            step_peaks[(config.name, n)] = row.step_peak_bytes
-            rows.append(row)
-            if on_row is not None:
-                on_row(result())
-        summary.compile_time_s = runner.compile_time_s
-        summary.compilations = runner.compilations
-    return result()
+            row.error = _describe(err)
+            say(f"{config.name}: s={n}: {row.error}")
+        session.step_peaks[(config.name, n)] = row.step_peak_bytes
+        measured(row)
+    summary.compile_time_s = runner.compile_time_s
+    summary.compilations = runner.compilations
 
 
 def _check(
