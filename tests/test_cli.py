@@ -19,16 +19,22 @@ import tvm
 from tvm import relax
 from tvm.script import relax as R
 
-from blade_relax import _quiet, cli
-from blade_relax._cliutil import available_memory
+from blade_relax import cli
 from blade_relax.analysis import compile_keeping_module, memory_timeline
 from blade_relax.bench import WORKLOADS
 from blade_relax.bench.cli import WORKLOAD_NAMES
 from blade_relax.bench.floor import memory_floor, parameter_counts
 from blade_relax.bench.workloads import ModelSizes
+from blade_relax.cli import demo as cli_demo
+from blade_relax.cli import demo_plot
+from blade_relax.cli import models as cli_models
+from blade_relax.cli import report as cli_report
+from blade_relax.cli import train as cli_train
 from blade_relax.frontend.builtin import BUILTIN_MODELS, attention_block, random_arguments
 from blade_relax.pipeline import lower_to_memory_stage, stock_pipeline
 from blade_relax.runtime import measure_memory
+from blade_relax.util import quiet as stderr_filter
+from blade_relax.util.cliargs import available_memory, human_bytes
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -123,7 +129,7 @@ def test_bench_module_help_imports_no_tvm():
 
 def test_known_names_match_the_registries():
     """The names the command lines know without importing TVM are the registries' names."""
-    assert set(cli.BUILTIN_MODEL_NAMES) == set(BUILTIN_MODELS)
+    assert set(cli_models.BUILTIN_MODEL_NAMES) == set(BUILTIN_MODELS)
     assert set(WORKLOAD_NAMES) == set(WORKLOADS)
 
 
@@ -333,7 +339,7 @@ def test_report_of_a_builtin_with_stock_pipeline_and_default_dims(tmp_path, caps
     code, out, err = _run(["report", "mlp", "--pipeline", "stock", "--json", path], capsys)
     assert code == 0, err
     data = json.loads(path.read_text())
-    assert data["dims"] == {"s": cli.DEFAULT_REPORT_DIM}
+    assert data["dims"] == {"s": cli_report.DEFAULT_REPORT_DIM}
     assert [r["summary"]["label"] for r in data["reports"]] == ["stock TVM"]
     assert "memory report blade_relax" not in out
 
@@ -412,7 +418,7 @@ def test_demo_tells_the_story_and_writes_its_plot(tmp_path, capsys):
 
 
 def test_demo_warns_before_a_size_far_beyond_what_was_tried(capsys):
-    size = cli.FAR_BEYOND * cli.TRIED_SIZE + 1
+    size = cli_demo.FAR_BEYOND * cli_demo.TRIED_SIZE + 1
     code, out, err = _run(["demo", "--model", "mlp", "--sizes", size, "--no-plot"], capsys)
     assert code == 0, out + err
     lines = err.splitlines()
@@ -424,7 +430,7 @@ def test_demo_warns_before_a_size_far_beyond_what_was_tried(capsys):
     # With the bytes the symbolic timelines predict, the same the table then shows.
     stock_row = _table_rows(out)[0]
     predicted = int(stock_row[3].replace(",", ""))
-    assert f"a peak of {cli.human_bytes(predicted)} (stock TVM)" in text
+    assert f"a peak of {human_bytes(predicted)} (stock TVM)" in text
 
 
 def test_function_label_names_copies_for_the_user():
@@ -454,14 +460,14 @@ def test_function_label_names_copies_for_the_user():
 
 
 def test_demo_exits_1_when_a_prediction_misses(capsys, monkeypatch):
-    real_run_once = cli._run_once
+    real_run_once = cli_demo._run_once
 
     def off_by_one(*args, **kwargs):
         result = real_run_once(*args, **kwargs)
         result.peak_bytes += 1
         return result
 
-    monkeypatch.setattr(cli, "_run_once", off_by_one)
+    monkeypatch.setattr(cli_demo, "_run_once", off_by_one)
     code, out, _ = _run(["demo", "--model", "mlp", "--sizes", "4", "--no-plot"], capsys)
     assert code == 1
     assert "PREDICTION MISSED at s=4, stock TVM" in out
@@ -470,10 +476,10 @@ def test_demo_exits_1_when_a_prediction_misses(capsys, monkeypatch):
 
 def test_outputs_note():
     a = [np.ones(3, "float32")]
-    assert cli._outputs_note(a, [np.ones(3, "float32")]) == ("identical", True)
-    assert cli._outputs_note(a, [np.full(3, 1 + 1e-7, "float32")])[1]
-    assert cli._outputs_note(a, [np.full(3, 1.1, "float32")]) == ("DIFFER", False)
-    assert cli._outputs_note(a, [np.ones(4, "float32")]) == ("DIFFER", False)
+    assert cli_demo._outputs_note(a, [np.ones(3, "float32")]) == ("identical", True)
+    assert cli_demo._outputs_note(a, [np.full(3, 1 + 1e-7, "float32")])[1]
+    assert cli_demo._outputs_note(a, [np.full(3, 1.1, "float32")]) == ("DIFFER", False)
+    assert cli_demo._outputs_note(a, [np.ones(4, "float32")]) == ("DIFFER", False)
 
 
 # ---------------------------------------------------------------------------------- bench
@@ -535,15 +541,15 @@ NATIVE_NOISE = [
 
 
 def test_noise_patterns():
-    assert all(_quiet.is_noise(line) for line in NATIVE_NOISE)
-    assert not _quiet.is_noise("[20:31:44] /project/src/x.cc:1: Warning: something else")
-    assert not _quiet.is_noise("Traceback (most recent call last):")
+    assert all(stderr_filter.is_noise(line) for line in NATIVE_NOISE)
+    assert not stderr_filter.is_noise("[20:31:44] /project/src/x.cc:1: Warning: something else")
+    assert not stderr_filter.is_noise("Traceback (most recent call last):")
 
 
 _FILTER_SCRIPT = textwrap.dedent(
     """
     import os, sys
-    from blade_relax._quiet import quiet_stderr
+    from blade_relax.util.quiet import quiet_stderr
     noise = {noise!r}
     with quiet_stderr():
         print("python line 1", file=sys.stderr, flush=True)
@@ -559,9 +565,9 @@ _FILTER_SCRIPT = textwrap.dedent(
 @pytest.mark.parametrize("verbose", [False, True])
 def test_native_stderr_is_filtered_unless_verbose(verbose):
     env = dict(os.environ)
-    env.pop(_quiet.VERBOSE_ENV, None)
+    env.pop(stderr_filter.VERBOSE_ENV, None)
     if verbose:
-        env[_quiet.VERBOSE_ENV] = "1"
+        env[stderr_filter.VERBOSE_ENV] = "1"
     proc = subprocess.run(
         [sys.executable, "-c", _FILTER_SCRIPT.format(noise=NATIVE_NOISE)],
         capture_output=True,
@@ -577,7 +583,7 @@ def test_native_stderr_is_filtered_unless_verbose(verbose):
     assert set(wanted) <= set(lines)
     assert lines.index("python line 1") < lines.index("python line 2")
     assert lines.index("native line that matters") < lines.index("after the context")
-    assert any(_quiet.is_noise(line) for line in lines) == verbose
+    assert any(stderr_filter.is_noise(line) for line in lines) == verbose
 
 
 def test_report_of_a_hugging_face_model_prints_no_tvm_warning(tmp_path):
@@ -609,20 +615,20 @@ def _forbid_allocation(monkeypatch) -> None:
         raise _Reached("an allocating step was reached")
 
     monkeypatch.setattr(analysis, "compile_keeping_module", reached)
-    monkeypatch.setattr(cli, "_run_once", reached)
-    real_load = cli.load_model
+    monkeypatch.setattr(cli_demo, "_run_once", reached)
+    real_load = cli_demo.load_model
 
     def load_without_arrays(name):
         model = real_load(name)
         model.make_args = reached
         return model
 
-    monkeypatch.setattr(cli, "load_model", load_without_arrays)
+    monkeypatch.setattr(cli_demo, "load_model", load_without_arrays)
 
 
 def test_demo_refuses_sizes_beyond_available_memory_before_allocating(monkeypatch, capsys):
     _forbid_allocation(monkeypatch)
-    monkeypatch.setattr(cli, "available_memory", lambda: 1000)
+    monkeypatch.setattr(cli_demo, "available_memory", lambda: 1000)
     code, out, err = _run(["demo", "--model", "mlp", "--sizes", "4,64", "--no-plot"], capsys)
     assert code == 2 and out == ""
     (line,) = err.strip().splitlines()  # one line: no progress line, no traceback
@@ -637,13 +643,13 @@ def test_demo_refuses_sizes_beyond_available_memory_before_allocating(monkeypatc
     lowered = lower_to_memory_stage(BUILTIN_MODELS["mlp"]())
     at = memory_timeline(lowered["main"], mod=lowered).evaluate({"s": 4})
     assert match.groups() == tuple(
-        cli.human_bytes(n) for n in (at.peak + at.persistent, at.peak, at.persistent)
+        human_bytes(n) for n in (at.peak + at.persistent, at.peak, at.persistent)
     )
 
 
 def test_demo_runs_beyond_available_memory_with_force(monkeypatch, capsys):
     _forbid_allocation(monkeypatch)
-    monkeypatch.setattr(cli, "available_memory", lambda: 1000)
+    monkeypatch.setattr(cli_demo, "available_memory", lambda: 1000)
     with pytest.raises(_Reached):
         cli.main(["demo", "--model", "mlp", "--sizes", "4", "--no-plot", "--force"])
     assert "error" not in capsys.readouterr().err
@@ -673,7 +679,7 @@ def test_train_refuses_sizes_beyond_available_memory_before_building(monkeypatch
 
     monkeypatch.setattr(training_bench, "compare_training", reached)
     monkeypatch.setattr(workloads, "build_workload", reached)
-    monkeypatch.setattr(cli, "available_memory", lambda: 1000)
+    monkeypatch.setattr(cli_train, "available_memory", lambda: 1000)
     code, out, err = _run(["train", "--batch", "2", "--no-plot"], capsys)
     assert code == 2 and out == ""
     (line,) = err.strip().splitlines()
@@ -685,7 +691,7 @@ def test_train_refuses_sizes_beyond_available_memory_before_building(monkeypatch
     )
     assert line == (
         "blade-relax: error: --size small --batch 2: blade_relax's llama-train step at s=256 "
-        f"needs at least {cli.human_bytes(floor.total)} ({floor.describe()}), more than the "
+        f"needs at least {human_bytes(floor.total)} ({floor.describe()}), more than the "
         "1,000 B of memory available now; refused before building the model "
         "(--force runs it anyway)"
     )
@@ -790,7 +796,7 @@ def test_demo_writes_its_default_plot_into_out(tmp_path, monkeypatch, capsys):
 def test_demo_curves_top_out_at_the_peaks_their_legends_name(monkeypatch, capsys):
     """The live-bytes curves count kernel scratch as the measured peaks do."""
     seen = []
-    monkeypatch.setattr(cli, "_demo_plot", lambda *args: seen.append(args))
+    monkeypatch.setattr(cli_demo, "write_demo_plot", lambda *args: seen.append(args))
     code, _, err = _run(["demo", "--model", "attention", "--sizes", "8,64"], capsys)
     assert code == 0, err
     ((_, _, _, rows, _),) = seen
@@ -806,14 +812,14 @@ def test_demo_curves_top_out_at_the_peaks_their_legends_name(monkeypatch, capsys
 
 
 def _fake_row(size, pipeline, peak, budget=None, reachable=None, trace=None):
-    result = cli.RunResult(
+    result = cli_demo.RunResult(
         peak_bytes=peak,
         predicted_bytes=peak,
         budget_bytes=budget,
         reachable=reachable,
         live_trace=trace or [0, peak // 2, peak, 0],
     )
-    return cli.DemoRow(size, pipeline, result, peak, "identical", True)
+    return cli_demo.DemoRow(size, pipeline, result, peak, "identical", True)
 
 
 def test_demo_plot_marks_unreachable_budgets_and_labels_its_axes():
@@ -831,7 +837,7 @@ def test_demo_plot_marks_unreachable_budgets_and_labels_its_axes():
             _fake_row(size, "blade_relax", blade),
             _fake_row(size, "blade_relax @0.9", budget_peak, int(0.9 * blade), reachable),
         ]
-    fig = cli._demo_figure("m", "s", rows, 0.9)
+    fig = demo_plot.demo_figure("m", "s", rows, 0.9)
     try:
         left, right = fig.axes
         fig.canvas.draw()
@@ -856,20 +862,22 @@ def test_demo_plot_marks_unreachable_budgets_and_labels_its_axes():
         # The legend's peak is the top of its curve.
         for line in left.get_lines()[:3]:
             peak = max(line.get_ydata()) * mib
-            assert cli.human_bytes(peak) in line.get_label()
+            assert human_bytes(peak) in line.get_label()
     finally:
         plt.close(fig)
 
 
 def test_budget_unreachable():
-    assert not cli._budget_unreachable(cli.RunResult(peak_bytes=5, predicted_bytes=5))
-    assert cli._budget_unreachable(
-        cli.RunResult(peak_bytes=5, predicted_bytes=5, budget_bytes=4, reachable=False)
+    assert not demo_plot._budget_unreachable(cli_demo.RunResult(peak_bytes=5, predicted_bytes=5))
+    assert demo_plot._budget_unreachable(
+        cli_demo.RunResult(peak_bytes=5, predicted_bytes=5, budget_bytes=4, reachable=False)
     )
     # Without the runtime's decision, a peak over the budget says it.
-    assert cli._budget_unreachable(cli.RunResult(peak_bytes=5, predicted_bytes=5, budget_bytes=4))
-    assert not cli._budget_unreachable(
-        cli.RunResult(peak_bytes=4, predicted_bytes=4, budget_bytes=4)
+    assert demo_plot._budget_unreachable(
+        cli_demo.RunResult(peak_bytes=5, predicted_bytes=5, budget_bytes=4)
+    )
+    assert not demo_plot._budget_unreachable(
+        cli_demo.RunResult(peak_bytes=4, predicted_bytes=4, budget_bytes=4)
     )
 
 

@@ -6,7 +6,7 @@ Relax pipeline ``"blade_relax"``. The passes live in :mod:`blade_relax.transform
 
 The command lines (``blade-relax``, ``python -m blade_relax.bench``) are the one exception:
 they answer ``--help`` and reject bad input without importing TVM (seconds on a small
-machine), and import it, with everything above, when a command starts its work.
+machine), and import it, with everything above, when a command starts its work (:func:`load`).
 
 The Hugging Face entry points are here too, imported on first use (PEP 562), so that
 ``import blade_relax`` needs neither torch nor transformers::
@@ -28,7 +28,7 @@ import os as _os
 import sys as _sys
 from typing import Any as _Any
 
-from ._quiet import quiet
+from .util.quiet import quiet
 
 __version__ = "0.1.0"
 
@@ -42,7 +42,7 @@ _LAZY = {
     "fit": "training",
 }
 
-__all__ = ["get_pipeline", "quiet", "runtime", "__version__", *_LAZY]
+__all__ = ["get_pipeline", "load", "quiet", "runtime", "__version__", *_LAZY]
 
 # The modules `python -m` runs as blade_relax's command lines.
 _COMMAND_MODULES = ("blade_relax.bench", "blade_relax.bench.cli", "blade_relax.cli")
@@ -56,8 +56,13 @@ def _is_command_line() -> bool:
     return any(a == "-m" and b in _COMMAND_MODULES for a, b in zip(argv, argv[1:]))
 
 
-def _load() -> None:
-    """Import the runtime (accounting, builtins) and the pipeline (registers ``blade_relax``)."""
+def load() -> None:
+    """Import the runtime (accounting, builtins) and the pipeline (registers ``blade_relax``).
+
+    What ``import blade_relax`` does, except in a process started as one of the command
+    lines, which call it when a command starts its work (after ``--help`` and the checks of
+    the arguments, which need no TVM). Idempotent: the modules are imported once.
+    """
     # importlib rather than `from . import runtime`, which would ask __getattr__ first.
     _importlib.import_module(f"{__name__}.runtime")  # installs accounting and builtins
     pipeline = _importlib.import_module(f"{__name__}.pipeline")
@@ -65,21 +70,21 @@ def _load() -> None:
 
 
 if not _is_command_line():
-    _load()
+    load()
 
 
 def __getattr__(name: str) -> _Any:
     # PEP 562: the entry points of _LAZY on first access; the rest only in a command line
-    # before _load().
+    # before load().
     if name in _LAZY:
         if "get_pipeline" not in globals():
-            _load()  # what `import blade_relax` does outside a command line
+            load()  # what `import blade_relax` does outside a command line
         module = _importlib.import_module(f"{__name__}.{_LAZY[name]}")
         value = getattr(module, name)
         globals()[name] = value
         return value
     if name in ("get_pipeline", "runtime", "pipeline"):
-        _load()
+        load()
         if name == "get_pipeline":
             return globals()[name]
         return _sys.modules[f"{__name__}.{name}"]

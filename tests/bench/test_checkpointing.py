@@ -80,7 +80,7 @@ def test_module_is_restored(workload, training):
 
 
 def test_restored_when_the_step_fails(workload):
-    from blade_relax.bench.hf_checkpointing import gradient_checkpointing
+    from blade_relax.training.hf_checkpointing import gradient_checkpointing
 
     module = workload.graph.torch_module
     flags = [sub.training for sub in module.modules()]
@@ -114,9 +114,9 @@ def test_non_reentrant_checkpointing_needs_no_input_hooks_with_a_frozen_embeddin
     """A PEFT model: the embedding frozen, the adapter's gradients unchanged without the
     input-embedding hooks (which ``gradient_checkpointing`` removes)."""
     peft = pytest.importorskip("peft")
-    from blade_relax.bench.hf_checkpointing import gradient_checkpointing
     from blade_relax.bench.workloads import llama_model
     from blade_relax.frontend.hf import _make_wrappers
+    from blade_relax.training.hf_checkpointing import gradient_checkpointing
 
     config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     model = peft.get_peft_model(llama_model(SIZES), config)

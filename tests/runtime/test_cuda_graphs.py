@@ -15,6 +15,7 @@ from tvm import relax
 from blade_relax.analysis.cuda_graph_pool import PoolPlan, merged_pool
 from blade_relax.bench.bucketing import bucket_length
 from blade_relax.contract import CUDA_GRAPH_RUN, LENGTH_BUCKET_ATTR, bucket_function_name
+from blade_relax.gpuprog.buckets import compile_buckets
 from blade_relax.runtime.cuda_graphs import (
     BucketedRunner,
     LengthBuckets,
@@ -22,7 +23,6 @@ from blade_relax.runtime.cuda_graphs import (
     PaddingNotExactError,
 )
 from blade_relax.transform import SpecializeBuckets
-from blade_relax.transform.specialize_buckets import compile_buckets
 
 CUDA = {"kind": "cuda", "arch": "sm_90"}
 HIDDEN, WIDE = 16, 32

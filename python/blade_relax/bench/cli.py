@@ -14,7 +14,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-from .._cliutil import (
+from ..util.cliargs import (
     CliError,
     OneLineParser,
     available_memory,
@@ -288,7 +288,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = DEFAULT_PROG) -> int:
 
     Bad input prints one line on stderr and returns 2.
     """
-    from .._quiet import quiet_stderr
+    from ..util.quiet import quiet_stderr
 
     arglist = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -314,9 +314,9 @@ def _run(args: argparse.Namespace, prog: str) -> int:
         return 0
     say = (lambda _m: None) if args.quiet else _progress
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    from .. import _load
+    from .. import load
 
-    _load()  # what `import blade_relax` does elsewhere: accounting, builtins, pipeline
+    load()  # what `import blade_relax` does elsewhere: accounting, builtins, pipeline
     sizes, lengths, trace = _check_heavy(args, names)
     _refuse_beyond_memory(args, sizes, lengths)
 

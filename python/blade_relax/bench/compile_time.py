@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass
 from queue import Empty
 from typing import Any
 
-from .._cliutil import CliError, OneLineParser, check_output_path, first_line
+from ..util.cliargs import CliError, OneLineParser, check_output_path, first_line
 
 __all__ = ["CompileTiming", "LoweringRun", "build_parser", "main", "measure", "table"]
 
@@ -205,10 +205,10 @@ def measure(
     if repeat < 1:
         raise ValueError(f"repeat must be at least 1, not {repeat}")
 
-    from .. import _load
+    from .. import load
     from .workloads import build_workload
 
-    _load()
+    load()
     rows = []
     for n in layers:
         progress(f"{workload}: importing {n} layers")
@@ -265,7 +265,7 @@ def table(rows: Sequence[CompileTiming]) -> str:
 
 
 def build_parser(prog: str = DEFAULT_PROG) -> OneLineParser:
-    """The argument parser; errors raise :class:`~blade_relax._cliutil.CliError`."""
+    """The argument parser; errors raise :class:`~blade_relax.util.cliargs.CliError`."""
     parser = OneLineParser(
         prog=prog,
         description="Time lowering a training step to the memory stage with the stock and the "

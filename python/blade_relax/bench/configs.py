@@ -11,7 +11,7 @@ A configuration says how one system runs a workload. Two kinds exist:
 :class:`TorchConfig`
     PyTorch eager, or ``torch.compile(dynamic=True)`` with an optional
     ``torch._functorch.config.activation_memory_budget``; either with Hugging Face gradient
-    checkpointing (:mod:`.hf_checkpointing`).
+    checkpointing (:mod:`blade_relax.training.hf_checkpointing`).
 
 A TVM configuration whose pipeline is a :class:`FlagsPipeline` (every one registered here) says
 which :class:`~blade_relax.pipeline.PipelineFlags` it compiles with, so that the predicted mode
@@ -188,9 +188,10 @@ class TorchConfig:
         default, 1.0).
     checkpointing
         Run the Hugging Face model with ``gradient_checkpointing_enable()`` (non-reentrant,
-        in train mode; restored after each measurement, see :mod:`.hf_checkpointing`): every
-        decoder layer recomputes its activations in the backward pass. Only for workloads whose
-        torch module holds a Hugging Face model.
+        in train mode; restored after each measurement, see
+        :mod:`blade_relax.training.hf_checkpointing`): every decoder layer recomputes its
+        activations in the backward pass. Only for workloads whose torch module holds a Hugging
+        Face model.
     description
         One line for the README and ``--list-configs``.
     """

@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .._cliutil import CliError, OneLineParser, check_output_path, first_line
+from ..util.cliargs import CliError, OneLineParser, check_output_path, first_line
 
 __all__ = ["CLOCKS", "BudgetTiming", "TimelineTiming", "build_parser", "main", "time_timeline"]
 
@@ -355,7 +355,7 @@ def _numbers(text: str, flag: str, kind: type) -> list:
 
 
 def build_parser(prog: str = DEFAULT_PROG) -> OneLineParser:
-    """The argument parser; errors raise :class:`~blade_relax._cliutil.CliError`."""
+    """The argument parser; errors raise :class:`~blade_relax.util.cliargs.CliError`."""
     parser = OneLineParser(
         prog=prog,
         description="Time the remat runtime's eviction decision (cached, uncached, and the "
@@ -414,9 +414,9 @@ def _check_light(args: Any) -> tuple[list[str], list[int], list[float], list[int
 
 def _run(args: Any) -> int:
     names, lengths, fractions, layers = _check_light(args)
-    from .. import _load
+    from .. import load
 
-    _load()  # what `import blade_relax` does elsewhere: accounting, builtins, pipeline
+    load()  # what `import blade_relax` does elsewhere: accounting, builtins, pipeline
     from .workloads import PRESETS
 
     overrides = {f: getattr(args, f) for f in _SIZE_FLAGS if getattr(args, f) is not None}
@@ -477,7 +477,7 @@ def _run(args: Any) -> int:
 
 def main(argv: Sequence[str] | None = None, *, prog: str = DEFAULT_PROG) -> int:
     """Command line entry point; returns the exit status (2 on bad input)."""
-    from .._quiet import quiet_stderr
+    from ..util.quiet import quiet_stderr
 
     try:
         args = build_parser(prog).parse_args(list(sys.argv[1:] if argv is None else argv))

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .._cliutil import human_bytes
+from ..util.cliargs import human_bytes
 
 __all__ = ["DTYPE_BYTES", "MemoryFloor", "memory_floor", "parameter_counts"]
 

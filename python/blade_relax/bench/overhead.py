@@ -28,9 +28,10 @@ on for that configuration's blocks only: the module is shared).
 
 Each row also reports the configuration's step peak at the length, measured as the ruler
 measures it (TVM: :func:`blade_relax.runtime.measure_call` on a fresh VM, under the budget;
-PyTorch: the step counted by :class:`~.torch_memory.LiveBytesCounter` on the CPU, the
-allocator's peak on CUDA), so that the peak a budget or checkpointing saves and the time it
-costs stand side by side.
+PyTorch: the step counted by
+:class:`~blade_relax.training.torch_memory.LiveBytesCounter` on the CPU, the allocator's peak on
+CUDA), so that the peak a budget or checkpointing saves and the time it costs stand side by
+side.
 
 It also reports what the remat runtime's decision costs per call: the ``blade_relax.
 remat_active`` query that a rematerialized function's dispatcher makes when no budget is set
@@ -318,9 +319,7 @@ def measure_overhead(
         For an unknown, static or bucketed configuration, a pair naming a configuration that
         is not timed, a workload PyTorch cannot run, or fewer than one block or step.
     """
-    from ..analysis.workspace import compile_keeping_module
     from ..pipeline import as_target
-    from ..runtime import measure_call, set_memory_budget
     from .configs import TvmConfig
     from .runner import _TorchRunner
 
@@ -336,6 +335,34 @@ def measure_overhead(
         for c in plan.configs
         if not isinstance(c, TvmConfig)
     }
+    compiled = _compile(workload, plan, tgt, say)
+    params = [tvm.runtime.tensor(p, device) for p in workload.graph.params]
+    bench = _Bench(workload, plan, runners, compiled, params, device, cuda)
+    rows: list[OverheadRow] = []
+    for length in lengths:
+        rows += _measure_length(bench, length, blocks, steps, say)
+    return rows
+
+
+@dataclass
+class _Bench:
+    """What every length is measured with: the configurations built once for all lengths."""
+
+    workload: Any
+    plan: _Plan
+    runners: dict[str, Any]  # PyTorch configuration name -> its runner
+    compiled: dict[str, Any]  # TVM configuration name -> its CompiledModule
+    params: list[Any]  # the workload's parameters on the device
+    device: Any
+    cuda: bool
+
+
+def _compile(workload: Any, plan: _Plan, tgt: Any, say: Callable[[str], None]) -> dict[str, Any]:
+    """Each TVM configuration compiled once (dynamic length); a budgeted one shares the
+    executable of its reference when both build the same."""
+    from ..analysis.workspace import compile_keeping_module
+    from .configs import TvmConfig
+
     by_name = {c.name: c for c in plan.configs}
     compiled: dict[str, Any] = {}
     for config in plan.configs:  # run order: a budget's reference before its users
@@ -353,92 +380,133 @@ def measure_overhead(
         say(f"compiling {config.name}")
         variant = workload.graph.with_upper_bounds(config.keep_bounds)
         compiled[config.name] = compile_keeping_module(variant.mod, tgt, config.pipeline(tgt))
-    params = [tvm.runtime.tensor(p, device) for p in workload.graph.params]
-    timed = plan.timed
-    rows: list[OverheadRow] = []
-    for length in lengths:
-        inputs = workload.inputs(length)
-        args = [tvm.runtime.tensor(a, device) for a in inputs] + params
-        vms = {
-            n: relax.VirtualMachine(compiled[n].executable, device) for n in timed if n in compiled
-        }
-        tensors = {n: runners[n]._tensors(inputs) for n in timed if n in runners}
-        calls: dict[str, Callable[[], Any]] = {}
-        for name in timed:
-            if name in vms:
-                calls[name] = _bound(vms[name]["main"], args)
-            else:
-                calls[name] = _bound(runners[name]._step, [tensors[name]])
-        settings: dict[str, Callable[[], Any]] = {
-            n: (runners[n]._settings if n in runners else contextlib.nullcontext) for n in timed
-        }
-        for name in timed:  # warm up: first-call costs, caches, torch.compile's graphs
-            with settings[name]():
-                calls[name]()
+    return compiled
 
-        say(f"s={length}: step peaks")
-        peaks: dict[str, int] = {}
-        budgets: dict[str, int | None] = {}
-        for config in plan.configs:  # a budget's reference comes before its users
-            name = config.name
-            if name in runners:
-                with runners[name]._settings():
-                    peak, outputs = runners[name]._peak_step(tensors[name])
-                del outputs
-                peaks[name] = peak
-                continue
-            budget = None
-            if config.budget is not None:
-                budget = max(1, int(config.budget * peaks[config.budget_of]))
-            measured = measure_call(
-                compiled[name].executable,
-                args,
-                budget=budget,
-                workspaces=compiled[name].workspaces,
-                device=device,
-                convert=None,
-            )
-            peaks[name], budgets[name] = int(measured.peak_bytes), budget
-            if budget is not None and name in vms:
-                # The timed calls run under the runtime budget the measured step ran under.
-                settings[name] = _budget_setting(set_memory_budget, measured.runtime_budget)
-                with settings[name]():
-                    calls[name]()  # the decision at this shape, cached as in a training loop
 
-        block_times: dict[str, list[float]] = {n: [] for n in timed}
-        say(f"s={length}: {blocks} rounds of {steps} steps")
-        for round_index in range(blocks):
-            shift = round_index % len(timed)
-            for name in timed[shift:] + timed[:shift]:
-                gc.collect()
-                with settings[name]():
-                    call = calls[name]
-                    start = time.perf_counter()
-                    for _ in range(steps):
-                        out = call()
-                    if cuda:
-                        device.sync()
-                    block_times[name].append(time.perf_counter() - start)
-                    del out
-        for name in timed:
-            of = plan.bases[name]
-            ratios = [t / b for t, b in zip(block_times[name], block_times[of])]
-            row = OverheadRow(
-                config=name,
-                length=length,
-                block_ratios=ratios,
-                median_ratio=statistics.median(ratios),
-                median_step_s=statistics.median(block_times[name]) / steps,
-                base=of,
-                step_peak_bytes=peaks[name],
-                budget_bytes=budgets.get(name),
-                block_times_s=block_times[name],
-            )
-            if name in vms:
-                row.decision_us = _decision_us(vms[name], args, max(3, steps))
-            rows.append(row)
-        del calls, vms, tensors
+def _measure_length(
+    bench: _Bench, length: int, blocks: int, steps: int, say: Callable[[str], None]
+) -> list[OverheadRow]:
+    """The rows of every timed configuration at one length: warm-up, step peaks, rounds."""
+    timed = bench.plan.timed
+    runners, compiled = bench.runners, bench.compiled
+    inputs = bench.workload.inputs(length)
+    args = [tvm.runtime.tensor(a, bench.device) for a in inputs] + bench.params
+    vms = {
+        n: relax.VirtualMachine(compiled[n].executable, bench.device)
+        for n in timed
+        if n in compiled
+    }
+    tensors = {n: runners[n]._tensors(inputs) for n in timed if n in runners}
+    calls: dict[str, Callable[[], Any]] = {}
+    for name in timed:
+        if name in vms:
+            calls[name] = _bound(vms[name]["main"], args)
+        else:
+            calls[name] = _bound(runners[name]._step, [tensors[name]])
+    settings: dict[str, Callable[[], Any]] = {
+        n: (runners[n]._settings if n in runners else contextlib.nullcontext) for n in timed
+    }
+    for name in timed:  # warm up: first-call costs, caches, torch.compile's graphs
+        with settings[name]():
+            calls[name]()
+
+    say(f"s={length}: step peaks")
+    peaks, budgets = _step_peaks(bench, args, tensors, vms, calls, settings)
+    say(f"s={length}: {blocks} rounds of {steps} steps")
+    block_times = _time_rounds(bench, calls, settings, blocks, steps)
+    rows = []
+    for name in timed:
+        of = bench.plan.bases[name]
+        ratios = [t / b for t, b in zip(block_times[name], block_times[of])]
+        row = OverheadRow(
+            config=name,
+            length=length,
+            block_ratios=ratios,
+            median_ratio=statistics.median(ratios),
+            median_step_s=statistics.median(block_times[name]) / steps,
+            base=of,
+            step_peak_bytes=peaks[name],
+            budget_bytes=budgets.get(name),
+            block_times_s=block_times[name],
+        )
+        if name in vms:
+            row.decision_us = _decision_us(vms[name], args, max(3, steps))
+        rows.append(row)
     return rows
+
+
+def _step_peaks(
+    bench: _Bench,
+    args: Sequence[Any],
+    tensors: Mapping[str, Any],
+    vms: Mapping[str, Any],
+    calls: Mapping[str, Callable[[], Any]],
+    settings: dict[str, Callable[[], Any]],
+) -> tuple[dict[str, int], dict[str, int | None]]:
+    """Each configuration's step peak at this length, and each TVM one's budget (bytes).
+
+    A budgeted configuration's budget is its fraction of its reference's peak, measured first;
+    its timed calls then run under the runtime budget the measured step ran under (its entry
+    in ``settings`` is replaced), with the decision at this shape made once and cached.
+    """
+    from ..runtime import measure_call, set_memory_budget
+
+    runners, compiled = bench.runners, bench.compiled
+    peaks: dict[str, int] = {}
+    budgets: dict[str, int | None] = {}
+    for config in bench.plan.configs:  # a budget's reference comes before its users
+        name = config.name
+        if name in runners:
+            with runners[name]._settings():
+                peak, outputs = runners[name]._peak_step(tensors[name])
+            del outputs
+            peaks[name] = peak
+            continue
+        budget = None
+        if config.budget is not None:
+            budget = max(1, int(config.budget * peaks[config.budget_of]))
+        measured = measure_call(
+            compiled[name].executable,
+            args,
+            budget=budget,
+            workspaces=compiled[name].workspaces,
+            device=bench.device,
+            convert=None,
+        )
+        peaks[name], budgets[name] = int(measured.peak_bytes), budget
+        if budget is not None and name in vms:
+            # The timed calls run under the runtime budget the measured step ran under.
+            settings[name] = _budget_setting(set_memory_budget, measured.runtime_budget)
+            with settings[name]():
+                calls[name]()  # the decision at this shape, cached as in a training loop
+    return peaks, budgets
+
+
+def _time_rounds(
+    bench: _Bench,
+    calls: Mapping[str, Callable[[], Any]],
+    settings: Mapping[str, Callable[[], Any]],
+    blocks: int,
+    steps: int,
+) -> dict[str, list[float]]:
+    """Seconds of each block of ``steps`` calls, per timed configuration; the order of the
+    configurations rotates from round to round."""
+    timed = bench.plan.timed
+    block_times: dict[str, list[float]] = {n: [] for n in timed}
+    for round_index in range(blocks):
+        shift = round_index % len(timed)
+        for name in timed[shift:] + timed[:shift]:
+            gc.collect()
+            with settings[name]():
+                call = calls[name]
+                start = time.perf_counter()
+                for _ in range(steps):
+                    out = call()
+                if bench.cuda:
+                    bench.device.sync()
+                block_times[name].append(time.perf_counter() - start)
+                del out
+    return block_times
 
 
 def _build_of(config: Any) -> tuple[Any, bool]:

@@ -24,15 +24,16 @@ Runtime budgets (``blade-relax@0.8``)
     floor of that timeline.
 ``torch-eager``
     The same step on a twin of the module built on the ``meta`` device (sizes, no data, no
-    compute), its storages counted by :class:`~.torch_memory.LiveBytesCounter` with
-    ``meta=True``: the counter sees the same ATen ops and storages as on the CPU.
+    compute), its storages counted by
+    :class:`~blade_relax.training.torch_memory.LiveBytesCounter` with ``meta=True``: the counter sees the same ATen ops and storages as on the CPU.
 ``torch-compile``
     Inductor cannot compile for the ``meta`` device. The step is compiled for the CPU as the
     measuring ruler compiles it (``dynamic=True``, one compilation for the trace) and run on CPU
-    tensors with Inductor's kernels skipped (:func:`~.torch_memory.inductor_kernels_skipped`):
-    the generated wrapper allocates and frees every buffer as it would, and
-    :class:`~.torch_memory.LiveBytesCounter` counts them as on a real run (no weight or
-    activation is ever written, so the memory is reserved but not touched; only the ATen
+    tensors with Inductor's kernels skipped
+    (:func:`~blade_relax.training.torch_memory.inductor_kernels_skipped`): the generated wrapper
+    allocates and frees every buffer as it would, and
+    :class:`~blade_relax.training.torch_memory.LiveBytesCounter` counts them as on a real run
+    (no weight or activation is ever written, so the memory is reserved but not touched; only the ATen
     fallbacks Inductor leaves, attention among them, compute). ``compile_time_s`` is then
     Dynamo's capture and Inductor's code generation, without the C++ compilation that a real
     run adds.
@@ -239,14 +240,14 @@ def predict_torch_peak(
     """The step peak PyTorch eager allocates for inputs of ``shapes``, counted on meta tensors.
 
     The step is the runner's: gradients reset to ``None``, the module's forward, and for a
-    training graph ``loss.backward()``; the peak is what :class:`~.torch_memory.
-    LiveBytesCounter` counts on top of the parameters and inputs. With ``checkpointing`` the
+    training graph ``loss.backward()``; the peak is what
+    :class:`~blade_relax.training.torch_memory.LiveBytesCounter` counts on top of the parameters and inputs. With ``checkpointing`` the
     twin runs with Hugging Face gradient checkpointing (``torch-eager-ckpt``).
     """
     import torch
 
-    from .hf_checkpointing import gradient_checkpointing
-    from .torch_memory import LiveBytesCounter
+    from ..training.hf_checkpointing import gradient_checkpointing
+    from ..training.torch_memory import LiveBytesCounter
 
     twin, params = meta_twin(graph)
     tensors = [
@@ -380,7 +381,7 @@ class _CompiledPredictor:
     """
 
     def __init__(self, config: TorchConfig, graph: ImportedGraph) -> None:
-        from .torch_memory import inductor_kernels_skipped
+        from ..training.torch_memory import inductor_kernels_skipped
 
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(inductor_kernels_skipped())

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .._cliutil import CliError, OneLineParser, check_output_path, first_line
+from ..util.cliargs import CliError, OneLineParser, check_output_path, first_line
 
 if TYPE_CHECKING:
     from ..runtime import CallMeasurement
@@ -323,7 +323,7 @@ def _tables(reports: Sequence[LengthReport]) -> str:
 
 
 def build_parser(prog: str = DEFAULT_PROG) -> OneLineParser:
-    """The argument parser; errors raise :class:`~blade_relax._cliutil.CliError`."""
+    """The argument parser; errors raise :class:`~blade_relax.util.cliargs.CliError`."""
     parser = OneLineParser(
         prog=prog,
         description="Rematerialization against its floor, its budgets and the exact optimum.",
@@ -368,7 +368,7 @@ def _check_light(args: Any) -> tuple[list[str], list[int] | None]:
 
 def main(argv: Sequence[str] | None = None, *, prog: str = DEFAULT_PROG) -> int:
     """Command line entry point; returns the exit status (2 on bad input)."""
-    from .._quiet import quiet_stderr
+    from ..util.quiet import quiet_stderr
 
     try:
         args = build_parser(prog).parse_args(list(sys.argv[1:] if argv is None else argv))

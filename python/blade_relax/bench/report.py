@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._figures import save_png
+from ..util.figures import save_png
 from .runner import BenchResult, ConfigSummary, Measurement
 
 __all__ = [

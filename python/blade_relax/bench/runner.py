@@ -9,8 +9,9 @@ What is measured, per configuration and sequence length:
     TVM: the peak of ``blade_relax.runtime.memory_stats()`` over one VM call (every storage the
     VM allocates, at the size requested, and the workspace of the kernel running at that point,
     see ``workspace_bytes``), minus the live bytes before the call, on a fresh VM
-    (``blade_relax.runtime.measure_call``). PyTorch: the peak of :class:`~.torch_memory.LiveBytesCounter` over one step (every storage an ATen op
-    creates, gradients included; ``.grad`` is reset to ``None`` before the step, as TVM returns
+    (``blade_relax.runtime.measure_call``). PyTorch: the peak of
+    :class:`~blade_relax.training.torch_memory.LiveBytesCounter` over one step (every storage an
+    ATen op creates, gradients included; ``.grad`` is reset to ``None`` before the step, as TVM returns
     fresh gradients). With gradient checkpointing (``torch-*-ckpt``) the recomputation in the
     backward pass is counted the same way.
 ``workspace_bytes`` (TVM)
@@ -382,7 +383,7 @@ class _TorchRunner:
             self.module = copy.deepcopy(self.module, memo).to(f"cuda:{device.index}")
             self.params = [memo.get(id(p), p) for p in self.params]
         if config.checkpointing:
-            from .hf_checkpointing import checkpointing_model
+            from ..training.hf_checkpointing import checkpointing_model
 
             try:
                 checkpointing_model(self.module)
@@ -403,8 +404,8 @@ class _TorchRunner:
 
     @contextlib.contextmanager
     def _settings(self) -> Iterator[None]:
-        from .hf_checkpointing import gradient_checkpointing
-        from .torch_memory import visible_inductor_allocations
+        from ..training.hf_checkpointing import gradient_checkpointing
+        from ..training.torch_memory import visible_inductor_allocations
 
         with contextlib.ExitStack() as stack:
             if self.config.checkpointing:
@@ -450,9 +451,10 @@ class _TorchRunner:
         return seconds, (self._graph_count() - before if self.config.compile else 0)
 
     def _counted_step(self, tensors: Sequence[Any]) -> tuple[int, list[Any]]:
-        """One step on the CPU counted by :class:`~.torch_memory.LiveBytesCounter`: its
-        peak bytes, and its outputs."""
-        from .torch_memory import LiveBytesCounter
+        """One step on the CPU counted by
+        :class:`~blade_relax.training.torch_memory.LiveBytesCounter`: its peak bytes, and its
+        outputs."""
+        from ..training.torch_memory import LiveBytesCounter
 
         counter = LiveBytesCounter()
         with counter:
@@ -595,6 +597,51 @@ def run_benchmark(
         from ..runtime.devices import configure_cuda_compiler
 
         configure_cuda_compiler()  # on a GPU machine TVM compiles the CUDA C while building
+    cases = _cases(workload, lengths, say)
+    summaries: list[ConfigSummary] = []
+    rows: list[Measurement] = []
+
+    def result() -> BenchResult:
+        return BenchResult(
+            workload=workload,
+            target=str(tgt.kind.name) if not isinstance(target, str) else target,
+            lengths=cases.lengths,
+            trace=trace or {},
+            repeat=repeat,
+            tolerance=tolerance,
+            configs=summaries,
+            measurements=rows,
+        )
+
+    def measured(row: Measurement) -> None:
+        rows.append(row)
+        if on_row is not None:
+            on_row(result())
+
+    session = _Session(workload.graph, cases, tgt, device, builds, repeat, tolerance, say)
+    for config, requested in resolve_configs(list(config_names)):
+        summary = _summary(config, requested)
+        summaries.append(summary)
+        _measure_config(session, config, summary, rows.append, measured)
+    return result()
+
+
+@dataclass
+class _Cases:
+    """What every configuration runs on, per length: the inputs, their dims, the bytes the
+    caller holds (parameters and inputs), torch's outputs and the lower bound."""
+
+    lengths: list[int]
+    inputs: dict[int, list[np.ndarray]]
+    dims: dict[int, dict[str, int]]
+    caller: dict[int, int]
+    references: dict[int, list[np.ndarray] | None]
+    lower: dict[int, int | None]
+
+
+def _cases(workload: Workload, lengths: Sequence[int], say: Callable[[str], None]) -> _Cases:
+    """The inputs of ``workload`` at every length (their ranges checked before anything runs),
+    torch's reference outputs and the lower bounds."""
     graph = workload.graph
     lengths = sorted(set(int(n) for n in lengths))
     inputs = {n: workload.inputs(n) for n in lengths}
@@ -604,68 +651,75 @@ def run_benchmark(
     say("computing torch references and lower bounds")
     references = {n: graph.reference(inputs[n]) if graph.reference else None for n in lengths}
     lower = _lower_bounds(graph, dims, say)
+    return _Cases(lengths, inputs, dims, caller, references, lower)
 
-    plan = resolve_configs(list(config_names))
-    summaries: list[ConfigSummary] = []
-    rows: list[Measurement] = []
 
-    def result() -> BenchResult:
-        return BenchResult(
-            workload=workload,
-            target=str(tgt.kind.name) if not isinstance(target, str) else target,
-            lengths=lengths,
-            trace=trace or {},
-            repeat=repeat,
-            tolerance=tolerance,
-            configs=summaries,
-            measurements=rows,
+@dataclass
+class _Session:
+    """What every configuration of one :func:`run_benchmark` is measured with."""
+
+    graph: ImportedGraph
+    cases: _Cases
+    target: tvm.target.Target
+    device: Any
+    builds: dict[Any, Any] | None
+    repeat: int
+    tolerance: float
+    say: Callable[[str], None]
+    #: (configuration, length) -> its step peak, the base of the budgets taken from it.
+    step_peaks: dict[tuple[str, int], int | None] = field(default_factory=dict)
+
+
+def _measure_config(
+    session: _Session,
+    config: BenchConfig,
+    summary: ConfigSummary,
+    unmeasured: Callable[[Measurement], None],
+    measured: Callable[[Measurement], None],
+) -> None:
+    """One configuration at every length: a row each, handed to ``measured`` once measured
+    (to ``unmeasured`` when it could not run: no runner, no peak to take its budget from)."""
+    graph, cases, say = session.graph, session.cases, session.say
+    try:
+        runner: Any = (
+            _TvmRunner(config, graph, session.target, session.device, session.builds)
+            if isinstance(config, TvmConfig)
+            else _TorchRunner(config, graph, session.device)
         )
-
-    step_peaks: dict[tuple[str, int], int | None] = {}
-    for config, requested in plan:
-        summary = _summary(config, requested)
-        summaries.append(summary)
+    except Exception as err:
+        for n in cases.lengths:
+            unmeasured(Measurement(config.name, n, error=_describe(err)))
+        say(f"{config.name}: failed to set up: {_describe(err)}")
+        return
+    for n in cases.lengths:
+        row = Measurement(
+            config.name, n, caller_bytes=cases.caller[n], lower_bound_bytes=cases.lower[n]
+        )
+        if isinstance(config, TvmConfig) and config.bucket is not None:
+            padded, _ = pad_for_bucket(config, graph, cases.inputs[n], cases.dims[n])
+            row.caller_bytes = graph.param_bytes + int(sum(a.nbytes for a in padded))
+        budget = None
+        if isinstance(config, TvmConfig) and config.budget is not None:
+            reference_peak = session.step_peaks.get((config.budget_of, n))
+            if reference_peak is None:
+                row.error = f"no peak of {config.budget_of} at s={n} to take the budget from"
+                unmeasured(row)
+                continue
+            budget = max(1, int(config.budget * reference_peak))
+            row.budget_bytes = budget
+        say(f"{config.name}: s={n}")
         try:
-            runner: Any = (
-                _TvmRunner(config, graph, tgt, device, builds)
-                if isinstance(config, TvmConfig)
-                else _TorchRunner(config, graph, device)
-            )
+            outputs = runner.measure(row, cases.inputs[n], cases.dims[n], session.repeat, budget)
+            row.peak_bytes = row.step_peak_bytes + row.caller_bytes
+            row.step_time_s = statistics.median(row.step_times_s)
+            _check(row, outputs, cases.references[n], graph, session.tolerance)
         except Exception as err:
-            for n in lengths:
-                rows.append(Measurement(config.name, n, error=_describe(err)))
-            say(f"{config.name}: failed to set up: {_describe(err)}")
-            continue
-        for n in lengths:
-            row = Measurement(config.name, n, caller_bytes=caller[n], lower_bound_bytes=lower[n])
-            if isinstance(config, TvmConfig) and config.bucket is not None:
-                padded, _ = pad_for_bucket(config, graph, inputs[n], dims[n])
-                row.caller_bytes = graph.param_bytes + int(sum(a.nbytes for a in padded))
-            budget = None
-            if isinstance(config, TvmConfig) and config.budget is not None:
-                reference_peak = step_peaks.get((config.budget_of, n))
-                if reference_peak is None:
-                    row.error = f"no peak of {config.budget_of} at s={n} to take the budget from"
-                    rows.append(row)
-                    continue
-                budget = max(1, int(config.budget * reference_peak))
-                row.budget_bytes = budget
-            say(f"{config.name}: s={n}")
-            try:
-                outputs = runner.measure(row, inputs[n], dims[n], repeat, budget)
-                row.peak_bytes = row.step_peak_bytes + row.caller_bytes
-                row.step_time_s = statistics.median(row.step_times_s)
-                _check(row, outputs, references[n], graph, tolerance)
-            except Exception as err:
-                row.error = _describe(err)
-                say(f"{config.name}: s={n}: {row.error}")
-            step_peaks[(config.name, n)] = row.step_peak_bytes
-            rows.append(row)
-            if on_row is not None:
-                on_row(result())
-        summary.compile_time_s = runner.compile_time_s
-        summary.compilations = runner.compilations
-    return result()
+            row.error = _describe(err)
+            say(f"{config.name}: s={n}: {row.error}")
+        session.step_peaks[(config.name, n)] = row.step_peak_bytes
+        measured(row)
+    summary.compile_time_s = runner.compile_time_s
+    summary.compilations = runner.compilations
 
 
 def _check(

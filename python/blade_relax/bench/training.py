@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .._figures import save_png
+from ..util.figures import save_png
 from .sft import pad_batch, sft_trace
 from .trace import length_trace
 from .workloads import PRESETS, ModelSizes, build_workload
@@ -145,8 +145,7 @@ def compare_training(
     padding_side
         Where fine-tuning batches are padded: ``"right"`` or ``"left"``.
     """
-    from ..training import AdamW, Trainer, torch_fit
-    from ..training.data import synthetic_batches
+    from ..training import AdamW, Trainer
 
     say = log or (lambda _m: None)
     if model not in TRAIN_MODELS:
@@ -160,44 +159,16 @@ def compare_training(
     say(f"building {model} ({name}) and its training graph")
     workload = build_workload(name, sizes, seed=seed)
     graph, sizes = workload.graph, workload.sizes
-    if sft:
-        trace = sft_trace(steps, sizes.batch, sizes.min_seq_len, sizes.max_seq_len, seed=seed)
-        lengths, description = trace.lengths, trace.distribution
-        batches = [
-            pad_batch(pairs, sizes.vocab, padding_side=padding_side, seed=seed + i)
-            for i, pairs in enumerate(trace.steps)
-        ]
-    else:
-        trace = length_trace(steps, sizes.min_seq_len, sizes.max_seq_len, seed=seed)
-        lengths, description = list(trace.lengths), trace.distribution
-        batches = synthetic_batches(sizes.vocab, trace.lengths, batch=sizes.batch, seed=seed)
+    lengths, description, batches = _batches(sizes, steps, sft, padding_side, seed)
     trainer = Trainer(graph, optimizer)
     say("compiling the training step (once for every length)")
     trainer.compile()
     say(f"blade_relax: {steps} steps")
     ours = trainer.fit(batches, steps, budget, progress=progress)
-    torch_runs = []
-    say(f"torch-eager: {steps} steps")
-    torch_runs.append(torch_fit(graph, optimizer, batches, steps))
-    if torch_compile:
-        say(f"torch-compile: {steps} steps")
-        torch_runs.append(torch_fit(graph, optimizer, batches, steps, compile=True))
-    if torch_checkpointing:
-        say(f"torch-eager-ckpt: {steps} steps")
-        torch_runs.append(torch_fit(graph, optimizer, batches, steps, checkpointing=True))
-        if torch_compile:
-            say(f"torch-compile-ckpt: {steps} steps")
-            torch_runs.append(
-                torch_fit(graph, optimizer, batches, steps, compile=True, checkpointing=True)
-            )
-    eager = torch_runs[0]
-    loss_error = max(
-        abs(a.loss - b.loss) / max(abs(b.loss), 1e-12) for a, b in zip(ours.records, eager.records)
+    torch_runs = _torch_runs(
+        graph, optimizer, batches, steps, torch_compile, torch_checkpointing, say
     )
-    param_error = max(
-        float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-        for a, b in zip(trainer.parameters(), eager.parameters)
-    )
+    loss_error, param_error = _errors(ours, trainer.parameters(), torch_runs[0])
     return TrainingComparison(
         ours=ours,
         torch_runs=torch_runs,
@@ -216,14 +187,81 @@ def compare_training(
             "optimizer": type(optimizer).__name__,
             "lr": optimizer.lr,
             "seed": seed,
-            "data": (
-                f"SFT: {sizes.batch} (prompt, response) pairs a step, padded on the "
-                f"{padding_side}, random tokens, labels -100 on prompt and padding"
-                if sft
-                else "first-order Markov chain, 4 likely successors per token, 5 % noise"
-            ),
+            "data": _data_description(sizes, sft, padding_side),
         },
     )
+
+
+def _data_description(sizes: ModelSizes, sft: bool, padding_side: str) -> str:
+    """What the batches are, for the settings of a comparison."""
+    if sft:
+        return (
+            f"SFT: {sizes.batch} (prompt, response) pairs a step, padded on the "
+            f"{padding_side}, random tokens, labels -100 on prompt and padding"
+        )
+    return "first-order Markov chain, 4 likely successors per token, 5 % noise"
+
+
+def _errors(ours: Any, parameters: Sequence[Any], eager: Any) -> tuple[float, float]:
+    """The largest relative difference to torch-eager's run: of the loss over the steps, and
+    of a parameter (Frobenius) after the run."""
+    loss_error = max(
+        abs(a.loss - b.loss) / max(abs(b.loss), 1e-12) for a, b in zip(ours.records, eager.records)
+    )
+    param_error = max(
+        float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+        for a, b in zip(parameters, eager.parameters)
+    )
+    return loss_error, param_error
+
+
+def _batches(
+    sizes: ModelSizes, steps: int, sft: bool, padding_side: str, seed: int
+) -> tuple[list[int], str, list[Any]]:
+    """The lengths of the trace, how they were drawn, and one batch per step: padded
+    (prompt, response) pairs for fine-tuning, Markov-chain token batches otherwise."""
+    from ..training.data import synthetic_batches
+
+    if sft:
+        trace = sft_trace(steps, sizes.batch, sizes.min_seq_len, sizes.max_seq_len, seed=seed)
+        batches = [
+            pad_batch(pairs, sizes.vocab, padding_side=padding_side, seed=seed + i)
+            for i, pairs in enumerate(trace.steps)
+        ]
+        return trace.lengths, trace.distribution, batches
+    trace = length_trace(steps, sizes.min_seq_len, sizes.max_seq_len, seed=seed)
+    batches = synthetic_batches(sizes.vocab, trace.lengths, batch=sizes.batch, seed=seed)
+    return list(trace.lengths), trace.distribution, batches
+
+
+def _torch_runs(
+    graph: Any,
+    optimizer: Any,
+    batches: Sequence[Any],
+    steps: int,
+    torch_compile: bool,
+    torch_checkpointing: bool,
+    say: Callable[[str], None],
+) -> list[Any]:
+    """PyTorch's loop on the same batches: eager first (the reference the checks compare
+    with), then compiled and checkpointed as asked."""
+    from ..training import torch_fit
+
+    torch_runs = []
+    say(f"torch-eager: {steps} steps")
+    torch_runs.append(torch_fit(graph, optimizer, batches, steps))
+    if torch_compile:
+        say(f"torch-compile: {steps} steps")
+        torch_runs.append(torch_fit(graph, optimizer, batches, steps, compile=True))
+    if torch_checkpointing:
+        say(f"torch-eager-ckpt: {steps} steps")
+        torch_runs.append(torch_fit(graph, optimizer, batches, steps, checkpointing=True))
+        if torch_compile:
+            say(f"torch-compile-ckpt: {steps} steps")
+            torch_runs.append(
+                torch_fit(graph, optimizer, batches, steps, compile=True, checkpointing=True)
+            )
+    return torch_runs
 
 
 def plot_training(result: TrainingComparison, path: str) -> None:

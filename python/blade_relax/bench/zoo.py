@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._cliutil import CliError, OneLineParser, check_output_path
+from ..util.cliargs import CliError, OneLineParser, check_output_path
 
 __all__ = [
     "ARCHITECTURES",

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -53,6 +54,7 @@ __all__ = [
     "import_inference",
     "import_training_step",
     "inference_reference",
+    "max_positions",
     "torch_to_numpy",
     "training_reference",
     "unsupported_reason",
@@ -203,7 +205,14 @@ def _set_attn(model: Any, implementation: str) -> None:
         model.config._attn_implementation = implementation
 
 
-def _max_positions(model: Any) -> int | None:
+def max_positions(model: Any) -> int | None:
+    """The longest sequence a Hugging Face model's config declares, or None if it declares none.
+
+    Read from ``config.max_position_embeddings`` (Llama and most models) or
+    ``config.n_positions`` (GPT-2), the first that is an ``int``: the limit an import checks
+    ``max_seq_len`` against, and the ``max_seq_len`` a :class:`~blade_relax.training.Trainer`
+    takes when none is given.
+    """
     config = getattr(model, "config", None)
     for key in ("max_position_embeddings", "n_positions"):
         value = getattr(config, key, None)
@@ -226,7 +235,7 @@ def _check_sizes(
 ) -> tuple[int, int, int, int | None]:
     """The size options of ``call`` as ints, checked; each error names the option and what to
     pass."""
-    limit = _max_positions(model)
+    limit = max_positions(model)
     if not _is_int(min_seq_len) or min_seq_len < 2:
         raise ValueError(
             f"min_seq_len must be an int >= 2 (torch.export specializes sizes 0 and 1), got "
@@ -285,7 +294,7 @@ def size_options(call: str, model: Any, *, min_option: bool = True) -> dict[str,
     seq: dict[str, Any] = {"what": "sequence length", "max": "max_seq_len"}
     if min_option:
         seq.update({"min": "min_seq_len", "lowest": 2})
-    seq["limit"] = _max_positions(model)
+    seq["limit"] = max_positions(model)
     return {"call": call, "axes": [{"what": "batch", "max": "max_batch_size"}, seq]}
 
 
@@ -725,10 +734,42 @@ def import_training_step(
         grad_{k-1})`` for the ``k`` trainable parameters; ``reference`` runs the same step in
         torch and returns the loss and gradients as arrays.
     """
-    min_seq_len, max_seq_len, batch_size, max_batch_size = _check_sizes(
+    sizes = _check_sizes(
         "import_training_step", model, min_seq_len, max_seq_len, batch_size, max_batch_size
     )
-    torch = _torch()
+    _torch()  # without torch, the install hint before anything else
+    groups = _tied_groups_to_sum(model, tied_parameters)
+    autocast_dtype = _autocast_dtype(model, autocast)
+    _, plain_cls, masked_cls = _make_wrappers()
+    wrapper = (masked_cls if attention_mask else plain_cls)(model, autocast=autocast_dtype)
+    input_names = (
+        ["input_ids", "attention_mask", "labels"] if attention_mask else ["input_ids", "labels"]
+    )
+    step = _export_training_step(
+        model,
+        wrapper,
+        input_names,
+        sizes,
+        groups,
+        keep_upper_bound,
+        attn_implementation,
+        autocast,
+        custom_converters,
+    )
+    _arrange_parameters(step, groups)
+    return _training_graph(model, wrapper, step, sizes, groups, autocast)
+
+
+def _tied_groups_to_sum(model: Any, tied_parameters: str) -> list[list[str]]:
+    """The model's tied parameter groups, whose gradients the graph will sum.
+
+    Raises
+    ------
+    ValueError
+        When ``tied_parameters`` is neither ``"sum"`` nor ``"error"``.
+    TiedParameterError
+        With ``"error"``, when the model ties parameters.
+    """
     if tied_parameters not in ("sum", "error"):
         raise ValueError(f"tied_parameters must be 'sum' or 'error', not {tied_parameters!r}")
     groups = _tied_groups(model)
@@ -738,12 +779,59 @@ def import_training_step(
             f"the model ties parameters ({listed}); build it with tie_word_embeddings=False "
             f"(or call import_training_step(..., tied_parameters='sum'))"
         )
-    autocast_dtype = _autocast_dtype(model, autocast)
-    _, plain_cls, masked_cls = _make_wrappers()
-    wrapper = (masked_cls if attention_mask else plain_cls)(model, autocast=autocast_dtype)
-    input_names = (
-        ["input_ids", "attention_mask", "labels"] if attention_mask else ["input_ids", "labels"]
-    )
+    return groups
+
+
+@dataclass
+class _TrainingImport:
+    """A training step on its way from torch's joint export to an :class:`ImportedGraph`.
+
+    Attributes
+    ----------
+    mod
+        ``main(*inputs, *params) -> (loss, *grads)``.
+    names, arrays
+        The parameters of ``main`` after the inputs: their names and values.
+    input_names
+        The inputs of ``main``.
+    ranges
+        The dims and their ranges.
+    targets
+        The parameter each gradient output is the gradient of, in output order.
+    num_frozen
+        How many of the parameters, the last ones, get no gradient.
+    """
+
+    mod: tvm.IRModule
+    names: list[str]
+    arrays: list[np.ndarray]
+    input_names: list[str]
+    ranges: dict[str, Any]
+    targets: list[str]
+    num_frozen: int = 0
+
+
+def _export_training_step(
+    model: Any,
+    wrapper: Any,
+    input_names: list[str],
+    sizes: tuple[int, int, int, int | None],
+    groups: list[list[str]],
+    keep_upper_bound: bool,
+    attn_implementation: str | None,
+    autocast: str | None,
+    custom_converters: dict[str, Callable] | None,
+) -> _TrainingImport:
+    """torch's joint forward+backward export of ``wrapper`` imported into Relax, each gradient
+    output relabelled with its parameter.
+
+    Raises
+    ------
+    TiedParameterError
+        When a trainable parameter receives no gradient.
+    """
+    torch = _torch()
+    min_seq_len, max_seq_len, batch_size, max_batch_size = sizes
     num_input = len(input_names)
     dynamic, ranges = _dims_spec(input_names, min_seq_len, max_seq_len, max_batch_size)
     example_batch = max(batch_size, 2) if max_batch_size is not None else batch_size
@@ -773,29 +861,61 @@ def import_training_step(
         )
     mod, names, arrays = _finish(mod, joint, num_input, dynamic["input_ids"], keep_upper_bound)
     targets = [t[len(_PREFIX) :] if t.startswith(_PREFIX) else t for t in grad_targets]
-    if not set(targets) <= set(names):
+    return _TrainingImport(mod, names, arrays, list(input_names), ranges, targets)
+
+
+def _arrange_parameters(step: _TrainingImport, groups: list[list[str]]) -> None:
+    """Put the frozen parameters last and give each tied group one gradient output.
+
+    Raises
+    ------
+    RuntimeError
+        When a gradient is of a tensor that is not a parameter of the model.
+    ValueError
+        When no parameter is trainable.
+    """
+    targets, num_input = step.targets, len(step.input_names)
+    if not set(targets) <= set(step.names):
         raise RuntimeError(
             "the joint graph has gradients of tensors that are not parameters of the model: "
-            f"{sorted(set(targets) - set(names))}"
+            f"{sorted(set(targets) - set(step.names))}"
         )
     if not targets:
         raise ValueError("the model has no trainable parameter (every requires_grad is False)")
-    mod, names, arrays, num_frozen = _frozen_last(mod, names, arrays, set(targets), num_input)
-    mod, names, arrays = _regroup_outputs(mod, names, arrays, targets, groups, num_input)
-    trainable = names[: len(names) - num_frozen]
+    step.mod, step.names, step.arrays, step.num_frozen = _frozen_last(
+        step.mod, step.names, step.arrays, set(targets), num_input
+    )
+    step.mod, step.names, step.arrays = _regroup_outputs(
+        step.mod, step.names, step.arrays, targets, groups, num_input
+    )
+
+
+def _training_graph(
+    model: Any,
+    wrapper: Any,
+    step: _TrainingImport,
+    sizes: tuple[int, int, int, int | None],
+    groups: list[list[str]],
+    autocast: str | None,
+) -> ImportedGraph:
+    """The :class:`ImportedGraph` of an imported training step, with torch's step as its
+    reference."""
+    _, _, batch_size, max_batch_size = sizes
+    num_input = len(step.input_names)
+    trainable = step.names[: len(step.names) - step.num_frozen]
     output_names = ["loss"] + [f"grad:{name}" for name in trainable]
     batch_axis: int | str = "b" if max_batch_size is not None else batch_size
     named = dict(model.named_parameters(remove_duplicate=False))
 
     return ImportedGraph(
-        mod=mod,
-        params=arrays,
-        input_names=input_names,
-        param_names=names,
+        mod=step.mod,
+        params=step.arrays,
+        input_names=step.input_names,
+        param_names=step.names,
         output_names=output_names,
         input_shapes=[(batch_axis, "s")] * num_input,
         input_dtypes=["int64"] * num_input,
-        dims=ranges,
+        dims=step.ranges,
         kind="training",
         reference=training_reference(model, wrapper, trainable),
         torch_module=wrapper,
@@ -807,7 +927,7 @@ def import_training_step(
             "autocast": autocast,
             SIZE_OPTIONS: size_options("import_training_step", model),
         },
-        num_frozen=num_frozen,
+        num_frozen=step.num_frozen,
     )
 
 

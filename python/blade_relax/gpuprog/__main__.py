@@ -246,13 +246,13 @@ def bench(argv: Sequence[str]) -> int:
     parser.add_argument("--lengths", default=None, help="default: the manifest's")
     args = parser.parse_args(list(argv))
 
-    import blade_relax
+    from blade_relax import quiet
     from blade_relax.bench.report import budget_table, markdown_table, write_json
     from blade_relax.bench.runner import run_benchmark
 
     from .carried import carried_workload
 
-    blade_relax.quiet()
+    quiet()
     target, where = _bench_target(args.target)
     carried = Path(args.carried)
     if args.lengths:
@@ -319,9 +319,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plan:
         _say(format_plan(program_steps(options)))
         return 0
-    import blade_relax
+    from blade_relax import quiet
 
-    blade_relax.quiet()
+    quiet()
     if args.dry_run:
         return dry_run(
             options,

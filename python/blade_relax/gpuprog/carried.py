@@ -287,7 +287,7 @@ def build_cuda_graph_modes(
         (``allocated_bytes``, from its ``cuda_graph_alloc``).
     """
     from ..runtime.devices import compile_cuda_source, cuda_source
-    from ..transform.specialize_buckets import compile_buckets
+    from .buckets import compile_buckets
 
     graph = carried_workload(carried, CUDA_GRAPH_WORKLOAD, with_model=False).graph
     buckets = cuda_graph_buckets(graph.dims["s"].upper)

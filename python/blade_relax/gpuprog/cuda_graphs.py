@@ -4,7 +4,7 @@
 reads the carried ``gpt2-infer`` graph (the dry run carries it with the benchmark workloads),
 builds the model's weights with this machine's torch, and compiles two executables with one
 static copy of ``main`` per bucket of :data:`~.plan.CUDA_GRAPH_BUCKETS`
-(:func:`~blade_relax.transform.specialize_buckets.compile_buckets`, blade_relax's pipeline
+(:func:`~blade_relax.gpuprog.buckets.compile_buckets`, blade_relax's pipeline
 without remat): ``graphs`` (TVM's ``RewriteCUDAGraph`` on, one pool shared by all buckets) and
 ``plain`` (the same copies, kernels launched one by one). Both compile before the GPU is
 taken (:data:`~.plan.LOCK_ENV`). Then, per executable: every bucket is called once (with
@@ -50,11 +50,11 @@ def build_modes(
     graph: Any, target: dict[str, str], buckets: Sequence[int], modes: Sequence[str]
 ) -> dict[str, Any]:
     """Compile the bucketed executable of each mode (``"graphs"``, ``"plain"``) for
-    ``target``: mode -> :class:`~blade_relax.transform.specialize_buckets.BucketedBuild`."""
+    ``target``: mode -> :class:`~blade_relax.gpuprog.buckets.BucketedBuild`."""
     import tvm
 
     from ..runtime.devices import configure_cuda_compiler
-    from ..transform.specialize_buckets import compile_buckets
+    from .buckets import compile_buckets
 
     if target["kind"] == "cuda":
         configure_cuda_compiler()
@@ -207,12 +207,11 @@ def main(argv: Sequence[str]) -> int:
 
     import os
 
-    import blade_relax
-
+    from .. import quiet
     from .__main__ import _bench_target, gpu_lock
     from .carried import carried_workload
 
-    blade_relax.quiet()
+    quiet()
     target, where = _bench_target(args.target)
     start = time.perf_counter()
     workload = carried_workload(Path(args.carried), CUDA_GRAPH_WORKLOAD)

@@ -244,12 +244,12 @@ def main(argv: Sequence[str]) -> int:
 
     import tvm
 
-    import blade_relax
-
+    from .. import quiet
+    from ..pipeline import get_pipeline
     from ..runtime.devices import configure_cuda_compiler
     from .__main__ import _bench_target, gpu_lock
 
-    blade_relax.quiet()
+    quiet()
     manifest = read_manifest(Path(args.carried))
     if not manifest:
         raise SystemExit(f"no manifest in {args.carried}: run bash ci/gpu.sh --dry-run first")
@@ -262,7 +262,7 @@ def main(argv: Sequence[str]) -> int:
         configure_cuda_compiler()
     tgt = tvm.target.Target(target)
     start = time.perf_counter()
-    executable = tvm.compile(gemm_module(shapes), tgt, relax_pipeline=blade_relax.get_pipeline(tgt))
+    executable = tvm.compile(gemm_module(shapes), tgt, relax_pipeline=get_pipeline(tgt))
     compile_s = time.perf_counter() - start
     _say(f"built {len(shapes) * len(PASSES)} GEMMs for {where} in {compile_s:.1f} s; "
          f"m in {tokens}")  # fmt: skip

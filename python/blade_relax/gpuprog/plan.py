@@ -462,158 +462,15 @@ def gpu_test_files(root: Path) -> list[str]:
 
 def program_steps(options: ProgramOptions) -> list[Step]:
     """The steps of the program, in the order they run."""
-    costs = options.costs
-    py = options.python
     manifest = read_manifest(options.carried) or {}
     steps = [
-        Step(
-            "preflight",
-            "the kit's preflight: environment, TVM and blade_relax on the GPU, torch",
-            "preflight",
-            [py, ".gpukit/preflight.py"],
-            costs.preflight_s,
-            _budget(costs.preflight_s),
-        )
+        _preflight_step(options),
+        *(_bench_step(options, manifest, workload) for workload in options.workloads),
+        _cuda_graph_step(options, manifest),
+        _gemm_step(options),
+        _gpu_tests_step(options),
+        _tutorial_step(options),
     ]
-    for workload in options.workloads:
-        lengths = manifest.get("lengths", {}).get(workload) or program_lengths(options.size)
-        compiled = manifest.get("compile_s", {}).get(workload)
-        configs = bench_configs(workload)
-        prep, gpu, detail = bench_estimate(costs, lengths, compiled, configs)
-        steps.append(
-            Step(
-                f"bench-{workload}",
-                f"{workload} at size {options.size}, s in {lengths}: " + ", ".join(configs),
-                "bench",
-                [
-                    py,
-                    "-m",
-                    "blade_relax.gpuprog",
-                    "bench",
-                    "--carried",
-                    str(options.carried),
-                    "--workload",
-                    workload,
-                    "--out",
-                    str(options.out / f"bench-{workload}.json"),
-                    "--repeat",
-                    str(options.repeat),
-                    "--tolerance",
-                    str(options.tolerance),
-                    "--configs",
-                    ",".join(configs),
-                ],
-                prep + gpu,
-                0.0,  # set below: counted from the program's start
-                detail=detail,
-                background=True,
-                gpu_s=gpu,
-            )
-        )
-    upper = _max_seq_len(options.size, manifest)
-    graph_builds = manifest.get("cuda_graphs", {}).get("compile_s", {}).get(CUDA_GRAPH_WORKLOAD)
-    prep, gpu, detail = cuda_graph_estimate(costs, graph_builds)
-    steps.append(
-        Step(
-            "cuda-graphs",
-            f"{CUDA_GRAPH_WORKLOAD} at size {options.size}, s in {cuda_graph_lengths(upper)}, "
-            f"buckets {list(cuda_graph_buckets(upper))}: " + " and ".join(CUDA_GRAPH_MODES),
-            "cuda-graphs",
-            [
-                py,
-                "-m",
-                "blade_relax.gpuprog",
-                "cuda-graphs",
-                "--carried",
-                str(options.carried),
-                "--out",
-                str(options.out / "cuda-graphs.json"),
-                "--tolerance",
-                str(options.tolerance),
-            ],
-            prep + gpu,
-            0.0,  # set below: counted from the program's start
-            detail=detail,
-            background=True,
-            gpu_s=gpu,
-        )
-    )
-    gemm = costs.start_s + costs.gemm_s
-    gemm_gpu = costs.gemm_gpu_s
-    steps.append(
-        Step(
-            "gemm",
-            f"{GEMM_WORKLOAD}'s GEMM shapes on TVM's kernels against cuBLAS",
-            "gemm",
-            [
-                py,
-                "-m",
-                "blade_relax.gpuprog",
-                "gemm",
-                "--carried",
-                str(options.carried),
-                "--workload",
-                GEMM_WORKLOAD,
-                "--out",
-                str(options.out / "gemm.json"),
-                "--tolerance",
-                str(options.tolerance),
-            ],
-            gemm,
-            0.0,  # set below: counted from the program's start
-            detail=f"before the GPU: start + 15 GEMMs compiled {gemm - gemm_gpu:.0f}; on it: 2 "
-            f"token counts x 5 shapes x 3 passes timed {gemm_gpu:.0f}",
-            background=True,
-            gpu_s=gemm_gpu,
-        )  # fmt: skip
-    )
-    files = gpu_test_files(options.root)
-    # test_cuda_gpu: the accounting on the GPU (a tiny import, a blade_relax build), the
-    # page-sized driver check (two MLP builds) and the GEMMs on cuBLAS (two MLP builds);
-    # test_accounting: one stock build; test_cuda_graphs: one small bucketed build.
-    tests = (
-        costs.start_s + costs.tiny_import_s + costs.tiny_blade_compile_s + 6 * costs.tiny_compile_s
-    )
-    steps.append(
-        Step(
-            "gpu-tests",
-            f"pytest -m gpu ({', '.join(Path(f).name for f in files)})",
-            "pytest",
-            [
-                py,
-                "-m",
-                "pytest",
-                "-q",
-                "-rfE",
-                "-m",
-                "gpu",
-                "-p",
-                "no:cacheprovider",
-                "-k",
-                GPU_TESTS_LEFT_OUT,
-                *files,
-            ],
-            tests,
-            _budget(tests),
-            detail="start + a tiny import + a tiny blade_relax build + 6 small builds",
-        )
-    )
-    tutorial = (
-        costs.start_s + costs.tiny_import_s + costs.tiny_compile_s + costs.tiny_blade_compile_s + 20
-    )
-    steps.append(
-        Step(
-            "tutorial-5",
-            "tutorials/05_gpu.py, small (BLADE_RELAX_TUTORIAL_SMALL=1)",
-            "tutorial",
-            [py, "tutorials/05_gpu.py"],
-            tutorial,
-            _budget(tutorial),
-            env={"BLADE_RELAX_TUTORIAL_SMALL": "1", "MPLBACKEND": "Agg"},
-            detail="start + a tiny import + a stock and a blade_relax build + 3 lengths x 4 runs "
-            "(73 s on the first GPU run)",
-        )
-    )
     rank = {name: i for i, name in enumerate(STEP_ORDER)}
     steps.sort(key=lambda step: rank.get(step.name, len(rank)))
     finish = _finish_times(steps)
@@ -621,6 +478,172 @@ def program_steps(options: ProgramOptions) -> list[Step]:
         dataclasses.replace(s, budget_s=_budget(end)) if s.background else s
         for s, end in zip(steps, finish)
     ]
+
+
+def _preflight_step(options: ProgramOptions) -> Step:
+    """The kit's own checks of the machine, first."""
+    costs = options.costs
+    return Step(
+        "preflight",
+        "the kit's preflight: environment, TVM and blade_relax on the GPU, torch",
+        "preflight",
+        [options.python, ".gpukit/preflight.py"],
+        costs.preflight_s,
+        _budget(costs.preflight_s),
+    )
+
+
+def _bench_step(options: ProgramOptions, manifest: dict[str, Any], workload: str) -> Step:
+    """The benchmark of one workload, in the background from the start (its budget is set
+    once the steps are ordered)."""
+    costs = options.costs
+    lengths = manifest.get("lengths", {}).get(workload) or program_lengths(options.size)
+    compiled = manifest.get("compile_s", {}).get(workload)
+    configs = bench_configs(workload)
+    prep, gpu, detail = bench_estimate(costs, lengths, compiled, configs)
+    return Step(
+        f"bench-{workload}",
+        f"{workload} at size {options.size}, s in {lengths}: " + ", ".join(configs),
+        "bench",
+        [
+            options.python,
+            "-m",
+            "blade_relax.gpuprog",
+            "bench",
+            "--carried",
+            str(options.carried),
+            "--workload",
+            workload,
+            "--out",
+            str(options.out / f"bench-{workload}.json"),
+            "--repeat",
+            str(options.repeat),
+            "--tolerance",
+            str(options.tolerance),
+            "--configs",
+            ",".join(configs),
+        ],
+        prep + gpu,
+        0.0,  # set by program_steps: counted from the program's start
+        detail=detail,
+        background=True,
+        gpu_s=gpu,
+    )
+
+
+def _cuda_graph_step(options: ProgramOptions, manifest: dict[str, Any]) -> Step:
+    """CUDA graphs per length bucket, in the background from the start."""
+    upper = _max_seq_len(options.size, manifest)
+    graph_builds = manifest.get("cuda_graphs", {}).get("compile_s", {}).get(CUDA_GRAPH_WORKLOAD)
+    prep, gpu, detail = cuda_graph_estimate(options.costs, graph_builds)
+    return Step(
+        "cuda-graphs",
+        f"{CUDA_GRAPH_WORKLOAD} at size {options.size}, s in {cuda_graph_lengths(upper)}, "
+        f"buckets {list(cuda_graph_buckets(upper))}: " + " and ".join(CUDA_GRAPH_MODES),
+        "cuda-graphs",
+        [
+            options.python,
+            "-m",
+            "blade_relax.gpuprog",
+            "cuda-graphs",
+            "--carried",
+            str(options.carried),
+            "--out",
+            str(options.out / "cuda-graphs.json"),
+            "--tolerance",
+            str(options.tolerance),
+        ],
+        prep + gpu,
+        0.0,  # set by program_steps: counted from the program's start
+        detail=detail,
+        background=True,
+        gpu_s=gpu,
+    )
+
+
+def _gemm_step(options: ProgramOptions) -> Step:
+    """The GEMM shapes of a workload on TVM's kernels against cuBLAS, in the background."""
+    costs = options.costs
+    gemm = costs.start_s + costs.gemm_s
+    gemm_gpu = costs.gemm_gpu_s
+    return Step(
+        "gemm",
+        f"{GEMM_WORKLOAD}'s GEMM shapes on TVM's kernels against cuBLAS",
+        "gemm",
+        [
+            options.python,
+            "-m",
+            "blade_relax.gpuprog",
+            "gemm",
+            "--carried",
+            str(options.carried),
+            "--workload",
+            GEMM_WORKLOAD,
+            "--out",
+            str(options.out / "gemm.json"),
+            "--tolerance",
+            str(options.tolerance),
+        ],
+        gemm,
+        0.0,  # set by program_steps: counted from the program's start
+        detail=f"before the GPU: start + 15 GEMMs compiled {gemm - gemm_gpu:.0f}; on it: 2 "
+        f"token counts x 5 shapes x 3 passes timed {gemm_gpu:.0f}",
+        background=True,
+        gpu_s=gemm_gpu,
+    )  # fmt: skip
+
+
+def _gpu_tests_step(options: ProgramOptions) -> Step:
+    """The ``gpu``-marked tests."""
+    costs = options.costs
+    files = gpu_test_files(options.root)
+    # test_cuda_gpu: the accounting on the GPU (a tiny import, a blade_relax build), the
+    # page-sized driver check (two MLP builds) and the GEMMs on cuBLAS (two MLP builds);
+    # test_accounting: one stock build; test_cuda_graphs: one small bucketed build.
+    tests = (
+        costs.start_s + costs.tiny_import_s + costs.tiny_blade_compile_s + 6 * costs.tiny_compile_s
+    )
+    return Step(
+        "gpu-tests",
+        f"pytest -m gpu ({', '.join(Path(f).name for f in files)})",
+        "pytest",
+        [
+            options.python,
+            "-m",
+            "pytest",
+            "-q",
+            "-rfE",
+            "-m",
+            "gpu",
+            "-p",
+            "no:cacheprovider",
+            "-k",
+            GPU_TESTS_LEFT_OUT,
+            *files,
+        ],
+        tests,
+        _budget(tests),
+        detail="start + a tiny import + a tiny blade_relax build + 6 small builds",
+    )
+
+
+def _tutorial_step(options: ProgramOptions) -> Step:
+    """The GPU tutorial at small sizes."""
+    costs = options.costs
+    tutorial = (
+        costs.start_s + costs.tiny_import_s + costs.tiny_compile_s + costs.tiny_blade_compile_s + 20
+    )
+    return Step(
+        "tutorial-5",
+        "tutorials/05_gpu.py, small (BLADE_RELAX_TUTORIAL_SMALL=1)",
+        "tutorial",
+        [options.python, "tutorials/05_gpu.py"],
+        tutorial,
+        _budget(tutorial),
+        env={"BLADE_RELAX_TUTORIAL_SMALL": "1", "MPLBACKEND": "Agg"},
+        detail="start + a tiny import + a stock and a blade_relax build + 3 lengths x 4 runs "
+        "(73 s on the first GPU run)",
+    )
 
 
 def format_plan(steps: list[Step], limit_s: float = PLAN_LIMIT_S) -> str:

@@ -59,6 +59,8 @@ __all__ = [
     "BudgetScope",
     "EvictionMode",
     "EvictionScope",
+    "check_budget",
+    "check_fraction",
     "get_eviction_mode",
     "get_memory_budget",
     "get_relative_budget",
@@ -73,8 +75,26 @@ EVICTION_MODES = ("recompute", "offload", "auto")
 _local = threading.local()
 
 
-def _check_budget(nbytes: Any) -> int | None:
-    """The budget as an int, or None; a clear error for anything else."""
+def check_budget(nbytes: Any) -> int | None:
+    """An absolute budget checked as :func:`set_memory_budget` checks it.
+
+    Parameters
+    ----------
+    nbytes
+        A positive integer number of bytes (anything with ``__index__`` but a bool), or None.
+
+    Returns
+    -------
+    int or None
+        The budget as an ``int``, or None for no budget.
+
+    Raises
+    ------
+    TypeError
+        For anything but None or an integer (a bool or a float is refused).
+    ValueError
+        For zero or a negative number.
+    """
     if nbytes is None:
         return None
     # bool is an int subclass, and True bytes is surely a mistake.
@@ -89,8 +109,26 @@ def _check_budget(nbytes: Any) -> int | None:
     return value
 
 
-def _check_fraction(fraction: Any) -> float | None:
-    """A relative budget as a float in ``(0, 1]``, or None; a clear error for anything else."""
+def check_fraction(fraction: Any) -> float | None:
+    """A relative budget checked as :func:`set_relative_budget` checks it.
+
+    Parameters
+    ----------
+    fraction
+        A real number in ``(0, 1]`` (a bool is refused), or None.
+
+    Returns
+    -------
+    float or None
+        The fraction as a ``float``, or None for no relative budget.
+
+    Raises
+    ------
+    TypeError
+        For anything but None or a real number.
+    ValueError
+        For a number outside ``(0, 1]``.
+    """
     if fraction is None:
         return None
     if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real):
@@ -158,7 +196,7 @@ def set_memory_budget(nbytes: int | None) -> BudgetScope:
     ValueError
         If ``nbytes`` is zero or negative.
     """
-    value = _check_budget(nbytes)
+    value = check_budget(nbytes)
     previous = get_memory_budget()
     _local.budget = value
     return BudgetScope(value, previous)
@@ -201,7 +239,7 @@ def set_relative_budget(fraction: float | None) -> _RelativeScope:
     TypeError, ValueError
         For anything but ``None`` or a number in ``(0, 1]``.
     """
-    fraction = _check_fraction(fraction)
+    fraction = check_fraction(fraction)
     previous = get_relative_budget()
     _local.relative = fraction
     return _RelativeScope(fraction, previous)

@@ -22,8 +22,8 @@ What TVM 0.27 provides, and what is built here
 * TVM captures nothing of a function planned for a symbolic length by our planner: its
   storages have symbolic sizes, and ``RewriteCUDAGraph`` lifts only constant ones. Built here:
   static copies of the function, one per bucket, in one module
-  (:class:`~blade_relax.transform.SpecializeBuckets`, :func:`~blade_relax.transform.
-  specialize_buckets.compile_buckets`), each planned by our ``PlanMemory``; the pool's size is
+  (:class:`~blade_relax.transform.SpecializeBuckets`,
+  :func:`~blade_relax.gpuprog.buckets.compile_buckets`), each planned by our ``PlanMemory``; the pool's size is
   read from those plans (:mod:`blade_relax.analysis.cuda_graph_pool`): it is the largest
   bucket's planned static bytes whenever that bucket's storages dominate the others' rank by
   rank (static copies of one function at growing lengths), and ``PoolPlan.excess_bytes`` says
@@ -273,7 +273,7 @@ class BucketedRunner:
     Parameters
     ----------
     executable
-        Built by :func:`~blade_relax.transform.specialize_buckets.compile_buckets` (a static
+        Built by :func:`~blade_relax.gpuprog.buckets.compile_buckets` (a static
         copy of ``function`` per bucket, named by
         :func:`~blade_relax.contract.bucket_function_name`).
     device

@@ -6,7 +6,9 @@
   ``(inputs, params, state, scalars) -> (loss, params, state)``, updated in place.
 * :class:`Trainer` / :func:`fit`: compile once, run over batches of varying length, with a
   progress bar and a :class:`History` (length, loss, peak bytes, time, evictions per step).
-* :func:`torch_fit`: the same loop in PyTorch, measured the same way (the reference).
+* :func:`torch_fit`: the same loop in PyTorch, measured the same way (the reference), with
+  :mod:`.torch_memory` (PyTorch's live bytes counted on the CPU) and :mod:`.hf_checkpointing`
+  (Hugging Face gradient checkpointing), which the bench's PyTorch baselines use too.
 """
 
 from .optimizers import SGD, AdamW, InPlaceOptimizer

@@ -33,7 +33,7 @@ import tvm_ffi
 from tvm import relax
 
 from ..frontend.imported import ImportedGraph
-from ..transform._warn import warn_fallback
+from ..transform import warn_fallback
 from .optimizers import InPlaceOptimizer
 
 __all__ = ["TrainingStep", "build_training_step"]

@@ -5,12 +5,12 @@ opt.step()`` with the ``torch.optim`` optimizer that matches a blade_relax optim
 hyperparameters, same learning-rate schedule), from the graph's initial parameters, on the same
 batches. Peak bytes per step are counted the way blade_relax's are: the bytes held across steps
 (parameters, and the optimizer state once it exists) plus the most bytes the step allocated, by
-the dispatch counter of :mod:`blade_relax.bench.torch_memory` (PyTorch has no CPU allocator
+the dispatch counter of :mod:`blade_relax.training.torch_memory` (PyTorch has no CPU allocator
 statistics). The gradients of the previous step are released before the step starts (the
 ``set_to_none`` in the loop), which is the most favourable accounting for PyTorch.
 
 With ``checkpointing=True`` the copy of the model runs with Hugging Face gradient checkpointing
-(non-reentrant, in train mode, :mod:`blade_relax.bench.hf_checkpointing`), the loop labelled
+(non-reentrant, in train mode, :mod:`blade_relax.training.hf_checkpointing`), the loop labelled
 ``torch-eager-ckpt`` or ``torch-compile-ckpt``.
 """
 
@@ -105,8 +105,8 @@ def torch_fit(
     """
     import torch
 
-    from ..bench.hf_checkpointing import checkpointing_model, gradient_checkpointing
-    from ..bench.torch_memory import LiveBytesCounter, visible_inductor_allocations
+    from .hf_checkpointing import checkpointing_model, gradient_checkpointing
+    from .torch_memory import LiveBytesCounter, visible_inductor_allocations
 
     if graph.torch_module is None or graph.torch_params is None:
         raise ValueError("the graph was not imported from torch: there is no torch loop to run")

@@ -320,9 +320,9 @@ def _as_step(
     if isinstance(source, ImportedGraph):
         return build_training_step(source, optimizer)
     if _is_hf_model(source):
-        from ..frontend.hf import _max_positions, import_training_step, size_options
+        from ..frontend.hf import import_training_step, max_positions, size_options
 
-        limit = max_seq_len if max_seq_len is not None else _max_positions(source)
+        limit = max_seq_len if max_seq_len is not None else max_positions(source)
         if limit is None:
             raise ValueError(
                 "Trainer needs max_seq_len= for this model, the longest sequence (in tokens) it "
@@ -551,15 +551,15 @@ _EMPTY = object()
 
 def _split_budget(budget: int | float | None) -> tuple[int | None, float | None]:
     """An ``int`` budget is bytes, a ``float`` a fraction; each checked by the runtime's rule."""
-    from ..runtime.budget import _check_budget, _check_fraction
+    from ..runtime.budget import check_budget, check_fraction
 
     if budget is None:
         return None, None
     if isinstance(budget, bool) or not isinstance(budget, int | float | np.integer | np.floating):
         raise TypeError(f"a budget is bytes (int) or a fraction (float), not {budget!r}")
     if isinstance(budget, int | np.integer):
-        return _check_budget(budget), None
-    return None, _check_fraction(budget)
+        return check_budget(budget), None
+    return None, check_fraction(budget)
 
 
 def _progress(total: int | None, enabled: bool) -> Any:

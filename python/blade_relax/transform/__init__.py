@@ -1,7 +1,7 @@
 """Passes: each a ``tvm.transform.Pass`` whose ``name`` equals its class name, and whose
 ``last_result`` says what its last run changed (:class:`PassResult`)."""
 
-from ._warn import PassFallbackWarning
+from ._warn import PassFallbackWarning, warn_fallback
 from .check_dim_ranges import CheckDimRanges, DimRangeOptions
 from .clone_generated_tensors import CloneGeneratedTensors, CloneOptions
 from .dispatch import version_for
@@ -64,4 +64,5 @@ __all__ = [
     "ZeroScatterOptions",
     "collect_results",
     "version_for",
+    "warn_fallback",
 ]

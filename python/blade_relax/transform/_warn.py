@@ -26,7 +26,23 @@ def warn_fallback(
 ) -> None:
     """Warn ``"<pass_name>: <what> left unchanged for <function> (<note>): <ErrType>: <err>"``.
 
-    ``stacklevel`` counts from the caller, as for :func:`warnings.warn` called there.
+    The one way a pass, or a builder of IR outside the passes, says it fell back: part of the
+    module left as it was (or to a simpler method) because an analysis could not read it.
+
+    Parameters
+    ----------
+    pass_name
+        The pass (or builder) that fell back.
+    what
+        What it left unchanged (``"function"``, ``"allocations"``, ...).
+    function
+        Where: the function (or the IR object) it could not read.
+    err
+        Why: the error the analysis raised.
+    note
+        Optional detail, shown next to ``function``.
+    stacklevel
+        Counted from the caller, as for :func:`warnings.warn` called there.
     """
     where = f"{function} ({note})" if note else function
     warnings.warn(

@@ -1,4 +1,4 @@
-"""What the two command lines share: one-line errors, output paths and memory checked up front.
+"""What the command lines share: one-line errors, output paths and memory checked up front.
 
 Imports nothing heavy: ``--help`` and bad input are answered before TVM is imported.
 """

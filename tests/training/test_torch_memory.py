@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from blade_relax.bench.torch_memory import LiveBytesCounter, visible_inductor_allocations
+from blade_relax.training.torch_memory import LiveBytesCounter, visible_inductor_allocations
 
 torch = pytest.importorskip("torch")
 
@@ -91,7 +91,7 @@ def test_code_compiled_without_kernels_never_runs_after():
     the same function compiles again, with its kernels, and computes."""
     import torch
 
-    from blade_relax.bench.torch_memory import inductor_kernels_skipped
+    from blade_relax.training.torch_memory import inductor_kernels_skipped
 
     def f(x, w):
         return torch.tanh(x @ w) + 1.0
