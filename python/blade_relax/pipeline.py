@@ -259,7 +259,7 @@ def _ours(name: str, *args: Any) -> tvm.transform.Pass:
     return getattr(transform, name)(*args)
 
 
-def _finalize_phases(
+def finalize_phases(
     target: tvm.target.Target, flags: PipelineFlags, plan_memory: bool = True
 ) -> tuple[list[tvm.transform.Pass], list[tvm.transform.Pass]]:
     """TVM's ``finalize_passes(target)`` written out, with our passes in place.
@@ -314,7 +314,7 @@ def check_tvm_phases(target: str | dict | tvm.target.Target = "llvm") -> None:
     tgt = as_target(target)
     phases = _backend_phases(tgt)
     theirs = [p.info.name for p in phases.finalize_passes(tgt)]
-    finalize, vm_lower = _finalize_phases(tgt, PipelineFlags.stock())
+    finalize, vm_lower = finalize_phases(tgt, PipelineFlags.stock())
     ours = [p.info.name for p in finalize + vm_lower]
     if theirs == ours:
         return
@@ -331,7 +331,7 @@ def check_tvm_phases(target: str | dict | tvm.target.Target = "llvm") -> None:
         f"TVM's finalize phase for {tgt.kind.name} targets ({phases.__name__}.finalize_passes) "
         f"is no longer the one blade_relax mirrors to place its passes: "
         f"{'; '.join(changes)}. TVM: {theirs}; blade_relax: {ours}. "
-        "Update _finalize_phases in blade_relax/pipeline.py for this TVM version."
+        "Update finalize_phases in blade_relax/pipeline.py for this TVM version."
     )
 
 
@@ -416,7 +416,7 @@ def _phases(
     if flags.fuse_readers and cpu:
         fused.append(_ours("FuseIntoSoleReader", flags.fuse_reader_options))
     fused += after_fusion
-    finalize, vm_lower = _finalize_phases(target, flags, plan_memory)
+    finalize, vm_lower = finalize_phases(target, flags, plan_memory)
     legalize = list(phases.legalize_passes(target))
     if flags.dispatch_gemm and not cpu:
         # Before dlight schedules the kernels, while a GEMM still reads as one (see

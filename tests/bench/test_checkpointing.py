@@ -115,13 +115,13 @@ def test_non_reentrant_checkpointing_needs_no_input_hooks_with_a_frozen_embeddin
     input-embedding hooks (which ``gradient_checkpointing`` removes)."""
     peft = pytest.importorskip("peft")
     from blade_relax.bench.workloads import llama_model
-    from blade_relax.frontend.hf import _make_wrappers
+    from blade_relax.frontend.hf import step_wrappers
     from blade_relax.training.hf_checkpointing import gradient_checkpointing
 
     config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     model = peft.get_peft_model(llama_model(SIZES), config)
     assert not model.get_input_embeddings().weight.requires_grad
-    step = _make_wrappers()[1](model)
+    step = step_wrappers()[1](model)
     ids = torch.from_numpy(np.random.default_rng(0).integers(0, SIZES.vocab, (1, LENGTH)))
 
     def gradients():

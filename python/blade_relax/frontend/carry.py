@@ -230,7 +230,7 @@ def attach_model(carried: CarriedGraph, model: Any) -> ImportedGraph:
     ValueError
         When ``model`` lacks a parameter of the graph or has one of another shape or dtype.
     """
-    from .hf import _make_wrappers, inference_reference, torch_to_numpy, training_reference
+    from .hf import inference_reference, step_wrappers, torch_to_numpy, training_reference
 
     named = dict(model.named_parameters(remove_duplicate=False))
     params = []
@@ -244,7 +244,7 @@ def attach_model(carried: CarriedGraph, model: Any) -> ImportedGraph:
                 f"{dtype}{list(shape)} in the carried graph"
             )
         params.append(array)
-    inference_cls, plain_cls, masked_cls = _make_wrappers()
+    inference_cls, plain_cls, masked_cls = step_wrappers()
     trainable = carried.param_names[: len(carried.param_names) - carried.num_frozen]
     if carried.kind == "inference":
         wrapper = inference_cls(model)

@@ -118,7 +118,11 @@ def _torch():
     return torch
 
 
-def _make_wrappers():
+def step_wrappers() -> tuple[type, type, type]:
+    """The torch modules an import exports, each wrapping a Hugging Face causal LM:
+    ``InferenceStep`` (``input_ids -> logits``), ``TrainingStep`` (``(input_ids, labels) ->
+    (loss,)``) and ``MaskedTrainingStep`` (with an ``attention_mask``; their
+    docstrings give the signatures). Made on first use: torch is imported only then."""
     torch = _torch()
 
     class InferenceStep(torch.nn.Module):
@@ -479,7 +483,7 @@ def import_inference(
         "import_inference", model, min_seq_len, max_seq_len, batch_size, max_batch_size
     )
     torch = _torch()
-    inference_cls, _, _ = _make_wrappers()
+    inference_cls, _, _ = step_wrappers()
     wrapper = inference_cls(model)
     dynamic, ranges = _dims_spec(["input_ids"], min_seq_len, max_seq_len, max_batch_size)
     example_batch = max(batch_size, 2) if max_batch_size is not None else batch_size
@@ -740,7 +744,7 @@ def import_training_step(
     _torch()  # without torch, the install hint before anything else
     groups = _tied_groups_to_sum(model, tied_parameters)
     autocast_dtype = _autocast_dtype(model, autocast)
-    _, plain_cls, masked_cls = _make_wrappers()
+    _, plain_cls, masked_cls = step_wrappers()
     wrapper = (masked_cls if attention_mask else plain_cls)(model, autocast=autocast_dtype)
     input_names = (
         ["input_ids", "attention_mask", "labels"] if attention_mask else ["input_ids", "labels"]

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from blade_relax.bench.workloads import ModelSizes, build_workload
-from blade_relax.pipeline import PipelineFlags, _finalize_phases, as_target, lower_to_memory_stage
+from blade_relax.pipeline import PipelineFlags, as_target, finalize_phases, lower_to_memory_stage
 from blade_relax.transform.plan import _share, plan_memory
 from blade_relax.transform.plan._index import EndIndex
 from blade_relax.transform.plan._peak import LiveModel
@@ -159,7 +159,7 @@ def before_plan_memory() -> tuple[tvm.IRModule, tvm.transform.Pass]:
     flags = {k: True for k in PipelineFlags.switches()}
     target = as_target("llvm")
     mod = lower_to_memory_stage(graph.mod, target, stop_before="finalize", **flags)
-    finalize, _ = _finalize_phases(target, PipelineFlags.stock(**flags))
+    finalize, _ = finalize_phases(target, PipelineFlags.stock(**flags))
     names = [p.info.name for p in finalize]
     at = names.index("PlanMemory")
     with target:
