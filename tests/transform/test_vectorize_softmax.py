@@ -9,7 +9,7 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
-from blade_relax.analysis.effects import inplace_verdict
+from blade_relax.analysis.inplace_reuse import inplace_verdict
 from blade_relax.analysis.workspace import kernel_workspace
 from blade_relax.contract import SOFTMAX_KERNEL_ATTR
 from blade_relax.pipeline import get_pipeline, pipeline_phases
