@@ -30,7 +30,7 @@ from typing import Any
 import tvm
 from tvm import relax, tirx
 
-from ..contract import EVICT, REGENERATE, REMAT_BEGIN
+from ..contract import COLLECTIVE_FUNCS, EVICT, REGENERATE, REMAT_BEGIN
 from ..symbolic import ShapeGraph, SymbolicExpr
 from .liveness import BindingInfo
 from .tir_fields import field_names, type_key
@@ -54,6 +54,7 @@ __all__ = [
     "callee_name",
     "classify",
     "in_place_writes",
+    "inplace_indices",
     "kernel_written_params",
     "register_timeline_rule",
     "reshape_pattern",
@@ -275,6 +276,8 @@ def _classify_op_call(call: relax.Call, op: Any) -> Instruction:
         return Instruction(Kind.INPLACE, op.name, tuple(fields), callee=call.args[0])
     if isinstance(op, tvm.ir.Op) and op.name == "relax.call_inplace_packed":
         return Instruction(Kind.INPLACE, op.name, args)
+    if name in COLLECTIVE_FUNCS:  # a lowered call_inplace_packed of a collective
+        return Instruction(Kind.INPLACE, name, args)
     if name == CALL_TIR_DYN and len(args) == 2 and isinstance(args[1], relax.Tuple):
         return Instruction(Kind.KERNEL, name, tuple(args[1].fields), callee=args[0])
     if name in _DPS_CALLS:
@@ -420,7 +423,7 @@ def _call_effect(
         return ValueEffect(aliases=_tensor_vars(inst.args[:1]))
     if inst.kind is Kind.INPLACE:
         # The result is written into the arguments named by `inplace_indices`.
-        indices = [int(i) for i in call.attrs.inplace_indices]
+        indices = inplace_indices(call)
         aliased = [inst.args[i] for i in indices if 0 <= i < len(inst.args)]
         fresh_bytes = None
         if any(i < 0 for i in indices):
@@ -531,25 +534,33 @@ def _buffer_stores(root: Any) -> list[Any]:
     return found
 
 
+def inplace_indices(call: relax.Call) -> tuple[int, ...]:
+    """Per result of an in-place call, the argument it is written into (``-1``: a fresh
+    tensor): the call's ``inplace_indices``, or the first argument for a collective
+    (:data:`~blade_relax.contract.COLLECTIVE_FUNCS`), whose lowered form (a plain
+    ``call_packed``) keeps no attributes."""
+    attrs = call.attrs
+    if attrs is not None and hasattr(attrs, "inplace_indices"):
+        return tuple(int(k) for k in attrs.inplace_indices)
+    if call_name(call) in COLLECTIVE_FUNCS:
+        return (0,)
+    raise ValueError(f"{call_name(call)} is no in-place call")
+
+
 def written_operands(value: relax.Expr, mod: tvm.IRModule | None) -> tuple[relax.Expr, ...]:
     """The existing tensors a bound value writes into (not fresh results).
 
-    ``call_tir_inplace`` and ``call_inplace_packed`` write the arguments at their in-place
-    indices. A direct kernel call (after ``CallTIRRewrite``) writes every argument its PrimFunc
+    ``call_tir_inplace`` and ``call_inplace_packed`` (and a collective, lowered) write the
+    arguments at their in-place indices (:func:`inplace_indices`). A direct kernel call (after ``CallTIRRewrite``) writes every argument its PrimFunc
     stores to; arguments that are fresh allocations are its outputs, which the caller tells
     apart (see :class:`InPlaceWrites`).
     """
     if not isinstance(value, relax.Call):
         return ()
-    op = value.op
-    if isinstance(op, tvm.ir.Op) and op.name in (
-        "relax.call_tir_inplace",
-        "relax.call_inplace_packed",
-    ):
-        inst = classify(value, mod)
-        indices = [int(k) for k in value.attrs.inplace_indices]
-        return tuple(inst.args[k] for k in indices if 0 <= k < len(inst.args))
     inst = classify(value, mod)
+    if inst.kind is Kind.INPLACE:
+        indices = inplace_indices(value)
+        return tuple(inst.args[k] for k in indices if 0 <= k < len(inst.args))
     if inst.kind is Kind.KERNEL and inst.callee is not None and mod is not None:
         callee = mod[inst.callee] if inst.callee in mod.functions else None
         if isinstance(callee, tvm.tirx.PrimFunc):

@@ -28,6 +28,20 @@ called from the IR that :class:`~blade_relax.transform.DispatchGemm` writes:
   transposed (its batch axes are rows of one GEMM). ``out`` is the VM's tensor: nothing else
   is allocated as a tensor.
 
+Packed functions registered by :mod:`blade_relax.runtime.collectives` (when PyTorch is
+installed) and called from a data-parallel training step
+(:func:`blade_relax.training.build_training_step` with a
+:class:`~blade_relax.training.ZeroSharding`), each an in-place call
+(``call_inplace_packed``) on ``torch.distributed``'s default process group. A tensor's shard is
+a block of its leading axis: rank ``r`` of ``N`` owns rows ``[r * k, min((r + 1) * k, rows))``,
+``k = ceil(rows / N)`` (a tensor of rank 0 is one row):
+
+* :data:`REDUCE_GRADIENT` ``(grad, weight) -> grad``: afterwards the rows this rank owns hold
+  ``sum over ranks of weight * grad`` (``weight`` a float, this rank's share of the loss); the
+  other rows are scratch.
+* :data:`GATHER_PARAMETER` ``(param) -> param``: afterwards every row holds what its owner
+  wrote there.
+
 Function attributes:
 
 * :data:`GEMM_KERNEL_ATTR`: on a kernel that is a GEMM, what ``MarkGemmKernels`` recognized
@@ -81,7 +95,9 @@ from .remat_metadata import (
 
 __all__ = [
     "CHECKED_DIMS_ATTR",
+    "COLLECTIVE_FUNCS",
     "EVICT",
+    "GATHER_PARAMETER",
     "GEMM_FUNCS",
     "GEMM_KERNEL_ATTR",
     "GEMM_LAYOUTS",
@@ -92,6 +108,7 @@ __all__ = [
     "LOWER_BOUND_ATTR",
     "NO_PLAN_ATTR",
     "PlanNode",
+    "REDUCE_GRADIENT",
     "REGENERATE",
     "REMAT_ACTIVE",
     "REMAT_BEGIN",
@@ -108,6 +125,8 @@ __all__ = [
     "RematSlot",
     "bucket_function_name",
     "metadata_key",
+    "owned_rows",
+    "shard_rows",
 ]
 
 # ----------------------------------------------------------------------- packed functions
@@ -118,6 +137,11 @@ REMAT_ACTIVE = "blade_relax.remat_active"
 #: The layouts of a GEMM's operands: ``N`` as stored, ``T`` with the last two axes swapped.
 GEMM_LAYOUTS = ("NN", "NT", "TN", "TT")
 GEMM_FUNCS = {layout: f"blade_relax.gemm_{layout}" for layout in GEMM_LAYOUTS}
+REDUCE_GRADIENT = "blade_relax.dist.reduce_gradient"
+GATHER_PARAMETER = "blade_relax.dist.gather_parameter"
+#: The collectives: a binding that calls one runs on every rank in the same order, exactly
+#: once (never recomputed, never skipped).
+COLLECTIVE_FUNCS = frozenset({REDUCE_GRADIENT, GATHER_PARAMETER})
 
 # --------------------------------------------------------------------- function attributes
 #: A GEMM kernel's recognized form, kept through a GPU schedule (see the list above).
@@ -151,3 +175,20 @@ def bucket_function_name(function: str, dim: str, length: int) -> str:
 def metadata_key(function: str, text: str) -> str:
     """The key a function's remat metadata is cached under: its name and a digest of the JSON."""
     return f"{function}:{hashlib.sha1(text.encode()).hexdigest()[:16]}"
+
+
+# ----------------------------------------------------------------------- data parallelism
+def shard_rows(rows: int, world_size: int) -> int:
+    """Rows of the leading axis each of ``world_size`` ranks owns: ``ceil(rows / world_size)``
+    (the last ranks' blocks may be short or empty)."""
+    if world_size < 1:
+        raise ValueError(f"a world has at least one rank, not {world_size}")
+    return -(-max(rows, 0) // world_size)
+
+
+def owned_rows(rows: int, world_size: int, rank: int) -> tuple[int, int]:
+    """The rows ``[start, stop)`` of a leading axis of ``rows`` that ``rank`` owns."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside a world of {world_size}")
+    k = shard_rows(rows, world_size)
+    return min(rank * k, rows), min((rank + 1) * k, rows)

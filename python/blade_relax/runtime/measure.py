@@ -247,8 +247,9 @@ def measure_call(
         A ``tvm.relax.VirtualMachine`` to call (reused), or the executable to run on a fresh
         VM on ``device`` (rule 2; the way to measure a step).
     args
-        The arguments; tensors and shape tuples are passed as they are, the rest (numpy
-        arrays) is copied to ``device`` first, outside the measured bytes.
+        The arguments; tensors, shape tuples and Python scalars (a ``R.Prim`` parameter) are
+        passed as they are, the rest (numpy arrays) is copied to ``device`` first, outside
+        the measured bytes.
     function
         The VM function to call.
     budget
@@ -300,9 +301,9 @@ def measure_call(
 
 
 def _on_device(args: Sequence[Any], device: Any) -> list[Any]:
-    """The arguments as the VM takes them: tensors and shape tuples as they are, the rest
-    (numpy arrays) copied to ``device``."""
-    passed_as_is = (tvm.runtime.Tensor, tvm.runtime.ShapeTuple)
+    """The arguments as the VM takes them: tensors, shape tuples and Python scalars as they
+    are, the rest (numpy arrays) copied to ``device``."""
+    passed_as_is = (tvm.runtime.Tensor, tvm.runtime.ShapeTuple, bool, int, float)
     return [a if isinstance(a, passed_as_is) else tvm.runtime.tensor(a, device) for a in args]
 
 

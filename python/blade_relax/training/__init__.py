@@ -12,6 +12,7 @@
 """
 
 from .optimizers import SGD, AdamW, InPlaceOptimizer
+from .sharding import ZeroSharding
 from .step import TrainingStep, build_training_step
 from .torch_loop import torch_fit, torch_optimizer
 from .trainer import History, StepRecord, Trainer, as_batch, check_batch, fit
@@ -24,6 +25,7 @@ __all__ = [
     "StepRecord",
     "Trainer",
     "TrainingStep",
+    "ZeroSharding",
     "as_batch",
     "build_training_step",
     "check_batch",

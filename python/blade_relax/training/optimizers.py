@@ -91,17 +91,19 @@ class InPlaceOptimizer(Optimizer):
     def num_scalars(self) -> int:
         return self._rule().num_scalars
 
-    def kernel(self, ty: relax.TensorType) -> tvm.tirx.PrimFunc:
-        """The in-place update kernel for parameters of type ``ty`` (rank and dtype)."""
+    def kernel(self, ty: relax.TensorType, *, sharded: bool = False) -> tvm.tirx.PrimFunc:
+        """The in-place update kernel for parameters of type ``ty`` (rank and dtype); with
+        ``sharded``, the kernel that updates the rows one rank owns (:func:`update_kernel`)."""
         if not isinstance(ty, relax.TensorType) or ty.ndim < 0:
             raise ValueError(f"an optimizer updates tensors of known rank, not {ty}")
         dtype = str(ty.dtype)
         if dtype not in _FLOAT_DTYPES:
             raise ValueError(f"an optimizer updates floating-point parameters, not {dtype}")
         cache = self.__dict__.setdefault("_kernels", {})
-        if (ty.ndim, dtype) not in cache:
-            cache[ty.ndim, dtype] = update_kernel(self._rule(), ty.ndim, dtype)
-        return cache[ty.ndim, dtype]
+        key = (ty.ndim, dtype, sharded)
+        if key not in cache:
+            cache[key] = update_kernel(self._rule(), ty.ndim, dtype, sharded=sharded)
+        return cache[key]
 
     def emit_update(
         self,
@@ -111,15 +113,25 @@ class InPlaceOptimizer(Optimizer):
         states: Sequence[relax.Expr],
         scalars: relax.Expr,
         name: str,
+        shard_rank: relax.Expr | None = None,
     ) -> tuple[relax.Var, list[relax.Var]]:
         """Emit the in-place update of one parameter; the new parameter and state variables
         (aliases of ``param`` and ``states``). The kernel is added to ``bb``'s module once per
-        rank and dtype (``BlockBuilder.add_func`` returns the existing one)."""
+        rank and dtype (``BlockBuilder.add_func`` returns the existing one).
+
+        With ``shard_rank`` (an ``int64`` tensor of shape ``(1,)`` holding this process's rank),
+        ``states`` are the blocks of rows this rank owns
+        (:func:`blade_relax.contract.owned_rows`) and only those rows of ``param`` are updated,
+        from the same rows of ``grad``.
+        """
         ty = param.ty
-        kernel = bb.add_func(self.kernel(ty), f"{self._rule().name}_update")
-        args = [param, grad, *states, scalars]
+        sharded = shard_rank is not None
+        suffix = "_shard_update" if sharded else "_update"
+        kernel = bb.add_func(self.kernel(ty, sharded=sharded), f"{self._rule().name}{suffix}")
+        args = [param, grad, *states, scalars, *([shard_rank] if sharded else [])]
         written = [0, *range(2, 2 + len(states))]
-        call = relax.call_tir_inplace(kernel, args, written, [ty] * len(written))
+        out_types = [ty, *(s.ty for s in states)]
+        call = relax.call_tir_inplace(kernel, args, written, out_types)
         out = bb.emit(call, name_hint=f"{name}_updated")
         if not states:
             return out, []
@@ -337,9 +349,18 @@ class AdamW(InPlaceOptimizer):
         return _Rule("adamw", self.state_names, 7, body)
 
 
-def update_kernel(rule: _Rule, ndim: int, dtype: str) -> tvm.tirx.PrimFunc:
+def update_kernel(
+    rule: _Rule, ndim: int, dtype: str, *, sharded: bool = False
+) -> tvm.tirx.PrimFunc:
     """The elementwise in-place kernel of ``rule`` for tensors of rank ``ndim`` and ``dtype``
     (symbolic extents): arguments ``p, g, *states, h``, writes ``p`` and the states.
+
+    With ``sharded``, a last argument ``r`` (``int64``, shape ``(1,)``) holds the rank, the
+    states have ``k`` rows (the rank's block of the leading axis, a tensor of rank 0 being one
+    row) and the kernel updates rows ``r * k + i`` of ``p`` from the same rows of ``g`` and
+    row ``i`` of the states, for the ``i < k`` inside ``p``. The rank is an argument, not a
+    constant, so that every rank runs the same compiled program, collectives in the same
+    order.
 
     Written as TVMScript text because the rank varies: one loop nest per rank.
     """
@@ -348,43 +369,59 @@ def update_kernel(rule: _Rule, ndim: int, dtype: str) -> tvm.tirx.PrimFunc:
     dims = [f"d{k}" for k in range(ndim)]
     shape = "(" + "".join(f"{d}, " for d in dims) + ")"
     idx = ", ".join(f"v{k}" for k in range(ndim)) if ndim else ""
+    state_shape, state_idx, param_idx = shape, idx, idx
+    loop_dims = list(dims)
+    if sharded:
+        state_shape = "(" + "".join(f"{d}, " for d in ["k", *dims[1:]]) + ")"
+        state_idx = ", ".join(f"v{k}" for k in range(max(ndim, 1)))
+        row = "r[0] * k + v0"
+        param_idx = ", ".join([row, *(f"v{k}" for k in range(1, ndim))]) if ndim else ""
+        loop_dims = ["k", *dims[1:]]
     buffers = ["p", "g", *rule.states]
     acc = "float32"  # half-precision parameters are updated in float32, then rounded
 
+    def ref(name: str) -> str:
+        index = param_idx if name in ("p", "g") else state_idx
+        return f"{name}[{index}]" if index else f"{name}[()]"
+
     def at(name: str) -> str:
-        ref = f"{name}[{idx}]" if ndim else f"{name}[()]"
-        return ref if dtype == acc else f"T.Cast({acc!r}, {ref})"
+        return ref(name) if dtype == acc else f"T.Cast({acc!r}, {ref(name)})"
 
-    def cast(name: str) -> str:
-        return f"{name}[{idx}]" if ndim else f"{name}[()]"
-
-    body = rule.body(at, cast)
+    body = rule.body(at, ref)
     if dtype != acc:  # the value stored is computed in acc: cast it back
         body = [
             f"{lhs} = T.Cast({dtype!r}, {rhs})"
             for lhs, rhs in (line.split(" = ", 1) for line in body)
         ]
-    handles = ", ".join(f"{b}_h: T.handle" for b in [*buffers, "h"])
+    handles = ", ".join(f"{b}_h: T.handle" for b in [*buffers, "h", *(["r"] if sharded else [])])
     lines = [
         "# from tvm.script import tirx as T",
         "@T.prim_func(private=True, s_tir=True)",
-        f"def {rule.name}_update({handles}):",
+        f"def {rule.name}_{'shard_' if sharded else ''}update({handles}):",
         '    T.func_attr({"tir.noalias": True, "op_pattern": 8})',
     ]
-    lines += [f"    {d} = T.int64()" for d in dims]
-    lines += [f'    {b} = T.match_buffer({b}_h, {shape}, "{dtype}")' for b in buffers]
+    lines += [f"    {d} = T.int64()" for d in [*dims, *(["k"] if sharded else [])]]
+    for b in buffers:
+        b_shape = state_shape if sharded and b not in ("p", "g") else shape
+        lines.append(f'    {b} = T.match_buffer({b}_h, {b_shape}, "{dtype}")')
     lines.append(f'    h = T.match_buffer(h_h, (T.int64({rule.num_scalars}),), "float32")')
+    if sharded:
+        lines.append('    r = T.match_buffer(r_h, (T.int64(1),), "int64")')
     indent = "    "
-    if ndim:
-        loops = ", ".join(f"i{k}" for k in range(ndim))
-        lines.append(f"    for {loops} in T.grid({', '.join(dims)}):")
+    if loop_dims:
+        loops = ", ".join(f"i{k}" for k in range(len(loop_dims)))
+        lines.append(f"    for {loops} in T.grid({', '.join(loop_dims)}):")
         indent = "        "
     lines.append(f'{indent}with T.sblock("update"):')
     inner = indent + "    "
-    if ndim:
+    if loop_dims:
+        n = len(loop_dims)
         lines.append(
-            f'{inner}{idx} = T.axis.remap("{"S" * ndim}", '
-            f"[{', '.join(f'i{k}' for k in range(ndim))}])"
+            f'{inner}{", ".join(f"v{k}" for k in range(n))} = T.axis.remap("{"S" * n}", '
+            f"[{', '.join(f'i{k}' for k in range(n))}])"
         )
+    if sharded:  # the rank's last block may be short: rows past the parameter's end are padding
+        lines.append(f"{inner}if {'r[0] * k + v0 < d0' if ndim else 'r[0] * k + v0 < 1'}:")
+        inner += "    "
     lines += [f"{inner}{line}" for line in body]
     return from_source("\n".join(lines))

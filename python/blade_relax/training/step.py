@@ -32,9 +32,11 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
+from ..contract import GATHER_PARAMETER, REDUCE_GRADIENT
 from ..frontend.imported import ImportedGraph
 from ..transform import warn_fallback
 from .optimizers import InPlaceOptimizer
+from .sharding import ZeroSharding
 
 __all__ = ["TrainingStep", "build_training_step"]
 
@@ -57,6 +59,11 @@ class TrainingStep:
     fused
         Whether the updates share the gradients' dataflow block (each gradient can die as soon
         as it is applied); ``False`` when the graph's blocks could not be merged.
+    sharding
+        With data parallelism, how the optimizer state is sharded: the step then takes two
+        more inputs after ``scalars``, ``grad_weight`` (a float, this rank's share of the
+        loss) and ``shard_rank`` (``int64``, shape ``(1,)``), and each state tensor is this
+        rank's block of rows (:mod:`.sharding`).
     """
 
     mod: tvm.IRModule
@@ -64,6 +71,7 @@ class TrainingStep:
     optimizer: InPlaceOptimizer
     state_names: list[str]
     fused: bool
+    sharding: ZeroSharding | None = None
 
     @property
     def num_inputs(self) -> int:
@@ -75,8 +83,12 @@ class TrainingStep:
         return len(self.graph.param_names)
 
     def initial_state(self) -> list[np.ndarray]:
-        """The zero optimizer state for :attr:`graph`'s trainable parameters."""
-        return self.optimizer.initial_state(self.graph.params[: self.graph.num_trainable])
+        """The zero optimizer state for :attr:`graph`'s trainable parameters (one rank's
+        blocks with :attr:`sharding`: zeros too, the same on every rank)."""
+        params = self.graph.params[: self.graph.num_trainable]
+        if self.sharding is not None:
+            params = [np.zeros(self.sharding.state_shape(p.shape), p.dtype) for p in params]
+        return self.optimizer.initial_state(params)
 
 
 def _identifier(name: str) -> str:
@@ -112,7 +124,9 @@ def _mergeable(func: relax.Function) -> str | None:
     return None
 
 
-def build_training_step(graph: ImportedGraph, optimizer: InPlaceOptimizer) -> TrainingStep:
+def build_training_step(
+    graph: ImportedGraph, optimizer: InPlaceOptimizer, sharding: ZeroSharding | None = None
+) -> TrainingStep:
     """Append ``optimizer``'s in-place updates to a training graph.
 
     Parameters
@@ -121,6 +135,9 @@ def build_training_step(graph: ImportedGraph, optimizer: InPlaceOptimizer) -> Tr
         A training graph: ``main(*inputs, *params) -> (loss, grad_0, ..., grad_{n-1})``.
     optimizer
         :class:`~blade_relax.training.SGD` or :class:`~blade_relax.training.AdamW`.
+    sharding
+        Data parallelism with sharded optimizer state (:mod:`.sharding`): each gradient is
+        reduce-scattered before its update and each parameter all-gathered after it.
 
     Returns
     -------
@@ -161,12 +178,15 @@ def build_training_step(graph: ImportedGraph, optimizer: InPlaceOptimizer) -> Tr
 
     state_names = [f"{s}:{p}" for p in graph.trainable_names for s in optimizer.state_names]
     state_vars = [
-        relax.Var(_identifier(f"{p.name}_{s}"), p.ty) for p in params for s in optimizer.state_names
+        relax.Var(_identifier(f"{p.name}_{s}"), _state_type(p, sharding))
+        for p in params
+        for s in optimizer.state_names
     ]
     scalars = relax.Var("optimizer_scalars", relax.TensorType((optimizer.num_scalars,), "float32"))
+    shard_args = _shard_inputs() if sharding is not None else []
     why = _mergeable(func)
     bb = relax.BlockBuilder()
-    signature = [*inputs, *params, *frozen, *state_vars, scalars]
+    signature = [*inputs, *params, *frozen, *state_vars, scalars, *shard_args]
     with bb.function("main", signature, pure=func.is_pure):
         if why is not None:
             warn_fallback(
@@ -182,7 +202,7 @@ def build_training_step(graph: ImportedGraph, optimizer: InPlaceOptimizer) -> Tr
                     for binding in block.bindings:
                         bb.emit_normalized(binding)
             loss, new_params, new_states = _emit_updates(
-                bb, optimizer, fields, params, state_vars, scalars
+                bb, optimizer, fields, params, state_vars, scalars, shard_args
             )
             out = bb.emit_output(relax.Tuple([loss, *new_params, *new_states]))
         bb.emit_func_output(out)
@@ -191,7 +211,23 @@ def build_training_step(graph: ImportedGraph, optimizer: InPlaceOptimizer) -> Tr
     for key, value in {**(func.attrs or {}), "num_input": n_in}.items():
         step = step.with_attr(key, value)
     mod["main"] = step  # with the graph's attributes: dim ranges, num_input
-    return TrainingStep(mod, graph, optimizer, state_names, fused=why is None)
+    return TrainingStep(mod, graph, optimizer, state_names, fused=why is None, sharding=sharding)
+
+
+def _state_type(param: relax.Var, sharding: ZeroSharding | None) -> relax.TensorType:
+    """The type of one state tensor of ``param``: the parameter's, or one rank's block."""
+    if sharding is None:
+        return param.ty
+    shape = [int(d) for d in param.ty.shape.values]
+    return relax.TensorType(sharding.state_shape(shape), param.ty.dtype)
+
+
+def _shard_inputs() -> list[relax.Var]:
+    """The inputs a sharded step takes after the scalars: this rank's share of the loss and
+    its rank (a tensor, so that every rank runs the same program)."""
+    weight = relax.Var("grad_weight", tvm.ir.PrimType("float32"))
+    rank = relax.Var("shard_rank", relax.TensorType((1,), "int64"))
+    return [weight, rank]
 
 
 def _emit_blocks(
@@ -224,15 +260,51 @@ def _emit_updates(
     params: Sequence[relax.Var],
     state_vars: Sequence[relax.Var],
     scalars: relax.Var,
+    shard_args: Sequence[relax.Var] = (),
 ) -> tuple[relax.Expr, list[relax.Var], list[relax.Var]]:
     n_state = len(optimizer.state_names)
     new_params: list[relax.Var] = []
     new_states: list[relax.Var] = []
     for i, (param, grad) in enumerate(zip(params, fields[1:])):
         states = list(state_vars[i * n_state : (i + 1) * n_state])
-        new_p, new_s = optimizer.emit_update(
-            bb, param, grad, states, scalars, _identifier(param.name)
-        )
+        name = _identifier(param.name)
+        if shard_args:
+            new_p, new_s = _emit_sharded_update(
+                bb, optimizer, param, grad, states, scalars, shard_args, name
+            )
+        else:
+            new_p, new_s = optimizer.emit_update(bb, param, grad, states, scalars, name)
         new_params.append(new_p)
         new_states.extend(new_s)
     return fields[0], new_params, new_states
+
+
+def _emit_sharded_update(
+    bb: relax.BlockBuilder,
+    optimizer: InPlaceOptimizer,
+    param: relax.Var,
+    grad: relax.Expr,
+    states: Sequence[relax.Var],
+    scalars: relax.Var,
+    shard_args: Sequence[relax.Var],
+    name: str,
+) -> tuple[relax.Var, list[relax.Var]]:
+    """Reduce-scatter ``grad``, update this rank's rows of ``param``, all-gather ``param``
+    (each in place: the gradient's own rows receive the reduction)."""
+    weight, rank = shard_args
+    reduced = bb.emit(
+        relax.op.call_inplace_packed(
+            REDUCE_GRADIENT, grad, weight, inplace_indices=[0], ty_args=[grad.ty]
+        ),
+        name_hint=f"{name}_grad_reduced",
+    )
+    updated, new_states = optimizer.emit_update(
+        bb, param, reduced, states, scalars, name, shard_rank=rank
+    )
+    gathered = bb.emit(
+        relax.op.call_inplace_packed(
+            GATHER_PARAMETER, updated, inplace_indices=[0], ty_args=[param.ty]
+        ),
+        name_hint=f"{name}_gathered",
+    )
+    return gathered, new_states

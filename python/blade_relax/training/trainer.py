@@ -27,6 +27,7 @@ import tvm
 
 from ..frontend.imported import SIZE_OPTIONS, ImportedGraph
 from .optimizers import AdamW, InPlaceOptimizer
+from .sharding import ZeroSharding
 from .step import TrainingStep, build_training_step
 
 __all__ = ["History", "StepRecord", "Trainer", "as_batch", "fit"]
@@ -311,14 +312,20 @@ def _as_step(
     optimizer: InPlaceOptimizer | None,
     max_seq_len: int | None,
     max_batch_size: int | None = None,
+    sharding: ZeroSharding | None = None,
 ) -> TrainingStep:
     if isinstance(source, TrainingStep):
         if optimizer is not None and optimizer is not source.optimizer:
             raise ValueError("the training step already has an optimizer")
+        if source.sharding != sharding:
+            raise ValueError(
+                f"the training step is built for sharding {source.sharding}, the trainer "
+                f"runs {sharding}"
+            )
         return source
     optimizer = optimizer if optimizer is not None else AdamW()
     if isinstance(source, ImportedGraph):
-        return build_training_step(source, optimizer)
+        return build_training_step(source, optimizer, sharding)
     if _is_hf_model(source):
         from ..frontend.hf import import_training_step, max_positions, size_options
 
@@ -334,7 +341,7 @@ def _as_step(
         )
         # Shape errors then name the options of the call that imported the model.
         graph.metadata[SIZE_OPTIONS] = size_options("Trainer (or fit)", source, min_option=False)
-        return build_training_step(graph, optimizer)
+        return build_training_step(graph, optimizer, sharding)
     raise TypeError(
         "train a TrainingStep, a training ImportedGraph or a Hugging Face causal LM, not "
         f"{type(source).__name__}"
@@ -376,7 +383,7 @@ class Trainer:
         from ..pipeline import as_target
         from ..runtime.devices import device_for_target
 
-        self.step_ir = _as_step(source, optimizer, max_seq_len, max_batch_size)
+        self.step_ir = _as_step(source, optimizer, max_seq_len, max_batch_size, self._sharding())
         self.graph = self.step_ir.graph
         self.optimizer = self.step_ir.optimizer
         self.target = as_target(target)
@@ -396,6 +403,10 @@ class Trainer:
             sum(a.nbytes for a in params) + sum(a.nbytes for a in states) + scalar_bytes
         )
 
+    def _sharding(self) -> ZeroSharding | None:
+        """How the optimizer state is sharded (none: one process holds it all)."""
+        return None
+
     # ------------------------------------------------------------------ compile
     def compile(self) -> None:
         """Compile the step (once; later calls do nothing)."""
@@ -409,6 +420,38 @@ class Trainer:
         self.compile_time_s = time.perf_counter() - start
         self.compilations += 1
         self.executable = executable
+
+    def predicted_peak(self, dims: Mapping[str, int]) -> int:
+        """The full step's peak at ``dims`` (e.g. ``{"b": 2, "s": 57}``), predicted without
+        running a kernel: the persistent bytes plus the peak of the symbolic timeline of the
+        step lowered to the memory stage (:func:`blade_relax.pipeline.lower_to_memory_stage`,
+        the default pipeline's passes), the figure :meth:`step` measures.
+
+        Raises
+        ------
+        ValueError
+            With a pipeline of the caller's (its passes are unknown here).
+        """
+        import dataclasses
+
+        from ..analysis import memory_timeline
+        from ..pipeline import PipelineFlags, lower_to_memory_stage
+        from ..transform import version_for
+
+        if self.pipeline is not None:
+            raise ValueError("predicted_peak reads the default pipeline; this trainer has its own")
+        lowered = self.__dict__.get("_memory_stage")
+        if lowered is None:
+            flags = PipelineFlags()
+            keywords = {f.name: getattr(flags, f.name) for f in dataclasses.fields(flags)}
+            keywords["check_dims"] = False  # its assertions allocate nothing
+            lowered = lower_to_memory_stage(self.step_ir.mod, self.target, **keywords)
+            self._memory_stage = lowered
+        func = lowered[version_for(lowered, "main", dims)]
+        timeline = memory_timeline(func, mod=lowered, target=self.target)
+        known = set(timeline.graph.dims)
+        peak = timeline.evaluate({k: v for k, v in dims.items() if k in known}).peak
+        return self.persistent_bytes + int(peak)
 
     # ------------------------------------------------------------------ steps
     def parameters(self) -> list[np.ndarray]:
@@ -434,6 +477,18 @@ class Trainer:
             peak without evictions lies above the unbudgeted step's, and the fraction is of
             that peak (so ``budget=1.0`` can exceed the unbudgeted peak).
         """
+        arrays = as_batch(self.graph, batch)
+        dims = check_batch(self.graph, arrays)
+        return self._run(arrays, dims, [], budget)
+
+    def _run(
+        self,
+        arrays: Sequence[np.ndarray],
+        dims: Mapping[str, int],
+        extra_args: Sequence[Any],
+        budget: int | float | None,
+    ) -> StepRecord:
+        """Run the step on checked ``arrays``, with ``extra_args`` after the scalars."""
         from ..runtime import (
             RematBudgetWarning,
             last_remat_decision,
@@ -441,14 +496,12 @@ class Trainer:
             set_relative_budget,
         )
 
-        arrays = as_batch(self.graph, batch)
-        dims = check_batch(self.graph, arrays)
         absolute, relative = _split_budget(budget)
         self.compile()
         step = self.steps_done + 1
         scalars = tvm.runtime.tensor(self.optimizer.scalars(step), self.device)
         inputs = [tvm.runtime.tensor(np.ascontiguousarray(a), self.device) for a in arrays]
-        args = [*inputs, *self.params, *self.states, scalars]
+        args = [*inputs, *self.params, *self.states, scalars, *extra_args]
         scope = set_relative_budget(relative) if relative is not None else contextlib.nullcontext()
         start = time.perf_counter()
         with scope:

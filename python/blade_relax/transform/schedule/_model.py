@@ -24,6 +24,7 @@ from ...analysis.effects import (
     Kind,
     classify,
     in_place_writes,
+    inplace_indices,
     reshape_pattern,
 )
 from ...analysis.inplace_reuse import inplace_inputs
@@ -328,7 +329,7 @@ class BlockReader:
         tensor_args: list[relax.Expr],
         var: relax.Var,
     ) -> tuple[int, ...]:
-        indices = [int(k) for k in call.attrs.inplace_indices]
+        indices = inplace_indices(call)
         name = call.op.name
         written: list[tuple[int, ...]] = []
         for k in indices:

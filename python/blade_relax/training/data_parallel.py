@@ -1,0 +1,165 @@
+"""Data-parallel training on ``torch.distributed``: one process per rank, the optimizer state
+sharded (ZeRO stage 2, :mod:`.sharding`).
+
+:class:`DataParallelTrainer` is a :class:`~.trainer.Trainer` whose step is the sharded step of
+:func:`~.step.build_training_step`. Every rank is given the same global batch (as a
+``DistributedSampler`` would give each its part, only cut here) and runs the step on its
+block of rows (:func:`~blade_relax.contract.owned_rows` of the leading axis); the gradients
+are summed over the ranks, each weighted by the rank's share of the loss, so the update is the
+one a single process makes on the whole batch:
+
+* with ``labels``, the loss is the mean over the targets that count (not ``-100``, after the
+  shift by one position), and a rank's weight is its count over the batch's;
+* without, the loss is a mean over rows of equal size, and a rank's weight is its rows over
+  the batch's.
+
+The loss a step reports is the batch's (the weighted sum of the ranks' losses). Peak bytes are
+this rank's: its parameters (all of them: ZeRO stage 2 shards the state, not the parameters),
+its blocks of the optimizer state, the step's inputs it holds across steps, and the most bytes
+its step added.
+
+The process group is the caller's (``torch.distributed.init_process_group``: torchrun's
+environment, or :func:`init_from_environment`); gloo runs on the CPU, NCCL on GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import tvm
+
+from ..contract import owned_rows
+from .sharding import ZeroSharding
+from .trainer import IGNORE_INDEX, StepRecord, Trainer, as_batch, check_batch
+
+__all__ = ["DataParallelTrainer", "init_from_environment", "rank_weights"]
+
+
+def init_from_environment(backend: str = "gloo") -> tuple[int, int]:
+    """Join the process group that torchrun's environment describes (``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), unless one exists; ``(rank,
+    world_size)``."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        missing = [
+            k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
+        ]
+        if missing:
+            raise RuntimeError(
+                f"no process group and no torchrun environment (missing {', '.join(missing)}): "
+                "launch with torchrun or `blade-relax train --nproc N`"
+            )
+        dist.init_process_group(backend)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def rank_weights(
+    input_names: Sequence[str], arrays: Sequence[np.ndarray], world_size: int
+) -> list[float]:
+    """Each rank's share of the loss of the batch ``arrays`` (see the module docstring).
+
+    Raises
+    ------
+    ValueError
+        When the inputs disagree on their leading axis, or a rank would get no row.
+    """
+    rows = {int(a.shape[0]) for a in arrays if a.ndim}
+    if len(rows) != 1:
+        raise ValueError(
+            f"a data-parallel step cuts every input along its leading axis; they have "
+            f"{sorted(rows)} rows"
+        )
+    (total_rows,) = rows
+    if total_rows < world_size:
+        raise ValueError(
+            f"a batch of {total_rows} rows cannot be shared by {world_size} ranks: give each "
+            "rank at least one row"
+        )
+    blocks = [owned_rows(total_rows, world_size, r) for r in range(world_size)]
+    if "labels" in input_names:
+        labels = arrays[list(input_names).index("labels")]
+        counts = [int((labels[a:b, 1:] != IGNORE_INDEX).sum()) for a, b in blocks]
+    else:
+        counts = [b - a for a, b in blocks]
+    total = sum(counts)
+    return [c / total for c in counts]
+
+
+class DataParallelTrainer(Trainer):
+    """A :class:`~.trainer.Trainer` for one rank of a data-parallel run (see the module
+    docstring); the parameters take rank 0's values when it is made.
+
+    Takes the arguments of :class:`~.trainer.Trainer`; ``batch`` arguments are the global
+    batch, the same on every rank.
+
+    Raises
+    ------
+    RuntimeError
+        When no ``torch.distributed`` process group is initialized.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "DataParallelTrainer runs inside a torch.distributed process group: call "
+                "torch.distributed.init_process_group (or init_from_environment) first"
+            )
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        super().__init__(*args, **kwargs)
+        self.shard_rank = tvm.runtime.tensor(np.array([self.rank], "int64"), self.device)
+        self.persistent_bytes += self.shard_rank.numpy().nbytes
+        for param in self.params:  # every rank starts from rank 0's parameters
+            dist.broadcast(torch.from_dlpack(param), src=0)
+
+    def _sharding(self) -> ZeroSharding:
+        import torch.distributed as dist
+
+        return ZeroSharding(dist.get_world_size())
+
+    def local_batch(self, batch: Any) -> tuple[list[np.ndarray], float]:
+        """This rank's rows of the global ``batch`` (checked first) and its share of the
+        loss."""
+        arrays = as_batch(self.graph, batch)
+        check_batch(self.graph, arrays)
+        weights = rank_weights(self.graph.input_names, arrays, self.world_size)
+        start, stop = owned_rows(int(arrays[0].shape[0]), self.world_size, self.rank)
+        return [np.ascontiguousarray(a[start:stop]) for a in arrays], weights[self.rank]
+
+    def step(self, batch: Any, budget: int | float | None = None) -> StepRecord:
+        """Run one step on this rank's rows of the global ``batch``; the record's loss is the
+        batch's, its bytes this rank's (see :meth:`Trainer.step`)."""
+        import dataclasses
+
+        import torch
+        import torch.distributed as dist
+
+        local, weight = self.local_batch(batch)
+        dims = check_batch(self.graph, local)
+        record = self._run(local, dims, [weight, self.shard_rank], budget)
+        loss = torch.tensor([record.loss * weight], dtype=torch.float64)
+        dist.all_reduce(loss)
+        return dataclasses.replace(record, loss=float(loss[0]))
+
+    def full_state(self) -> list[np.ndarray]:
+        """The whole optimizer state (every rank's blocks, gathered; a collective: every rank
+        calls it), in ``step_ir.state_names`` order."""
+        import torch
+        import torch.distributed as dist
+
+        sharding = self.step_ir.sharding
+        trainable = self.graph.params[: self.graph.num_trainable]
+        n_state = len(self.optimizer.state_names)
+        out = []
+        for i, block in enumerate(self.state()):
+            blocks = [torch.empty_like(torch.from_numpy(block)) for _ in range(self.world_size)]
+            dist.all_gather(blocks, torch.from_numpy(block))
+            shape = np.asarray(trainable[i // n_state]).shape
+            out.append(sharding.unshard([b.numpy() for b in blocks], shape))
+        return out
