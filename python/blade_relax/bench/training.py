@@ -22,7 +22,14 @@ from .sft import pad_batch, sft_trace
 from .trace import length_trace
 from .workloads import PRESETS, ModelSizes, build_workload
 
-__all__ = ["SFT_MODELS", "TRAIN_MODELS", "TrainingComparison", "compare_training", "plot_training"]
+__all__ = [
+    "SFT_MODELS",
+    "TRAIN_MODELS",
+    "TrainingComparison",
+    "compare_training",
+    "plot_training",
+    "training_batches",
+]
 
 #: ``--model`` of ``blade-relax train`` -> bench workload.
 TRAIN_MODELS = {"llama": "llama-train", "gpt2": "gpt2-train"}
@@ -159,7 +166,7 @@ def compare_training(
     say(f"building {model} ({name}) and its training graph")
     workload = build_workload(name, sizes, seed=seed)
     graph, sizes = workload.graph, workload.sizes
-    lengths, description, batches = _batches(sizes, steps, sft, padding_side, seed)
+    lengths, description, batches = training_batches(sizes, steps, sft, padding_side, seed)
     trainer = Trainer(graph, optimizer)
     say("compiling the training step (once for every length)")
     trainer.compile()
@@ -215,7 +222,7 @@ def _errors(ours: Any, parameters: Sequence[Any], eager: Any) -> tuple[float, fl
     return loss_error, param_error
 
 
-def _batches(
+def training_batches(
     sizes: ModelSizes, steps: int, sft: bool, padding_side: str, seed: int
 ) -> tuple[list[int], str, list[Any]]:
     """The lengths of the trace, how they were drawn, and one batch per step: padded

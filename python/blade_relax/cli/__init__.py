@@ -78,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         "  blade-relax report attention --dims s=256 --json out/report.json --plot out/r.png\n"
         "  blade-relax report my_module.py --function main --dims n=64 --pipeline stock\n"
         "  blade-relax train --model llama --steps 50 --budget 0.8 --plot out/train.png\n"
+        "  blade-relax train --nproc 2 --batch 4 --steps 20 --no-plot\n"
         "  blade-relax bench --workload mlp-train --configs tvm-dynamic,blade-relax\n"
         "exit status: 0 on success, 1 when a check fails (demo, train), 2 on bad input (one line\n"
         "on stderr). Progress lines go to stderr, results to stdout; missing directories of\n"
@@ -116,6 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args = parser.parse_args(args_list)
         except SystemExit as done:  # --help
             return int(done.code or 0)
+        args.argv = args_list  # what a launcher of ranks runs again (train --nproc)
         handler = {"demo": run_demo, "report": run_report, "train": run_train}.get(args.command)
         if handler is None:
             raise CliError(f"unknown command {args.command!r}")

@@ -96,6 +96,15 @@ def add_train_arguments(subparsers: Any) -> None:
         help="run blade_relax's steps under a memory budget: this fraction in (0, 1] of each "
         "step's own peak without evictions (default: no budget)",
     )
+    train.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        metavar="N",
+        help="train data-parallel over N processes on torch.distributed (gloo), the optimizer "
+        "state sharded (ZeRO-2), each rank a block of the --batch rows; under torchrun, give "
+        "its --nproc-per-node (default: 1, one process)",
+    )
     train.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     train.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: 1e-3)")
     train.add_argument("--seed", type=int, default=0, help="seed of init, trace and tokens")
@@ -136,6 +145,18 @@ def run_train(args: argparse.Namespace) -> int:
     if args.batch is not None and args.batch < 1:
         raise CliError(f"--batch must be positive, not {args.batch}")
     sft = args.sft or args.lora
+    if args.nproc < 1:
+        raise CliError(f"--nproc must be positive, not {args.nproc}")
+    if args.nproc > 1:
+        for flag, given in (
+            ("--budget", budget is not None),
+            ("--torch-compile", args.torch_compile),
+            ("--torch-ckpt", args.torch_ckpt),
+        ):
+            if given:
+                raise CliError(f"{flag} is not offered with --nproc")
+        if args.batch is not None and args.batch < args.nproc:
+            raise CliError(f"--batch {args.batch} cannot be shared by --nproc {args.nproc} ranks")
     if sft and args.model != "llama":
         raise CliError(f"--sft and --lora fine-tune --model llama, not {args.model}")
     dtype, autocast = _DTYPES[args.dtype]
@@ -147,11 +168,15 @@ def run_train(args: argparse.Namespace) -> int:
     from ..training import SGD, AdamW
 
     sizes = dataclasses.replace(PRESETS[args.size], dtype=dtype, autocast=autocast)
-    if args.batch is not None:
-        sizes = dataclasses.replace(sizes, batch=args.batch)
+    if args.batch is not None or args.nproc > 1:
+        sizes = dataclasses.replace(sizes, batch=args.batch or max(args.nproc, sizes.batch))
     workload = SFT_MODELS[args.model][int(args.lora)] if sft else TRAIN_MODELS[args.model]
     _refuse_training_beyond_memory(args, workload, sizes)
     optimizer = AdamW(lr=args.lr) if args.optimizer == "adamw" else SGD(args.lr, momentum=0.9)
+    if args.nproc > 1:
+        from .train_ranks import run_train_ranks
+
+        return run_train_ranks(args, sizes, workload, optimizer)
     result = compare_training(
         args.model,
         size=sizes,
