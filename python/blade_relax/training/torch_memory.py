@@ -35,12 +35,19 @@ def _mode_base() -> type:
 
 
 def _storages(tree: Any, meta: bool = False) -> list[Any]:
+    """The storages of the tensors in ``tree``; a wrapper subclass (a ``DTensor``, as FSDP2's
+    sharded parameters and their optimizer state are) by the storages of its inner tensors."""
     import torch
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
     from torch.utils._pytree import tree_flatten
 
     found = []
-    for leaf in tree_flatten(tree)[0]:
-        if isinstance(leaf, torch.Tensor) and (meta or leaf.device.type != "meta"):
+    leaves = tree_flatten(tree)[0]
+    while leaves:
+        leaf = leaves.pop()
+        if is_traceable_wrapper_subclass(leaf):
+            leaves.extend(getattr(leaf, name) for name in leaf.__tensor_flatten__()[0])
+        elif isinstance(leaf, torch.Tensor) and (meta or leaf.device.type != "meta"):
             found.append(leaf.untyped_storage())
     return found
 
