@@ -22,6 +22,12 @@ What one binding does to memory is not decided here: the caller passes the bindi
 
 An allocation ends at the first binding after which no holder is left; ``None`` when it
 outlives the function (returned, or held by a register never killed).
+
+The models differ in a few questions around the walk, each a parameter of
+:func:`storage_flow`, never a walk of their own: which effects they give the bindings (a pass
+that does not trust an unknown call says its result aliases every argument), whether the
+parameters are buffers of their own (live on entry), and how far a tuple's fields stay known
+(:class:`TupleFields`).
 """
 
 from __future__ import annotations
@@ -33,9 +39,9 @@ from tvm import relax
 
 from ..symbolic import SymbolicExpr
 from .effects import ValueEffect, returns_nothing
-from .liveness import Liveness
+from .liveness import BindingInfo, Liveness
 
-__all__ = ["Allocation", "Holders", "StorageFlow", "death_points", "storage_flow"]
+__all__ = ["Allocation", "Holders", "StorageFlow", "TupleFields", "death_points", "storage_flow"]
 
 _ZERO = SymbolicExpr.constant(0)
 
@@ -44,7 +50,8 @@ _ZERO = SymbolicExpr.constant(0)
 class Allocation:
     """One allocation: created at binding ``start``, freed after binding ``end``.
 
-    ``end`` is ``None`` when the allocation outlives the function (it is returned, or a
+    ``start`` is -1 for a parameter's buffer (live on entry, see ``params_live`` of
+    :func:`storage_flow`). ``end`` is ``None`` when the allocation outlives the function (it is returned, or a
     register that is never killed holds it).
     """
 
@@ -136,6 +143,11 @@ class Holders:
         """The storages ``holder`` keeps (none for a holder never seen)."""
         return self._held.get(holder, frozenset())
 
+    def __contains__(self, holder: object) -> bool:
+        """Whether ``holder`` has a record: it was given storages (maybe none) and is not
+        forgotten."""
+        return holder in self._held
+
     def is_held(self, storage: int) -> bool:
         return bool(self._holders[storage])
 
@@ -156,18 +168,48 @@ class Holders:
         return {h: ids for h, ids in self._held.items() if isinstance(h, relax.Var)}
 
 
-class _Flow:
-    """The mutable state of one :func:`storage_flow`: the holders, tuple fields, kept values
-    and the allocations made so far."""
+@dataclass(frozen=True)
+class TupleFields:
+    """How far the flow knows the fields of a tuple the function builds.
 
-    def __init__(self, params: list[relax.Var]) -> None:
+    A field read (``t[i]``) of a tuple whose fields are known keeps only that field alive;
+    otherwise it keeps the whole tuple. The fields of a ``Tuple`` binding are always known;
+    the rest is the precision a model proves its decisions with, so each model keeps its own.
+
+    Attributes
+    ----------
+    match_cast
+        A ``match_cast`` is read as a plain binding of its value: it knows the fields the
+        value has, and a field read keeps only its field (else it keeps the whole tuple).
+    through_aliases
+        A re-binding ``y = t`` knows ``t``'s fields.
+    through_items
+        A field read ``a = t[i]`` whose field is itself a tuple with known fields knows them.
+    nested_literals
+        A field that is a tuple literal keeps what the variables in it keep (without it,
+        nothing: the op table's tuple effect reads only fields that are variables).
+    """
+
+    match_cast: bool = True
+    through_aliases: bool = False
+    through_items: bool = False
+    nested_literals: bool = False
+
+
+class _Flow:
+    """The mutable state of one :func:`storage_flow`: the holders, tuple fields, the keys
+    runtime objects keep values under, and the allocations made so far."""
+
+    def __init__(self, fields: TupleFields) -> None:
         self.holders = Holders()
-        for param in params:
-            self.holders.hold(param, frozenset())
+        self.fields = fields
         self.field_refs: dict[relax.Var, list[frozenset[int]]] = {}
-        # Pairs ``(owner, key)`` under which a runtime object keeps a value for a later
-        # binding; the pair itself is a holder while kept.
-        self.kept: set[tuple[relax.Var, object]] = set()
+        # The field expressions of tuples with known fields (only to follow ``through_items``).
+        self.field_exprs: dict[relax.Var, list[relax.Expr]] = {}
+        # Per runtime object, the keys it was given a value under: a pair ``(owner, key)`` is a
+        # holder while the holders have its record (see :meth:`take`); the owner's keys are
+        # only there to drop the pairs with it.
+        self.keys: dict[relax.Var, list[object]] = {}
         self.sizes: list[SymbolicExpr] = []
         self.owners: list[relax.Var] = []
         self.starts: list[int] = []
@@ -176,9 +218,14 @@ class _Flow:
     def held(self, var: relax.Var) -> frozenset[int]:
         return self.holders.held(var)
 
-    def aliased(self, value: relax.Expr, effect: ValueEffect) -> set[int]:
+    def aliased(self, binding: BindingInfo, effect: ValueEffect) -> set[int]:
         """What the bound value keeps alive through the variables it aliases."""
-        if isinstance(value, relax.TupleGetItem) and value.tuple_value in self.field_refs:
+        value = binding.value
+        if (
+            isinstance(value, relax.TupleGetItem)
+            and value.tuple_value in self.field_refs
+            and (self.fields.match_cast or not binding.is_match_cast)
+        ):
             # A field read keeps only that field alive, not the whole tuple.
             return set(self.field_refs[value.tuple_value][value.index])
         own: set[int] = set()
@@ -186,18 +233,41 @@ class _Flow:
             own |= self.held(source)
         return own
 
-    def note_fields(self, var: relax.Var, value: relax.Expr) -> None:
+    def note_fields(self, binding: BindingInfo) -> None:
+        """The fields the bound variable is known to have (see :class:`TupleFields`)."""
+        var, value, rules = binding.var, binding.value, self.fields
+        if binding.is_match_cast and not rules.match_cast:
+            return
         if isinstance(value, relax.Tuple):
-            self.field_refs[var] = [
-                self.held(f) if isinstance(f, relax.Var) else frozenset() for f in value.fields
-            ]
+            self.field_refs[var] = [self._field(f) for f in value.fields]
+            if rules.through_items:
+                self.field_exprs[var] = list(value.fields)
+        elif rules.through_aliases and isinstance(value, relax.Var) and value in self.field_refs:
+            self.field_refs[var] = self.field_refs[value]
+            if value in self.field_exprs:
+                self.field_exprs[var] = self.field_exprs[value]
+        elif (
+            rules.through_items
+            and isinstance(value, relax.TupleGetItem)
+            and value.tuple_value in self.field_exprs
+        ):
+            field_ = self.field_exprs[value.tuple_value][value.index]
+            if isinstance(field_, relax.Var) and field_ in self.field_exprs:
+                self.field_refs[var] = self.field_refs[field_]
+                self.field_exprs[var] = self.field_exprs[field_]
+
+    def _field(self, expr: relax.Expr) -> frozenset[int]:
+        if isinstance(expr, relax.Var):
+            return self.held(expr)
+        if isinstance(expr, relax.Tuple) and self.fields.nested_literals:
+            return frozenset().union(*(self._field(f) for f in expr.fields))
+        return frozenset()
 
     def take(self, pair: tuple[relax.Var, object]) -> frozenset[int] | None:
         """What a runtime object kept under ``pair``, handed to the binding that takes it."""
-        # Relax variables hash and compare by node, so the pair finds its entry.
-        if pair not in self.kept:
+        # Relax variables hash and compare by node, so the pair finds its record.
+        if pair not in self.holders:
             return None
-        self.kept.discard(pair)
         # The result holds them now; the runtime object no longer does.
         self.holders.let_go(pair)
         return self.holders.forget(pair)
@@ -205,7 +275,7 @@ class _Flow:
     def keep(self, keeps: tuple[relax.Var, object, relax.Var]) -> None:
         owner, key, source = keeps
         pair = (owner, key)
-        self.kept.add(pair)
+        self.keys.setdefault(owner, []).append(key)
         self.holders.hold(pair, self.holders.held(pair) | self.held(source))
 
     def allocate(self, var: relax.Var, nbytes: SymbolicExpr, position: int) -> int:
@@ -221,10 +291,11 @@ class _Flow:
         """``var``'s register dies after binding ``position``."""
         self._end(self.holders.let_go(var), position)
         # Dropping a runtime object drops what it kept.
-        for pair in [p for p in self.kept if p[0].same_as(var)]:
-            self.kept.discard(pair)
-            self._end(self.holders.let_go(pair), position)
-            self.holders.forget(pair)
+        for key in self.keys.pop(var, ()):
+            pair = (var, key)
+            if pair in self.holders:
+                self._end(self.holders.let_go(pair), position)
+                self.holders.forget(pair)
 
     def _end(self, freed: list[int], position: int) -> None:
         for alloc_id in freed:
@@ -246,6 +317,8 @@ def storage_flow(
     bytes_of: Callable[[relax.Var], SymbolicExpr],
     *,
     explicit_kills: bool,
+    params_live: bool = False,
+    fields: TupleFields = TupleFields(),
 ) -> StorageFlow:
     """Walk the bindings of ``info`` once and record the storage flow.
 
@@ -261,15 +334,26 @@ def storage_flow(
     explicit_kills
         The function holds explicit kills (the memory stage): a register dies at its kill or
         never; otherwise after its last use (:func:`death_points`).
+    params_live
+        Each parameter is a buffer of its own, live on entry (an allocation at ``start`` -1
+        of ``bytes_of(param)``): for a model that asks which buffers a variable keeps,
+        parameters included. Without it a parameter keeps nothing the function allocates.
+    fields
+        How far the fields of a tuple stay known (:class:`TupleFields`).
     """
-    state = _Flow(info.params)
+    state = _Flow(fields)
+    for param in info.params:
+        own = (
+            frozenset({state.allocate(param, bytes_of(param), -1)}) if params_live else frozenset()
+        )
+        state.holders.hold(param, own)
     death = {} if explicit_kills else death_points(info)
     touched_at: list[tuple[tuple[int, ...], SymbolicExpr]] = []
     for binding in info.bindings:
         i, var = binding.index, binding.var
         effect = effect_of(binding)
-        own = state.aliased(binding.value, effect)
-        state.note_fields(var, binding.value)
+        own = state.aliased(binding, effect)
+        state.note_fields(binding)
         allocates = effect.allocates
         if effect.takes is not None:
             taken = state.take(effect.takes)

@@ -16,6 +16,13 @@ the planner may only reuse memory whose every reader it can see.
 
 Existing ``R.memory.alloc_storage`` bindings (already planned memory) are recorded as well, so
 that the live-bytes model counts them; they are never re-planned.
+
+Which allocations each variable keeps alive is :func:`blade_relax.analysis.storage_flow`'s
+answer, walked with the effects the planner trusts (:mod:`._effects`: an unknown call's result
+aliases its arguments) and the fields of tuples followed through re-bindings and nested tuple
+literals. What is the planner's own is read here: the allocations' shapes and refusals, the
+kernel calls, and the tuples ``KillAfterLastUse`` never kills once ``CanonicalizeBindings`` has
+folded their item reads (``Allocation.pinned``).
 """
 
 from __future__ import annotations
@@ -27,7 +34,10 @@ import tvm
 from tvm import relax, tirx
 
 from ...analysis.effects import VIEW_OPS, Instruction, Kind, classify
+from ...analysis.liveness import BindingInfo, liveness
+from ...analysis.storage_flow import TupleFields, storage_flow
 from .._warn import warn_fallback
+from ._effects import UNSIZED, Reading, planner_readings
 
 __all__ = ["Allocation", "FunctionFacts", "KernelCall", "collect_facts"]
 
@@ -180,29 +190,51 @@ def collect_facts(
     -------
     FunctionFacts
     """
-    walk = _FactWalk(mod, frozenset(trusted_packed), frozenset(no_plan))
+    info = liveness(func)
+    # Classified once: what a call does decides its effect, its record and its refusals.
+    insts = [
+        classify(b.value, mod) if isinstance(b.value, relax.Call) else None for b in info.bindings
+    ]
+    readings = planner_readings(info.bindings, insts, mod, frozenset(trusted_packed))
+    flow = storage_flow(
+        info,
+        lambda binding: readings[binding.index].effect,
+        lambda var: UNSIZED,
+        explicit_kills=False,
+        fields=_FIELDS,
+    )
+    walk = _FactWalk(mod, frozenset(no_plan), flow.refs)
     for param in func.params:
         for var in _tir_vars_in_type(param.ty):
             walk.var_defined_at.setdefault(var, -1)
     body = func.body
     blocks = list(body.blocks) if isinstance(body, relax.SeqExpr) else []
     index = 0
-    for block_index, block in enumerate(blocks):
+    for block in blocks:
         for binding in block.bindings:
-            walk.visit(binding, block, block_index, index)
+            walk.visit(binding, info.bindings[index], insts[index], readings[index])
             index += 1
     return walk.finish(body.body if isinstance(body, relax.SeqExpr) else body, index)
 
 
-class _FactWalk:
-    """The state of one :func:`collect_facts`: allocations, aliases and tuple reads so far."""
+# The fields the planner follows: through re-bindings (``y = t``) and tuple literals nested in
+# a field; a ``match_cast`` keeps what its value reads, the whole tuple.
+_FIELDS = TupleFields(match_cast=False, through_aliases=True, nested_literals=True)
 
-    def __init__(self, mod: tvm.IRModule, trusted: frozenset[str], excluded: frozenset[str]):
-        self.mod, self.trusted, self.excluded = mod, trusted, excluded
+
+class _FactWalk:
+    """The state of one :func:`collect_facts`: allocations, refusals and tuple reads so far;
+    ``aliases`` (what each variable keeps alive) is the storage flow's."""
+
+    def __init__(
+        self,
+        mod: tvm.IRModule,
+        excluded: frozenset[str],
+        aliases: Mapping[relax.Var, frozenset[int]],
+    ):
+        self.mod, self.excluded, self.aliases = mod, excluded, aliases
         self.allocs: list[Allocation] = []
         self.kernels: dict[int, KernelCall] = {}
-        self.aliases: dict[relax.Var, frozenset[int]] = {}
-        self.fields: dict[relax.Var, list[frozenset[int]]] = {}
         self.var_defined_at: dict[tirx.Var, int] = {}
         # Tuple-valued vars built by a Tuple binding, and whether something other than an item
         # access reads them (item accesses are canonicalized away before kills are inserted).
@@ -212,36 +244,29 @@ class _FactWalk:
         # Vars that refer to memory at an offset or with another element layout (memory.view).
         self.inexact: set[relax.Var] = set()
         self.tuple_items: dict[relax.Var, list[relax.Expr]] = {}
-        # Runtime rematerialization: slot -> allocations handed to ``evict`` under that slot.
-        self.stash: dict[int, frozenset[int]] = {}
         self.regenerated: dict[relax.Var, tuple[int, int]] = {}
 
     def visit(
-        self, binding: relax.Binding, block: relax.BindingBlock, block_index: int, index: int
+        self,
+        binding: relax.Binding,
+        info: BindingInfo,
+        inst: Instruction | None,
+        reading: Reading,
     ) -> None:
-        """Record what one binding allocates, reads and aliases."""
+        """Record what one binding allocates, reads and refuses (``inst``: its classified
+        call, ``reading``: what the planner trusts it to do)."""
         var, value = binding.var, binding.value
+        index, block_index = info.index, info.block_index
         if isinstance(binding, relax.MatchCast):
             for tvar in _tir_vars_in_type(binding.ty):
                 self.var_defined_at.setdefault(tvar, index)
-        self._note_tuple_reads(value, isinstance(block, relax.DataflowBlock), index)
-        self._note_uses(value, block_index, index)
-        # Classified once: what a call does decides its effect and marks regenerated tensors.
-        inst = classify(value, self.mod) if isinstance(value, relax.Call) else None
-        result = _binding_effect(
-            binding,
-            inst,
-            index,
-            block_index,
-            self.mod,
-            self.trusted,
-            self.allocs,
-            self.kernels,
-            self.aliases,
-            self.fields,
-            self.stash,
-        )
-        self.aliases[var] = result
+        self._note_tuple_reads(value, info.uses, info.is_dataflow, index)
+        self._note_uses(info.uses, block_index, index)
+        if inst is not None:
+            self._record(inst, var, index, block_index, value)
+        for used, reason, hazard in reading.refusals:
+            _refuse(self.allocs, _held(used, self.aliases), reason, hazard)
+        result = self.aliases.get(var, frozenset())
         if len(result) == 1 and inst is not None and inst.kind is Kind.REGENERATE:
             self.regenerated[var] = (index, next(iter(result)))
         if _is_inexact(binding, value, self.inexact, self.tuple_items):
@@ -250,13 +275,52 @@ class _FactWalk:
             self.tuple_items[var] = list(value.fields)
             self.tuple_read[var] = False
             self.tuple_last[var] = index
-            self.tuple_killable[var] = not isinstance(block, relax.DataflowBlock)
+            self.tuple_killable[var] = not info.is_dataflow
         if var.name in self.excluded:
             for alloc_id in result:
                 self.allocs[alloc_id].refuse("marked as not plannable (may be evicted)", True)
 
-    def _note_tuple_reads(self, value: relax.Expr, in_dataflow: bool, index: int) -> None:
-        """Whether a tuple is read other than through an item access, and its last access."""
+    def _record(
+        self, inst: Instruction, var: relax.Var, index: int, block_index: int, call: relax.Call
+    ) -> None:
+        """The allocation or kernel call a call binding makes. An allocation's id is its
+        position, as in the storage flow (the planner's effects allocate at the same calls)."""
+        if inst.kind is Kind.TENSOR_ALLOC:
+            self.allocs.append(_tensor_allocation(len(self.allocs), var, index, block_index, call))
+        elif inst.kind is Kind.STORAGE_ALLOC:
+            alloc = Allocation(
+                id=len(self.allocs),
+                var=var,
+                index=index,
+                block=block_index,
+                kind="storage",
+                call=call,
+                size_prim=_storage_size(call),
+                refusal="already planned storage",
+            )
+            self.allocs.append(alloc)
+        elif inst.kind in (Kind.KERNEL, Kind.RELAX_CALL) and inst.callee is not None:
+            callee = inst.callee
+            mod = self.mod
+            func = (
+                mod[callee]
+                if isinstance(callee, relax.GlobalVar) and callee in mod.functions
+                else None
+            )
+            if isinstance(func, tirx.PrimFunc):
+                args = list(inst.args)
+                self.kernels[index] = KernelCall(
+                    index=index,
+                    func=func,
+                    args=args,
+                    arg_allocs=[_used_allocs(a, self.aliases) for a in args],
+                )
+
+    def _note_tuple_reads(
+        self, value: relax.Expr, used: tuple[relax.Var, ...], in_dataflow: bool, index: int
+    ) -> None:
+        """Whether a tuple is read other than through an item access, and its last access
+        (``used``: the variables the value reads)."""
         tuple_read = self.tuple_read
         item_of = (
             value.tuple_value
@@ -265,7 +329,7 @@ class _FactWalk:
             and value.tuple_value in tuple_read
             else None
         )
-        for used_var in _free_vars(value):
+        for used_var in used:
             if used_var in tuple_read and not used_var.same_as(item_of):
                 tuple_read[used_var] = True
         if item_of is not None:
@@ -273,9 +337,9 @@ class _FactWalk:
             if in_dataflow:
                 self.tuple_killable[item_of] = False
 
-    def _note_uses(self, value: relax.Expr, block_index: int, index: int) -> None:
-        """First and last use of every allocation the value reads."""
-        for alloc_id in _used_allocs(value, self.aliases):
+    def _note_uses(self, used: tuple[relax.Var, ...], block_index: int, index: int) -> None:
+        """First and last use of every allocation the variables a value reads keep alive."""
+        for alloc_id in _held(used, self.aliases):
             alloc = self.allocs[alloc_id]
             if alloc.first_use is None:
                 alloc.first_use = index
@@ -328,172 +392,6 @@ class _FactWalk:
         return pinning, pinned_items
 
 
-def _binding_effect(
-    binding: relax.Binding,
-    inst: Instruction | None,
-    index: int,
-    block_index: int,
-    mod: tvm.IRModule,
-    trusted: frozenset[str],
-    allocs: list[Allocation],
-    kernels: dict[int, KernelCall],
-    aliases: dict[relax.Var, frozenset[int]],
-    fields: dict[relax.Var, list[frozenset[int]]],
-    stash: dict[int, frozenset[int]],
-) -> frozenset[int]:
-    """Allocations the bound var refers to, recording new allocations and refusals.
-
-    ``inst`` is ``classify(binding.value, mod)`` when the value is a call (else None).
-    """
-    var, value = binding.var, binding.value
-    if isinstance(binding, relax.MatchCast):
-        return _used_allocs(value, aliases)
-    if isinstance(value, relax.Var):
-        if value in fields:
-            fields[var] = fields[value]
-        return aliases.get(value, frozenset())
-    if isinstance(value, relax.Tuple):
-        items = [_used_allocs(f, aliases) for f in value.fields]
-        fields[var] = items
-        return frozenset().union(*items) if items else frozenset()
-    if isinstance(value, relax.TupleGetItem):
-        items = fields.get(value.tuple_value) if isinstance(value.tuple_value, relax.Var) else None
-        if items is not None and 0 <= value.index < len(items):
-            return items[value.index]
-        return _used_allocs(value.tuple_value, aliases)
-    if isinstance(value, relax.Call):
-        return _call_effect(
-            value, inst, var, index, block_index, mod, trusted, allocs, kernels, aliases, stash
-        )
-    if isinstance(value, (tvm.ir.GenericConst, relax.ShapeExpr, tvm.ir.StringImm)):
-        return frozenset()
-    if tvm.ir.is_prim_expr(value):
-        return frozenset()
-    # If, closures, anything else: whatever it reads may escape through it.
-    used = _used_allocs(value, aliases)
-    _refuse(allocs, used, f"read by a {type(value).__name__} the planner does not analyse")
-    return used
-
-
-def _call_effect(
-    call: relax.Call,
-    inst: Instruction,
-    var: relax.Var,
-    index: int,
-    block_index: int,
-    mod: tvm.IRModule,
-    trusted: frozenset[str],
-    allocs: list[Allocation],
-    kernels: dict[int, KernelCall],
-    aliases: dict[relax.Var, frozenset[int]],
-    stash: dict[int, frozenset[int]],
-) -> frozenset[int]:
-    remat = _remat_effect(inst, allocs, aliases, stash)
-    if remat is not None:
-        return remat
-    kind = inst.kind
-    if kind is Kind.TENSOR_ALLOC:
-        allocs.append(_tensor_allocation(len(allocs), var, index, block_index, call))
-        return frozenset({len(allocs) - 1})
-    if kind is Kind.STORAGE_ALLOC:
-        alloc = Allocation(
-            id=len(allocs),
-            var=var,
-            index=index,
-            block=block_index,
-            kind="storage",
-            call=call,
-            size_prim=_storage_size(call),
-            refusal="already planned storage",
-        )
-        allocs.append(alloc)
-        return frozenset({alloc.id})
-    if kind in (Kind.TENSOR_IN_STORAGE, Kind.VIEW):
-        return _used_allocs(inst.source, aliases) if inst.args else frozenset()
-    if kind in (Kind.SHAPE_ONLY, Kind.KILL):
-        return frozenset()
-    if kind in (Kind.KERNEL, Kind.RELAX_CALL) and inst.callee is not None:
-        return _kernel_call(inst.callee, list(inst.args), index, mod, allocs, kernels, aliases)
-    used = _used_allocs(call, aliases)
-    if isinstance(call.op, relax.ExternFunc):
-        if inst.name not in trusted:
-            _refuse(allocs, used, f"passed to the packed function {inst.name}", hazard=True)
-            return used
-        return frozenset()
-    if isinstance(call.op, tvm.ir.Op):
-        _refuse(allocs, used, f"passed to {call.op.name}, whose memory behaviour is not analysed")
-        return used
-    _refuse(allocs, used, "passed to a call the planner does not analyse")
-    return used
-
-
-def _remat_effect(
-    inst: Instruction,
-    allocs: list[Allocation],
-    aliases: dict[relax.Var, frozenset[int]],
-    stash: dict[int, frozenset[int]],
-) -> frozenset[int] | None:
-    """The runtime rematerialization protocol (``blade_relax.runtime.remat``), or None.
-
-    ``evict(frame, k, x)`` may keep ``x`` in the frame's stash (never in planned storage: it
-    is refused); ``x' = regenerate(frame, k, ...)`` hands the stashed tensor back (or a
-    recomputed one of the same size), so ``x'`` extends ``x``'s lifetime. ``regenerate`` only
-    reads its other arguments during the call: they stay plannable.
-    """
-    args = inst.args
-    if inst.kind is Kind.EVICT and len(args) == 3:
-        slot = _int_value(args[1])
-        held = _used_allocs(args[2], aliases)
-        _refuse(allocs, held, "handed to the runtime for eviction", hazard=True)
-        if slot is None:
-            _refuse(
-                allocs,
-                _used_allocs(relax.Tuple(list(args)), aliases),
-                "evicted through an unknown slot",
-            )
-            return None
-        stash[slot] = stash.get(slot, frozenset()) | held
-        return frozenset()
-    if inst.kind is Kind.REGENERATE and len(args) >= 2:
-        slot = _int_value(args[1])
-        if slot is None:
-            return None
-        return stash.get(slot, frozenset())
-    return None
-
-
-def _int_value(expr: relax.Expr) -> int | None:
-    if isinstance(expr, tirx.IntImm):
-        return int(expr.value)
-    value = getattr(expr, "value", None)
-    return int(value.value) if isinstance(value, tirx.IntImm) else None
-
-
-def _kernel_call(
-    callee: relax.Expr,
-    args: list[relax.Expr],
-    index: int,
-    mod: tvm.IRModule,
-    allocs: list[Allocation],
-    kernels: dict[int, KernelCall],
-    aliases: dict[relax.Var, frozenset[int]],
-) -> frozenset[int]:
-    func = None
-    if isinstance(callee, relax.GlobalVar) and callee in mod.functions:
-        func = mod[callee]
-    used = frozenset().union(*[_used_allocs(a, aliases) for a in args]) if args else frozenset()
-    if not isinstance(func, tirx.PrimFunc):
-        _refuse(allocs, used, "passed to a Relax function call")
-        return used
-    kernels[index] = KernelCall(
-        index=index,
-        func=func,
-        args=args,
-        arg_allocs=[_used_allocs(a, aliases) for a in args],
-    )
-    return frozenset()
-
-
 def _tensor_allocation(
     alloc_id: int, var: relax.Var, index: int, block_index: int, call: relax.Call
 ) -> Allocation:
@@ -538,6 +436,14 @@ def _as_int64(value: object) -> object:
     if str(getattr(getattr(value, "ty", None), "dtype", "int64")) != "int64":
         return tirx.Cast("int64", value)
     return value
+
+
+def _held(used: Iterable[relax.Var], aliases: Mapping[relax.Var, frozenset[int]]) -> frozenset[int]:
+    """The allocations ``used`` keep alive."""
+    out: set[int] = set()
+    for var in used:
+        out |= aliases.get(var, frozenset())
+    return frozenset(out)
 
 
 def _used_allocs(expr: relax.Expr, aliases: Mapping[relax.Var, frozenset[int]]) -> frozenset[int]:

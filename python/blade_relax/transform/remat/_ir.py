@@ -17,8 +17,12 @@ is classified:
             tensors it takes may be mutated, so they are never recomputed nor read by a
             recomputation.
 
-Every variable *holds* a set of roots (the tensors whose memory it keeps alive). A root's uses
-are the bindings that read any variable holding it.
+Every variable *holds* a set of roots (the tensors whose memory it keeps alive): the
+parameters, the ``alloc`` tensors and the results of ``opaque`` bindings. Which roots a variable
+holds is :func:`blade_relax.analysis.storage_flow`'s answer, walked with the effects of the
+kinds above (:func:`_effect`: an ``opaque`` result is a root of its own that may alias every
+variable it reads) and the parameters as buffers live on entry. A root's uses are the bindings
+that read any variable holding it.
 """
 
 from __future__ import annotations
@@ -28,7 +32,10 @@ from dataclasses import dataclass, field
 import tvm
 from tvm import relax
 
-from ...analysis.effects import InPlaceWrites, Kind, classify, in_place_writes
+from ...analysis.effects import InPlaceWrites, Kind, ValueEffect, classify, in_place_writes
+from ...analysis.liveness import Liveness, liveness
+from ...analysis.storage_flow import TupleFields, storage_flow
+from ...symbolic import SymbolicExpr
 
 __all__ = ["FunctionModel", "Op", "RecipeError", "UnsupportedFunction", "build_model"]
 
@@ -142,29 +149,32 @@ def _classify(
     written: set[relax.Var],
     allocs: set[relax.Var],
     defined: set[relax.Var],
+    uses: tuple[relax.Var, ...],
 ) -> Op:
+    """The op of one binding; ``uses`` are the variables it reads (as ``_vars_in`` of its
+    value: the liveness has them)."""
     var, value = binding.var, binding.value
     if isinstance(binding, relax.MatchCast):
         if isinstance(value, relax.Var):
             return Op(index, var, value, "alias", (value,), source=value, is_match_cast=True)
-        return Op(index, var, value, "opaque", _vars_in(value, defined), is_match_cast=True)
+        return Op(index, var, value, "opaque", uses, is_match_cast=True)
     if isinstance(value, relax.If):
         raise UnsupportedFunction("control flow (If)")
     if isinstance(value, relax.Var):
         return Op(index, var, value, "alias", (value,), source=value)
     if isinstance(value, relax.Tuple):
-        return Op(index, var, value, "tuple", _vars_in(value, defined))
+        return Op(index, var, value, "tuple", uses)
     if isinstance(value, relax.TupleGetItem):
         source = value.tuple_value
         if isinstance(source, relax.Var):
             return Op(index, var, value, "getitem", (source,), source=source)
-        return Op(index, var, value, "opaque", _vars_in(value, defined))
+        return Op(index, var, value, "opaque", uses)
     if isinstance(value, relax.Call):
         inst = classify(value, mod)
         if inst.kind is Kind.TENSOR_ALLOC:
-            return Op(index, var, value, "alloc", _vars_in(value, defined))
+            return Op(index, var, value, "alloc", uses)
         if inst.kind is Kind.VIEW and isinstance(inst.source, relax.Var):
-            return Op(index, var, value, "view", _vars_in(value, defined), source=inst.source)
+            return Op(index, var, value, "view", uses, source=inst.source)
         if inst.kind is Kind.KERNEL and inst.name is None:
             args = list(inst.args)
             outputs: list[relax.Var] = []
@@ -178,12 +188,12 @@ def _classify(
             if outputs and not any(isinstance(a, relax.Var) and a in outputs for a in inputs):
                 reads = _vars_in(relax.Tuple(inputs), defined) if inputs else ()
                 return Op(index, var, value, "kernel", reads, tuple(outputs))
-        return Op(index, var, value, "opaque", _vars_in(value, defined))
+        return Op(index, var, value, "opaque", uses)
     if isinstance(value, relax.Function):
         raise UnsupportedFunction("a nested function")
     if _is_inert(value):
         return Op(index, var, value, "inert", ())
-    return Op(index, var, value, "opaque", _vars_in(value, defined))
+    return Op(index, var, value, "opaque", uses)
 
 
 def build_model(func: relax.Function, mod: tvm.IRModule) -> FunctionModel:
@@ -198,9 +208,9 @@ def build_model(func: relax.Function, mod: tvm.IRModule) -> FunctionModel:
     body = func.body
     if not isinstance(body, relax.SeqExpr):
         raise UnsupportedFunction("a body that is not a SeqExpr")
+    info = liveness(func)
     defined: set[relax.Var] = set(func.params)
-    for block in body.blocks:
-        defined.update(b.var for b in block.bindings)
+    defined.update(b.var for b in info.bindings)
     ops: list[Op] = []
     written: set[relax.Var] = set()
     allocs: set[relax.Var] = set()
@@ -208,7 +218,8 @@ def build_model(func: relax.Function, mod: tvm.IRModule) -> FunctionModel:
         if isinstance(block, relax.DataflowBlock):
             raise UnsupportedFunction("a dataflow block (run after ToNonDataflow)")
         for binding in block.bindings:
-            op = _classify(len(ops), binding, mod, written, allocs, defined)
+            uses = tuple(v for v in info.bindings[len(ops)].uses if v in defined)
+            op = _classify(len(ops), binding, mod, written, allocs, defined, uses)
             ops.append(op)
             if op.kind == "alloc":
                 allocs.add(op.var)
@@ -221,42 +232,24 @@ def build_model(func: relax.Function, mod: tvm.IRModule) -> FunctionModel:
     # In-place writes into memory the kernels do not allocate (parameters updated by an
     # optimizer): a recipe may not re-read such memory after it has been overwritten.
     model.writes = in_place_writes([b for blk in body.blocks for b in blk.bindings], mod)
-    for param in model.params:
-        model.holds[param] = frozenset({param})
+    model.holds = _holds(info, ops)
     for op in ops:
         model.op_of[op.var] = op
-        held: set[relax.Var] = set()
-        if op.kind == "alloc":
-            held = {op.var}
-        elif op.kind in ("alias", "view"):
-            held = set(model.holds.get(op.source, ()))
-        elif op.kind == "tuple":
+        held = model.holds[op.var]
+        if op.kind == "tuple":
             model.tuple_fields[op.var] = list(op.value.fields)
-            for f in op.value.fields:
-                if isinstance(f, relax.Var):
-                    held |= model.holds.get(f, frozenset())
         elif op.kind == "getitem":
             fields = model.tuple_fields.get(op.source)
             index = int(op.value.index)
-            if fields is not None and 0 <= index < len(fields):
-                f = fields[index]
-                if isinstance(f, relax.Var):
-                    held = set(model.holds.get(f, ()))
-                    if f in model.tuple_fields:
-                        model.tuple_fields[op.var] = model.tuple_fields[f]
-            else:
-                held = set(model.holds.get(op.source, ()))
-        elif op.kind == "opaque":
-            # The result may alias any argument, and is a value of its own.
-            held = {op.var}
-            for v in op.reads:
-                held |= model.holds.get(v, frozenset())
+            # A field that is itself a tuple of the function: its fields are known too.
+            field_ = fields[index] if fields is not None and 0 <= index < len(fields) else None
+            if isinstance(field_, relax.Var) and field_ in model.tuple_fields:
+                model.tuple_fields[op.var] = model.tuple_fields[field_]
         elif op.kind == "kernel":
             for out in op.outputs:
                 if out in model.writer:
                     model.mutable.add(out)
                 model.writer[out] = op.index
-        model.holds[op.var] = frozenset(held)
         for root in held:
             model.members.setdefault(root, []).append(op.var)
         for v in op.reads:
@@ -276,3 +269,40 @@ def build_model(func: relax.Function, mod: tvm.IRModule) -> FunctionModel:
             if not positions or positions[-1] != model.end:
                 positions.append(model.end)
     return model
+
+
+# The flow's allocations carry a size; the roots are asked only who holds them.
+_UNSIZED = SymbolicExpr.constant(0)
+
+# The fields this model follows: a field read of a tuple of the function, and of a field that
+# is itself such a tuple (the recipes rebuild through them); a ``match_cast`` is opaque here.
+_FIELDS = TupleFields(match_cast=False, through_items=True)
+
+
+def _effect(op: Op) -> ValueEffect:
+    """What an op does to the roots (see the module docstring)."""
+    if op.kind == "alloc":
+        return ValueEffect(allocates=_UNSIZED)
+    if op.kind in ("alias", "view", "getitem"):
+        return ValueEffect(aliases=(op.source,))
+    if op.kind == "tuple":
+        return ValueEffect(aliases=tuple(f for f in op.value.fields if isinstance(f, relax.Var)))
+    if op.kind == "opaque":
+        # The result may alias any argument, and is a value of its own.
+        return ValueEffect(allocates=_UNSIZED, aliases=op.reads)
+    return ValueEffect()  # a kernel's result and an inert value hold no tensor
+
+
+def _holds(info: Liveness, ops: list[Op]) -> dict[relax.Var, frozenset[relax.Var]]:
+    """The roots each variable (parameters included) holds, from the storage flow."""
+    effects = [_effect(op) for op in ops]
+    flow = storage_flow(
+        info,
+        lambda binding: effects[binding.index],
+        lambda var: _UNSIZED,
+        explicit_kills=False,
+        params_live=True,
+        fields=_FIELDS,
+    )
+    root = [allocation.var for allocation in flow.allocations]
+    return {var: frozenset(root[k] for k in ids) for var, ids in flow.refs.items()}

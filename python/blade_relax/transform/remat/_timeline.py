@@ -238,6 +238,7 @@ class _Walker:
 
     # ----------------------------------------------------------------- holders
     def drop(self, var: Any) -> None:
+        """``var``'s register dies: it lets go of what it holds, and its record goes."""
         sim = self.sim
         for sid in self.holders.let_go(var):
             if self.stashed.get(sid, 0) == 0:
@@ -252,7 +253,7 @@ class _Walker:
                         and not any(self.holders.is_held(s) for s in sids)
                     ):
                         window.start = sim.points
-        self.holders.hold(var, frozenset())
+        self.holders.forget(var)
 
     def allocate(self, var: relax.Var, size: str) -> None:
         sim = self.sim
