@@ -209,6 +209,11 @@ class ShapeGraph(ConcreteValues):
         name = var.name
         if name in self._declared:
             return
+        dtype = str(getattr(var, "ty", None) or getattr(var, "dtype", "int64"))
+        if not dtype.startswith(("int", "uint")):
+            # A scalar parameter of another type (``R.Prim("float32")``, which TVM lists among
+            # the function's symbolic variables) is a value, not a dim: no shape depends on it.
+            return
         lower = self._attr_lower.get(name)
         if lower is None:
             lower = 0 if name in self._attr_nonneg else DEFAULT_LOWER

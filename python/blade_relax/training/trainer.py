@@ -9,7 +9,8 @@ they were.
 
 Peak bytes per step are the full step's: the parameters, the optimizer state and the scalars
 (held across steps, counted once) plus the most bytes the step itself added, as the runtime
-accounting measures them (:func:`blade_relax.runtime.measure_call`).
+accounting measures them (:func:`blade_relax.runtime.measure_call`), the scratch buffers of the
+kernel running at that point included.
 """
 
 from __future__ import annotations
@@ -390,6 +391,7 @@ class Trainer:
         self.pipeline = pipeline
         self.device = device_for_target(self.target)
         self.executable: Any = None
+        self.workspaces: dict[str, Any] = {}
         self.compilations = 0
         self.compile_time_s = 0.0
         self.steps_done = 0
@@ -412,14 +414,18 @@ class Trainer:
         """Compile the step (once; later calls do nothing)."""
         if self.executable is not None:
             return
+        from ..analysis.workspace import compile_keeping_module
         from ..pipeline import get_pipeline
 
         pipeline = self.pipeline if self.pipeline is not None else get_pipeline(self.target)
         start = time.perf_counter()
-        executable = tvm.compile(self.step_ir.mod, self.target, relax_pipeline=pipeline)
+        compiled = compile_keeping_module(self.step_ir.mod, self.target, pipeline)
         self.compile_time_s = time.perf_counter() - start
         self.compilations += 1
-        self.executable = executable
+        # The kernels' scratch buffers (TVM's workspace pool, behind the VM's allocator) are
+        # counted while each kernel runs, as the bench counts them and the timeline predicts.
+        self.workspaces = compiled.workspaces
+        self.executable = compiled.executable
 
     def predicted_peak(self, dims: Mapping[str, int]) -> int:
         """The full step's peak at ``dims`` (e.g. ``{"b": 2, "s": 57}``), predicted without
@@ -511,6 +517,7 @@ class Trainer:
                 args,
                 budget=absolute,
                 device=self.device,
+                workspaces=self.workspaces,
                 convert=lambda out: float(out[0].numpy()),
                 record_warnings=budget is not None,
             )
