@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
 from blade_relax.analysis import binding_effect, death_points, liveness, storage_flow
+from blade_relax.analysis.effects import ValueEffect
 from blade_relax.analysis.storage_flow import TupleFields
 from blade_relax.symbolic import ShapeGraph
 
@@ -162,3 +164,22 @@ def test_parameters_as_buffers_live_on_entry():
     assert refs["x"] == ["x"]
     _, refs = _refs(Nested)
     assert refs["x"] == []
+
+
+def test_without_lifetimes_the_refs_are_the_same_and_no_end_is_known():
+    full, refs = _refs(Rebound)
+    bare, bare_refs = _refs(Rebound, lifetimes=False)
+    assert bare_refs == refs
+    assert [a.end for a in full.allocations] != [None] * len(full.allocations)
+    assert [a.end for a in bare.allocations] == [None] * len(bare.allocations)
+    assert bare.touched == []
+    func = Rebound["main"]
+    (x,) = func.params
+    info = liveness(func, positions=False)
+    assert info.uses == {} and info.definition == {}
+
+    def keeps(binding):
+        return ValueEffect(keeps=(x, 0, x))
+
+    with pytest.raises(ValueError, match="lifetimes"):
+        storage_flow(info, keeps, lambda var: None, explicit_kills=False, lifetimes=False)

@@ -107,7 +107,10 @@ def function_outputs(func: relax.Function) -> list[relax.Var]:
 
 
 def liveness(
-    func: relax.Function, *, uses_memo: MutableMapping[Any, tuple[relax.Var, ...]] | None = None
+    func: relax.Function,
+    *,
+    uses_memo: MutableMapping[Any, tuple[relax.Var, ...]] | None = None,
+    positions: bool = True,
 ) -> Liveness:
     """Compute definition and use positions for the variables of ``func``.
 
@@ -119,6 +122,11 @@ def liveness(
         The variables each binding value reads, remembered across calls, by value node: an
         analysis that builds the liveness of many rewrites of one function (which keep most
         value nodes) walks each value once.
+    positions
+        Record where each variable is defined and used (``definition``, ``uses``). A reader of
+        the bindings alone passes False (both stay empty; ``last_use`` knows no variable):
+        every lookup of a variable there is a comparison of TVM nodes, which for a shape
+        variable builds and proves an equation.
 
     Returns
     -------
@@ -144,6 +152,8 @@ def liveness(
             )
     outputs = function_outputs(func)
     info = Liveness(params=params, bindings=bindings, outputs=outputs)
+    if not positions:
+        return info
     for binding in bindings:
         info.definition[binding.var] = binding.index
         for var in binding.uses:

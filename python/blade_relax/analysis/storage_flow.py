@@ -319,6 +319,7 @@ def storage_flow(
     explicit_kills: bool,
     params_live: bool = False,
     fields: TupleFields = TupleFields(),
+    lifetimes: bool = True,
 ) -> StorageFlow:
     """Walk the bindings of ``info`` once and record the storage flow.
 
@@ -340,6 +341,11 @@ def storage_flow(
         parameters included. Without it a parameter keeps nothing the function allocates.
     fields
         How far the fields of a tuple stay known (:class:`TupleFields`).
+    lifetimes
+        Follow when registers die, for each allocation's ``end`` and the ``touched`` sets. A
+        model that asks only what each variable keeps alive passes False: every ``end`` is
+        then ``None`` and ``touched`` is empty. Its effects may keep nothing for a later
+        binding (``keeps``), the only way a death changes what a variable keeps.
     """
     state = _Flow(fields)
     for param in info.params:
@@ -347,35 +353,22 @@ def storage_flow(
             frozenset({state.allocate(param, bytes_of(param), -1)}) if params_live else frozenset()
         )
         state.holders.hold(param, own)
-    death = {} if explicit_kills else death_points(info)
+    death = {} if explicit_kills or not lifetimes else death_points(info)
     touched_at: list[tuple[tuple[int, ...], SymbolicExpr]] = []
     for binding in info.bindings:
-        i, var = binding.index, binding.var
         effect = effect_of(binding)
-        own = state.aliased(binding, effect)
-        state.note_fields(binding)
-        allocates = effect.allocates
-        if effect.takes is not None:
-            taken = state.take(effect.takes)
-            if taken is None:
-                allocates = bytes_of(var)
-            else:
-                own |= taken
-        if effect.keeps is not None:
-            state.keep(effect.keeps)
-        if allocates is not None:
-            own.add(state.allocate(var, allocates, i))
-        state.holders.hold(var, frozenset(own))
-        touched = set(own)
-        for used in binding.uses:
-            touched |= state.held(used)
-        workspace = effect.workspace if effect.workspace is not None else _ZERO
-        touched_at.append((tuple(sorted(touched)), workspace))
+        own = _bind(state, binding, effect, bytes_of)
+        if not lifetimes:
+            if effect.keeps is not None:
+                raise ValueError("storage_flow: a value kept for a later binding needs lifetimes")
+            continue
+        touched_at.append(_touched(state, binding, effect, own))
+        i = binding.index
         if explicit_kills:
             if effect.kills is not None:
                 state.release(effect.kills, i)
-            if returns_nothing(var) and not own:
-                state.holders.hold(var, frozenset())
+            if returns_nothing(binding.var) and not own:
+                state.holders.hold(binding.var, frozenset())
         else:
             for dead in death.get(i, ()):
                 state.release(dead, i)
@@ -388,3 +381,41 @@ def storage_flow(
         touched=touched_at,
         outputs=frozenset(outputs),
     )
+
+
+def _bind(
+    state: _Flow,
+    binding: BindingInfo,
+    effect: ValueEffect,
+    bytes_of: Callable[[relax.Var], SymbolicExpr],
+) -> set[int]:
+    """What the bound variable keeps alive, now held by it (allocating what the binding
+    allocates, taking back what a runtime object kept, keeping what it is given)."""
+    var = binding.var
+    own = state.aliased(binding, effect)
+    state.note_fields(binding)
+    allocates = effect.allocates
+    if effect.takes is not None:
+        taken = state.take(effect.takes)
+        if taken is None:
+            allocates = bytes_of(var)
+        else:
+            own |= taken
+    if effect.keeps is not None:
+        state.keep(effect.keeps)
+    if allocates is not None:
+        own.add(state.allocate(var, allocates, binding.index))
+    state.holders.hold(var, frozenset(own))
+    return own
+
+
+def _touched(
+    state: _Flow, binding: BindingInfo, effect: ValueEffect, own: set[int]
+) -> tuple[tuple[int, ...], SymbolicExpr]:
+    """The allocations a binding touches (its result and what its inputs keep alive) and the
+    workspace its kernel holds while it runs."""
+    touched = set(own)
+    for used in binding.uses:
+        touched |= state.held(used)
+    workspace = effect.workspace if effect.workspace is not None else _ZERO
+    return tuple(sorted(touched)), workspace

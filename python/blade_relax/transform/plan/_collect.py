@@ -190,7 +190,7 @@ def collect_facts(
     -------
     FunctionFacts
     """
-    info = liveness(func)
+    info = liveness(func, positions=False)
     # Classified once: what a call does decides its effect, its record and its refusals.
     insts = [
         classify(b.value, mod) if isinstance(b.value, relax.Call) else None for b in info.bindings
@@ -202,6 +202,7 @@ def collect_facts(
         lambda var: UNSIZED,
         explicit_kills=False,
         fields=_FIELDS,
+        lifetimes=False,
     )
     walk = _FactWalk(mod, frozenset(no_plan), flow.refs)
     for param in func.params:

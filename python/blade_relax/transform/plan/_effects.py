@@ -51,6 +51,11 @@ class Reading:
     refusals: tuple[tuple[tuple[relax.Var, ...], str, bool], ...] = ()
 
 
+# The readings of most bindings (an allocation, a kernel call, a constant), made once.
+_NOTHING = Reading(ValueEffect())
+_ALLOCATES = Reading(ValueEffect(allocates=UNSIZED))
+
+
 def planner_readings(
     bindings: Sequence[BindingInfo],
     insts: Sequence[Instruction | None],
@@ -81,9 +86,9 @@ def _reading(
     if isinstance(value, relax.Call):
         return _call_reading(value, inst, mod, trusted, evicted)
     if isinstance(value, (tvm.ir.GenericConst, relax.ShapeExpr, tvm.ir.StringImm)):
-        return Reading(ValueEffect())
+        return _NOTHING
     if tvm.ir.is_prim_expr(value):
-        return Reading(ValueEffect())
+        return _NOTHING
     # If, closures, anything else: whatever it reads may escape through it.
     reason = f"read by a {type(value).__name__} the planner does not analyse"
     return _escapes(_vars(value), reason)
@@ -100,7 +105,7 @@ def _call_reading(
     if remat is not None:
         return remat
     reading = _plain_call_reading(call, inst, mod, trusted)
-    return Reading(reading.effect, before + reading.refusals)
+    return Reading(reading.effect, before + reading.refusals) if before else reading
 
 
 def _plain_call_reading(
@@ -108,24 +113,26 @@ def _plain_call_reading(
 ) -> Reading:
     kind = inst.kind
     if kind in (Kind.TENSOR_ALLOC, Kind.STORAGE_ALLOC):
-        return Reading(ValueEffect(allocates=UNSIZED))
+        return _ALLOCATES
     if kind in (Kind.TENSOR_IN_STORAGE, Kind.VIEW):
         return Reading(ValueEffect(aliases=_vars(inst.source) if inst.args else ()))
     if kind in (Kind.SHAPE_ONLY, Kind.KILL):
-        return Reading(ValueEffect())
+        return _NOTHING
+    if kind is Kind.KERNEL and inst.name is None:
+        return _NOTHING  # a PrimFunc of the module (classify looked): writes its arguments
     if kind in (Kind.KERNEL, Kind.RELAX_CALL) and inst.callee is not None:
         callee = inst.callee
         func = (
             mod[callee] if isinstance(callee, relax.GlobalVar) and callee in mod.functions else None
         )
         if isinstance(func, tirx.PrimFunc):
-            return Reading(ValueEffect())  # writes into its arguments, returns nothing
+            return _NOTHING  # writes into its arguments, returns nothing
         used = tuple(v for a in inst.args for v in _vars(a))
         return _escapes(used, "passed to a Relax function call")
     used = _vars(call)
     if isinstance(call.op, relax.ExternFunc):
         if inst.name in trusted:
-            return Reading(ValueEffect())
+            return _NOTHING
         return _escapes(used, f"passed to the packed function {inst.name}", hazard=True)
     if isinstance(call.op, tvm.ir.Op):
         return _escapes(used, f"passed to {call.op.name}, whose memory behaviour is not analysed")

@@ -208,7 +208,7 @@ def build_model(func: relax.Function, mod: tvm.IRModule) -> FunctionModel:
     body = func.body
     if not isinstance(body, relax.SeqExpr):
         raise UnsupportedFunction("a body that is not a SeqExpr")
-    info = liveness(func)
+    info = liveness(func, positions=False)
     defined: set[relax.Var] = set(func.params)
     defined.update(b.var for b in info.bindings)
     ops: list[Op] = []
@@ -303,6 +303,7 @@ def _holds(info: Liveness, ops: list[Op]) -> dict[relax.Var, frozenset[relax.Var
         explicit_kills=False,
         params_live=True,
         fields=_FIELDS,
+        lifetimes=False,
     )
     root = [allocation.var for allocation in flow.allocations]
     return {var: frozenset(root[k] for k in ids) for var, ids in flow.refs.items()}
