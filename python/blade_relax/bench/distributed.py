@@ -301,11 +301,13 @@ def predict_sharded(
     }
     result["llama-1.1b"] = _predicted_at(LLAMA_1B, world, rows, lengths) if check else None
     result["llama-1.1b-extrapolated"] = _extrapolated(small, LLAMA_1B.layers)
+    result["llama-1.1b-by-layers"] = small
     big = {
         n: _predicted_at(dataclasses.replace(LLAMA_7B, layers=n), world, rows, lengths)
         for n in (1, 2)
     }
     result["llama-7b-extrapolated"] = _extrapolated(big, LLAMA_7B.layers)
+    result["llama-7b-by-layers"] = big
     return result
 
 
