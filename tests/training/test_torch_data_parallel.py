@@ -1,6 +1,8 @@
 """PyTorch DDP and FSDP2 on 2 gloo processes: the loss of a single process on the whole batch,
 and this rank's bytes."""
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -15,6 +17,7 @@ SIZES = ModelSizes(layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64, vo
 LENGTHS = (9, 16, 5)
 
 
+@functools.cache
 def _graph():
     return import_training_step(llama_model(SIZES, seed=0), max_seq_len=32, max_batch_size=4)
 

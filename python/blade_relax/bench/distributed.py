@@ -278,15 +278,17 @@ def _extrapolated(by_layers: dict[int, dict], layers: int) -> dict:
     def line(a: float, b: float) -> int:
         return int(a + (b - a) * (layers - 1))
 
-    return {
-        label: {
-            "persistent_bytes": line(
-                one[label]["persistent_bytes"], two[label]["persistent_bytes"]
-            ),
-            "peaks": [line(a, b) for a, b in zip(one[label]["peaks"], two[label]["peaks"])],
-        }
-        for label in one
-    }
+    out = {}
+    for label in one:
+        held = [one[label]["persistent_bytes"], two[label]["persistent_bytes"]]
+        # The step's own peak is linear in the layers only while its moment stays where the
+        # layers' part grows; where it falls from 1 to 2 layers the line means nothing: None.
+        peaks = [
+            line(a, b) if b - held[1] >= a - held[0] else None
+            for a, b in zip(one[label]["peaks"], two[label]["peaks"])
+        ]
+        out[label] = {"persistent_bytes": line(*held), "peaks": peaks}
+    return out
 
 
 def predict_sharded(
@@ -301,11 +303,13 @@ def predict_sharded(
     }
     result["llama-1.1b"] = _predicted_at(LLAMA_1B, world, rows, lengths) if check else None
     result["llama-1.1b-extrapolated"] = _extrapolated(small, LLAMA_1B.layers)
+    result["llama-1.1b-by-layers"] = small
     big = {
         n: _predicted_at(dataclasses.replace(LLAMA_7B, layers=n), world, rows, lengths)
         for n in (1, 2)
     }
     result["llama-7b-extrapolated"] = _extrapolated(big, LLAMA_7B.layers)
+    result["llama-7b-by-layers"] = big
     return result
 
 
@@ -323,9 +327,11 @@ def format_prediction(result: dict[str, Any]) -> str:
             continue
         for i, s in enumerate(result["lengths"]):
             sharded, one = got["sharded"]["peaks"][i], got["one"]["peaks"][i]
+            gib = [f"{x / 2**30:.2f}" if x else "n/a" for x in (sharded, one)]
+            ratio = f"{sharded / one:.3f}" if sharded and one else "n/a"
             lines.append(
-                f"| {model} | {s} | {sharded / 2**30:.2f} | {one / 2**30:.2f} | "
-                f"{sharded / one:.3f} | {got['sharded']['persistent_bytes'] / 2**30:.2f} | "
+                f"| {model} | {s} | {gib[0]} | {gib[1]} | {ratio} | "
+                f"{got['sharded']['persistent_bytes'] / 2**30:.2f} | "
                 f"{got['one']['persistent_bytes'] / 2**30:.2f} |"
             )
     return "\n".join(lines)
