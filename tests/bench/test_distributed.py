@@ -21,5 +21,7 @@ def test_three_runs_per_length_agree():
             assert row[f"{label}_peak"] > 0
             assert row[f"{label}_time_s"] > 0
         assert row["predicted_equals_measured"]
+        # Per rank, the sharded step holds no more than DDP or FSDP2 (same sharding).
+        assert row["blade_relax_peak"] <= min(row["torch-ddp_peak"], row["torch-fsdp2_peak"])
     assert result["max_loss_rel_diff"] < 1e-5
     assert "| 20 |" in format_table(result)

@@ -66,6 +66,17 @@ def test_dims_ranges_and_classes():
     assert graph.representative("m") == E.dim("b") * E.dim("s")
 
 
+@R.function
+def scaled_by_a_float(x: R.Tensor(("n",), "float32"), weight: R.Prim("float32")):
+    return x
+
+
+def test_a_float_parameter_is_no_dim():
+    # TVM lists the parameter among the function's symbolic variables; no shape depends on it.
+    assert "weight" in [v.name for v in relax.analysis.defined_symbolic_vars(scaled_by_a_float)]
+    assert list(ShapeGraph.from_function(scaled_by_a_float).dims) == ["n"]
+
+
 def test_bytes_of_bindings_and_params():
     graph = ShapeGraph.from_function(reshape_and_match_cast)
     v = binding_vars(reshape_and_match_cast)

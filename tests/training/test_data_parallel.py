@@ -100,6 +100,37 @@ def test_sharded_step_reduces_updates_and_gathers_each_parameter():
     assert calls == [REDUCE_GRADIENT, "update", GATHER_PARAMETER] * len(trainable)
 
 
+def test_sharded_step_adds_no_bytes_to_the_step():
+    """The collectives write in place and the state blocks are inputs: the step's own bytes
+    (above what it holds across steps) are the single-process step's at every shape."""
+    import dataclasses
+
+    from blade_relax.analysis import memory_timeline
+    from blade_relax.bench.workloads import SMALL
+    from blade_relax.pipeline import PipelineFlags, lower_to_memory_stage
+    from blade_relax.transform import version_for
+
+    flags = PipelineFlags()
+    keywords = {f.name: getattr(flags, f.name) for f in dataclasses.fields(flags)}
+    keywords["check_dims"] = False
+    # The bench's small sizes: long enough for the schedule to search (a scalar input that
+    # were taken for a dim would change its choices there).
+    model = llama_model(SMALL, seed=0)
+    graph = import_training_step(
+        model, max_seq_len=SMALL.max_seq_len, min_seq_len=SMALL.min_seq_len, max_batch_size=3
+    )
+    lowered = [
+        lower_to_memory_stage(build_training_step(graph, _adamw(), sharding).mod, **keywords)
+        for sharding in (None, ZeroSharding(2))
+    ]
+    for dims in ({"b": 1, "s": 5}, {"b": 2, "s": 256}, {"b": 1, "s": 100}):
+        peaks = [
+            memory_timeline(mod[version_for(mod, "main", dims)], mod=mod).evaluate(dims).peak
+            for mod in lowered
+        ]
+        assert peaks[0] == peaks[1]
+
+
 def _update(kernel, arrays):
     func = kernel.with_attr("global_symbol", "update")
     ex = tvm.compile(tvm.IRModule({"update": func}), "llvm")

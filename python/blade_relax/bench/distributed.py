@@ -6,7 +6,10 @@ free local port). Every process builds the same Llama (the bench's ``small`` siz
 overridden, seeded weights, imported with a dynamic batch axis up to the global batch) and the
 same global batches: ``--rows`` rows per rank (default 2), token ids as labels, one batch per
 entry of the bench's length trace (:mod:`.trace`, ``--trace-len`` entries). Each process then
-runs three loops on those batches, one after the other: blade_relax
+runs three loops on those batches, one after the other, each after one warm-up step on the
+trace's first batch that is not recorded (PyTorch's AdamW makes its state at its first step,
+ours exists from the start: from the second step on every run holds what a long run holds):
+blade_relax
 (:class:`~blade_relax.training.data_parallel.DataParallelTrainer`), ``torch-ddp`` and
 ``torch-fsdp2`` (:func:`~blade_relax.training.torch_data_parallel.torch_data_parallel_fit`),
 AdamW for all. Per length it reports the per-rank full-step peak (the largest over the ranks),
@@ -149,13 +152,19 @@ def _bench_rank(rank: int, world: int, sizes: ModelSizes, rows: int, lengths: li
 
     graph = _graph(sizes, rows * world)
     batches = _batches(graph, rows * world, lengths)
+    # One warm-up step first, on the trace's first batch, not recorded: PyTorch's AdamW makes
+    # its state at its first step (ours exists from the start), so only from the second step
+    # on does every run hold what it holds in a long run.
+    warmed = batches[:1] + batches
     local_rows = np.subtract(*owned_rows(rows * world, world, rank)[::-1])
     trainer = DataParallelTrainer(graph, AdamW(lr=LR))
-    ours = trainer.fit(batches, progress=False)
+    ours = trainer.fit(warmed, progress=False)
     predicted = [trainer.predicted_peak({"b": int(local_rows), "s": s}) for s in lengths]
     runs = [ours] + [
-        torch_data_parallel_fit(graph, AdamW(lr=LR), batches, mode=m) for m in ("ddp", "fsdp2")
+        torch_data_parallel_fit(graph, AdamW(lr=LR), warmed, mode=m) for m in ("ddp", "fsdp2")
     ]
+    for history in runs:
+        history.records = history.records[1:]
     return {"histories": [h.as_dict() for h in runs], "predicted": predicted}
 
 
