@@ -23,7 +23,7 @@ from blade_relax.frontend import (
     import_training_step,
 )
 from blade_relax.frontend.imported import SIZE_OPTIONS
-from blade_relax.pipeline import stock_pipeline
+from blade_relax.pipeline import lower_to_memory_stage, stock_pipeline
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -277,6 +277,15 @@ def test_inference_graph_matches_logits(make):
     results = run(graph, [6, 29])
     assert_matches(results, 1)
     assert results[1][0][0].shape == (1, 29, 96)
+
+
+def test_a_batch_of_at_most_two_is_one_symbol():
+    # The example batch is then the Dim's maximum, and torch.export gives the labels' batch a
+    # symbol of its own: the import makes it the one ``b``, so the loss's broadcasts lower.
+    graph = import_training_step(tiny_llama(), max_seq_len=MAX_LEN, max_batch_size=2)
+    batch = [p.ty.shape.values[0] for p in graph.main.params[:2]]
+    assert batch[0].same_as(batch[1]) and batch[0].name == "b"
+    lower_to_memory_stage(graph.mod, "llvm")
 
 
 def test_symbolic_batch_and_length():

@@ -337,6 +337,10 @@ def _rename_dims(
     """Rename the torch symbols (``s27``) of the inputs' dynamic axes to the ``Dim`` names."""
     renames: dict[Any, tvm.tirx.Var] = {}
     old_to_new: dict[str, str] = {}
+    # One variable per Dim: torch.export may give two inputs that share a Dim two symbols
+    # (the batch axis of input_ids and labels when the example batch is the Dim's maximum);
+    # the Dim says they are equal, and a broadcast between them needs one symbol to check.
+    by_dim: dict[str, tvm.tirx.Var] = {}
     for param in func.params[:num_input]:
         values = param.ty.shape.values
         for axis, dim in dynamic_axes.items():
@@ -344,8 +348,12 @@ def _rename_dims(
             if isinstance(var, tvm.tirx.Var) and var.name not in old_to_new:
                 new_name = dim.__name__
                 old_to_new[var.name] = new_name
-                if var.name != new_name:
-                    renames[var] = tvm.tirx.Var(new_name, "int64")
+                if var.name == new_name and new_name not in by_dim:
+                    by_dim[new_name] = var
+                    continue
+                target = by_dim.setdefault(new_name, tvm.tirx.Var(new_name, "int64"))
+                if not target.same_as(var):
+                    renames[var] = target
     if renames:
         func = func.bind_symbolic_vars(renames)
     for key in (UPPER_BOUND_ATTR, LOWER_BOUND_ATTR):
