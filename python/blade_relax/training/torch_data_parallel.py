@@ -35,7 +35,6 @@ sees each resize as the allocation or the release it is.
 from __future__ import annotations
 
 import contextlib
-import copy
 import gc
 import time
 from collections.abc import Iterable, Iterator
@@ -47,7 +46,7 @@ from ..contract import owned_rows
 from ..frontend.imported import ImportedGraph
 from .data_parallel import rank_weights
 from .optimizers import InPlaceOptimizer
-from .torch_loop import torch_optimizer
+from .torch_loop import model_copy, torch_optimizer
 from .trainer import History, StepRecord, as_batch, check_batch
 
 __all__ = ["MODES", "torch_data_parallel_fit"]
@@ -58,17 +57,9 @@ MODES = {"ddp": "torch-ddp", "fsdp2": "torch-fsdp2"}
 
 def _model_copy(graph: ImportedGraph) -> Any:
     """A copy of the graph's torch module holding ``graph.params``."""
-    import torch
-
     if graph.torch_module is None or graph.torch_params is None:
         raise ValueError("the graph was not imported from torch: there is no torch loop to run")
-    memo: dict[int, Any] = {}
-    module = copy.deepcopy(graph.torch_module, memo)
-    params = [memo.get(id(p), p) for p in graph.torch_params]
-    with torch.no_grad():
-        for p, value in zip(params, graph.params):
-            p.copy_(torch.from_numpy(np.asarray(value)))
-    return module
+    return model_copy(graph)[0]
 
 
 def _local(tensor: Any) -> Any:

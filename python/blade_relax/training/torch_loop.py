@@ -29,7 +29,7 @@ from ..frontend.imported import ImportedGraph
 from .optimizers import SGD, AdamW, InPlaceOptimizer
 from .trainer import History, StepRecord, as_batch, check_batch
 
-__all__ = ["torch_fit", "torch_optimizer"]
+__all__ = ["model_copy", "torch_fit", "torch_optimizer"]
 
 
 def torch_optimizer(optimizer: InPlaceOptimizer, params: list[Any]) -> Any:
@@ -57,6 +57,20 @@ def torch_optimizer(optimizer: InPlaceOptimizer, params: list[Any]) -> Any:
             foreach=False,
         )
     raise TypeError(f"no torch counterpart for {type(optimizer).__name__}")
+
+
+def model_copy(graph: ImportedGraph) -> tuple[Any, list[Any]]:
+    """A copy of ``graph``'s torch module holding ``graph.params``, and its parameters in the
+    graph's order (the loops train the copy: the graph's module stays as imported)."""
+    import torch
+
+    memo: dict[int, Any] = {}
+    module = copy.deepcopy(graph.torch_module, memo)
+    params = [memo.get(id(p), p) for p in graph.torch_params]
+    with torch.no_grad():
+        for p, value in zip(params, graph.params):
+            p.copy_(torch.from_numpy(np.asarray(value)))
+    return module, params
 
 
 def _state_bytes(opt: Any) -> int:
@@ -112,12 +126,7 @@ def torch_fit(
         raise ValueError("the graph was not imported from torch: there is no torch loop to run")
     if checkpointing:
         checkpointing_model(graph.torch_module)  # raises before anything is copied
-    memo: dict[int, Any] = {}
-    module = copy.deepcopy(graph.torch_module, memo)
-    params = [memo.get(id(p), p) for p in graph.torch_params]
-    with torch.no_grad():
-        for p, value in zip(params, graph.params):
-            p.copy_(torch.from_numpy(np.asarray(value)))
+    module, params = model_copy(graph)
     opt = torch_optimizer(optimizer, params)
     step_fn = torch.compile(module, dynamic=True) if compile else module
     # Frozen parameters (a LoRA model's base weights) are held too, as in blade_relax's step.

@@ -429,35 +429,23 @@ class Trainer:
 
     def predicted_peak(self, dims: Mapping[str, int]) -> int:
         """The full step's peak at ``dims`` (e.g. ``{"b": 2, "s": 57}``), predicted without
-        running a kernel: the persistent bytes plus the peak of the symbolic timeline of the
-        step lowered to the memory stage (:func:`blade_relax.pipeline.lower_to_memory_stage`,
-        the default pipeline's passes), the figure :meth:`step` measures.
+        running a kernel (:func:`~.step_peak.predicted_step_peak`: the bytes held across
+        steps plus the peak of the step's symbolic timeline, the default pipeline's passes),
+        the figure :meth:`step` measures.
 
         Raises
         ------
         ValueError
             With a pipeline of the caller's (its passes are unknown here).
         """
-        import dataclasses
-
-        from ..analysis import memory_timeline
-        from ..pipeline import PipelineFlags, lower_to_memory_stage
-        from ..transform import version_for
+        from .step_peak import lower_step, predicted_step_peak
 
         if self.pipeline is not None:
             raise ValueError("predicted_peak reads the default pipeline; this trainer has its own")
         lowered = self.__dict__.get("_memory_stage")
         if lowered is None:
-            flags = PipelineFlags()
-            keywords = {f.name: getattr(flags, f.name) for f in dataclasses.fields(flags)}
-            keywords["check_dims"] = False  # its assertions allocate nothing
-            lowered = lower_to_memory_stage(self.step_ir.mod, self.target, **keywords)
-            self._memory_stage = lowered
-        func = lowered[version_for(lowered, "main", dims)]
-        timeline = memory_timeline(func, mod=lowered, target=self.target)
-        known = set(timeline.graph.dims)
-        peak = timeline.evaluate({k: v for k, v in dims.items() if k in known}).peak
-        return self.persistent_bytes + int(peak)
+            lowered = self._memory_stage = lower_step(self.step_ir, self.target)
+        return predicted_step_peak(self.step_ir, dims, self.target, lowered=lowered)
 
     # ------------------------------------------------------------------ steps
     def parameters(self) -> list[np.ndarray]:
