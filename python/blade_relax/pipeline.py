@@ -24,6 +24,10 @@ Where each pass runs, and why there:
   taken on TVM's kernels, so no peak rises (see dispatch_gemm.py). On CUDA targets
   ``MarkGemmKernels`` runs before dlight's ``ApplyDefaultSchedule`` in the ``legalize`` phase,
   so that the scheduled GEMM kernels are still known as GEMMs (cuBLAS through ATen).
+* ``BindElementwiseKernels`` runs on GPU targets in every pipeline (the stock one too), right
+  before dlight's ``ApplyDefaultSchedule``: it binds the in-place update kernels of the
+  in-graph optimizers to GPU threads, which no dlight rule can (a block that reads and writes
+  one buffer); it touches no other kernel.
 * ``ExpandMathIntrinsics`` (off by default; ``expand_math=True``, llvm targets naming their CPU)
   follows ``DispatchGemm``: it rewrites expressions inside kernels only (``exp`` and its kin
   become arithmetic LLVM vectorizes), so no memory decision and no pass's view of a kernel's
@@ -418,6 +422,12 @@ def _phases(
     fused += after_fusion
     finalize, vm_lower = finalize_phases(target, flags, plan_memory)
     legalize = list(phases.legalize_passes(target))
+    if not cpu:
+        # Every pipeline, the stock one too: no GPU schedule of TVM binds the optimizers'
+        # in-place update kernels (see bind_elementwise_kernels.py); other kernels are untouched.
+        names = [p.info.name for p in legalize]
+        at = names.index("ApplyDefaultSchedule") if "ApplyDefaultSchedule" in names else len(names)
+        legalize.insert(at, _ours("BindElementwiseKernels"))
     if flags.dispatch_gemm and not cpu:
         # Before dlight schedules the kernels, while a GEMM still reads as one (see
         # mark_gemm_kernels.py); at the end when the phase has no dlight.

@@ -47,6 +47,9 @@ Function attributes:
 * :data:`GEMM_KERNEL_ATTR`: on a kernel that is a GEMM, what ``MarkGemmKernels`` recognized
   before a GPU schedule rewrote it (``"<layout>:<rank a>,<rank b>,<rank c>:<dtype>:<buffer
   positions>"``), for ``DispatchGemm`` after planning.
+* :data:`ELEMENTWISE_KERNEL_ATTR`: on a kernel whose one block updates buffers in place, each
+  iteration reading and writing only its own elements (the optimizers' update kernels);
+  ``BindElementwiseKernels`` gives such a kernel its GPU threads, which dlight cannot.
 * :data:`SOFTMAX_KERNEL_ATTR`: on a kernel that ``VectorizeSoftmax`` rewrote, the axis of the
   softmax it computes (its body no longer reads as topi's softmax); ``RecomputeCheapValues``
   recognizes attention probabilities by it.
@@ -99,6 +102,7 @@ __all__ = [
     "EVICT",
     "GATHER_PARAMETER",
     "GEMM_FUNCS",
+    "ELEMENTWISE_KERNEL_ATTR",
     "GEMM_KERNEL_ATTR",
     "GEMM_LAYOUTS",
     "CUDA_GRAPH_ALLOC",
@@ -146,6 +150,7 @@ COLLECTIVE_FUNCS = frozenset({REDUCE_GRADIENT, GATHER_PARAMETER})
 # --------------------------------------------------------------------- function attributes
 #: A GEMM kernel's recognized form, kept through a GPU schedule (see the list above).
 GEMM_KERNEL_ATTR = "blade_relax.gemm_kernel"
+ELEMENTWISE_KERNEL_ATTR = "blade_relax.elementwise_inplace"
 SOFTMAX_KERNEL_ATTR = "blade_relax.softmax_axis"
 REMAT_META_ATTR = "blade_relax.remat"
 REMAT_REGEN_ATTR = "blade_relax.remat_regen"

@@ -41,7 +41,8 @@ __all__ = ["DataParallelTrainer", "init_from_environment", "rank_weights"]
 def init_from_environment(backend: str = "gloo") -> tuple[int, int]:
     """Join the process group that torchrun's environment describes (``RANK``,
     ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), unless one exists; ``(rank,
-    world_size)``."""
+    world_size)``. Under ``"nccl"`` the rank's CUDA device is ``LOCAL_RANK`` (default 0)."""
+    import torch
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -53,6 +54,8 @@ def init_from_environment(backend: str = "gloo") -> tuple[int, int]:
                 f"no process group and no torchrun environment (missing {', '.join(missing)}): "
                 "launch with torchrun or `blade-relax train --nproc N`"
             )
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend)
     return dist.get_rank(), dist.get_world_size()
 
@@ -89,6 +92,17 @@ def rank_weights(
     return [c / total for c in counts]
 
 
+def _group_device() -> Any:
+    """Where the default process group's own tensors must live: NCCL reduces CUDA tensors only
+    (the current device's), gloo CPU tensors."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class DataParallelTrainer(Trainer):
     """A :class:`~.trainer.Trainer` for one rank of a data-parallel run (see the module
     docstring); the parameters take rank 0's values when it is made.
@@ -118,6 +132,14 @@ class DataParallelTrainer(Trainer):
         for param in self.params:  # every rank starts from rank 0's parameters
             dist.broadcast(torch.from_dlpack(param), src=0)
 
+    def _device_index(self) -> int:
+        """Under NCCL, the rank's current CUDA device (``torch.cuda.set_device``, which
+        :func:`init_from_environment` makes ``LOCAL_RANK``); 0 otherwise."""
+        import torch
+        import torch.distributed as dist
+
+        return torch.cuda.current_device() if dist.get_backend() == "nccl" else 0
+
     def _sharding(self) -> ZeroSharding:
         import torch.distributed as dist
 
@@ -143,7 +165,7 @@ class DataParallelTrainer(Trainer):
         local, weight = self.local_batch(batch)
         dims = check_batch(self.graph, local)
         record = self._run(local, dims, [weight, self.shard_rank], budget)
-        loss = torch.tensor([record.loss * weight], dtype=torch.float64)
+        loss = torch.tensor([record.loss * weight], dtype=torch.float64, device=_group_device())
         dist.all_reduce(loss)
         return dataclasses.replace(record, loss=float(loss[0]))
 
@@ -157,9 +179,11 @@ class DataParallelTrainer(Trainer):
         trainable = self.graph.params[: self.graph.num_trainable]
         n_state = len(self.optimizer.state_names)
         out = []
+        device = _group_device()
         for i, block in enumerate(self.state()):
-            blocks = [torch.empty_like(torch.from_numpy(block)) for _ in range(self.world_size)]
-            dist.all_gather(blocks, torch.from_numpy(block))
+            mine = torch.from_numpy(block).to(device)
+            blocks = [torch.empty_like(mine) for _ in range(self.world_size)]
+            dist.all_gather(blocks, mine)
             shape = np.asarray(trainable[i // n_state]).shape
-            out.append(sharding.unshard([b.numpy() for b in blocks], shape))
+            out.append(sharding.unshard([b.cpu().numpy() for b in blocks], shape))
         return out

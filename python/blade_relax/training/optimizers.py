@@ -36,6 +36,8 @@ import tvm
 from tvm import relax
 from tvm.relax.training.optimizer import Optimizer
 
+from ..contract import ELEMENTWISE_KERNEL_ATTR
+
 __all__ = ["SGD", "AdamW", "InPlaceOptimizer", "update_kernel"]
 
 _FLOAT_DTYPES = ("float32", "float16", "bfloat16")
@@ -398,7 +400,7 @@ def update_kernel(
         "# from tvm.script import tirx as T",
         "@T.prim_func(private=True, s_tir=True)",
         f"def {rule.name}_{'shard_' if sharded else ''}update({handles}):",
-        '    T.func_attr({"tir.noalias": True, "op_pattern": 8})',
+        f'    T.func_attr({{"tir.noalias": True, "op_pattern": 8, "{ELEMENTWISE_KERNEL_ATTR}": True}})',
     ]
     lines += [f"    {d} = T.int64()" for d in [*dims, *(["k"] if sharded else [])]]
     for b in buffers:

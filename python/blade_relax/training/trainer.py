@@ -389,7 +389,7 @@ class Trainer:
         self.optimizer = self.step_ir.optimizer
         self.target = as_target(target)
         self.pipeline = pipeline
-        self.device = device_for_target(self.target)
+        self.device = device_for_target(self.target, self._device_index())
         self.executable: Any = None
         self.workspaces: dict[str, Any] = {}
         self.compilations = 0
@@ -404,6 +404,10 @@ class Trainer:
         self.persistent_bytes = int(
             sum(a.nbytes for a in params) + sum(a.nbytes for a in states) + scalar_bytes
         )
+
+    def _device_index(self) -> int:
+        """The ordinal of the GPU to run on, for GPU targets (the first)."""
+        return 0
 
     def _sharding(self) -> ZeroSharding | None:
         """How the optimizer state is sharded (none: one process holds it all)."""

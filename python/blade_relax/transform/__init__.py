@@ -2,6 +2,7 @@
 ``last_result`` says what its last run changed (:class:`PassResult`)."""
 
 from ._warn import PassFallbackWarning, warn_fallback
+from .bind_elementwise_kernels import BindElementwiseKernels, BindElementwiseOptions
 from .check_dim_ranges import CheckDimRanges, DimRangeOptions
 from .clone_generated_tensors import CloneGeneratedTensors, CloneOptions
 from .dispatch import version_for
@@ -42,6 +43,8 @@ __all__ = [
     "GemmOptions",
     "InlineKernelIntermediates",
     "InlineOptions",
+    "BindElementwiseKernels",
+    "BindElementwiseOptions",
     "MarkGemmKernels",
     "MathOptions",
     "MemoryAwareSchedule",
