@@ -11,9 +11,9 @@ import pytest
 import tvm
 
 import blade_relax
-from blade_relax.pipeline import lower_to_memory_stage
 from blade_relax.bench.workloads import ModelSizes, llama_model
 from blade_relax.frontend.hf import import_training_step
+from blade_relax.pipeline import lower_to_memory_stage
 from blade_relax.runtime.devices import configure_cuda_compiler
 from blade_relax.training import AdamW, ZeroSharding, build_training_step, torch_fit
 
