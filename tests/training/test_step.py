@@ -274,3 +274,85 @@ def test_unmergeable_graph_gives_a_well_formed_step(graph):
         warnings.simplefilter("ignore", PassFallbackWarning)
         fallback = build_training_step(impure, _adamw())
     assert relax.analysis.check_well_formed(fallback.mod)
+
+
+# ------------------------------------------------------------------- where the updates stand
+
+
+def _update_positions(func: relax.Function) -> dict[str, int]:
+    """Parameter name -> position of its in-place update among the step's bindings."""
+    bindings = [b for block in func.body.blocks for b in block.bindings]
+    return {
+        b.value.args[1].fields[0].name: i
+        for i, b in enumerate(bindings)
+        if isinstance(b.value, relax.Call) and b.value.op.same_as(CALL_TIR_INPLACE)
+    }
+
+
+def test_each_update_follows_its_gradient_and_its_parameters_last_reader(graph):
+    """Each update stands right after the later of its gradient's binding and the last binding
+    that reads its parameter (directly or through a value sharing its memory), not at the end:
+    each gradient dies as soon as it is applied."""
+    from blade_relax.training.step import update_points
+
+    step = build_training_step(graph, _adamw())
+    func = step.mod["main"]
+    bindings = [b for block in func.body.blocks for b in block.bindings]
+    position = {b.var: i for i, b in enumerate(bindings)}
+    updates = _update_positions(func)
+    assert len(updates) == graph.num_trainable
+    n_in = len(graph.input_names)
+    params = list(graph.main.params[n_in : n_in + graph.num_trainable])
+    for param in params:
+        at = updates[param.name]
+        readers = [
+            i
+            for i, b in enumerate(bindings)
+            if i != at and param in relax.analysis.free_vars(b.value)
+        ]
+        grad = bindings[at].value.args[1].fields[1]
+        # The update reads the gradient after its binding and writes the parameter after every
+        # other reader: nothing reads the parameter later.
+        assert position[grad] < at and all(i < at for i in readers), param.name
+        # Immediately after the later of the two (the other updates placed there aside).
+        latest = max([position[grad], *readers])
+        between = bindings[latest + 1 : at]
+        assert all(isinstance(b.value, relax.Call) for b in between)
+        assert all(b.value.op.same_as(CALL_TIR_INPLACE) for b in between), param.name
+    # Not all at the end: the first update runs before the last gradient exists.
+    last_grad = max(position[bindings[at].value.args[1].fields[1]] for at in updates.values())
+    assert min(updates.values()) < last_grad
+    # The graph's own bindings, less its result tuple, in their order.
+    graph_bindings = [b for block in graph.main.body.blocks for b in block.bindings][:-1]
+    points = update_points(graph_bindings, params, [b for b in _result(graph)[1:]])
+    assert sorted(points) != [len(graph_bindings) - 1] * len(points)
+
+
+def _result(graph) -> list[relax.Expr]:
+    from blade_relax.training.step import _result_fields
+
+    return _result_fields(graph.main)
+
+
+def test_a_view_of_a_parameter_read_late_holds_its_update_back():
+    """``v = reshape(w)`` read after ``w``'s gradient exists: the update (which writes ``w``'s
+    memory, which ``v`` shares) waits for that last read."""
+    from blade_relax.training.step import update_points
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4,), "float32"))
+    w = relax.Var("w", relax.TensorType((4,), "float32"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            v = bb.emit(relax.op.reshape(w, (2, 2)))  # 0: a view of w
+            g = bb.emit(relax.op.multiply(x, x))  # 1: the gradient
+            t = bb.emit(relax.Tuple([v, x]))  # 2: a tuple holding the view
+            item = bb.emit(relax.TupleGetItem(t, 0))  # 3: an item of it
+            late = bb.emit(relax.op.sum(item))  # 4: the last read of w's memory
+            out = bb.emit_output(relax.Tuple([late, g]))
+        bb.emit_func_output(out)
+    func = bb.get()["main"]
+    bindings = [b for block in func.body.blocks for b in block.bindings][:-1]
+    assert update_points(bindings, [w], [g]) == [4]
+    # Without the late read, right after the gradient.
+    assert update_points(bindings[:2], [w], [g]) == [1]

@@ -122,15 +122,9 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 3600) -> 
 
 
 def _graph(sizes: ModelSizes, rows: int) -> Any:
-    from ..frontend.hf import import_training_step
-    from .workloads import llama_model
+    from .workloads import import_sized, llama_model
 
-    return import_training_step(
-        llama_model(sizes, seed=0),
-        max_seq_len=sizes.max_seq_len,
-        min_seq_len=sizes.min_seq_len,
-        max_batch_size=rows,
-    )
+    return import_sized(llama_model(sizes, seed=0), sizes, max_batch_size=rows)
 
 
 def _batches(graph: Any, rows: int, lengths: Sequence[int]) -> list[dict[str, np.ndarray]]:

@@ -64,6 +64,7 @@ __all__ = [
     "Workload",
     "build_workload",
     "gpt2_model",
+    "import_sized",
     "llama_model",
     "lora_model",
     "workload_sizes",
@@ -303,35 +304,38 @@ def gpt2_model(
         return GPT2LMHeadModel(config).to(dtype)
 
 
-def _llama_train(sizes: ModelSizes, seed: int, weights: str = "random") -> ImportedGraph:
-    return import_training_step(
-        llama_model(sizes, seed=seed, weights=weights),
-        max_seq_len=sizes.max_seq_len,
-        min_seq_len=sizes.min_seq_len,
-        batch_size=sizes.batch,
-        autocast=sizes.autocast,
-    )
+def import_sized(model: Any, sizes: ModelSizes, **batch: Any) -> ImportedGraph:
+    """``model``'s training step (:func:`~blade_relax.frontend.hf.import_training_step`) over
+    the lengths of ``sizes`` (``min_seq_len`` to ``max_seq_len``) under its ``autocast``.
 
-
-def _gpt2_train(sizes: ModelSizes, seed: int, weights: str = "random") -> ImportedGraph:
-    return import_training_step(
-        gpt2_model(sizes, seed=seed, weights=weights),
-        max_seq_len=sizes.max_seq_len,
-        min_seq_len=sizes.min_seq_len,
-        batch_size=sizes.batch,
-        autocast=sizes.autocast,
-    )
-
-
-def _sft_import(model: Any, sizes: ModelSizes) -> ImportedGraph:
+    ``batch`` are the import's keywords about the batch (``batch_size``, ``max_batch_size`` for
+    a dynamic batch axis, ``attention_mask``): every workload, the data-parallel benchmark and
+    ``train --nproc`` import through this one function.
+    """
     return import_training_step(
         model,
         max_seq_len=sizes.max_seq_len,
         min_seq_len=sizes.min_seq_len,
-        batch_size=sizes.batch,
-        max_batch_size=sizes.batch,
-        attention_mask=True,
         autocast=sizes.autocast,
+        **batch,
+    )
+
+
+def _llama_train(sizes: ModelSizes, seed: int, weights: str = "random") -> ImportedGraph:
+    return import_sized(
+        llama_model(sizes, seed=seed, weights=weights), sizes, batch_size=sizes.batch
+    )
+
+
+def _gpt2_train(sizes: ModelSizes, seed: int, weights: str = "random") -> ImportedGraph:
+    return import_sized(
+        gpt2_model(sizes, seed=seed, weights=weights), sizes, batch_size=sizes.batch
+    )
+
+
+def _sft_import(model: Any, sizes: ModelSizes) -> ImportedGraph:
+    return import_sized(
+        model, sizes, batch_size=sizes.batch, max_batch_size=sizes.batch, attention_mask=True
     )
 
 

@@ -64,19 +64,12 @@ def _launch(args: argparse.Namespace) -> int:
 
 def _graph(args: argparse.Namespace, sizes: Any, workload: str) -> Any:
     """The model's training graph, with a dynamic batch axis (a rank runs its rows)."""
-    from ..bench.workloads import build_workload, gpt2_model, llama_model
-    from ..frontend.hf import import_training_step
+    from ..bench.workloads import build_workload, gpt2_model, import_sized, llama_model
 
     if workload not in ("llama-train", "gpt2-train"):
         return build_workload(workload, sizes, seed=args.seed).graph  # batches already dynamic
     model = (llama_model if workload == "llama-train" else gpt2_model)(sizes, seed=args.seed)
-    return import_training_step(
-        model,
-        max_seq_len=sizes.max_seq_len,
-        min_seq_len=sizes.min_seq_len,
-        max_batch_size=sizes.batch,
-        autocast=sizes.autocast,
-    )
+    return import_sized(model, sizes, max_batch_size=sizes.batch)
 
 
 def _run_rank(args: argparse.Namespace, sizes: Any, workload: str, optimizer: Any) -> int:
@@ -96,7 +89,8 @@ def _run_rank(args: argparse.Namespace, sizes: Any, workload: str, optimizer: An
         trainer.compile()
         history = trainer.fit(batches, args.steps, progress=rank == 0 and not args.no_progress)
         predicted = [
-            trainer.predicted_peak(check_local(trainer, batch)) for batch in batches[: args.steps]
+            trainer.predicted_peak(trainer.local_batch(batch).dims)
+            for batch in batches[: args.steps]
         ]
         peaks = [(r.peak_bytes, p) for r, p in zip(history.records, predicted)]
         gathered: list[Any] = [None] * world
@@ -108,14 +102,6 @@ def _run_rank(args: argparse.Namespace, sizes: Any, workload: str, optimizer: An
         return _report(args, history, reference, gathered, trace, sizes)
     finally:
         dist.destroy_process_group()
-
-
-def check_local(trainer: Any, batch: Any) -> dict[str, int]:
-    """The dims of this rank's rows of ``batch``."""
-    from ..training import check_batch
-
-    local, _weight = trainer.local_batch(batch)
-    return check_batch(trainer.graph, local)
 
 
 def _report(

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import tvm
@@ -35,7 +35,7 @@ from ..contract import owned_rows
 from .sharding import ZeroSharding
 from .trainer import IGNORE_INDEX, StepRecord, Trainer, as_batch, check_batch
 
-__all__ = ["DataParallelTrainer", "init_from_environment", "rank_weights"]
+__all__ = ["DataParallelTrainer", "LocalBatch", "init_from_environment", "rank_weights"]
 
 
 def init_from_environment(backend: str = "gloo") -> tuple[int, int]:
@@ -92,6 +92,17 @@ def rank_weights(
     return [c / total for c in counts]
 
 
+class LocalBatch(NamedTuple):
+    """One rank's part of a global batch (:meth:`DataParallelTrainer.local_batch`)."""
+
+    #: The rank's rows of each input, in the graph's input order.
+    arrays: list[np.ndarray]
+    #: Their dims (``{"b": rows, "s": length}``).
+    dims: dict[str, int]
+    #: The rank's share of the batch's loss (:func:`rank_weights`).
+    weight: float
+
+
 def _group_device() -> Any:
     """Where the default process group's own tensors must live: NCCL reduces CUDA tensors only
     (the current device's), gloo CPU tensors."""
@@ -145,14 +156,15 @@ class DataParallelTrainer(Trainer):
 
         return ZeroSharding(dist.get_world_size())
 
-    def local_batch(self, batch: Any) -> tuple[list[np.ndarray], float]:
-        """This rank's rows of the global ``batch`` (checked first) and its share of the
-        loss."""
+    def local_batch(self, batch: Any) -> LocalBatch:
+        """This rank's rows of the global ``batch`` (checked first), their dims and the rank's
+        share of the loss."""
         arrays = as_batch(self.graph, batch)
         check_batch(self.graph, arrays)
         weights = rank_weights(self.graph.input_names, arrays, self.world_size)
         start, stop = owned_rows(int(arrays[0].shape[0]), self.world_size, self.rank)
-        return [np.ascontiguousarray(a[start:stop]) for a in arrays], weights[self.rank]
+        local = [np.ascontiguousarray(a[start:stop]) for a in arrays]
+        return LocalBatch(local, check_batch(self.graph, local), weights[self.rank])
 
     def step(self, batch: Any, budget: int | float | None = None) -> StepRecord:
         """Run one step on this rank's rows of the global ``batch``; the record's loss is the
@@ -162,10 +174,11 @@ class DataParallelTrainer(Trainer):
         import torch
         import torch.distributed as dist
 
-        local, weight = self.local_batch(batch)
-        dims = check_batch(self.graph, local)
-        record = self._run(local, dims, [weight, self.shard_rank], budget)
-        loss = torch.tensor([record.loss * weight], dtype=torch.float64, device=_group_device())
+        local = self.local_batch(batch)
+        record = self._run(local.arrays, local.dims, [local.weight, self.shard_rank], budget)
+        loss = torch.tensor(
+            [record.loss * local.weight], dtype=torch.float64, device=_group_device()
+        )
         dist.all_reduce(loss)
         return dataclasses.replace(record, loss=float(loss[0]))
 

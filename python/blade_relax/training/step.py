@@ -8,11 +8,12 @@
 
 where each trainable parameter and its optimizer state are updated in place (``call_tir_inplace`` of the
 optimizer's kernel: the returned tensors *are* the caller's buffers) and ``scalars`` carries the
-per-step hyperparameters (:meth:`InPlaceOptimizer.scalars`). The updates are appended to the
-dataflow block that computes the gradients, so ``MemoryAwareSchedule`` can move each one next to
-the kernel that produces its gradient, after the last reader of the parameter: the gradient dies
-as soon as it is applied, and the step's peak is the forward/backward peak plus about one
-gradient, not plus all of them. Frozen parameters (``ImportedGraph.num_frozen``: a LoRA model's
+per-step hyperparameters (:meth:`InPlaceOptimizer.scalars`). Each update joins the dataflow
+block that computes the gradients right where it may first run (:func:`update_points`): after
+the binding that produces its gradient and after the last reader of its parameter. The gradient
+dies as soon as it is applied, and the step's peak is the forward/backward peak plus about one
+gradient, not plus all of them. (Left at the end of the block, no schedule the memory-aware
+search tried moved them there: it kept every gradient of a 32-layer step alive at once.) Frozen parameters (``ImportedGraph.num_frozen``: a LoRA model's
 base weights) are read where they are, never copied, and have no state and no update.
 
 Where it works: the gradients are computed in dataflow blocks (and pure binding blocks, merged
@@ -38,7 +39,7 @@ from ..transform import warn_fallback
 from .optimizers import InPlaceOptimizer
 from .sharding import ZeroSharding
 
-__all__ = ["TrainingStep", "build_training_step"]
+__all__ = ["TrainingStep", "build_training_step", "update_points"]
 
 
 @dataclass
@@ -108,6 +109,18 @@ def _result_fields(func: relax.Function) -> list[relax.Expr]:
     if not isinstance(ty, relax.TupleType):
         raise ValueError("a training graph returns a tuple (loss, *gradients)")
     return [relax.TupleGetItem(ret, i) for i in range(len(ty.fields))]
+
+
+def _graph_bindings(func: relax.Function) -> list[relax.Binding]:
+    """The bindings of ``func``'s blocks, but for the one that builds the result tuple (the
+    step reads its fields, and returns a tuple of its own)."""
+    ret = func.body.body
+    return [
+        b
+        for block in func.body.blocks
+        for b in block.bindings
+        if not (b.var.same_as(ret) and isinstance(b.value, relax.Tuple))
+    ]
 
 
 def _mergeable(func: relax.Function) -> str | None:
@@ -197,13 +210,17 @@ def build_training_step(
             )
             fields = _emit_blocks(bb, func, fields)
         with bb.dataflow():
-            if why is None:  # one block: each update can move next to its gradient
-                for block in func.body.blocks:
-                    for binding in block.bindings:
-                        bb.emit_normalized(binding)
-            loss, new_params, new_states = _emit_updates(
-                bb, optimizer, fields, params, state_vars, scalars, shard_args
-            )
+            if why is None:  # one block: each update runs as soon as it may
+                bindings = _graph_bindings(func)
+                points = update_points(bindings, params, fields[1:])
+            else:  # after the blocks, all of them
+                bindings, points = [], [-1] * len(params)
+            updates = _UpdateEmitter(bb, optimizer, fields, params, state_vars, scalars, shard_args)
+            updates.emit([k for k, point in enumerate(points) if point < 0])
+            for j, binding in enumerate(bindings):
+                bb.emit_normalized(binding)
+                updates.emit([k for k, point in enumerate(points) if point == j])
+            loss, new_params, new_states = updates.results()
             out = bb.emit_output(relax.Tuple([loss, *new_params, *new_states]))
         bb.emit_func_output(out)
     mod = bb.get()
@@ -253,30 +270,109 @@ def _emit_blocks(
     return fields
 
 
-def _emit_updates(
-    bb: relax.BlockBuilder,
-    optimizer: InPlaceOptimizer,
-    fields: Sequence[relax.Expr],
+def update_points(
+    bindings: Sequence[relax.Binding],
     params: Sequence[relax.Var],
-    state_vars: Sequence[relax.Var],
-    scalars: relax.Var,
-    shard_args: Sequence[relax.Var] = (),
-) -> tuple[relax.Expr, list[relax.Var], list[relax.Var]]:
-    n_state = len(optimizer.state_names)
-    new_params: list[relax.Var] = []
-    new_states: list[relax.Var] = []
-    for i, (param, grad) in enumerate(zip(params, fields[1:])):
-        states = list(state_vars[i * n_state : (i + 1) * n_state])
-        name = _identifier(param.name)
-        if shard_args:
-            new_p, new_s = _emit_sharded_update(
-                bb, optimizer, param, grad, states, scalars, shard_args, name
+    grads: Sequence[relax.Expr],
+) -> list[int]:
+    """Per trainable parameter, the index of the binding after which its update may run first
+    (``-1``: before the first binding).
+
+    That is after the binding that computes its gradient and after the last reader of the
+    parameter, of the gradient, and of every value that may share the memory of either (an
+    alias, a view, a tuple holding it, an item of such a tuple, as
+    :func:`blade_relax.analysis.effects.classify` tells): the update writes the parameter in
+    place, and a sharded step's reduction writes the gradient. Placed there, a gradient dies
+    as soon as it is applied, as with PyTorch's optimizer-in-backward hooks, instead of every
+    gradient living until the end of the backward pass. ``MemoryAwareSchedule`` may still move
+    an update later; nothing may move it earlier.
+    """
+    from ..analysis.effects import Kind, classify
+
+    sharing = (Kind.ALIAS, Kind.VIEW, Kind.TUPLE, Kind.ITEM)
+    # Per variable, the parameters whose memory (or whose gradient's memory) it may share.
+    shares: dict[relax.Var, frozenset[int]] = {p: frozenset([k]) for k, p in enumerate(params)}
+    grad_of: dict[relax.Var, set[int]] = {}
+    for k, grad in enumerate(grads):
+        if isinstance(grad, relax.Var):
+            grad_of.setdefault(grad, set()).add(k)
+            shares[grad] = shares.get(grad, frozenset()) | {k}
+    points = [-1] * len(params)
+    # A gradient that is not a variable (an item of the graph's result) is read where its
+    # variables are all defined.
+    grad_needs = [
+        [] if isinstance(g, relax.Var) else list(relax.analysis.free_vars(g)) for g in grads
+    ]
+    for j, binding in enumerate(bindings):
+        for k, needs in enumerate(grad_needs):
+            if any(binding.var.same_as(v) for v in needs):
+                points[k] = max(points[k], j)
+        read = [v for v in relax.analysis.free_vars(binding.value) if v in shares]
+        for var in read:
+            for k in shares[var]:
+                points[k] = j
+        for k in grad_of.get(binding.var, ()):
+            points[k] = j
+        inst = classify(binding)
+        if inst.kind in sharing:
+            shared = frozenset().union(
+                *(shares.get(a, frozenset()) for a in inst.args if isinstance(a, relax.Var))
             )
-        else:
-            new_p, new_s = optimizer.emit_update(bb, param, grad, states, scalars, name)
-        new_params.append(new_p)
-        new_states.extend(new_s)
-    return fields[0], new_params, new_states
+            if shared:
+                shares[binding.var] = shares.get(binding.var, frozenset()) | shared
+    return points
+
+
+class _UpdateEmitter:
+    """Emits the update of each trainable parameter when asked, and gathers the results."""
+
+    def __init__(
+        self,
+        bb: relax.BlockBuilder,
+        optimizer: InPlaceOptimizer,
+        fields: Sequence[relax.Expr],
+        params: Sequence[relax.Var],
+        state_vars: Sequence[relax.Var],
+        scalars: relax.Var,
+        shard_args: Sequence[relax.Var] = (),
+    ) -> None:
+        self.bb, self.optimizer, self.fields = bb, optimizer, list(fields)
+        self.params, self.state_vars, self.scalars = list(params), list(state_vars), scalars
+        self.shard_args = list(shard_args)
+        self.new_params: dict[int, relax.Var] = {}
+        self.new_states: dict[int, list[relax.Var]] = {}
+
+    def emit(self, indices: Sequence[int]) -> None:
+        """Emit the updates of the trainable parameters ``indices``, in that order."""
+        n_state = len(self.optimizer.state_names)
+        for k in indices:
+            param, grad = self.params[k], self.fields[1 + k]
+            states = self.state_vars[k * n_state : (k + 1) * n_state]
+            name = _identifier(param.name)
+            if self.shard_args:
+                new_p, new_s = _emit_sharded_update(
+                    self.bb,
+                    self.optimizer,
+                    param,
+                    grad,
+                    states,
+                    self.scalars,
+                    self.shard_args,
+                    name,
+                )
+            else:
+                new_p, new_s = self.optimizer.emit_update(
+                    self.bb, param, grad, states, self.scalars, name
+                )
+            self.new_params[k], self.new_states[k] = new_p, list(new_s)
+
+    def results(self) -> tuple[relax.Expr, list[relax.Var], list[relax.Var]]:
+        """The loss, the updated parameters and the updated states, in argument order (the
+        updates not emitted yet are emitted now)."""
+        self.emit([k for k in range(len(self.params)) if k not in self.new_params])
+        order = range(len(self.params))
+        states = [s for k in order for s in self.new_states[k]]
+        return self.fields[0], [self.new_params[k] for k in order], states
 
 
 def _emit_sharded_update(
