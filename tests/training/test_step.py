@@ -293,9 +293,9 @@ def test_each_update_follows_its_gradient_and_its_parameters_last_reader(graph):
     """Each update stands right after the later of its gradient's binding and the last binding
     that reads its parameter (directly or through a value sharing its memory), not at the end:
     each gradient dies as soon as it is applied."""
-    from blade_relax.training.step import update_points
 
-    step = build_training_step(graph, _adamw())
+    step = build_training_step(graph, _adamw(), updates="early")
+    assert step.updates == "early"
     func = step.mod["main"]
     bindings = [b for block in func.body.blocks for b in block.bindings]
     position = {b.var: i for i, b in enumerate(bindings)}
@@ -322,16 +322,38 @@ def test_each_update_follows_its_gradient_and_its_parameters_last_reader(graph):
     # Not all at the end: the first update runs before the last gradient exists.
     last_grad = max(position[bindings[at].value.args[1].fields[1]] for at in updates.values())
     assert min(updates.values()) < last_grad
-    # The graph's own bindings, less its result tuple, in their order.
-    graph_bindings = [b for block in graph.main.body.blocks for b in block.bindings][:-1]
-    points = update_points(graph_bindings, params, [b for b in _result(graph)[1:]])
-    assert sorted(points) != [len(graph_bindings) - 1] * len(points)
+    # By default the updates follow the backward pass, all of them.
+    end = build_training_step(graph, _adamw())
+    assert end.updates == "end"
+    end_bindings = [b for block in end.mod["main"].body.blocks for b in block.bindings]
+    at_end = sorted(_update_positions(end.mod["main"]).values())
+    last_grad = max(
+        i
+        for i, b in enumerate(end_bindings)
+        if not (isinstance(b.value, relax.Call) and b.value.op.same_as(CALL_TIR_INPLACE))
+        and not isinstance(b.value, relax.TupleGetItem)
+        and "adjoint" in b.var.name
+    )
+    assert at_end[0] > last_grad
+    with pytest.raises(ValueError, match="updates must be one of"):
+        build_training_step(graph, _adamw(), updates="soon")
 
 
-def _result(graph) -> list[relax.Expr]:
-    from blade_relax.training.step import _result_fields
-
-    return _result_fields(graph.main)
+@pytest.mark.parametrize("updates", ["end", "early"])
+def test_both_placements_train_alike(graph, updates):
+    """Early updates compute what updates at the end compute, through the full pipeline."""
+    base = build_training_step(graph, _adamw())
+    step = build_training_step(graph, _adamw(), updates=updates)
+    batches = [graph.random_inputs({"s": s}, seed=s) for s in LENGTHS]
+    got = _run_steps(
+        tvm.compile(step.mod, "llvm", relax_pipeline=get_pipeline("llvm")), step, batches
+    )
+    want = _run_steps(
+        tvm.compile(base.mod, "llvm", relax_pipeline=stock_pipeline("llvm")), base, batches
+    )
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for a, b in zip(got[1] + got[2], want[1] + want[2]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_a_view_of_a_parameter_read_late_holds_its_update_back():

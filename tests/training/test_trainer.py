@@ -398,3 +398,18 @@ def test_torch_fit_needs_a_torch_graph():
     bare = dataclasses.replace(graph, torch_module=None, torch_params=None)
     with pytest.raises(ValueError, match="torch"):
         torch_fit(bare, _adamw(), [graph.random_inputs({"s": 4})])
+
+
+def test_early_updates_train_alike_and_peak_as_predicted(graph, run):
+    """``updates="early"``: each gradient is applied where it is complete; the same losses and
+    parameters as updates at the end, and the peak the timeline predicts."""
+    trainer = Trainer(graph, _adamw(), updates="early")
+    assert trainer.step_ir.updates == "early"
+    history = trainer.fit(_ids(LENGTHS), progress=False)
+    np.testing.assert_allclose(history.losses, run.history.losses, rtol=1e-5)
+    for got, want in zip(trainer.parameters(), run.parameters):
+        assert _rel_norm(got, want) <= 1e-5
+    predicted = [trainer.predicted_peak({"s": n}) for n in LENGTHS]
+    assert history.peaks == predicted
+    with pytest.raises(ValueError, match="places its updates"):
+        Trainer(run.trainer.step_ir, updates="early")

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import socket
@@ -136,7 +137,9 @@ def _batches(graph: Any, rows: int, lengths: Sequence[int]) -> list[dict[str, np
     return out
 
 
-def _bench_rank(rank: int, world: int, sizes: ModelSizes, rows: int, lengths: list[int]) -> dict:
+def _bench_rank(
+    rank: int, world: int, sizes: ModelSizes, rows: int, lengths: list[int], updates: str
+) -> dict:
     """One rank of :func:`compare_data_parallel`: the three runs' histories, blade_relax's
     predicted peaks."""
     from ..contract import owned_rows
@@ -151,7 +154,7 @@ def _bench_rank(rank: int, world: int, sizes: ModelSizes, rows: int, lengths: li
     # on does every run hold what it holds in a long run.
     warmed = batches[:1] + batches
     local_rows = np.subtract(*owned_rows(rows * world, world, rank)[::-1])
-    trainer = DataParallelTrainer(graph, AdamW(lr=LR))
+    trainer = DataParallelTrainer(graph, AdamW(lr=LR), updates=updates)
     ours = trainer.fit(warmed, progress=False)
     predicted = [trainer.predicted_peak({"b": int(local_rows), "s": s}) for s in lengths]
     runs = [ours] + [
@@ -198,19 +201,22 @@ def compare_data_parallel(
     world: int = 2,
     trace_len: int = 6,
     seed: int = 0,
+    updates: str = "end",
 ) -> dict[str, Any]:
-    """Run the benchmark (see the module docstring) and return its JSON-ready result."""
+    """Run the benchmark (see the module docstring) and return its JSON-ready result;
+    ``updates`` places blade_relax's updates (:func:`~blade_relax.training.build_training_step`)."""
     trace = None
     if lengths is None:
         trace = length_trace(trace_len, sizes.min_seq_len, sizes.max_seq_len, seed=seed)
         lengths = list(trace.lengths)
     lengths = [int(s) for s in lengths]
-    per_rank = run_ranks(_bench_rank, world, sizes, rows, lengths)
+    per_rank = run_ranks(_bench_rank, world, sizes, rows, lengths, updates)
     losses = np.array([[s["loss"] for s in h["steps"]] for h in per_rank[0]["histories"]])
     max_rel = float(np.max(np.abs(losses[1:] - losses[0]) / np.abs(losses[0])))
     return {
         "sizes": dataclasses.asdict(sizes),
         "world_size": world,
+        "updates": updates,
         "rows_per_rank": rows,
         "lengths": lengths,
         "trace": None if trace is None else trace.distribution,
@@ -249,10 +255,12 @@ def format_table(result: dict[str, Any]) -> str:
 
 def _predicted_at(sizes: ModelSizes, world: int, rows: int, lengths: Sequence[int]) -> dict:
     """blade_relax's per-rank predicted peak of the sharded step of ``sizes`` over ``world``
-    ranks and of the same step on one process, at ``rows`` rows per rank and each length;
-    also the bytes held across steps of each."""
+    ranks and of the same step on one process, at ``rows`` rows per rank and each length, with
+    the updates after the backward pass (``sharded``, ``one``) and each where it may first run
+    (``sharded-early``, ``one-early``); also the bytes held across steps of each."""
     from ..frontend.hf import import_training_step
     from ..training import AdamW, ZeroSharding, build_training_step
+    from ..training.step import UPDATE_PLACEMENTS
     from ..training.step_peak import lower_step, persistent_step_bytes, predicted_step_peak
     from .workloads import llama_model
 
@@ -262,8 +270,11 @@ def _predicted_at(sizes: ModelSizes, world: int, rows: int, lengths: Sequence[in
         max_batch_size=rows * world,
     )
     out: dict[str, Any] = {}
-    for label, sharding, b in (("sharded", ZeroSharding(world), rows), ("one", None, rows)):
-        step = build_training_step(graph, AdamW(), sharding)
+    runs = [("sharded", ZeroSharding(world)), ("one", None)]
+    for (label, sharding), updates in itertools.product(runs, UPDATE_PLACEMENTS):
+        b = rows
+        label = label if updates == "end" else f"{label}-{updates}"
+        step = build_training_step(graph, AdamW(), sharding, updates=updates)
         lowered = lower_step(step)
         out[label] = {
             "persistent_bytes": persistent_step_bytes(step),
@@ -321,22 +332,26 @@ def format_prediction(result: dict[str, Any]) -> str:
         f"per-rank predicted full-step peak, {result['world_size']} ranks, "
         f"{result['rows_per_rank']} row(s) per rank (GiB)",
         "",
-        "| model | s | sharded | one process | sharded/one | held sharded | held one |",
-        "|---|---|---|---|---|---|---|",
+        "| model | updates | s | sharded | one process | sharded/one | held sharded | held one |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for model in ("llama-1.1b", "llama-1.1b-extrapolated", "llama-7b-extrapolated"):
         got = result.get(model)
         if not got:
             continue
-        for i, s in enumerate(result["lengths"]):
-            sharded, one = got["sharded"]["peaks"][i], got["one"]["peaks"][i]
-            gib = [f"{x / 2**30:.2f}" if x else "n/a" for x in (sharded, one)]
-            ratio = f"{sharded / one:.3f}" if sharded and one else "n/a"
-            lines.append(
-                f"| {model} | {s} | {gib[0]} | {gib[1]} | {ratio} | "
-                f"{got['sharded']['persistent_bytes'] / 2**30:.2f} | "
-                f"{got['one']['persistent_bytes'] / 2**30:.2f} |"
-            )
+        for suffix in ("", "-early"):
+            if f"sharded{suffix}" not in got:
+                continue
+            sharded_run, one_run = got[f"sharded{suffix}"], got[f"one{suffix}"]
+            for i, s in enumerate(result["lengths"]):
+                sharded, one = sharded_run["peaks"][i], one_run["peaks"][i]
+                gib = [f"{x / 2**30:.2f}" if x else "n/a" for x in (sharded, one)]
+                ratio = f"{sharded / one:.3f}" if sharded and one else "n/a"
+                lines.append(
+                    f"| {model} | {suffix[1:] or 'end'} | {s} | {gib[0]} | {gib[1]} | {ratio} | "
+                    f"{sharded_run['persistent_bytes'] / 2**30:.2f} | "
+                    f"{one_run['persistent_bytes'] / 2**30:.2f} |"
+                )
     return "\n".join(lines)
 
 
@@ -354,6 +369,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of the trace (0)")
     for name in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "max_seq_len"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"override {name}")
+    parser.add_argument(
+        "--updates",
+        choices=("end", "early"),
+        default="end",
+        help="where our step applies the updates (end: after the backward pass)",
+    )
     parser.add_argument("--predict", action="store_true", help="predict at 1.1B and 7B instead")
     parser.add_argument("--world", type=int, default=8, help="ranks of --predict (8)")
     parser.add_argument("--predict-lengths", default="512,2048", help="lengths of --predict")
@@ -390,6 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             world=args.nproc,
             trace_len=args.trace_len,
             seed=args.seed,
+            updates=args.updates,
         )
         text = format_table(result)
     print(text)

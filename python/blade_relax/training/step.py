@@ -8,12 +8,12 @@
 
 where each trainable parameter and its optimizer state are updated in place (``call_tir_inplace`` of the
 optimizer's kernel: the returned tensors *are* the caller's buffers) and ``scalars`` carries the
-per-step hyperparameters (:meth:`InPlaceOptimizer.scalars`). Each update joins the dataflow
-block that computes the gradients right where it may first run (:func:`update_points`): after
-the binding that produces its gradient and after the last reader of its parameter. The gradient
-dies as soon as it is applied, and the step's peak is the forward/backward peak plus about one
-gradient, not plus all of them. (Left at the end of the block, no schedule the memory-aware
-search tried moved them there: it kept every gradient of a 32-layer step alive at once.) Frozen parameters (``ImportedGraph.num_frozen``: a LoRA model's
+per-step hyperparameters (:meth:`InPlaceOptimizer.scalars`). The updates join the dataflow
+block that computes the gradients, at its end (``updates="end"``, where ``MemoryAwareSchedule``
+may move them: in the steps measured it never did, so every gradient lives until the end of the
+backward pass) or each where it may first run (``updates="early"``, :func:`update_points`:
+after the binding that produces its gradient and after the last reader of its parameter), so
+that the gradient dies as soon as it is applied. Frozen parameters (``ImportedGraph.num_frozen``: a LoRA model's
 base weights) are read where they are, never copied, and have no state and no update.
 
 Where it works: the gradients are computed in dataflow blocks (and pure binding blocks, merged
@@ -65,6 +65,8 @@ class TrainingStep:
         more inputs after ``scalars``, ``grad_weight`` (a float, this rank's share of the
         loss) and ``shard_rank`` (``int64``, shape ``(1,)``), and each state tensor is this
         rank's block of rows (:mod:`.sharding`).
+    updates
+        Where the updates stand (:data:`UPDATE_PLACEMENTS`).
     """
 
     mod: tvm.IRModule
@@ -73,6 +75,7 @@ class TrainingStep:
     state_names: list[str]
     fused: bool
     sharding: ZeroSharding | None = None
+    updates: str = "end"
 
     @property
     def num_inputs(self) -> int:
@@ -111,16 +114,48 @@ def _result_fields(func: relax.Function) -> list[relax.Expr]:
     return [relax.TupleGetItem(ret, i) for i in range(len(ty.fields))]
 
 
-def _graph_bindings(func: relax.Function) -> list[relax.Binding]:
-    """The bindings of ``func``'s blocks, but for the one that builds the result tuple (the
-    step reads its fields, and returns a tuple of its own)."""
-    ret = func.body.body
-    return [
-        b
+def _sources(func: relax.Function, fields: Sequence[relax.Expr]) -> list[relax.Expr]:
+    """``fields`` with aliases and items of the tuples ``func`` builds followed to the values
+    they name (a graph often returns its gradients as items of a tuple built at the very end;
+    the updates read the gradients where they are computed)."""
+    values = {
+        b.var: b.value
         for block in func.body.blocks
         for b in block.bindings
-        if not (b.var.same_as(ret) and isinstance(b.value, relax.Tuple))
-    ]
+        if not isinstance(b, relax.MatchCast)
+    }
+
+    def source(expr: relax.Expr) -> relax.Expr:
+        while True:
+            if isinstance(expr, relax.TupleGetItem):
+                tup = source(expr.tuple_value)
+                if not isinstance(tup, relax.Tuple):
+                    return expr
+                expr = tup.fields[expr.index]
+            elif isinstance(expr, relax.Var) and isinstance(
+                values.get(expr), relax.Var | relax.TupleGetItem | relax.Tuple
+            ):
+                expr = values[expr]
+            else:
+                return expr
+
+    resolved = [source(f) for f in fields]
+    return [r if not isinstance(r, relax.Tuple) else f for r, f in zip(resolved, fields)]
+
+
+def _needed_bindings(func: relax.Function, fields: Sequence[relax.Expr]) -> list[relax.Binding]:
+    """The bindings of ``func``'s blocks that ``fields`` depend on, in order (the graph's own
+    result tuple and the plumbing that built it from the gradients are not: the step returns
+    a tuple of its own). All are pure: the blocks are dataflow blocks, or mergeable into one."""
+    bindings = [b for block in func.body.blocks for b in block.bindings]
+    needed = {v for f in fields for v in relax.analysis.free_vars(f)}
+    needed |= {f for f in fields if isinstance(f, relax.Var)}
+    kept = []
+    for binding in reversed(bindings):
+        if binding.var in needed:
+            kept.append(binding)
+            needed.update(relax.analysis.free_vars(binding.value))
+    return kept[::-1]
 
 
 def _mergeable(func: relax.Function) -> str | None:
@@ -137,8 +172,17 @@ def _mergeable(func: relax.Function) -> str | None:
     return None
 
 
+#: Where :func:`build_training_step` places the updates: ``"end"``, after the backward pass;
+#: ``"early"``, each where it may first run (:func:`update_points`).
+UPDATE_PLACEMENTS = ("end", "early")
+
+
 def build_training_step(
-    graph: ImportedGraph, optimizer: InPlaceOptimizer, sharding: ZeroSharding | None = None
+    graph: ImportedGraph,
+    optimizer: InPlaceOptimizer,
+    sharding: ZeroSharding | None = None,
+    *,
+    updates: str = "end",
 ) -> TrainingStep:
     """Append ``optimizer``'s in-place updates to a training graph.
 
@@ -151,6 +195,14 @@ def build_training_step(
     sharding
         Data parallelism with sharded optimizer state (:mod:`.sharding`): each gradient is
         reduce-scattered before its update and each parameter all-gathered after it.
+    updates
+        ``"end"`` (default): the updates follow the backward pass, and ``MemoryAwareSchedule``
+        may move them. ``"early"``: each update stands where it may first run
+        (:func:`update_points`), so each gradient dies as soon as it is applied; far lower
+        peaks where the gradients dominate (large models, short sequences: at Llama-2 7B's
+        shape each layer's gradients are 0.81 GB), but at long sequences the writes between
+        the forward and backward readers of a value can stop ``RecomputeCheapValues`` from
+        recomputing it, and the peak can rise (docs/distributed.md has both, measured).
 
     Returns
     -------
@@ -166,6 +218,8 @@ def build_training_step(
         raise TypeError(
             f"optimizer must be an in-place optimizer (SGD, AdamW), not {type(optimizer).__name__}"
         )
+    if updates not in UPDATE_PLACEMENTS:
+        raise ValueError(f"updates must be one of {UPDATE_PLACEMENTS}, not {updates!r}")
     if graph.kind != "training":
         raise ValueError(f"a training step needs a training graph, not a {graph.kind!r} graph")
     func = graph.main
@@ -211,16 +265,20 @@ def build_training_step(
             fields = _emit_blocks(bb, func, fields)
         with bb.dataflow():
             if why is None:  # one block: each update runs as soon as it may
-                bindings = _graph_bindings(func)
-                points = update_points(bindings, params, fields[1:])
+                fields = _sources(func, fields)
+                bindings = _needed_bindings(func, fields)
+                if updates == "early":
+                    points = update_points(bindings, params, fields[1:], graph.mod)
+                else:
+                    points = [len(bindings) - 1] * len(params)
             else:  # after the blocks, all of them
                 bindings, points = [], [-1] * len(params)
-            updates = _UpdateEmitter(bb, optimizer, fields, params, state_vars, scalars, shard_args)
-            updates.emit([k for k, point in enumerate(points) if point < 0])
+            emitter = _UpdateEmitter(bb, optimizer, fields, params, state_vars, scalars, shard_args)
+            emitter.emit([k for k, point in enumerate(points) if point < 0])
             for j, binding in enumerate(bindings):
                 bb.emit_normalized(binding)
-                updates.emit([k for k, point in enumerate(points) if point == j])
-            loss, new_params, new_states = updates.results()
+                emitter.emit([k for k, point in enumerate(points) if point == j])
+            loss, new_params, new_states = emitter.results()
             out = bb.emit_output(relax.Tuple([loss, *new_params, *new_states]))
         bb.emit_func_output(out)
     mod = bb.get()
@@ -228,7 +286,9 @@ def build_training_step(
     for key, value in {**(func.attrs or {}), "num_input": n_in}.items():
         step = step.with_attr(key, value)
     mod["main"] = step  # with the graph's attributes: dim ranges, num_input
-    return TrainingStep(mod, graph, optimizer, state_names, fused=why is None, sharding=sharding)
+    return TrainingStep(
+        mod, graph, optimizer, state_names, fused=why is None, sharding=sharding, updates=updates
+    )
 
 
 def _state_type(param: relax.Var, sharding: ZeroSharding | None) -> relax.TensorType:
@@ -274,52 +334,42 @@ def update_points(
     bindings: Sequence[relax.Binding],
     params: Sequence[relax.Var],
     grads: Sequence[relax.Expr],
+    mod: tvm.IRModule | None = None,
 ) -> list[int]:
     """Per trainable parameter, the index of the binding after which its update may run first
     (``-1``: before the first binding).
 
-    That is after the binding that computes its gradient and after the last reader of the
-    parameter, of the gradient, and of every value that may share the memory of either (an
-    alias, a view, a tuple holding it, an item of such a tuple, as
-    :func:`blade_relax.analysis.effects.classify` tells): the update writes the parameter in
-    place, and a sharded step's reduction writes the gradient. Placed there, a gradient dies
-    as soon as it is applied, as with PyTorch's optimizer-in-backward hooks, instead of every
-    gradient living until the end of the backward pass. ``MemoryAwareSchedule`` may still move
-    an update later; nothing may move it earlier.
+    That is after the binding that computes its gradient and after the last reader of any value
+    whose memory is the parameter's or the gradient's (the roots of
+    :func:`blade_relax.analysis.effects.in_place_writes`: aliases, views, tuples and their
+    items, reshape kernels that become views): the update writes the parameter in place, and a
+    sharded step's reduction writes the gradient. Placed there, a gradient dies as soon as it
+    is applied, as with PyTorch's optimizer-in-backward hooks, instead of every gradient living
+    until the end of the backward pass. ``MemoryAwareSchedule`` may still move an update later
+    (it keeps every in-place write after the earlier reads of the memory); nothing moves it
+    earlier. ``mod`` holds the kernels the bindings call, if any.
     """
-    from ..analysis.effects import Kind, classify
+    from ..analysis.effects import in_place_writes
 
-    sharing = (Kind.ALIAS, Kind.VIEW, Kind.TUPLE, Kind.ITEM)
-    # Per variable, the parameters whose memory (or whose gradient's memory) it may share.
-    shares: dict[relax.Var, frozenset[int]] = {p: frozenset([k]) for k, p in enumerate(params)}
-    grad_of: dict[relax.Var, set[int]] = {}
-    for k, grad in enumerate(grads):
-        if isinstance(grad, relax.Var):
-            grad_of.setdefault(grad, set()).add(k)
-            shares[grad] = shares.get(grad, frozenset()) | {k}
-    points = [-1] * len(params)
+    memory = in_place_writes(bindings, mod)
+    # Per parameter, the roots of its memory and of its gradient's.
+    owned = [
+        memory.roots_of(p) | (memory.roots_of(g) if isinstance(g, relax.Var) else frozenset())
+        for p, g in zip(params, grads)
+    ]
     # A gradient that is not a variable (an item of the graph's result) is read where its
     # variables are all defined.
-    grad_needs = [
-        [] if isinstance(g, relax.Var) else list(relax.analysis.free_vars(g)) for g in grads
+    grad_vars = [
+        [g] if isinstance(g, relax.Var) else list(relax.analysis.free_vars(g)) for g in grads
     ]
+    points = [-1] * len(params)
     for j, binding in enumerate(bindings):
-        for k, needs in enumerate(grad_needs):
-            if any(binding.var.same_as(v) for v in needs):
-                points[k] = max(points[k], j)
-        read = [v for v in relax.analysis.free_vars(binding.value) if v in shares]
-        for var in read:
-            for k in shares[var]:
+        read = frozenset().union(
+            *(memory.roots_of(v) for v in relax.analysis.free_vars(binding.value))
+        )
+        for k, roots in enumerate(owned):
+            if read & roots or any(binding.var.same_as(v) for v in grad_vars[k]):
                 points[k] = j
-        for k in grad_of.get(binding.var, ()):
-            points[k] = j
-        inst = classify(binding)
-        if inst.kind in sharing:
-            shared = frozenset().union(
-                *(shares.get(a, frozenset()) for a in inst.args if isinstance(a, relax.Var))
-            )
-            if shared:
-                shares[binding.var] = shares.get(binding.var, frozenset()) | shared
     return points
 
 

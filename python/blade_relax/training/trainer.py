@@ -314,10 +314,16 @@ def _as_step(
     max_seq_len: int | None,
     max_batch_size: int | None = None,
     sharding: ZeroSharding | None = None,
+    updates: str = "end",
 ) -> TrainingStep:
     if isinstance(source, TrainingStep):
         if optimizer is not None and optimizer is not source.optimizer:
             raise ValueError("the training step already has an optimizer")
+        if updates != "end" and updates != source.updates:
+            raise ValueError(
+                f"the training step places its updates at {source.updates!r}; build it with "
+                f"updates={updates!r} instead"
+            )
         if source.sharding != sharding:
             raise ValueError(
                 f"the training step is built for sharding {source.sharding}, the trainer "
@@ -326,7 +332,7 @@ def _as_step(
         return source
     optimizer = optimizer if optimizer is not None else AdamW()
     if isinstance(source, ImportedGraph):
-        return build_training_step(source, optimizer, sharding)
+        return build_training_step(source, optimizer, sharding, updates=updates)
     if _is_hf_model(source):
         from ..frontend.hf import import_training_step, max_positions, size_options
 
@@ -342,7 +348,7 @@ def _as_step(
         )
         # Shape errors then name the options of the call that imported the model.
         graph.metadata[SIZE_OPTIONS] = size_options("Trainer (or fit)", source, min_option=False)
-        return build_training_step(graph, optimizer, sharding)
+        return build_training_step(graph, optimizer, sharding, updates=updates)
     raise TypeError(
         "train a TrainingStep, a training ImportedGraph or a Hugging Face causal LM, not "
         f"{type(source).__name__}"
@@ -369,6 +375,9 @@ class Trainer:
         For a Hugging Face model: the longest sequence the step accepts.
     max_batch_size
         For a Hugging Face model: the largest batch the step accepts (``None``: batches of one).
+    updates
+        Where the step applies the updates: ``"end"`` or ``"early"`` (see
+        :func:`~.step.build_training_step`); not with a :class:`TrainingStep`, which has its own.
     """
 
     def __init__(
@@ -380,11 +389,14 @@ class Trainer:
         pipeline: tvm.transform.Pass | None = None,
         max_seq_len: int | None = None,
         max_batch_size: int | None = None,
+        updates: str = "end",
     ) -> None:
         from ..pipeline import as_target
         from ..runtime.devices import device_for_target
 
-        self.step_ir = _as_step(source, optimizer, max_seq_len, max_batch_size, self._sharding())
+        self.step_ir = _as_step(
+            source, optimizer, max_seq_len, max_batch_size, self._sharding(), updates
+        )
         self.graph = self.step_ir.graph
         self.optimizer = self.step_ir.optimizer
         self.target = as_target(target)
