@@ -310,3 +310,60 @@ def test_live_bytes_never_rise_and_results_are_bit_identical(s):
         outs.append([t.numpy() for t in vm["main"](tvm.runtime.tensor(x))])
     for ours, theirs in zip(outs[1], outs[0]):
         np.testing.assert_array_equal(ours, theirs)
+
+
+# fmt: off
+@I.ir_module
+class WrittenBetween:
+    """``a = 2x`` is read only by ``c``, but ``x`` is halved in place in between: computed inside
+    ``c``, ``a`` would read the halved ``x``."""
+
+    @T.prim_func(private=True, s_tir=True)
+    def scale(var_x: T.handle, var_y: T.handle):
+        T.func_attr({"op_pattern": 0, "tirx.noalias": True})
+        s = T.int64()
+        x = T.match_buffer(var_x, (s, T.int64(4)))
+        y = T.match_buffer(var_y, (s, T.int64(4)))
+        for i, j in T.grid(s, T.int64(4)):
+            with T.sblock("scale"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                y[vi, vj] = x[vi, vj] * T.float32(2.0)
+
+    @T.prim_func(private=True, s_tir=True)
+    def halve(var_x: T.handle):
+        T.func_attr({"op_pattern": 8, "tirx.noalias": True})
+        s = T.int64()
+        x = T.match_buffer(var_x, (s, T.int64(4)))
+        for i, j in T.grid(s, T.int64(4)):
+            with T.sblock("halve"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                x[vi, vj] = x[vi, vj] * T.float32(0.5)
+
+    @T.prim_func(private=True, s_tir=True)
+    def add(var_a: T.handle, var_b: T.handle, var_c: T.handle):
+        T.func_attr({"op_pattern": 0, "tirx.noalias": True})
+        s = T.int64()
+        a = T.match_buffer(var_a, (s, T.int64(4)))
+        b = T.match_buffer(var_b, (s, T.int64(4)))
+        c = T.match_buffer(var_c, (s, T.int64(4)))
+        for i, j in T.grid(s, T.int64(4)):
+            with T.sblock("add"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                c[vi, vj] = a[vi, vj] + b[vi, vj]
+
+    @R.function
+    def main(x: R.Tensor(("s", 4), "float32"), y: R.Tensor(("s", 4), "float32")) -> R.Tensor(("s", 4), "float32"):
+        s = T.int64()
+        cls = WrittenBetween
+        with R.dataflow():
+            a = R.call_tir(cls.scale, (x,), out_ty=R.Tensor((s, 4), "float32"))
+            x2 = R.call_tir_inplace(cls.halve, (x,), inplace_indices=[0], out_ty=R.Tensor((s, 4), "float32"))
+            c = R.call_tir(cls.add, (a, y), out_ty=R.Tensor((s, 4), "float32"))
+            R.output(c)
+        return c
+# fmt: on
+
+
+def test_no_producer_moves_past_an_in_place_write_of_its_input():
+    fuse = FuseIntoSoleReader()
+    assert fuse(WrittenBetween).same_as(WrittenBetween)

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import tvm
 from tvm import relax
 
+from ..analysis.effects import in_place_writes
 from ._block_edit import copy_chain, insert_copies, rewrite_dataflow_blocks, vars_read_after
 from ._collection import pauses_collection
 from .result import PassResult, counted, function_results, publish
@@ -171,11 +172,26 @@ def _clone_block(
         for var in relax.analysis.free_vars(binding.value):
             if var in trees:
                 readers.setdefault(var, []).append(position)
+    # A copy reads the tree's inputs again at its reader: not where memory they refer to was
+    # written in place since the original (an optimizer's update of a parameter).
+    writes = in_place_writes(bindings, None)
     copies_before: dict[int, list[relax.Binding]] = {}
     renames_at: dict[int, dict[relax.Var, relax.Var]] = {}
     for var, tree in trees.items():
         reads = sorted(set(readers.get(var, [])))
         if var in escaping or len(reads) < 2:
+            continue
+        leaves = {
+            v
+            for position in tree
+            for v in relax.analysis.free_vars(bindings[position].value)
+            if isinstance(v.ty, relax.TensorType)
+        }
+        start = tree[0]
+        reads = reads[:1] + [
+            r for r in reads[1:] if not any(writes.written_between(v, start, r) for v in leaves)
+        ]
+        if len(reads) < 2:
             continue
         for reader in reads[1:]:
             copies, renames = copy_chain(bindings, tree, f"_for_{reader}")

@@ -67,7 +67,7 @@ from tvm import relax, s_tir, tirx
 from tvm.relax.expr_functor import PyExprVisitor, visitor
 from tvm.relax.utils import copy_with_new_vars
 
-from ..analysis.effects import reshape_pattern
+from ..analysis.effects import in_place_writes, reshape_pattern
 from ..symbolic import ShapeGraph, TypeSizes
 from ._block_edit import rewrite_dataflow_blocks, vars_read_after
 from ._collection import pauses_collection
@@ -198,6 +198,9 @@ def _groups(
     for position, binding in enumerate(bindings):
         for var in relax.analysis.free_vars(binding.value):
             reads.setdefault(var, []).append(position)
+    # Computed inside its reader, a producer reads its inputs there: not when memory it reads
+    # is written in place in between (an optimizer's update of a parameter).
+    writes = in_place_writes(bindings, mod)
     producers: dict[int, list[int]] = {}
     for position, binding in enumerate(bindings):
         if inputs[position] is None or binding.var in live:
@@ -208,6 +211,11 @@ def _groups(
         reader = readers[0]
         reader_args = inputs[reader]
         if reader_args is None or sum(a.same_as(binding.var) for a in reader_args) != 1:
+            continue
+        if any(
+            isinstance(a, relax.Var) and writes.written_between(a, position, reader)
+            for a in inputs[position]
+        ):
             continue
         extended = [a for a in inputs[position] if not _live_at(a, reader, live, reads)]
         if not extended or sizes.covers(binding.var, extended):
