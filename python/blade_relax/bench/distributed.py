@@ -310,7 +310,15 @@ def predict_sharded(
 ) -> dict[str, Any]:
     """``--predict`` (see the module docstring): per model, the per-rank peaks of the sharded
     step and of the step on one process at ``rows`` rows per rank, at each length."""
-    result: dict[str, Any] = {"world_size": world, "rows_per_rank": rows, "lengths": list(lengths)}
+    from .report import provenance
+
+    command = f"python -m blade_relax.bench.distributed --predict --world {world}"
+    result: dict[str, Any] = {
+        "provenance": provenance(command),
+        "world_size": world,
+        "rows_per_rank": rows,
+        "lengths": list(lengths),
+    }
     small = {
         n: _predicted_at(dataclasses.replace(LLAMA_1B, layers=n), world, rows, lengths)
         for n in (1, 2)
