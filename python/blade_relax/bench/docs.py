@@ -670,7 +670,8 @@ def distributed_block(document: Mapping[str, Any]) -> str:
     return "\n".join(
         [
             DISTRIBUTED_BEGIN,
-            f"Predicted full-step peak, {document['world_size']} ranks, "
+            f'Data parallel, predicted full-step peak (the lower of `updates="end"` and '
+            f'`"early"`), {document["world_size"]} ranks, '
             f"{document['rows_per_rank']} row each, s = {' / '.join(map(str, lengths))}: "
             f"{'; '.join(said)}; `{prov['command']}` at commit `{prov['commit']}` on "
             f"{prov['date']}.",
