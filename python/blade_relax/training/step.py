@@ -152,7 +152,8 @@ def _needed_bindings(func: relax.Function, fields: Sequence[relax.Expr]) -> list
     needed |= {f for f in fields if isinstance(f, relax.Var)}
     kept = []
     for binding in reversed(bindings):
-        if binding.var in needed:
+        # A match_cast may define symbolic variables later types use: always kept.
+        if binding.var in needed or isinstance(binding, relax.MatchCast):
             kept.append(binding)
             needed.update(relax.analysis.free_vars(binding.value))
     return kept[::-1]
@@ -282,6 +283,11 @@ def build_training_step(
             out = bb.emit_output(relax.Tuple([loss, *new_params, *new_states]))
         bb.emit_func_output(out)
     mod = bb.get()
+    # The graph's own functions (kernels it calls, such as a mixture-of-experts layer's grouped
+    # GEMM), under the same GlobalVars its bindings name.
+    for gv, f in graph.mod.functions.items():
+        if gv.name_hint != "main" and gv.name_hint not in {g.name_hint for g in mod.functions}:
+            mod[gv] = f
     step = mod["main"]
     for key, value in {**(func.attrs or {}), "num_input": n_in}.items():
         step = step.with_attr(key, value)
