@@ -215,35 +215,12 @@ def build_training_step(
         When ``graph`` is not a training graph, or a gradient's type differs from its
         parameter's.
     """
-    if not isinstance(optimizer, InPlaceOptimizer):
-        raise TypeError(
-            f"optimizer must be an in-place optimizer (SGD, AdamW), not {type(optimizer).__name__}"
-        )
-    if updates not in UPDATE_PLACEMENTS:
-        raise ValueError(f"updates must be one of {UPDATE_PLACEMENTS}, not {updates!r}")
-    if graph.kind != "training":
-        raise ValueError(f"a training step needs a training graph, not a {graph.kind!r} graph")
+    fields = _checked_fields(graph, optimizer, updates)
     func = graph.main
-    n_in, n_param = len(graph.input_names), len(graph.param_names)
-    n_train = graph.num_trainable
-    if len(func.params) != n_in + n_param:
-        raise ValueError(
-            f"main takes {len(func.params)} arguments; the graph names {n_in} inputs and "
-            f"{n_param} parameters"
-        )
-    fields = _result_fields(func)
-    if len(fields) != 1 + n_train:
-        raise ValueError(
-            f"main returns {len(fields)} values; a training graph returns the loss and "
-            f"{n_train} gradients"
-        )
+    n_in, n_train = len(graph.input_names), graph.num_trainable
     inputs = list(func.params[:n_in])
     params = list(func.params[n_in : n_in + n_train])
     frozen = list(func.params[n_in + n_train :])
-    for name, param, grad in zip(graph.trainable_names, params, fields[1:]):
-        if not tvm_ffi.structural_equal(param.ty, grad.ty):
-            raise ValueError(f"the gradient of {name} has type {grad.ty}, its parameter {param.ty}")
-
     state_names = [f"{s}:{p}" for p in graph.trainable_names for s in optimizer.state_names]
     state_vars = [
         relax.Var(_identifier(f"{p.name}_{s}"), _state_type(p, sharding))
@@ -282,19 +259,59 @@ def build_training_step(
             loss, new_params, new_states = emitter.results()
             out = bb.emit_output(relax.Tuple([loss, *new_params, *new_states]))
         bb.emit_func_output(out)
-    mod = bb.get()
-    # The graph's own functions (kernels it calls, such as a mixture-of-experts layer's grouped
-    # GEMM), under the same GlobalVars its bindings name.
-    for gv, f in graph.mod.functions.items():
-        if gv.name_hint != "main" and gv.name_hint not in {g.name_hint for g in mod.functions}:
-            mod[gv] = f
-    step = mod["main"]
-    for key, value in {**(func.attrs or {}), "num_input": n_in}.items():
-        step = step.with_attr(key, value)
-    mod["main"] = step  # with the graph's attributes: dim ranges, num_input
+    mod = _with_graph_parts(bb.get(), graph)
     return TrainingStep(
         mod, graph, optimizer, state_names, fused=why is None, sharding=sharding, updates=updates
     )
+
+
+def _checked_fields(
+    graph: ImportedGraph, optimizer: InPlaceOptimizer, updates: str
+) -> list[relax.Expr]:
+    """The fields of ``graph``'s result (loss, gradients), once the arguments of
+    :func:`build_training_step` are checked (its errors)."""
+    if not isinstance(optimizer, InPlaceOptimizer):
+        raise TypeError(
+            f"optimizer must be an in-place optimizer (SGD, AdamW), not {type(optimizer).__name__}"
+        )
+    if updates not in UPDATE_PLACEMENTS:
+        raise ValueError(f"updates must be one of {UPDATE_PLACEMENTS}, not {updates!r}")
+    if graph.kind != "training":
+        raise ValueError(f"a training step needs a training graph, not a {graph.kind!r} graph")
+    func = graph.main
+    n_in, n_param = len(graph.input_names), len(graph.param_names)
+    n_train = graph.num_trainable
+    if len(func.params) != n_in + n_param:
+        raise ValueError(
+            f"main takes {len(func.params)} arguments; the graph names {n_in} inputs and "
+            f"{n_param} parameters"
+        )
+    fields = _result_fields(func)
+    if len(fields) != 1 + n_train:
+        raise ValueError(
+            f"main returns {len(fields)} values; a training graph returns the loss and "
+            f"{n_train} gradients"
+        )
+    params = func.params[n_in : n_in + n_train]
+    for name, param, grad in zip(graph.trainable_names, params, fields[1:]):
+        if not tvm_ffi.structural_equal(param.ty, grad.ty):
+            raise ValueError(f"the gradient of {name} has type {grad.ty}, its parameter {param.ty}")
+    return fields
+
+
+def _with_graph_parts(mod: tvm.IRModule, graph: ImportedGraph) -> tvm.IRModule:
+    """The step's module with the graph's own functions (kernels it calls, such as a
+    mixture-of-experts layer's grouped GEMM, under the GlobalVars its bindings name) and its
+    ``main``'s attributes (dim ranges) and ``num_input``."""
+    names = {gv.name_hint for gv in mod.functions}
+    for gv, f in graph.mod.functions.items():
+        if gv.name_hint != "main" and gv.name_hint not in names:
+            mod[gv] = f
+    step = mod["main"]
+    for key, value in {**(graph.main.attrs or {}), "num_input": len(graph.input_names)}.items():
+        step = step.with_attr(key, value)
+    mod["main"] = step
+    return mod
 
 
 def _state_type(param: relax.Var, sharding: ZeroSharding | None) -> relax.TensorType:
