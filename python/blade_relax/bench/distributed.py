@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from ..training.step import UPDATE_PLACEMENTS
 from .trace import length_trace
 from .workloads import LLAMA_1B, SMALL, ModelSizes
 
@@ -51,6 +52,7 @@ __all__ = [
     "format_table",
     "main",
     "predict_sharded",
+    "run_label",
     "run_ranks",
 ]
 
@@ -260,7 +262,6 @@ def _predicted_at(sizes: ModelSizes, world: int, rows: int, lengths: Sequence[in
     (``sharded-early``, ``one-early``); also the bytes held across steps of each."""
     from ..frontend.hf import import_training_step
     from ..training import AdamW, ZeroSharding, build_training_step
-    from ..training.step import UPDATE_PLACEMENTS
     from ..training.step_peak import lower_step, persistent_step_bytes, predicted_step_peak
     from .workloads import llama_model
 
@@ -271,18 +272,23 @@ def _predicted_at(sizes: ModelSizes, world: int, rows: int, lengths: Sequence[in
     )
     out: dict[str, Any] = {}
     runs = [("sharded", ZeroSharding(world)), ("one", None)]
-    for (label, sharding), updates in itertools.product(runs, UPDATE_PLACEMENTS):
-        b = rows
-        label = label if updates == "end" else f"{label}-{updates}"
+    for (run, sharding), updates in itertools.product(runs, UPDATE_PLACEMENTS):
+        label = run_label(run, updates)
         step = build_training_step(graph, AdamW(), sharding, updates=updates)
         lowered = lower_step(step)
         out[label] = {
             "persistent_bytes": persistent_step_bytes(step),
             "peaks": [
-                predicted_step_peak(step, {"b": b, "s": s}, lowered=lowered) for s in lengths
+                predicted_step_peak(step, {"b": rows, "s": s}, lowered=lowered) for s in lengths
             ],
         }
     return out
+
+
+def run_label(run: str, updates: str) -> str:
+    """The key of a prediction of ``--predict``: ``run`` (``"sharded"``, ``"one"``) with the
+    updates at the end, ``"<run>-<updates>"`` otherwise."""
+    return run if updates == "end" else f"{run}-{updates}"
 
 
 def _extrapolated(by_layers: dict[int, dict], layers: int) -> dict:
@@ -347,16 +353,17 @@ def format_prediction(result: dict[str, Any]) -> str:
         got = result.get(model)
         if not got:
             continue
-        for suffix in ("", "-early"):
-            if f"sharded{suffix}" not in got:
+        for updates in UPDATE_PLACEMENTS:
+            if run_label("sharded", updates) not in got:
                 continue
-            sharded_run, one_run = got[f"sharded{suffix}"], got[f"one{suffix}"]
+            sharded_run = got[run_label("sharded", updates)]
+            one_run = got[run_label("one", updates)]
             for i, s in enumerate(result["lengths"]):
                 sharded, one = sharded_run["peaks"][i], one_run["peaks"][i]
                 gib = [f"{x / 2**30:.2f}" if x else "n/a" for x in (sharded, one)]
                 ratio = f"{sharded / one:.3f}" if sharded and one else "n/a"
                 lines.append(
-                    f"| {model} | {suffix[1:] or 'end'} | {s} | {gib[0]} | {gib[1]} | {ratio} | "
+                    f"| {model} | {updates} | {s} | {gib[0]} | {gib[1]} | {ratio} | "
                     f"{sharded_run['persistent_bytes'] / 2**30:.2f} | "
                     f"{one_run['persistent_bytes'] / 2**30:.2f} |"
                 )
@@ -379,7 +386,7 @@ def _parser() -> argparse.ArgumentParser:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"override {name}")
     parser.add_argument(
         "--updates",
-        choices=("end", "early"),
+        choices=UPDATE_PLACEMENTS,
         default="end",
         help="where our step applies the updates (end: after the backward pass)",
     )

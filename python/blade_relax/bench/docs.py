@@ -647,13 +647,15 @@ def distributed_block(document: Mapping[str, Any]) -> str:
     """The README's data-parallel line: the per-rank predictions at 1.1B and at Llama-2 7B's
     shape (:func:`blade_relax.bench.distributed.predict_sharded`), the lower of the two update
     placements of each."""
+    from ..training.step import UPDATE_PLACEMENTS
+    from .distributed import run_label
+
     prov = document["provenance"]
     lengths = document["lengths"]
 
     def best(model: str, label: str) -> list[str]:
-        runs = [
-            document[model][name] for name in (label, f"{label}-early") if name in document[model]
-        ]
+        names = [run_label(label, updates) for updates in UPDATE_PLACEMENTS]
+        runs = [document[model][name] for name in names if name in document[model]]
         return [
             f"{min(p for p in (r['peaks'][i] for r in runs) if p) / 2**30:.2f}"
             for i in range(len(lengths))

@@ -146,10 +146,8 @@ class DataParallelTrainer(Trainer):
     def _device_index(self) -> int:
         """Under NCCL, the rank's current CUDA device (``torch.cuda.set_device``, which
         :func:`init_from_environment` makes ``LOCAL_RANK``); 0 otherwise."""
-        import torch
-        import torch.distributed as dist
-
-        return torch.cuda.current_device() if dist.get_backend() == "nccl" else 0
+        device = _group_device()
+        return device.index if device.type == "cuda" else 0
 
     def _sharding(self) -> ZeroSharding:
         import torch.distributed as dist

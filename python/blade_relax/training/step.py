@@ -251,11 +251,14 @@ def build_training_step(
                     points = [len(bindings) - 1] * len(params)
             else:  # after the blocks, all of them
                 bindings, points = [], [-1] * len(params)
+            after: dict[int, list[int]] = {}
+            for k, point in enumerate(points):
+                after.setdefault(point, []).append(k)
             emitter = _UpdateEmitter(bb, optimizer, fields, params, state_vars, scalars, shard_args)
-            emitter.emit([k for k, point in enumerate(points) if point < 0])
+            emitter.emit(after.get(-1, []))
             for j, binding in enumerate(bindings):
                 bb.emit_normalized(binding)
-                emitter.emit([k for k, point in enumerate(points) if point == j])
+                emitter.emit(after.get(j, []))
             loss, new_params, new_states = emitter.results()
             out = bb.emit_output(relax.Tuple([loss, *new_params, *new_states]))
         bb.emit_func_output(out)
@@ -375,24 +378,27 @@ def update_points(
     from ..analysis.effects import in_place_writes
 
     memory = in_place_writes(bindings, mod)
-    # Per parameter, the roots of its memory and of its gradient's.
-    owned = [
-        memory.roots_of(p) | (memory.roots_of(g) if isinstance(g, relax.Var) else frozenset())
-        for p, g in zip(params, grads)
-    ]
-    # A gradient that is not a variable (an item of the graph's result) is read where its
-    # variables are all defined.
-    grad_vars = [
-        [g] if isinstance(g, relax.Var) else list(relax.analysis.free_vars(g)) for g in grads
-    ]
+    # Root -> the parameters whose memory (or whose gradient's) it is.
+    owners: dict[relax.Var, list[int]] = {}
+    # Variable -> the parameters whose gradient needs it defined: the gradient itself, or the
+    # variables of one that is not a variable (an item of the graph's result).
+    waiting: dict[relax.Var, list[int]] = {}
+    for k, (p, g) in enumerate(zip(params, grads)):
+        grad_roots = memory.roots_of(g) if isinstance(g, relax.Var) else frozenset()
+        for root in memory.roots_of(p) | grad_roots:
+            owners.setdefault(root, []).append(k)
+        for v in [g] if isinstance(g, relax.Var) else relax.analysis.free_vars(g):
+            waiting.setdefault(v, []).append(k)
     points = [-1] * len(params)
     for j, binding in enumerate(bindings):
         read = frozenset().union(
             *(memory.roots_of(v) for v in relax.analysis.free_vars(binding.value))
         )
-        for k, roots in enumerate(owned):
-            if read & roots or any(binding.var.same_as(v) for v in grad_vars[k]):
-                points[k] = j
+        for k in [
+            *(k for root in read for k in owners.get(root, ())),
+            *waiting.get(binding.var, ()),
+        ]:
+            points[k] = j
     return points
 
 
