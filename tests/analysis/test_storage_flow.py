@@ -9,6 +9,7 @@ from tvm.script import tirx as T
 
 from blade_relax.analysis import binding_effect, death_points, liveness, storage_flow
 from blade_relax.analysis.effects import ValueEffect
+from blade_relax.analysis.liveness import block_liveness
 from blade_relax.analysis.storage_flow import TupleFields
 from blade_relax.symbolic import ShapeGraph
 
@@ -183,3 +184,104 @@ def test_without_lifetimes_the_refs_are_the_same_and_no_end_is_known():
 
     with pytest.raises(ValueError, match="lifetimes"):
         storage_flow(info, keeps, lambda var: None, explicit_kills=False, lifetimes=False)
+
+
+@I.ir_module
+class TwoBlocks:
+    @R.function
+    def main(x: R.Tensor(("s", 8), "float32")):
+        s = T.int64()
+        with R.dataflow():
+            a = R.exp(x)
+            b = R.negative(x)
+            R.output(a, b)
+        c = R.add(b, a)
+        t = (c, a)
+        d = R.exp(c)
+        return (t, d)
+
+
+def test_a_block_meets_the_values_of_earlier_blocks_as_buffers_live_on_entry():
+    func = TwoBlocks["main"]
+    graph = ShapeGraph.from_function(func)
+    block = func.body.blocks[1]
+    info = block_liveness(block)
+    (x,) = func.params
+
+    def effect_of(binding):
+        return binding_effect(binding, graph, TwoBlocks, False, None)
+
+    def outside(var):
+        return None if var.same_as(x) else graph.bytes_of(var)
+
+    flow = storage_flow(
+        info, effect_of, graph.bytes_of, explicit_kills=False, lifetimes=False, outside=outside
+    )
+    # c's result is allocated before the values it reads from the first block are met, in the
+    # order it reads them; d reads c only.
+    assert [(a.var.name, a.start) for a in flow.allocations] == [
+        ("c", 0),
+        ("b", -1),
+        ("a", -1),
+        ("d", 2),
+    ]
+    order = {var.name: ids for var, ids in flow.refs_in_order.items()}
+    assert order["t"] == (0, 2)
+    assert {var.name: ids for var, ids in flow.refs.items()}["t"] == frozenset({0, 2})
+    # Without ``outside``, what the block does not bind keeps nothing.
+    bare = storage_flow(info, effect_of, graph.bytes_of, explicit_kills=False, lifetimes=False)
+    assert [a.var.name for a in bare.allocations] == ["c", "d"]
+
+
+@I.ir_module
+class TupleResult:
+    @R.function
+    def main(x: R.Tensor((4,), "float32"), y: R.Tensor((4,), "float32")):
+        with R.dataflow():
+            r = R.call_dps_packed(
+                "two_outputs",
+                (x,),
+                out_ty=[R.Tensor((4,), "float32"), R.Tensor((4,), "float32")],
+            )
+            a = r[1]
+            w = R.call_dps_packed(
+                "write_first",
+                (y, x),
+                out_ty=[R.Tensor((4,), "float32"), R.Tensor((4,), "float32")],
+            )
+            b = w[0]
+            c = w[1]
+            R.output(a, b, c)
+        return (a, b, c)
+
+
+def test_a_calls_fields_are_its_per_field_allocations_and_aliases():
+    func = TupleResult["main"]
+    graph = ShapeGraph.from_function(func)
+    info = liveness(func, positions=False)
+    x, y = func.params
+    sixteen = graph.bytes_of(x)
+
+    def effect_of(binding):
+        if binding.var.name == "r":
+            return ValueEffect(field_allocates=(sixteen, None))
+        if binding.var.name == "w":
+            # The first field is written into y; the second is fresh.
+            return ValueEffect(
+                aliases=(y,), field_allocates=(sixteen, sixteen), field_aliases=((y,), None)
+            )
+        return binding_effect(binding, graph, TupleResult, False, None)
+
+    flow = storage_flow(
+        info, effect_of, graph.bytes_of, explicit_kills=False, params_live=True, lifetimes=False
+    )
+    by_id = {a.id: (a.var.name, a.field) for a in flow.allocations}
+    order = {var.name: [by_id[k] for k in ids] for var, ids in flow.refs_in_order.items()}
+    # r's second field allocates nothing, so a field read of it keeps nothing.
+    assert order["r"] == [("r", 0)]
+    assert order["a"] == []
+    # w keeps y first (what it aliases), then its fresh allocations; its fields are y and
+    # the second fresh allocation.
+    assert order["w"] == [("y", None), ("w", 0), ("w", 1)]
+    assert order["b"] == [("y", None)]
+    assert order["c"] == [("w", 1)]

@@ -309,6 +309,14 @@ class ValueEffect:
         go of it. When nothing is kept there, the result is a fresh allocation of its size.
     workspace
         Bytes the callee holds only while it runs (a kernel's workspace).
+    field_allocates
+        For a model that follows the fields of a call's tuple result (a kernel with several
+        outputs): one fresh allocation per field of the result type, in field order (``None``:
+        that field allocates nothing), made after ``allocates``.
+    field_aliases
+        With ``field_allocates`` or alone (an in-place call with a tuple result): per field,
+        the variables whose memory the field is, or ``None`` when the field is its fresh
+        allocation. A field read of the result then keeps only its field.
     """
 
     allocates: SymbolicExpr | None = None
@@ -317,6 +325,8 @@ class ValueEffect:
     keeps: tuple[relax.Var, object, relax.Var] | None = None
     takes: tuple[relax.Var, object] | None = None
     workspace: SymbolicExpr | None = None
+    field_allocates: tuple[SymbolicExpr | None, ...] = ()
+    field_aliases: tuple[tuple[relax.Var, ...] | None, ...] = ()
 
 
 TimelineRule = Callable[[relax.Call, relax.Var, ShapeGraph], ValueEffect]

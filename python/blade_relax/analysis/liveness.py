@@ -14,7 +14,7 @@ from typing import Any
 
 from tvm import relax
 
-__all__ = ["BindingInfo", "Liveness", "liveness", "function_outputs"]
+__all__ = ["BindingInfo", "Liveness", "block_liveness", "liveness", "function_outputs"]
 
 
 @dataclass(frozen=True)
@@ -161,3 +161,24 @@ def liveness(
     for var in outputs:
         info.uses.setdefault(var, []).append(len(bindings))
     return info
+
+
+def block_liveness(block: relax.BindingBlock) -> Liveness:
+    """The bindings of one block, as :func:`liveness` lists a function's (without positions):
+    for a model of one block, which has no parameters or result of its own (what it reads
+    from earlier blocks is outside it, see ``outside`` of
+    :func:`blade_relax.analysis.storage_flow`)."""
+    is_dataflow = isinstance(block, relax.DataflowBlock)
+    bindings = [
+        BindingInfo(
+            index=index,
+            var=binding.var,
+            value=binding.value,
+            uses=_free_vars_in_order(binding.value),
+            block_index=0,
+            is_dataflow=is_dataflow,
+            is_match_cast=isinstance(binding, relax.MatchCast),
+        )
+        for index, binding in enumerate(block.bindings)
+    ]
+    return Liveness(params=[], bindings=bindings, outputs=[])

@@ -4,9 +4,11 @@ Every memory model of the project asks the same first questions of a function be
 which allocations a binding creates, which allocations each variable keeps alive (directly,
 through a tuple or one of its fields, a view, a tensor placed in a storage, or a runtime object
 that keeps a value for a later binding), and after which binding the last holder of an
-allocation lets it go. This module answers them once, in one walk over the bindings; the
-symbolic timeline (:func:`blade_relax.analysis.memory_timeline`) is its reader, and the
-timeline's evaluations, samples and proofs read the allocations it gives.
+allocation lets it go. This module answers them once, in one walk over the bindings; its
+readers are the symbolic timeline (:func:`blade_relax.analysis.memory_timeline`, whose
+evaluations, samples and proofs read the allocations it gives) and the models of the memory
+passes (the schedule's block model, the planner's facts, rematerialization's roots; the remat
+storage walk keeps its holders in :class:`Holders` and its kills at :func:`death_points`).
 
 What one binding does to memory is not decided here: the caller passes the bindings'
 :class:`~.effects.ValueEffect` (the op table of :mod:`.effects`). The walk follows the effects:
@@ -26,8 +28,9 @@ outlives the function (returned, or held by a register never killed).
 The models differ in a few questions around the walk, each a parameter of
 :func:`storage_flow`, never a walk of their own: which effects they give the bindings (a pass
 that does not trust an unknown call says its result aliases every argument), whether the
-parameters are buffers of their own (live on entry), and how far a tuple's fields stay known
-(:class:`TupleFields`).
+parameters are buffers of their own (live on entry), whether the bindings are one block of a
+function whose earlier values are buffers live on entry (``outside``), and how far a tuple's
+fields stay known (:class:`TupleFields`).
 """
 
 from __future__ import annotations
@@ -50,9 +53,11 @@ _ZERO = SymbolicExpr.constant(0)
 class Allocation:
     """One allocation: created at binding ``start``, freed after binding ``end``.
 
-    ``start`` is -1 for a parameter's buffer (live on entry, see ``params_live`` of
-    :func:`storage_flow`). ``end`` is ``None`` when the allocation outlives the function (it is returned, or a
-    register that is never killed holds it).
+    ``start`` is -1 for a buffer live on entry (a parameter's, see ``params_live`` of
+    :func:`storage_flow`, or a value from outside the bindings, see ``outside``). ``end`` is
+    ``None`` when the allocation outlives the function (it is returned, or a register that is
+    never killed holds it). ``field`` is the field of ``var``'s tuple value the allocation is,
+    for one of a call's per-field allocations (``ValueEffect.field_allocates``).
     """
 
     id: int
@@ -60,6 +65,7 @@ class Allocation:
     nbytes: SymbolicExpr
     start: int
     end: int | None
+    field: int | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,10 @@ class StorageFlow:
     refs
         Per variable (parameters included), the ids of the allocations it keeps alive when it
         is bound.
+    refs_in_order
+        The same, in the order the variable's value meets them: what it aliases in the order
+        of its effect's ``aliases`` (a tuple's fields in order), then what it allocates. For a
+        model that mirrors an allocator whose choices follow the order of a call's arguments.
     touched
         Per binding, the allocations it touches (its result and what its inputs keep alive)
         and the workspace its kernel holds while it runs.
@@ -84,6 +94,7 @@ class StorageFlow:
     refs: dict[relax.Var, frozenset[int]] = field(repr=False)
     touched: list[tuple[tuple[int, ...], SymbolicExpr]] = field(repr=False)
     outputs: frozenset[int] = frozenset()
+    refs_in_order: dict[relax.Var, tuple[int, ...]] = field(default_factory=dict, repr=False)
 
     @property
     def workspaces(self) -> list[SymbolicExpr]:
@@ -163,10 +174,6 @@ class Holders:
         """Drop ``holder``'s record (not its storages' holders); what it kept."""
         return self._held.pop(holder, frozenset())
 
-    def variables(self) -> dict[relax.Var, frozenset[int]]:
-        """What every variable seen keeps."""
-        return {h: ids for h, ids in self._held.items() if isinstance(h, relax.Var)}
-
 
 @dataclass(frozen=True)
 class TupleFields:
@@ -197,13 +204,24 @@ class TupleFields:
 
 
 class _Flow:
-    """The mutable state of one :func:`storage_flow`: the holders, tuple fields, the keys
-    runtime objects keep values under, and the allocations made so far."""
+    """The mutable state of one :func:`storage_flow`: the holders, what each variable keeps in
+    order, tuple fields, the keys runtime objects keep values under, and the allocations made
+    so far."""
 
-    def __init__(self, fields: TupleFields) -> None:
+    def __init__(
+        self,
+        fields: TupleFields,
+        outside: Callable[[relax.Var], SymbolicExpr | None] | None = None,
+        lifetimes: bool = True,
+    ) -> None:
         self.holders = Holders()
+        # Without lifetimes no holder lets go, so what each variable keeps is all there is.
+        self.lifetimes = lifetimes
         self.fields = fields
-        self.field_refs: dict[relax.Var, list[frozenset[int]]] = {}
+        self.outside = outside
+        # What each variable keeps, in the order its value met them (``Holders`` keeps sets).
+        self.order: dict[relax.Var, tuple[int, ...]] = {}
+        self.field_refs: dict[relax.Var, list[tuple[int, ...]]] = {}
         # The field expressions of tuples with known fields (only to follow ``through_items``).
         self.field_exprs: dict[relax.Var, list[relax.Expr]] = {}
         # Per runtime object, the keys it was given a value under: a pair ``(owner, key)`` is a
@@ -214,23 +232,44 @@ class _Flow:
         self.owners: list[relax.Var] = []
         self.starts: list[int] = []
         self.ends: list[int | None] = []
+        self.field_of: list[int | None] = []
 
-    def held(self, var: relax.Var) -> frozenset[int]:
-        return self.holders.held(var)
+    def held(self, var: relax.Var) -> tuple[int, ...]:
+        """What ``var`` keeps alive, in order; a value from outside the bindings is met here
+        first (see ``outside`` of :func:`storage_flow`)."""
+        own = self.order.get(var)
+        if own is None:
+            own = self._meet_outside(var)
+        return own
 
-    def aliased(self, binding: BindingInfo, effect: ValueEffect) -> set[int]:
-        """What the bound value keeps alive through the variables it aliases."""
+    def _meet_outside(self, var: relax.Var) -> tuple[int, ...]:
+        if self.outside is None:
+            return ()
+        nbytes = self.outside(var)
+        own = () if nbytes is None else (self.allocate(var, nbytes, -1),)
+        self.hold(var, own)
+        return own
+
+    def hold(self, var: relax.Var, own: tuple[int, ...]) -> None:
+        self.order[var] = own
+        if self.lifetimes:
+            self.holders.hold(var, frozenset(own))
+
+    def aliased(self, binding: BindingInfo, effect: ValueEffect) -> dict[int, None]:
+        """What the bound value keeps alive through the variables it aliases, in order."""
         value = binding.value
         if (
             isinstance(value, relax.TupleGetItem)
             and value.tuple_value in self.field_refs
             and (self.fields.match_cast or not binding.is_match_cast)
         ):
-            # A field read keeps only that field alive, not the whole tuple.
-            return set(self.field_refs[value.tuple_value][value.index])
-        own: set[int] = set()
+            fields = self.field_refs[value.tuple_value]
+            if 0 <= value.index < len(fields):
+                # A field read keeps only that field alive, not the whole tuple.
+                return dict.fromkeys(fields[value.index])
+        own: dict[int, None] = {}
         for source in effect.aliases:
-            own |= self.held(source)
+            own.update(dict.fromkeys(self.held(source)))
         return own
 
     def note_fields(self, binding: BindingInfo) -> None:
@@ -256,12 +295,37 @@ class _Flow:
                 self.field_refs[var] = self.field_refs[field_]
                 self.field_exprs[var] = self.field_exprs[field_]
 
-    def _field(self, expr: relax.Expr) -> frozenset[int]:
+    def _field(self, expr: relax.Expr) -> tuple[int, ...]:
         if isinstance(expr, relax.Var):
             return self.held(expr)
         if isinstance(expr, relax.Tuple) and self.fields.nested_literals:
-            return frozenset().union(*(self._field(f) for f in expr.fields))
-        return frozenset()
+            out: dict[int, None] = {}
+            for f in expr.fields:
+                out.update(dict.fromkeys(self._field(f)))
+            return tuple(out)
+        return ()
+
+    def call_fields(self, binding: BindingInfo, effect: ValueEffect, own: dict[int, None]) -> None:
+        """Allocate a call's per-field allocations and record its result's fields (see
+        ``ValueEffect.field_allocates`` and ``field_aliases``)."""
+        var, index = binding.var, binding.index
+        fresh: list[tuple[int, ...]] = []
+        for k, nbytes in enumerate(effect.field_allocates):
+            alloc_id = None if nbytes is None else self.allocate(var, nbytes, index, field=k)
+            fresh.append(() if alloc_id is None else (alloc_id,))
+            if alloc_id is not None:
+                own[alloc_id] = None
+        aliases = effect.field_aliases or (None,) * len(fresh)
+        fields: list[tuple[int, ...]] = []
+        for k, sources in enumerate(aliases):
+            if sources is None:
+                fields.append(fresh[k] if k < len(fresh) else ())
+                continue
+            out: dict[int, None] = {}
+            for source in sources:
+                out.update(dict.fromkeys(self.held(source)))
+            fields.append(tuple(out))
+        self.field_refs[var] = fields
 
     def take(self, pair: tuple[relax.Var, object]) -> frozenset[int] | None:
         """What a runtime object kept under ``pair``, handed to the binding that takes it."""
@@ -276,14 +340,17 @@ class _Flow:
         owner, key, source = keeps
         pair = (owner, key)
         self.keys.setdefault(owner, []).append(key)
-        self.holders.hold(pair, self.holders.held(pair) | self.held(source))
+        self.holders.hold(pair, self.holders.held(pair) | frozenset(self.held(source)))
 
-    def allocate(self, var: relax.Var, nbytes: SymbolicExpr, position: int) -> int:
+    def allocate(
+        self, var: relax.Var, nbytes: SymbolicExpr, position: int, field: int | None = None
+    ) -> int:
         alloc_id = len(self.sizes)
         self.sizes.append(nbytes)
         self.owners.append(var)
         self.starts.append(position)
         self.ends.append(None)
+        self.field_of.append(field)
         self.holders.add(alloc_id)
         return alloc_id
 
@@ -305,7 +372,12 @@ class _Flow:
     def allocations(self) -> list[Allocation]:
         return [
             Allocation(
-                id=k, var=self.owners[k], nbytes=self.sizes[k], start=self.starts[k], end=end
+                id=k,
+                var=self.owners[k],
+                nbytes=self.sizes[k],
+                start=self.starts[k],
+                end=end,
+                field=self.field_of[k],
             )
             for k, end in enumerate(self.ends)
         ]
@@ -320,6 +392,7 @@ def storage_flow(
     params_live: bool = False,
     fields: TupleFields = TupleFields(),
     lifetimes: bool = True,
+    outside: Callable[[relax.Var], SymbolicExpr | None] | None = None,
 ) -> StorageFlow:
     """Walk the bindings of ``info`` once and record the storage flow.
 
@@ -346,13 +419,18 @@ def storage_flow(
         model that asks only what each variable keeps alive passes False: every ``end`` is
         then ``None`` and ``touched`` is empty. Its effects may keep nothing for a later
         binding (``keeps``), the only way a death changes what a variable keeps.
+    outside
+        The bindings are part of a function (one block of it) and may read values defined
+        outside them, neither parameters nor bound here: each is a buffer live on entry (an
+        allocation at ``start`` -1) of the bytes ``outside`` gives (``None``: it keeps
+        nothing). It is allocated when first met: a binding meets what it aliases, then makes
+        its allocations, then meets the rest of what it reads. Without it such a value keeps
+        nothing.
     """
-    state = _Flow(fields)
+    state = _Flow(fields, outside, lifetimes)
     for param in info.params:
-        own = (
-            frozenset({state.allocate(param, bytes_of(param), -1)}) if params_live else frozenset()
-        )
-        state.holders.hold(param, own)
+        own = (state.allocate(param, bytes_of(param), -1),) if params_live else ()
+        state.hold(param, own)
     death = {} if explicit_kills or not lifetimes else death_points(info)
     touched_at: list[tuple[tuple[int, ...], SymbolicExpr]] = []
     for binding in info.bindings:
@@ -361,6 +439,9 @@ def storage_flow(
         if not lifetimes:
             if effect.keeps is not None:
                 raise ValueError("storage_flow: a value kept for a later binding needs lifetimes")
+            if outside is not None:
+                for used in binding.uses:
+                    state.held(used)
             continue
         touched_at.append(_touched(state, binding, effect, own))
         i = binding.index
@@ -368,18 +449,19 @@ def storage_flow(
             if effect.kills is not None:
                 state.release(effect.kills, i)
             if returns_nothing(binding.var) and not own:
-                state.holders.hold(binding.var, frozenset())
+                state.hold(binding.var, ())
         else:
             for dead in death.get(i, ()):
                 state.release(dead, i)
     outputs: set[int] = set()
     for var in info.outputs:
-        outputs |= state.held(var)
+        outputs.update(state.held(var))
     return StorageFlow(
         allocations=state.allocations(),
-        refs=state.holders.variables(),
+        refs={var: frozenset(own) for var, own in state.order.items()},
         touched=touched_at,
         outputs=frozenset(outputs),
+        refs_in_order=state.order,
     )
 
 
@@ -388,9 +470,9 @@ def _bind(
     binding: BindingInfo,
     effect: ValueEffect,
     bytes_of: Callable[[relax.Var], SymbolicExpr],
-) -> set[int]:
-    """What the bound variable keeps alive, now held by it (allocating what the binding
-    allocates, taking back what a runtime object kept, keeping what it is given)."""
+) -> tuple[int, ...]:
+    """What the bound variable keeps alive, in order, now held by it (allocating what the
+    binding allocates, taking back what a runtime object kept, keeping what it is given)."""
     var = binding.var
     own = state.aliased(binding, effect)
     state.note_fields(binding)
@@ -400,22 +482,25 @@ def _bind(
         if taken is None:
             allocates = bytes_of(var)
         else:
-            own |= taken
+            own.update(dict.fromkeys(sorted(taken)))
     if effect.keeps is not None:
         state.keep(effect.keeps)
     if allocates is not None:
-        own.add(state.allocate(var, allocates, binding.index))
-    state.holders.hold(var, frozenset(own))
-    return own
+        own[state.allocate(var, allocates, binding.index)] = None
+    if effect.field_allocates or effect.field_aliases:
+        state.call_fields(binding, effect, own)
+    held = tuple(own)
+    state.hold(var, held)
+    return held
 
 
 def _touched(
-    state: _Flow, binding: BindingInfo, effect: ValueEffect, own: set[int]
+    state: _Flow, binding: BindingInfo, effect: ValueEffect, own: tuple[int, ...]
 ) -> tuple[tuple[int, ...], SymbolicExpr]:
     """The allocations a binding touches (its result and what its inputs keep alive) and the
     workspace its kernel holds while it runs."""
     touched = set(own)
     for used in binding.uses:
-        touched |= state.held(used)
+        touched.update(state.held(used))
     workspace = effect.workspace if effect.workspace is not None else _ZERO
     return tuple(sorted(touched)), workspace

@@ -23,10 +23,10 @@ from ..result import (
 )
 from ._blocks import Scheduled, dataflow_blocks, graph_of, main_block, with_orders
 from ._cost import UnsupportedBytes, acceptance_points
+from ._effects import UnsupportedBlock
 from ._model import (
     Block,
     BlockReader,
-    UnsupportedBlock,
     timeline,
 )
 from ._search import (

@@ -16,10 +16,10 @@ from tvm import relax
 from ...symbolic import ShapeGraph
 from .._warn import warn_fallback
 from ._cost import OrderProfile, UnsupportedBytes, front_le
+from ._effects import UnsupportedBlock
 from ._model import (
     Block,
     BlockReader,
-    UnsupportedBlock,
     profile,
     timeline,
     tir_var_names,

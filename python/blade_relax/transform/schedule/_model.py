@@ -3,7 +3,9 @@
 A dataflow block is read once into a :class:`Block`: the def-use edges (plus the edges that
 ``match_cast`` and in-place calls need), the buffers each binding allocates and reads, which
 buffers escape the block, and their byte counts as vectors of a
-:class:`~._cost.ByteSpace`. :func:`timeline` then scores any order of the bindings:
+:class:`~._cost.ByteSpace`. The buffers and what each variable keeps alive are the storage
+flow's (:func:`blade_relax.analysis.storage_flow`, walked with the effects of :mod:`._effects`,
+the values of earlier blocks as buffers live on entry). :func:`timeline` then scores any order of the bindings:
 the live bytes at every step, symbolic and at the acceptance points, under one of the memory
 models of :data:`PLANNERS` (see the docstring of :mod:`.memory_aware_schedule`).
 """
@@ -18,37 +20,17 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ...analysis.effects import (
-    PACKED_CALL_OPS,
-    SHAPE_ONLY_OPS,
-    Kind,
-    classify,
-    in_place_writes,
-    inplace_indices,
-    reshape_pattern,
-)
+from ...analysis.effects import SHAPE_ONLY_OPS, in_place_writes
 from ...analysis.inplace_reuse import inplace_inputs
+from ...analysis.liveness import Liveness, block_liveness
+from ...analysis.storage_flow import storage_flow
 from ...analysis.workspace import call_workspace
 from ...symbolic import Ordering, ShapeGraph, SymbolicExpr, TypeSizes
 from .._warn import warn_fallback
 from ._cost import ByteSpace, OrderProfile, pareto_front
-
-# Values that read no variable and allocate nothing the VM counts (constants live in the
-# executable; prim values, strings and dtypes are constants in TVM 0.27's IR).
-_LEAVES = (
-    tvm.ir.expr.Constant,
-    tvm.ir.expr.StringImm,
-    relax.ShapeExpr,
-    relax.ExternFunc,
-    tvm.ir.GlobalVar,
-)
-
+from ._effects import FIELDS, ValueRead, ValueReader, allocated, vars_in
 
 # ====================================================================== the block graph
-
-
-class UnsupportedBlock(Exception):
-    """The block holds a construct the scheduler does not reorder."""
 
 
 @dataclass
@@ -163,13 +145,12 @@ class BlockReader:
         self.tir_defined_before = tir_defined_before
         self.size_exprs: list[SymbolicExpr] = []
         self.external: list[int] = []
+        # What each variable keeps alive, in the order its value meets them (the storage flow's).
         self.refs: dict[relax.Var, tuple[int, ...]] = {}
-        self.field_refs: dict[relax.Var, list[tuple[int, ...]]] = {}
         self.sizes = TypeSizes(graph)
         self.dtypes: list[str] = []
         self.plannable: set[int] = set()  # allocated through builtin.alloc_tensor once lowered
         self.discarded: set[int] = set()  # reach something StaticPlanBlockMemory does not plan
-        self.is_view = False  # whether the last value read by _value_refs was a view
         # Buffers the lowered function holds until it returns: the fields of a multi-output
         # kernel (after CallTIRRewrite the result is a tuple var that no one reads, since
         # TupleGetItem folds to the field, so KillAfterLastUse never kills it), and the source
@@ -190,168 +171,45 @@ class BlockReader:
         # Most bindings of a block share a handful of types: read each type's size once.
         return self.sizes.bytes_of(ty, var)
 
-    def _new_buffer(self, nbytes: SymbolicExpr, ty: tvm.ir.Type | None = None) -> int | None:
-        if nbytes.is_constant and nbytes.expr == 0:
-            return None
-        self.size_exprs.append(nbytes)
-        dtype = getattr(ty, "dtype", None) if isinstance(ty, relax.TensorType) else None
-        self.dtypes.append("" if dtype is None else str(dtype))
-        return len(self.size_exprs) - 1
+    def _outside(self, var: relax.Var) -> SymbolicExpr | None:
+        """A value of an earlier block is a buffer live on entry; a parameter owns none here."""
+        return None if var in self.params else allocated(self._bytes(var.ty, var))
 
-    def _refs_of(self, var: relax.Var) -> tuple[int, ...]:
-        cached = self.refs.get(var)
-        if cached is not None:
-            return cached
-        out: tuple[int, ...] = ()
-        if var not in self.params:
-            # A value of an earlier block: live on entry.
-            buffer = self._new_buffer(self._bytes(var.ty, var), var.ty)
-            if buffer is not None:
-                self.external.append(buffer)
-                out = (buffer,)
-        self.refs[var] = out
-        return out
-
-    def _refs_of_expr(self, expr: relax.Expr) -> tuple[int, ...]:
-        if isinstance(expr, relax.Var):
-            return self._refs_of(expr)
-        if isinstance(expr, relax.Tuple):
-            out: list[int] = []
-            for f in expr.fields:
-                out.extend(self._refs_of_expr(f))
-            return tuple(dict.fromkeys(out))
-        return ()
-
-    def _allocate_result(self, var: relax.Var) -> tuple[int, ...]:
-        ty = var.ty
-        if isinstance(ty, relax.TupleType):
-            fields: list[tuple[int, ...]] = []
-            for f in ty.fields:
-                buffer = self._new_buffer(self._bytes(f), f)
-                fields.append(() if buffer is None else (buffer,))
-            self.field_refs[var] = fields
-            return tuple(b for f in fields for b in f)
-        buffer = self._new_buffer(self._bytes(ty, var), ty)
-        return () if buffer is None else (buffer,)
-
-    def _is_reshape_kernel(self, call: relax.Call, var: relax.Var) -> relax.Expr | None:
-        """The argument a ``call_tir`` of a reshape kernel views (RewriteDataflowReshape)."""
-        if self.mod is None or not isinstance(var, relax.DataflowVar):
-            return None
-        gv = call.args[0]
-        if not isinstance(gv, tvm.ir.GlobalVar) or gv not in self.mod.functions:
-            return None
-        func = self.mod[gv]
-        if not isinstance(func, tvm.tirx.PrimFunc):
-            return None
-        args = call.args[1]
-        fields = list(args.fields) if isinstance(args, relax.Tuple) else [args]
-        if len(fields) != 1 or not isinstance(fields[0], relax.Var):
-            return None
-        src = fields[0]
-        src_ty, dst_ty = src.ty, var.ty
-        if not (isinstance(src_ty, relax.TensorType) and isinstance(dst_ty, relax.TensorType)):
-            return None
-        if str(src_ty.dtype) != str(dst_ty.dtype):
-            return None
-        if self.graph.compare(self._bytes(src_ty, src), self._bytes(dst_ty, var)) != Ordering.EQ:
-            return None
-        try:
-            if not reshape_pattern(func):
-                return None
-        except (RuntimeError, ValueError) as err:  # TVM raises InternalError (a RuntimeError)
-            # A kernel TVM's pattern check cannot read: modelled as computing a new tensor
-            # (an over-estimate of the bytes, never an under-estimate).
-            warn_fallback("MemoryAwareSchedule", "the reshape check of a kernel", gv.name_hint, err)
-            return None
-        return src
-
-    def _value_refs(self, var: relax.Var, value: relax.Expr) -> tuple[int, ...]:
-        self.is_view = False
-        if isinstance(value, relax.Var):
-            if value in self.field_refs:
-                self.field_refs[var] = self.field_refs[value]
-            return self._refs_of(value)
-        if isinstance(value, relax.Tuple):
-            fields = [self._refs_of_expr(f) for f in value.fields]
-            self.field_refs[var] = fields
-            return tuple(dict.fromkeys(b for f in fields for b in f))
-        if isinstance(value, relax.TupleGetItem):
-            src = value.tuple_value
-            if isinstance(src, relax.Var) and src in self.field_refs:
-                fields = self.field_refs[src]
-                if 0 <= value.index < len(fields):
-                    return fields[value.index]
-            return self._refs_of_expr(src)
-        if isinstance(value, _LEAVES):
-            return ()
-        if isinstance(value, relax.Call):
-            if relax.analysis.contains_impure_call(value):
-                raise UnsupportedBlock(f"impure call in binding {var.name}")
-            inst = classify(value, self.mod)
-            if inst.kind is Kind.VIEW:
-                self.is_view = True
-                return self._refs_of_expr(inst.source) if inst.args else ()
-            if inst.kind is Kind.CALL_TIR and inst.name == "relax.call_tir":
-                src = self._is_reshape_kernel(value, var)
-                if src is not None:
-                    self.is_view = True
-                    return self._refs_of(src)
-            if self._discards(value):
-                for arg in inst.args:
-                    self.discarded.update(self._refs_of_expr(arg))
-            if inst.kind is Kind.INPLACE:
-                return self._inplace_refs(value, list(inst.args), var)
-            before = len(self.size_exprs)
-            refs = self._allocate_result(var)
-            if isinstance(value.op, tvm.ir.Op) and value.op.name not in PACKED_CALL_OPS:
-                # Operators, call_tir and call_dps_packed write into a builtin.alloc_tensor.
-                self.plannable.update(range(before, len(self.size_exprs)))
-                if isinstance(var.ty, relax.TupleType):
-                    self.tuple_fields.update(range(before, len(self.size_exprs)))
-            return refs
-        raise UnsupportedBlock(f"{type(value).__name__} in binding {var.name}")
-
-    def _discards(self, call: relax.Call) -> bool:
-        """Whether StaticPlanBlockMemory gives up planning the arguments of ``call``: it plans
-        only values passed to PrimFuncs and packed functions (and views of them)."""
-        op = call.op
-        if isinstance(op, tvm.ir.GlobalVar):
-            callee = self.mod[op] if self.mod is not None and op in self.mod.functions else None
-            return not isinstance(callee, tvm.tirx.PrimFunc)
-        if isinstance(op, tvm.ir.Op):
-            return op.name == "relax.call_builtin_with_ctx"
-        return not isinstance(op, relax.ExternFunc)
-
-    def _inplace_refs(
-        self,
-        call: relax.Call,
-        tensor_args: list[relax.Expr],
-        var: relax.Var,
-    ) -> tuple[int, ...]:
-        indices = inplace_indices(call)
-        name = call.op.name
-        written: list[tuple[int, ...]] = []
-        for k in indices:
-            if k >= 0:
-                if k >= len(tensor_args):
-                    raise UnsupportedBlock(f"in-place index {k} out of range in {var.name}")
-                written.append(self._refs_of_expr(tensor_args[k]))
+    def _read_flow(self, info: Liveness, reads: list[ValueRead]) -> list[list[int]]:
+        """The block's buffers and what each variable keeps alive, in order: the storage flow
+        of the block's bindings, with the effects of ``reads`` and the values of earlier blocks
+        as buffers live on entry. Returns the buffers each binding creates."""
+        flow = storage_flow(
+            info,
+            lambda binding: reads[binding.index].effect,
+            lambda var: self._bytes(var.ty, var),
+            explicit_kills=False,
+            fields=FIELDS,
+            lifetimes=False,
+            outside=self._outside,
+        )
+        created: list[list[int]] = [[] for _ in reads]
+        for alloc in flow.allocations:
+            ty = alloc.var.ty if alloc.field is None else alloc.var.ty.fields[alloc.field]
+            dtype = getattr(ty, "dtype", None) if isinstance(ty, relax.TensorType) else None
+            self.size_exprs.append(alloc.nbytes)
+            self.dtypes.append("" if dtype is None else str(dtype))
+            if alloc.start < 0:
+                self.external.append(alloc.id)
             else:
-                written.append(())
-        fresh = any(k < 0 for k in indices)
-        before = len(self.size_exprs)
-        allocated = self._allocate_result(var) if fresh else ()
-        if name == "relax.call_tir_inplace":
-            self.plannable.update(range(before, len(self.size_exprs)))
-        aliased = tuple(dict.fromkeys(b for w in written for b in w))
-        if isinstance(var.ty, relax.TupleType):
-            fresh_fields = list(self.field_refs.get(var, [()] * len(indices)))
-            self.field_refs[var] = [
-                w if k >= 0 else (fresh_fields[j] if j < len(fresh_fields) else ())
-                for j, (k, w) in enumerate(zip(indices, written))
-            ]
-        return tuple(dict.fromkeys(aliased + allocated))
+                created[alloc.start].append(alloc.id)
+        self.refs = flow.refs_in_order
+        return created
+
+    def _note_buffers(self, got: ValueRead, own: tuple[int, ...]) -> None:
+        """How the lowering will treat the buffers a binding creates and reads."""
+        for arg in got.discards:
+            for source in vars_in(arg):
+                self.discarded.update(self.refs[source])
+        if got.plannable:
+            self.plannable.update(own)
+            if got.tuple_fields:
+                self.tuple_fields.update(own)
 
     def _write_edges(
         self, bindings: list[relax.Binding], uses: list[list[relax.Var]], preds: list[set[int]]
@@ -515,48 +373,39 @@ class BlockReader:
         """Read every binding: what it uses and creates, the buffers it touches, its
         def-use predecessors, the dims a ``match_cast`` defines, and the notes on in-place
         placements and workspaces."""
+        info = block_liveness(self.block)
+        reader = ValueReader(self.graph, self.mod, self.sizes)
+        reads = [reader.read(binding) for binding in bindings]
+        created = self._read_flow(info, reads)
         read = _BlockRead(preds=[set() for _ in bindings])
-        external_set: set[int] = set()
         for i, binding in enumerate(bindings):
-            var = binding.var
-            value = binding.value
-            used = list(dict.fromkeys(relax.analysis.free_vars(value)))
+            var, value, got = binding.var, binding.value, reads[i]
+            used = list(info.bindings[i].uses)
             read.uses.append(used)
             for u in used:
                 j = read.index_of.get(u)
                 if j is not None:
                     read.preds[i].add(j)
-            before = len(self.size_exprs)
             if isinstance(binding, relax.MatchCast):
-                if not isinstance(value, (relax.Var, relax.Tuple, *_LEAVES)):
-                    raise UnsupportedBlock(f"match_cast of a {type(value).__name__} in {var.name}")
-                refs = self._value_refs(var, value)
                 defined = (
                     tir_var_names([relax.analysis.definable_tir_vars_in_type(binding.ty)])
                     - self.tir_defined_before
                 )
                 if defined:
                     read.match_defs.append((i, defined))
-            else:
-                refs = self._value_refs(var, value)
-            read.is_call.append(
-                isinstance(value, relax.Call)
-                and not self.is_view
-                and not isinstance(binding, relax.MatchCast)
-            )
-            read.view_like.append(self.is_view)
-            # Buffers created by this binding (external ones met now are live on entry).
-            external_set.update(self.external[len(external_set) :])
-            own = tuple(b for b in range(before, len(self.size_exprs)) if b not in external_set)
+            is_call = isinstance(value, relax.Call) and not got.is_view
+            read.is_call.append(is_call and not isinstance(binding, relax.MatchCast))
+            read.view_like.append(got.is_view)
+            own = tuple(created[i])
+            self._note_buffers(got, own)
             read.creates.append(own)
-            self.refs[var] = refs
             read.index_of[var] = i
             t: list[int] = []
             for u in used:
-                t.extend(self._refs_of(u))
+                t.extend(self.refs[u])
             t.extend(own)
             read.touch.append(list(dict.fromkeys(t)))
-            if isinstance(value, relax.Call) and not self.is_view:
+            if is_call:
                 if self.model_inplace:
                     self._note_inplace(i, value, own, t)
                 if self.model_workspaces:
