@@ -232,8 +232,10 @@ def _plans(tl: ConcreteTimeline, rank: np.ndarray) -> list[_Plan]:
 
 def _unit(tl: ConcreteTimeline) -> float:
     """The byte unit of the programs (see the module docstring)."""
-    values = np.abs(np.concatenate([tl.base, tl._nbytes, tl._regen]).astype(np.int64))
-    largest = int(values.max(initial=0)) + int(tl._nbytes.sum()) + int(tl._regen.max(initial=0))
+    values = np.abs(np.concatenate([tl.base, tl.slot_bytes, tl.regen_peaks]).astype(np.int64))
+    largest = (
+        int(values.max(initial=0)) + int(tl.slot_bytes.sum()) + int(tl.regen_peaks.max(initial=0))
+    )
     divisor = max(int(np.gcd.reduce(values)) if len(values) else 1, 1)
     if largest <= _EXACT_UNITS * divisor:
         return float(divisor)
@@ -284,7 +286,7 @@ def _points(tl: ConcreteTimeline, windows: list[tuple[int, int, int]]) -> np.nda
         cuts.update(c for c in (tl.slots[k].start, site + 1) if c < npoints)
     bounds = sorted(cuts) + [npoints]
     chosen = {lo + int(np.argmax(tl.base[lo:hi])) for lo, hi in zip(bounds[:-1], bounds[1:])}
-    chosen.update(int(s) for s in tl._site)
+    chosen.update(int(s) for s in tl.sites)
     return np.array(sorted(chosen), dtype=np.int64)
 
 
@@ -330,8 +332,8 @@ def _build(
     tl: ConcreteTimeline, plans: list[_Plan], rank: np.ndarray, unit: float, cache: bool
 ) -> _Model:
     """The program of one regime (see the module docstring), bytes in ``unit``."""
-    nbytes = tl._nbytes / unit
-    regen = tl._regen / unit
+    nbytes = tl.slot_bytes / unit
+    regen = tl.regen_peaks / unit
     rows = _Rows()
     columns = _decision_columns(rows, tl, plans, rank, cache)
     _chain_rows(rows, plans, columns)
@@ -496,7 +498,7 @@ def _check(tl: ConcreteTimeline, model: _Model, values: np.ndarray, optimal: boo
     live = tl.base.copy()
     for k, site, col in model.windows:
         if on[col]:
-            live -= _window(tl, k, site, points) * tl._nbytes[k]
+            live -= _window(tl, k, site, points) * tl.slot_bytes[k]
     events: list[tuple[int, int, int]] = []
     cost = 0.0
     for event in model.events:
@@ -616,7 +618,7 @@ def _lowest(
 
 def _models(tl: ConcreteTimeline) -> tuple[_Model, _Model]:
     """The programs of the temp and cache regimes."""
-    if (tl._nbytes < 0).any() or (tl._regen < 0).any():
+    if (tl.slot_bytes < 0).any() or (tl.regen_peaks < 0).any():
         # The materializations' rows without big-M rely on held bytes never shrinking.
         raise ValueError("a slot has a negative size or regeneration peak")
     rank = _rank(tl)

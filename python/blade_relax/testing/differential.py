@@ -44,7 +44,6 @@ Usage::
 from __future__ import annotations
 
 import functools
-import json
 import random
 import weakref
 from collections import Counter
@@ -58,7 +57,7 @@ from tvm import relax
 
 from .. import runtime
 from ..analysis import memory_timeline, workspace_table
-from ..contract import REMAT_META_ATTR
+from ..contract import REMAT_META_ATTR, RematMetadata
 from ..pipeline import PipelineFlags, get_pipeline
 from ..transform import version_for
 from .program_gen import GeneratedProgram
@@ -701,22 +700,20 @@ def _check_runs(
         _check_budget(report, name, m, dims, budget, _remat_is_exact(cv.memory_stage, dims))
 
 
-def _remat_metadata(memory_stage: tvm.IRModule, dims: dict[str, int]) -> dict[str, Any] | None:
+def _remat_metadata(memory_stage: tvm.IRModule, dims: dict[str, int]) -> RematMetadata | None:
     """The remat metadata of the function that runs ``main`` at ``dims`` under a budget (None
-    when the pass left it alone)."""
+    when the pass left it alone). Metadata the contract cannot read is a bug of the pass: its
+    :class:`~blade_relax.contract.RematFormatError` is raised, not taken for no metadata."""
     attrs = memory_stage[version_for(memory_stage, "main", dims, budget=True)].attrs
     if attrs is None or REMAT_META_ATTR not in attrs:
         return None
-    try:
-        return json.loads(str(attrs[REMAT_META_ATTR]))
-    except ValueError:
-        return None
+    return RematMetadata.from_json(str(attrs[REMAT_META_ATTR]))
 
 
 def _remat_is_exact(memory_stage: tvm.IRModule, dims: dict[str, int]) -> bool:
     """Whether that metadata claims an exact timeline (every allocation on it)."""
     meta = _remat_metadata(memory_stage, dims)
-    return bool(meta and meta.get("exact", False))
+    return meta is not None and meta.exact
 
 
 def _check_budget(

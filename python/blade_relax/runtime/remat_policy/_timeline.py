@@ -155,6 +155,21 @@ class ConcreteTimeline:
         object.__setattr__(self, "slots", state["slots"])
         self.__post_init__()
 
+    @property
+    def slot_bytes(self) -> np.ndarray:
+        """Per slot, the bytes its tensor takes (``slots[k].nbytes``, as an int64 array)."""
+        return self._nbytes
+
+    @property
+    def regen_peaks(self) -> np.ndarray:
+        """Per slot, the bytes its regeneration holds at its peak, as an int64 array."""
+        return self._regen
+
+    @property
+    def sites(self) -> np.ndarray:
+        """Per slot, the point of the binding that regenerates it, as an int64 array."""
+        return self._site
+
     def window_mask(self) -> np.ndarray:
         """``mask[k, i]``: point ``i`` lies in slot ``k``'s window ``[start, site]``."""
         mask = self._window_mask
