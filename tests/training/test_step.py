@@ -20,10 +20,13 @@ import torch
 import tvm
 import tvm_ffi
 from tvm import relax
+from tvm.script import ir as I
+from tvm.script import relax as R
+from tvm.script import tirx as T
 
 from blade_relax import get_pipeline
 from blade_relax.bench.workloads import ModelSizes, build_workload
-from blade_relax.pipeline import stock_pipeline
+from blade_relax.pipeline import lower_to_memory_stage, stock_pipeline
 from blade_relax.training import SGD, AdamW, TrainingStep, build_training_step
 from blade_relax.transform import PassFallbackWarning
 
@@ -354,6 +357,65 @@ def test_both_placements_train_alike(graph, updates):
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     for a, b in zip(got[1] + got[2], want[1] + want[2]):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def _reads_after_updates(lowered: tvm.IRModule) -> list[str]:
+    """Bindings of the lowered functions that read a parameter's memory (or its optimizer
+    state's) after the binding that updates it in place, the result tuple aside."""
+    from blade_relax.analysis.effects import in_place_writes
+
+    late = []
+    for gv, func in lowered.functions.items():
+        if not isinstance(func, relax.Function):
+            continue
+        bindings = [b for block in func.body.blocks for b in block.bindings]
+        memory = in_place_writes(bindings, lowered)
+        params = set(func.params)
+        updated: set[relax.Var] = set()
+        for i, binding in enumerate(bindings):
+            written = memory.writes.get(i, frozenset())
+            if not isinstance(binding.value, relax.Tuple):
+                for var in relax.analysis.free_vars(binding.value):
+                    for root in (memory.roots_of(var) & updated) - written:
+                        late.append(f"{gv.name_hint}: {binding.var.name} reads {root.name}")
+            updated |= written & params
+    return late
+
+
+@pytest.mark.parametrize("workload", ["mlp-train", "llama-train"])
+def test_no_lowered_binding_reads_a_parameter_after_its_early_update(workload):
+    """Fusion and scheduling keep every read of a parameter before its early update: a fused
+    kernel that read the parameter past its update would compute with the new weights."""
+    graph = build_workload(workload, SIZES).graph
+    step = build_training_step(graph, _adamw(), updates="early")
+    lowered = lower_to_memory_stage(step.mod, "llvm")
+    assert _reads_after_updates(lowered) == []
+
+
+@I.ir_module
+class _ReadAfterUpdate:
+    @T.prim_func(s_tir=True)
+    def sub(w: T.Buffer((4,), "float32"), g: T.Buffer((4,), "float32")):
+        for i in range(4):
+            with T.sblock("sub"):
+                vi = T.axis.spatial(4, i)
+                w[vi] = w[vi] - g[vi]
+
+    @R.function
+    def main(w: R.Tensor((4,), "float32"), g: R.Tensor((4,), "float32")):
+        cls = _ReadAfterUpdate
+        with R.dataflow():
+            y = R.exp(w)
+            u = R.call_tir_inplace(
+                cls.sub, (w, g), inplace_indices=[0], out_ty=R.Tensor((4,), "float32")
+            )
+            z = R.exp(w)
+            R.output(y, u, z)
+        return (y, u, z)
+
+
+def test_the_read_after_update_check_sees_a_late_read():
+    assert _reads_after_updates(_ReadAfterUpdate) == ["main: z reads w"]
 
 
 def test_a_view_of_a_parameter_read_late_holds_its_update_back():
