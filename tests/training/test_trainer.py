@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from blade_relax import get_pipeline
 from blade_relax.bench.workloads import ModelSizes, build_workload
 from blade_relax.frontend import DimOutOfRangeError
 from blade_relax.runtime import RematBudgetWarning
@@ -391,6 +392,37 @@ def test_fit_function_with_sgd_and_a_schedule_matches_torch():
     trainer.fit(batches, progress=False)
     for got, want in zip(trainer.parameters(), reference.parameters):
         assert _rel_norm(got, want) <= 1e-5
+
+
+def test_auto_updates_run_the_placement_predicted_lower_at_each_length(graph, run):
+    """``updates="auto"``: both placements compiled, each batch run by the one whose predicted
+    peak is lower at its length (here the end up to 7 tokens, early beyond); the same losses
+    and parameters as updates at the end, and each step's peak the lower prediction."""
+    trainer = Trainer(graph, _adamw(), updates="auto")
+    assert set(trainer.steps_ir) == {"end", "early"}
+    history = trainer.fit(_ids(LENGTHS), progress=False)
+    assert history.compilations == 2
+    chosen = []
+    for record in history.records:
+        peaks = trainer.predicted_peaks({"s": record.length})
+        lower = min(peaks.values())
+        assert record.updates == ("end" if peaks["end"] == lower else "early")
+        assert record.peak_bytes == lower == trainer.predicted_peak({"s": record.length})
+        chosen.append(record.updates)
+    assert set(chosen) == {"end", "early"}, chosen
+    np.testing.assert_allclose(history.losses, run.history.losses, rtol=1e-5)
+    for got, want in zip(trainer.parameters(), run.parameters):
+        assert _rel_norm(got, want) <= 1e-5
+    assert {r.updates for r in run.history.records} == {"end"}
+
+
+def test_auto_updates_need_a_graph_and_the_default_pipeline(graph, run):
+    with pytest.raises(ValueError, match="not a TrainingStep"):
+        Trainer(run.trainer.step_ir, updates="auto")
+    with pytest.raises(ValueError, match="pipeline of your own"):
+        Trainer(graph, _adamw(), updates="auto", pipeline=get_pipeline("llvm"))
+    with pytest.raises(ValueError, match="updates must be one of"):
+        Trainer(graph, _adamw(), updates="later")
 
 
 def test_torch_fit_needs_a_torch_graph():

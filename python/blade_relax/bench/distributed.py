@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from ..training.step import UPDATE_PLACEMENTS
+from ..training.trainer import TRAINER_UPDATES
 from .trace import length_trace
 from .workloads import LLAMA_1B, SMALL, ModelSizes
 
@@ -386,9 +387,10 @@ def _parser() -> argparse.ArgumentParser:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"override {name}")
     parser.add_argument(
         "--updates",
-        choices=UPDATE_PLACEMENTS,
+        choices=TRAINER_UPDATES,
         default="end",
-        help="where our step applies the updates (end: after the backward pass)",
+        help="where our step applies the updates (end: after the backward pass; auto: per "
+        "length, the placement predicted lower)",
     )
     parser.add_argument("--predict", action="store_true", help="predict at 1.1B and 7B instead")
     parser.add_argument("--world", type=int, default=8, help="ranks of --predict (8)")

@@ -673,7 +673,7 @@ def distributed_block(document: Mapping[str, Any]) -> str:
         [
             DISTRIBUTED_BEGIN,
             f'Data parallel, predicted full-step peak (the lower of `updates="end"` and '
-            f'`"early"`), {document["world_size"]} ranks, '
+            f'`"early"`, what `updates="auto"` runs), {document["world_size"]} ranks, '
             f"{document['rows_per_rank']} row each, s = {' / '.join(map(str, lengths))}: "
             f"{'; '.join(said)}; `{prov['command']}` at commit `{prov['commit']}` on "
             f"{prov['date']}.",

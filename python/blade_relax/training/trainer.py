@@ -29,9 +29,14 @@ import tvm
 from ..frontend.imported import SIZE_OPTIONS, ImportedGraph
 from .optimizers import AdamW, InPlaceOptimizer
 from .sharding import ZeroSharding
-from .step import TrainingStep, build_training_step
+from .step import UPDATE_PLACEMENTS, TrainingStep, build_training_step
 
-__all__ = ["History", "StepRecord", "Trainer", "as_batch", "fit"]
+__all__ = ["TRAINER_UPDATES", "History", "StepRecord", "Trainer", "as_batch", "fit"]
+
+#: Where a :class:`Trainer` places the optimizer's updates: one of
+#: :data:`~.step.UPDATE_PLACEMENTS`, or ``"auto"``: a step per placement, compiled, and each
+#: batch run by the one whose predicted peak at its sizes is lower.
+TRAINER_UPDATES = (*UPDATE_PLACEMENTS, "auto")
 
 #: The label value Hugging Face's cross-entropy ignores.
 IGNORE_INDEX = -100
@@ -62,6 +67,9 @@ class StepRecord:
         Under a budget: whether the runtime could hold it (when not, it ran at the smallest
         peak it can reach, which :meth:`Trainer.fit` reports instead of warning every step);
         ``None`` without a budget.
+    updates
+        Where the step that ran placed the optimizer's updates (``None`` for a loop that is
+        not a :class:`Trainer`'s).
     """
 
     step: int
@@ -73,6 +81,7 @@ class StepRecord:
     evictions: int = 0
     regenerations: int = 0
     budget_reachable: bool | None = None
+    updates: str | None = None
 
 
 @dataclass
@@ -308,31 +317,58 @@ def _is_hf_model(source: Any) -> bool:
     return hasattr(source, "named_parameters") and hasattr(source, "config")
 
 
-def _as_step(
+def _as_steps(
     source: Any,
     optimizer: InPlaceOptimizer | None,
     max_seq_len: int | None,
     max_batch_size: int | None = None,
     sharding: ZeroSharding | None = None,
     updates: str = "end",
-) -> TrainingStep:
+) -> dict[str, TrainingStep]:
+    """The training step of each placement ``updates`` asks for (both for ``"auto"``)."""
+    if updates not in TRAINER_UPDATES:
+        raise ValueError(f"updates must be one of {TRAINER_UPDATES}, not {updates!r}")
     if isinstance(source, TrainingStep):
-        if optimizer is not None and optimizer is not source.optimizer:
-            raise ValueError("the training step already has an optimizer")
-        if updates != "end" and updates != source.updates:
-            raise ValueError(
-                f"the training step places its updates at {source.updates!r}; build it with "
-                f"updates={updates!r} instead"
-            )
-        if source.sharding != sharding:
-            raise ValueError(
-                f"the training step is built for sharding {source.sharding}, the trainer "
-                f"runs {sharding}"
-            )
-        return source
+        return {source.updates: _checked_step(source, optimizer, sharding, updates)}
     optimizer = optimizer if optimizer is not None else AdamW()
+    graph = _as_graph(source, max_seq_len, max_batch_size)
+    placements = UPDATE_PLACEMENTS if updates == "auto" else (updates,)
+    return {
+        placement: build_training_step(graph, optimizer, sharding, updates=placement)
+        for placement in placements
+    }
+
+
+def _checked_step(
+    step: TrainingStep,
+    optimizer: InPlaceOptimizer | None,
+    sharding: ZeroSharding | None,
+    updates: str,
+) -> TrainingStep:
+    """A step given as it is: it has its optimizer, sharding and placement."""
+    if optimizer is not None and optimizer is not step.optimizer:
+        raise ValueError("the training step already has an optimizer")
+    if updates == "auto":
+        raise ValueError(
+            "updates='auto' builds a step per placement: pass the training graph or the "
+            "model, not a TrainingStep"
+        )
+    if updates != "end" and updates != step.updates:
+        raise ValueError(
+            f"the training step places its updates at {step.updates!r}; build it with "
+            f"updates={updates!r} instead"
+        )
+    if step.sharding != sharding:
+        raise ValueError(
+            f"the training step is built for sharding {step.sharding}, the trainer runs {sharding}"
+        )
+    return step
+
+
+def _as_graph(source: Any, max_seq_len: int | None, max_batch_size: int | None) -> ImportedGraph:
+    """A training graph, given or imported from a Hugging Face model."""
     if isinstance(source, ImportedGraph):
-        return build_training_step(source, optimizer, sharding, updates=updates)
+        return source
     if _is_hf_model(source):
         from ..frontend.hf import import_training_step, max_positions, size_options
 
@@ -348,7 +384,7 @@ def _as_step(
         )
         # Shape errors then name the options of the call that imported the model.
         graph.metadata[SIZE_OPTIONS] = size_options("Trainer (or fit)", source, min_option=False)
-        return build_training_step(graph, optimizer, sharding, updates=updates)
+        return graph
     raise TypeError(
         "train a TrainingStep, a training ImportedGraph or a Hugging Face causal LM, not "
         f"{type(source).__name__}"
@@ -378,6 +414,12 @@ class Trainer:
     updates
         Where the step applies the updates: ``"end"`` or ``"early"`` (see
         :func:`~.step.build_training_step`); not with a :class:`TrainingStep`, which has its own.
+        ``"auto"``: a step of each placement, both compiled; each batch runs the one whose
+        predicted peak (:meth:`predicted_peak`, without a budget) is lower at its sizes (the
+        updates at the end on a tie). Neither is lower at every length: an early update frees
+        its gradient at once, but stops values that read its parameter from being recomputed.
+        It compiles twice and lowers each step once more to predict; it needs the default
+        pipeline.
     """
 
     def __init__(
@@ -394,9 +436,16 @@ class Trainer:
         from ..pipeline import as_target
         from ..runtime.devices import device_for_target
 
-        self.step_ir = _as_step(
+        if updates == "auto" and pipeline is not None:
+            raise ValueError(
+                "updates='auto' chooses by the default pipeline's predicted peaks; with a "
+                "pipeline of your own, choose updates='end' or 'early'"
+            )
+        # The step of each placement run; the first is the trainer's step_ir.
+        self.steps_ir = _as_steps(
             source, optimizer, max_seq_len, max_batch_size, self._sharding(), updates
         )
+        self.step_ir = next(iter(self.steps_ir.values()))
         self.graph = self.step_ir.graph
         self.optimizer = self.step_ir.optimizer
         self.target = as_target(target)
@@ -404,6 +453,9 @@ class Trainer:
         self.device = device_for_target(self.target, self._device_index())
         self.executable: Any = None
         self.workspaces: dict[str, Any] = {}
+        # Per placement: the compiled step and its kernels' workspaces.
+        self._compiled: dict[str, Any] = {}
+        self._choices: dict[tuple[tuple[str, int], ...], str] = {}
         self.compilations = 0
         self.compile_time_s = 0.0
         self.steps_done = 0
@@ -427,7 +479,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ compile
     def compile(self) -> None:
-        """Compile the step (once; later calls do nothing)."""
+        """Compile the step, each placement's with ``updates="auto"`` (once; later calls do
+        nothing)."""
         if self.executable is not None:
             return
         from ..analysis.workspace import compile_keeping_module
@@ -435,11 +488,13 @@ class Trainer:
 
         pipeline = self.pipeline if self.pipeline is not None else get_pipeline(self.target)
         start = time.perf_counter()
-        compiled = compile_keeping_module(self.step_ir.mod, self.target, pipeline)
+        for placement, step in self.steps_ir.items():
+            self._compiled[placement] = compile_keeping_module(step.mod, self.target, pipeline)
+            self.compilations += 1
         self.compile_time_s = time.perf_counter() - start
-        self.compilations += 1
         # The kernels' scratch buffers (TVM's workspace pool, behind the VM's allocator) are
         # counted while each kernel runs, as the bench counts them and the timeline predicts.
+        compiled = self._compiled[self.step_ir.updates]
         self.workspaces = compiled.workspaces
         self.executable = compiled.executable
 
@@ -447,21 +502,45 @@ class Trainer:
         """The full step's peak at ``dims`` (e.g. ``{"b": 2, "s": 57}``), predicted without
         running a kernel (:func:`~.step_peak.predicted_step_peak`: the bytes held across
         steps plus the peak of the step's symbolic timeline, the default pipeline's passes),
-        the figure :meth:`step` measures.
+        the figure :meth:`step` measures: with ``updates="auto"``, of the placement it runs.
 
         Raises
         ------
         ValueError
             With a pipeline of the caller's (its passes are unknown here).
         """
+        return min(self.predicted_peaks(dims).values())
+
+    def placement_for(self, dims: Mapping[str, int]) -> str:
+        """Where the step run at ``dims`` places its updates (see ``updates``)."""
+        if len(self.steps_ir) == 1:
+            return self.step_ir.updates
+        key = tuple(sorted((name, int(value)) for name, value in dims.items()))
+        chosen = self._choices.get(key)
+        if chosen is None:
+            peaks = self.predicted_peaks(dims)
+            # The lower peak; on a tie, the first placement (the updates at the end).
+            chosen = self._choices[key] = min(
+                peaks, key=lambda p: (peaks[p], UPDATE_PLACEMENTS.index(p))
+            )
+        return chosen
+
+    def predicted_peaks(self, dims: Mapping[str, int]) -> dict[str, int]:
+        """Per placement the trainer runs (both with ``updates="auto"``), the full step's
+        peak predicted at ``dims`` (see :meth:`predicted_peak`)."""
         from .step_peak import lower_step, predicted_step_peak
 
         if self.pipeline is not None:
             raise ValueError("predicted_peak reads the default pipeline; this trainer has its own")
-        lowered = self.__dict__.get("_memory_stage")
-        if lowered is None:
-            lowered = self._memory_stage = lower_step(self.step_ir, self.target)
-        return predicted_step_peak(self.step_ir, dims, self.target, lowered=lowered)
+        lowered = self.__dict__.setdefault("_memory_stages", {})
+        peaks = {}
+        for placement, step in self.steps_ir.items():
+            if placement not in lowered:
+                lowered[placement] = lower_step(step, self.target)
+            peaks[placement] = predicted_step_peak(
+                step, dims, self.target, lowered=lowered[placement]
+            )
+        return peaks
 
     # ------------------------------------------------------------------ steps
     def parameters(self) -> list[np.ndarray]:
@@ -508,6 +587,8 @@ class Trainer:
 
         absolute, relative = _split_budget(budget)
         self.compile()
+        placement = self.placement_for(dims)
+        compiled = self._compiled[placement]
         step = self.steps_done + 1
         scalars = tvm.runtime.tensor(self.optimizer.scalars(step), self.device)
         inputs = [tvm.runtime.tensor(np.ascontiguousarray(a), self.device) for a in arrays]
@@ -517,11 +598,11 @@ class Trainer:
         with scope:
             # On a fresh VM (measure_call's rule 2): nothing of the last step is live at entry.
             measured = measure_call(
-                self.executable,
+                compiled.executable,
                 args,
                 budget=absolute,
                 device=self.device,
-                workspaces=self.workspaces,
+                workspaces=compiled.workspaces,
                 convert=lambda out: float(out[0].numpy()),
                 record_warnings=budget is not None,
             )
@@ -546,6 +627,7 @@ class Trainer:
             evictions=measured.evictions,
             regenerations=measured.regenerations,
             budget_reachable=None if decision is None else bool(decision["reachable"]),
+            updates=placement,
         )
 
     def fit(
@@ -647,6 +729,7 @@ def fit(
     progress: bool = True,
     max_seq_len: int | None = None,
     max_batch_size: int | None = None,
+    updates: str = "end",
 ) -> History:
     """Train ``source`` on ``batches``: :class:`Trainer` then :meth:`Trainer.fit`.
 
@@ -656,6 +739,11 @@ def fit(
         Per step: length, loss, peak bytes, time, evictions.
     """
     trainer = Trainer(
-        source, optimizer, target=target, max_seq_len=max_seq_len, max_batch_size=max_batch_size
+        source,
+        optimizer,
+        target=target,
+        max_seq_len=max_seq_len,
+        max_batch_size=max_batch_size,
+        updates=updates,
     )
     return trainer.fit(batches, steps, budget, progress=progress)
