@@ -481,22 +481,39 @@ class Trainer:
     def compile(self) -> None:
         """Compile the step, each placement's with ``updates="auto"`` (once; later calls do
         nothing)."""
-        if self.executable is not None:
+        # ``executable`` (the first placement's) may be given from outside, compiled before.
+        default = self.step_ir.updates
+        missing = [
+            placement
+            for placement in self.steps_ir
+            if placement not in self._compiled
+            and not (placement == default and self.executable is not None)
+        ]
+        if not missing:
             return
         from ..analysis.workspace import compile_keeping_module
         from ..pipeline import get_pipeline
 
         pipeline = self.pipeline if self.pipeline is not None else get_pipeline(self.target)
         start = time.perf_counter()
-        for placement, step in self.steps_ir.items():
+        for placement in missing:
+            step = self.steps_ir[placement]
             self._compiled[placement] = compile_keeping_module(step.mod, self.target, pipeline)
             self.compilations += 1
         self.compile_time_s = time.perf_counter() - start
-        # The kernels' scratch buffers (TVM's workspace pool, behind the VM's allocator) are
-        # counted while each kernel runs, as the bench counts them and the timeline predicts.
-        compiled = self._compiled[self.step_ir.updates]
-        self.workspaces = compiled.workspaces
-        self.executable = compiled.executable
+        if default in missing:
+            # The kernels' scratch buffers (TVM's workspace pool, behind the VM's allocator)
+            # are counted while each kernel runs, as the bench counts them and the timeline
+            # predicts.
+            self.workspaces = self._compiled[default].workspaces
+            self.executable = self._compiled[default].executable
+
+    def _compiled_step(self, placement: str) -> tuple[Any, dict[str, Any]]:
+        """The executable and kernel workspaces of ``placement``'s step."""
+        if placement == self.step_ir.updates:
+            return self.executable, self.workspaces
+        compiled = self._compiled[placement]
+        return compiled.executable, compiled.workspaces
 
     def predicted_peak(self, dims: Mapping[str, int]) -> int:
         """The full step's peak at ``dims`` (e.g. ``{"b": 2, "s": 57}``), predicted without
@@ -588,7 +605,7 @@ class Trainer:
         absolute, relative = _split_budget(budget)
         self.compile()
         placement = self.placement_for(dims)
-        compiled = self._compiled[placement]
+        executable, workspaces = self._compiled_step(placement)
         step = self.steps_done + 1
         scalars = tvm.runtime.tensor(self.optimizer.scalars(step), self.device)
         inputs = [tvm.runtime.tensor(np.ascontiguousarray(a), self.device) for a in arrays]
@@ -598,11 +615,11 @@ class Trainer:
         with scope:
             # On a fresh VM (measure_call's rule 2): nothing of the last step is live at entry.
             measured = measure_call(
-                compiled.executable,
+                executable,
                 args,
                 budget=absolute,
                 device=self.device,
-                workspaces=compiled.workspaces,
+                workspaces=workspaces,
                 convert=lambda out: float(out[0].numpy()),
                 record_warnings=budget is not None,
             )
