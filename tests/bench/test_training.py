@@ -16,6 +16,7 @@ from blade_relax.bench import training as training_bench
 from blade_relax.bench.workloads import ModelSizes
 from blade_relax.training import SGD, AdamW
 from blade_relax.training.data import MarkovTokens, synthetic_batches
+from blade_relax.training.trainer import TRAINER_UPDATES
 
 TINY = ModelSizes(
     layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64, vocab=64, max_seq_len=32
@@ -85,6 +86,7 @@ def test_command_prints_the_table_and_checks_the_losses(comparison, monkeypatch,
     assert code == 0
     assert calls["model"] == "llama" and calls["steps"] == 4
     assert isinstance(calls["optimizer"], SGD)
+    assert calls["updates"] == "end" == comparison.settings["updates"]
     for row in comparison.by_length():
         assert f"{row['blade_relax']:,}" in out
     assert json.loads(out_json.read_text())["max_loss_error"] == comparison.max_loss_error
@@ -93,6 +95,22 @@ def test_command_prints_the_table_and_checks_the_losses(comparison, monkeypatch,
     monkeypatch.setattr(training_bench, "compare_training", lambda model, **kw: bad)
     assert cli.main(["train", "--steps", "4", "--no-plot"]) == 1
     assert "check failed" in capsys.readouterr().err
+
+
+def test_command_passes_each_placement_of_the_updates(comparison, monkeypatch, capsys):
+    calls = {}
+
+    def fake(model, **kwargs):
+        calls.update(kwargs)
+        return comparison
+
+    monkeypatch.setattr(training_bench, "compare_training", fake)
+    for updates in TRAINER_UPDATES:
+        assert cli.main(["train", "--steps", "4", "--no-plot", "--updates", updates]) == 0
+        assert calls["updates"] == updates
+    capsys.readouterr()
+    assert cli.main(["train", "--updates", "later"]) != 0
+    assert "invalid choice: 'later'" in capsys.readouterr().err
 
 
 def test_synthetic_tokens_follow_the_chain():

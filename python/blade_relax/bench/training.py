@@ -116,6 +116,7 @@ def compare_training(
     sft: bool = False,
     lora: bool = False,
     padding_side: str = "right",
+    updates: str = "end",
     progress: bool = True,
     log: Callable[[str], None] | None = None,
 ) -> TrainingComparison:
@@ -151,6 +152,9 @@ def compare_training(
         Fine-tune (see above); ``lora`` implies ``sft``.
     padding_side
         Where fine-tuning batches are padded: ``"right"`` or ``"left"``.
+    updates
+        Where blade_relax's step applies the optimizer's updates
+        (:data:`~blade_relax.training.trainer.TRAINER_UPDATES`).
     """
     from ..training import AdamW, Trainer
 
@@ -167,7 +171,7 @@ def compare_training(
     workload = build_workload(name, sizes, seed=seed)
     graph, sizes = workload.graph, workload.sizes
     lengths, description, batches = training_batches(sizes, steps, sft, padding_side, seed)
-    trainer = Trainer(graph, optimizer)
+    trainer = Trainer(graph, optimizer, updates=updates)
     say("compiling the training step (once for every length)")
     trainer.compile()
     say(f"blade_relax: {steps} steps")
@@ -194,6 +198,7 @@ def compare_training(
             "optimizer": type(optimizer).__name__,
             "lr": optimizer.lr,
             "seed": seed,
+            "updates": updates,
             "data": _data_description(sizes, sft, padding_side),
         },
     )

@@ -105,6 +105,14 @@ def add_train_arguments(subparsers: Any) -> None:
         "state sharded (ZeRO-2), each rank a block of the --batch rows; under torchrun, give "
         "its --nproc-per-node (default: 1, one process)",
     )
+    train.add_argument(
+        "--updates",
+        choices=("end", "early", "auto"),
+        default="end",
+        help="where blade_relax's step applies the optimizer's updates: after the backward "
+        "pass (end), each where its gradient is complete (early), or per batch the one whose "
+        "predicted peak is lower (auto: both compiled) (default: end)",
+    )
     train.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     train.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: 1e-3)")
     train.add_argument("--seed", type=int, default=0, help="seed of init, trace and tokens")
@@ -189,6 +197,7 @@ def run_train(args: argparse.Namespace) -> int:
         sft=sft,
         lora=args.lora,
         padding_side=args.padding,
+        updates=args.updates,
         progress=not args.no_progress,
         log=progress,
     )
@@ -229,7 +238,8 @@ def _print_training(args: argparse.Namespace, result: Any, budget: float | None,
     if sft:
         print(f"batches: {result.settings['data']}")
     print(
-        f"blade_relax: {ours.compilations} compilation ({ours.compile_time_s:.1f} s)"
+        f"blade_relax: {ours.compilations} compilation{'s' if ours.compilations != 1 else ''} "
+        f"({ours.compile_time_s:.1f} s)"
         + (f", budget {budget:g} x each step's own peak" if budget is not None else "")
     )
     print(

@@ -85,7 +85,7 @@ def _run_rank(args: argparse.Namespace, sizes: Any, workload: str, optimizer: An
         sft = args.sft or args.lora
         _lengths, trace, batches = training_batches(sizes, args.steps, sft, args.padding, args.seed)
         graph = _graph(args, sizes, workload)
-        trainer = DataParallelTrainer(graph, optimizer)
+        trainer = DataParallelTrainer(graph, optimizer, updates=args.updates)
         trainer.compile()
         history = trainer.fit(batches, args.steps, progress=rank == 0 and not args.no_progress)
         predicted = [
