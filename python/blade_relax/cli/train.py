@@ -125,6 +125,11 @@ def add_train_arguments(subparsers: Any) -> None:
         help="also run PyTorch's loop with Hugging Face gradient checkpointing "
         "(and compiled, with --torch-compile)",
     )
+    _add_output_arguments(train)
+
+
+def _add_output_arguments(train: Any) -> None:
+    """What ``train`` writes and shows: the plot, the JSON, the progress bar, and --force."""
     train.add_argument(
         "--plot",
         default=DEFAULT_TRAIN_PLOT,
