@@ -167,19 +167,22 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank(rank: int, world: int, port: int, queue) -> None:
+def _rank(rank: int, world: int, port: int, queue, updates: str = "end") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        trainer = DataParallelTrainer(_graph(), _adamw())
+        trainer = DataParallelTrainer(_graph(), _adamw(), updates=updates)
         history = trainer.fit(_batches(), progress=False)
-        predicted = [
-            trainer.predicted_peak({"b": stop - start, "s": s})
-            for s in LENGTHS
-            for start, stop in [owned_rows(3, world, rank)]
-        ]
+        if updates == "auto":
+            predicted = [trainer.predicted_batch_peak(batch) for batch in _batches()]
+        else:
+            predicted = [
+                trainer.predicted_peak({"b": stop - start, "s": s})
+                for s in LENGTHS
+                for start, stop in [owned_rows(3, world, rank)]
+            ]
         queue.put(
             (
                 rank,
@@ -188,24 +191,30 @@ def _rank(rank: int, world: int, port: int, queue) -> None:
                 predicted,
                 trainer.parameters(),
                 trainer.full_state(),
+                [record.updates for record in history.records],
             )
         )
     finally:
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def two_ranks():
+def _run_two_ranks(updates: str) -> list[tuple]:
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, 2, port, queue, updates)) for r in range(2)]
     for proc in procs:
         proc.start()
     results = sorted(queue.get(timeout=600) for _ in procs)
     for proc in procs:
         proc.join(timeout=60)
         assert proc.exitcode == 0
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    results = _run_two_ranks("end")
     single = Trainer(_graph(), _adamw())
     history = single.fit(_batches(), progress=False)
     return results, single, history
@@ -213,7 +222,7 @@ def two_ranks():
 
 def test_two_ranks_train_as_one_process(two_ranks):
     results, single, history = two_ranks
-    for _rank_id, losses, _peaks, _predicted, params, state in results:
+    for _rank_id, losses, _peaks, _predicted, params, state, _updates in results:
         np.testing.assert_allclose(losses, history.losses, rtol=1e-6)
         # The gradients are summed in another order than in one process: equal to rounding.
         for got, want in zip([*params, *state], [*single.parameters(), *single.state()]):
@@ -223,9 +232,23 @@ def test_two_ranks_train_as_one_process(two_ranks):
 
 def test_each_rank_peaks_as_predicted_and_below_one_process(two_ranks):
     results, _single, history = two_ranks
-    for _rank_id, _losses, peaks, predicted, _params, _state in results:
+    for _rank_id, _losses, peaks, predicted, _params, _state, _updates in results:
         assert peaks == predicted
         assert all(ours < one for ours, one in zip(peaks, history.peaks))
+
+
+def test_ranks_with_auto_updates_run_one_program_per_step(two_ranks):
+    """``updates="auto"`` with rows split 2 / 1: every rank runs the placement chosen for rank
+    0's rows (their collectives must match), peaks as predicted, and trains as one process."""
+    results = _run_two_ranks("auto")
+    _single, _trainer, history = two_ranks
+    (
+        (_, losses0, peaks0, predicted0, *_rest0, updates0),
+        (_, _, peaks1, predicted1, *_, updates1),
+    ) = results
+    assert updates0 == updates1 and set(updates0) <= {"end", "early"}
+    assert peaks0 == predicted0 and peaks1 == predicted1
+    np.testing.assert_allclose(losses0, history.losses, rtol=1e-6)
 
 
 def test_collectives_need_a_process_group():

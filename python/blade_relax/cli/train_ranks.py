@@ -9,8 +9,9 @@ batch axis, and trains it with :class:`~blade_relax.training.data_parallel.DataP
 on the same global batches: its block of rows, the optimizer state sharded. Rank 0 then runs
 PyTorch's single-process loop on the whole batches (the reference the losses are checked
 against, as ``train`` does), and prints, per length, each rank's measured peak, the largest
-difference of a rank's predicted peak (:meth:`~blade_relax.training.Trainer.predicted_peak`)
-to its measured one, and the single-process PyTorch peak.
+difference of a rank's predicted peak
+(:meth:`~blade_relax.training.data_parallel.DataParallelTrainer.predicted_batch_peak`) to its
+measured one, and the single-process PyTorch peak.
 """
 
 from __future__ import annotations
@@ -88,10 +89,7 @@ def _run_rank(args: argparse.Namespace, sizes: Any, workload: str, optimizer: An
         trainer = DataParallelTrainer(graph, optimizer, updates=args.updates)
         trainer.compile()
         history = trainer.fit(batches, args.steps, progress=rank == 0 and not args.no_progress)
-        predicted = [
-            trainer.predicted_peak(trainer.local_batch(batch).dims)
-            for batch in batches[: args.steps]
-        ]
+        predicted = [trainer.predicted_batch_peak(batch) for batch in batches[: args.steps]]
         peaks = [(r.peak_bytes, p) for r, p in zip(history.records, predicted)]
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, peaks)

@@ -101,6 +101,9 @@ class LocalBatch(NamedTuple):
     dims: dict[str, int]
     #: The rank's share of the batch's loss (:func:`rank_weights`).
     weight: float
+    #: The dims every rank chooses its step by: rank 0's rows (the most), the same on every
+    #: rank, since all must run one program (its collectives must match).
+    common_dims: dict[str, int]
 
 
 def _group_device() -> Any:
@@ -160,9 +163,19 @@ class DataParallelTrainer(Trainer):
         arrays = as_batch(self.graph, batch)
         check_batch(self.graph, arrays)
         weights = rank_weights(self.graph.input_names, arrays, self.world_size)
-        start, stop = owned_rows(int(arrays[0].shape[0]), self.world_size, self.rank)
+        rows = int(arrays[0].shape[0])
+        start, stop = owned_rows(rows, self.world_size, self.rank)
         local = [np.ascontiguousarray(a[start:stop]) for a in arrays]
-        return LocalBatch(local, check_batch(self.graph, local), weights[self.rank])
+        first, last = owned_rows(rows, self.world_size, 0)
+        common = check_batch(self.graph, [a[first:last] for a in arrays])
+        return LocalBatch(local, check_batch(self.graph, local), weights[self.rank], common)
+
+    def predicted_batch_peak(self, batch: Any) -> int:
+        """This rank's full-step peak on the global ``batch``, predicted (see
+        :meth:`Trainer.predicted_peak`): at its own rows, by the step every rank runs."""
+        local = self.local_batch(batch)
+        placement = self.placement_for(local.common_dims)
+        return self.predicted_peaks(local.dims)[placement]
 
     def step(self, batch: Any, budget: int | float | None = None) -> StepRecord:
         """Run one step on this rank's rows of the global ``batch``; the record's loss is the
@@ -173,7 +186,11 @@ class DataParallelTrainer(Trainer):
         import torch.distributed as dist
 
         local = self.local_batch(batch)
-        record = self._run(local.arrays, local.dims, [local.weight, self.shard_rank], budget)
+        # With updates="auto" every rank runs the placement chosen for the same dims.
+        placement = self.placement_for(local.common_dims)
+        record = self._run(
+            local.arrays, local.dims, [local.weight, self.shard_rank], budget, placement
+        )
         loss = torch.tensor(
             [record.loss * local.weight], dtype=torch.float64, device=_group_device()
         )

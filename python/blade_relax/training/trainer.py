@@ -593,8 +593,10 @@ class Trainer:
         dims: Mapping[str, int],
         extra_args: Sequence[Any],
         budget: int | float | None,
+        placement: str | None = None,
     ) -> StepRecord:
-        """Run the step on checked ``arrays``, with ``extra_args`` after the scalars."""
+        """Run the step on checked ``arrays``, with ``extra_args`` after the scalars, by the
+        step of ``placement`` (by default :meth:`placement_for` the dims)."""
         from ..runtime import (
             RematBudgetWarning,
             last_remat_decision,
@@ -604,7 +606,7 @@ class Trainer:
 
         absolute, relative = _split_budget(budget)
         self.compile()
-        placement = self.placement_for(dims)
+        placement = placement if placement is not None else self.placement_for(dims)
         executable, workspaces = self._compiled_step(placement)
         step = self.steps_done + 1
         scalars = tvm.runtime.tensor(self.optimizer.scalars(step), self.device)
