@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
+import numpy as np
 import pytest
 import tvm
 from tvm import relax
@@ -20,6 +21,7 @@ from blade_relax.pipeline import (
     check_tvm_phases,
     get_pipeline,
     lower_to_memory_stage,
+    pipeline_keeping_memory_stage,
     pipeline_phases,
     stock_pipeline,
 )
@@ -164,6 +166,28 @@ def test_all_passes_off_is_tvm_default_pipeline_structurally():
     with target:
         expected_memory = tvm.transform.Sequential(tvm_passes[:cut])(Small)
     tvm.ir.assert_structural_equal(lower_to_memory_stage(Small, target), expected_memory)
+
+
+@pytest.mark.parametrize("flags", [{}, {"check_dims": False, "remat": False}])
+def test_a_compilation_keeps_the_memory_stage_that_lowering_gives(flags):
+    """``pipeline_keeping_memory_stage``: the executable of ``get_pipeline`` and, kept on the
+    way, the module ``lower_to_memory_stage`` gives with the same flags."""
+    target = tvm.target.Target("llvm")
+    kept: list[tvm.IRModule] = []
+    exe = tvm.compile(
+        Small, target, relax_pipeline=pipeline_keeping_memory_stage(target, kept, **flags)
+    )
+    every = {f.name: getattr(PipelineFlags(), f.name) for f in dataclasses.fields(PipelineFlags)}
+    (stage,) = kept
+    tvm.ir.assert_structural_equal(
+        stage, lower_to_memory_stage(Small, target, **{**every, **flags})
+    )
+    x = np.random.default_rng(0).standard_normal((5, 64)).astype("float32")
+    w = np.random.default_rng(1).standard_normal((64, 32)).astype("float32")
+    vm = relax.VirtualMachine(exe, tvm.cpu())
+    got = vm["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(w)).numpy()
+    want = np.maximum(x @ w, 0).sum(1) + np.exp(x).sum(1)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
 def test_unplanned_stock_pipeline_leaves_out_only_static_planning():

@@ -572,6 +572,27 @@ def get_pipeline(
     return _as_pipeline("blade_relax_pipeline", tgt, _phases(tgt, PipelineFlags.of(values)))
 
 
+def pipeline_keeping_memory_stage(
+    target: str | dict | tvm.target.Target, kept: list[tvm.ir.IRModule], **flags: Any
+) -> tvm.transform.Pass:
+    """:func:`get_pipeline` with ``flags`` that also appends to ``kept`` the module as it
+    enters the ``vm_lower`` phase: what :func:`lower_to_memory_stage` gives with the same
+    flags, read by :func:`~blade_relax.analysis.memory_timeline`, from the compilation itself
+    (lowering a large step a second time to predict its peaks takes minutes)."""
+    tgt = as_target(target)
+    phases = _phases(tgt, PipelineFlags.of(flags))
+
+    @tvm.transform.module_pass(opt_level=0, name="KeepMemoryStage")
+    def keep(mod: tvm.ir.IRModule, _ctx: tvm.transform.PassContext) -> tvm.ir.IRModule:
+        kept.append(mod)
+        return mod
+
+    vm_lower = phases.pop("vm_lower")
+    return _as_pipeline(
+        "blade_relax_pipeline", tgt, {**phases, "memory_stage": [keep], "vm_lower": vm_lower}
+    )
+
+
 def stock_pipeline(
     target: str | dict | tvm.target.Target = "llvm",
     *,

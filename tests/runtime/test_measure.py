@@ -256,6 +256,36 @@ def test_measure_call_does_not_count_the_vms_previous_result(two_adds):
     assert memory_stats()["live_bytes"] == first.live_before
 
 
+def test_measure_call_releases_storage_only_a_reference_cycle_holds(two_adds, monkeypatch):
+    """Rule 1: a VM result that only a reference cycle holds is collected before the call, so
+    it is not in ``live_before``; a collection runs only while counted bytes are live (with
+    none, it could change no figure, and it walks every object of the process)."""
+    import gc
+
+    n = 11
+    vm = relax.VirtualMachine(two_adds, tvm.cpu())
+    cycle: list = [vm["main"](tvm.runtime.tensor(_rows(n))), vm]
+    cycle.append(cycle)
+    collections = []
+    collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *args: collections.append(args) or collect(*args))
+    gc.disable()  # no collection but measure_call's own
+    try:
+        held = memory_stats()["live_bytes"]
+        del vm, cycle
+        assert memory_stats()["live_bytes"] == held  # the cycle still holds the result
+        m = measure_call(two_adds, [_rows(n)])
+        assert collections == [()]
+        assert m.live_before == held - 16 * n  # the result, collected
+        assert m.peak_bytes == _two_adds_peak(n)
+        live = memory_stats()
+        again = measure_call(two_adds, [_rows(n)])
+        assert len(collections) == 1 + (live["live_bytes"] > 0 or live["host_bytes"] > 0)
+        assert again.live_before == m.live_before
+    finally:
+        gc.enable()
+
+
 def test_measure_call_counts_workspaces_and_runs_the_callers_instrument():
     exe = tvm.compile(TwoKernels, "llvm")
     n = 30

@@ -174,6 +174,15 @@ def _rank(rank: int, world: int, port: int, queue, updates: str = "end") -> None
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         trainer = DataParallelTrainer(_graph(), _adamw(), updates=updates)
+        # Rank 1's one row counts no target: every rank refuses the batch, none waits in a
+        # collective, and nothing changes (the training below still matches one process).
+        empty_rank = _batches()[0]
+        empty_rank["labels"][2] = -100
+        try:
+            trainer.step(empty_rank)
+            refused = ""
+        except ValueError as err:
+            refused = str(err)
         history = trainer.fit(_batches(), progress=False)
         if updates == "auto":
             predicted = [trainer.predicted_batch_peak(batch) for batch in _batches()]
@@ -192,6 +201,7 @@ def _rank(rank: int, world: int, port: int, queue, updates: str = "end") -> None
                 trainer.parameters(),
                 trainer.full_state(),
                 [record.updates for record in history.records],
+                refused,
             )
         )
     finally:
@@ -222,7 +232,7 @@ def two_ranks():
 
 def test_two_ranks_train_as_one_process(two_ranks):
     results, single, history = two_ranks
-    for _rank_id, losses, _peaks, _predicted, params, state, _updates in results:
+    for _rank_id, losses, _peaks, _predicted, params, state, _updates, _refused in results:
         np.testing.assert_allclose(losses, history.losses, rtol=1e-6)
         # The gradients are summed in another order than in one process: equal to rounding.
         for got, want in zip([*params, *state], [*single.parameters(), *single.state()]):
@@ -232,19 +242,27 @@ def test_two_ranks_train_as_one_process(two_ranks):
 
 def test_each_rank_peaks_as_predicted_and_below_one_process(two_ranks):
     results, _single, history = two_ranks
-    for _rank_id, _losses, peaks, predicted, _params, _state, _updates in results:
+    for _rank_id, _losses, peaks, predicted, _params, _state, _updates, _refused in results:
         assert peaks == predicted
         assert all(ours < one for ours, one in zip(peaks, history.peaks))
+
+
+def test_every_rank_refuses_a_batch_whose_rows_leave_one_rank_no_target(two_ranks):
+    results, _single, _history = two_ranks
+    messages = {result[-1] for result in results}
+    assert len(messages) == 1
+    (message,) = messages
+    assert message.startswith("rank 1's rows 2:3 of the batch count no target"), message
 
 
 def test_ranks_with_auto_updates_run_one_program_per_step(two_ranks):
     """``updates="auto"`` with rows split 2 / 1: every rank runs the placement chosen for rank
     0's rows (their collectives must match), peaks as predicted, and trains as one process."""
     results = _run_two_ranks("auto")
-    _single, _trainer, history = two_ranks
+    _end, _single, history = two_ranks
     (
-        (_, losses0, peaks0, predicted0, *_rest0, updates0),
-        (_, _, peaks1, predicted1, *_, updates1),
+        (_, losses0, peaks0, predicted0, *_rest0, updates0, _),
+        (_, _, peaks1, predicted1, *_, updates1, _),
     ) = results
     assert updates0 == updates1 and set(updates0) <= {"end", "early"}
     assert peaks0 == predicted0 and peaks1 == predicted1

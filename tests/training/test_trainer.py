@@ -394,11 +394,19 @@ def test_fit_function_with_sgd_and_a_schedule_matches_torch():
         assert _rel_norm(got, want) <= 1e-5
 
 
-def test_auto_updates_run_the_placement_predicted_lower_at_each_length(graph, run):
+def test_auto_updates_run_the_placement_predicted_lower_at_each_length(graph, run, monkeypatch):
     """``updates="auto"``: both placements compiled, each batch run by the one whose predicted
     peak is lower at its length (here the end up to 7 tokens, early beyond); the same losses
-    and parameters as updates at the end, and each step's peak the lower prediction."""
+    and parameters as updates at the end, and each step's peak the lower prediction. The
+    predictions read the memory stage each compilation kept: no step is lowered again."""
+    from blade_relax.training import step_peak
+
+    def lowered_again(*_args, **_kwargs):
+        raise AssertionError("a compiled step was lowered again to predict its peak")
+
     trainer = Trainer(graph, _adamw(), updates="auto")
+    trainer.compile()
+    monkeypatch.setattr(step_peak, "lower_step", lowered_again)
     assert set(trainer.steps_ir) == {"end", "early"}
     history = trainer.fit(_ids(LENGTHS), progress=False)
     assert history.compilations == 2

@@ -8,7 +8,10 @@ it is built on, for callers that run the call themselves.
 The rules, in the order they apply:
 
 1. Garbage is collected first (``collect_garbage``): tensors of earlier calls that only a
-   reference cycle still holds would count as live bytes of this one.
+   reference cycle still holds would count as live bytes of this one. Only when the thread
+   holds counted bytes (storage or host copies) at all: a full collection walks every object
+   of the process (0.2 s once TVM is imported), and with nothing counted alive there is
+   nothing it could release that the figures would see.
 2. Given an executable, the call runs on a fresh VM, dropped once the outputs are
    converted. A Relax VM keeps the value it returned last alive until its next call
    *returns* (``return_value_`` in TVM's ``vm.cc``), so a reused VM enters the call with
@@ -222,6 +225,12 @@ class CallMeasurement:
     stats: Mapping[str, Any] = field(default_factory=dict)
 
 
+def _holds_counted_bytes() -> bool:
+    """Whether this thread holds storage or host copies the accounting counts (rule 1)."""
+    stats = memory_stats()
+    return stats["live_bytes"] > 0 or stats["host_bytes"] > 0
+
+
 def measure_call(
     vm: Any,
     args: Sequence[Any],
@@ -267,7 +276,7 @@ def measure_call(
         Applied to the result before a fresh VM is dropped (default: numpy arrays, tuples as
         lists); ``None`` drops the result.
     collect_garbage
-        Run ``gc.collect()`` first (rule 1).
+        Run ``gc.collect()`` first, where it could change a figure (rule 1).
     record_warnings
         Catch every warning the call raises (none is shown) into ``recorded_warnings``, and
         count the :class:`~blade_relax.runtime.RematBudgetWarning` among them; otherwise
@@ -283,7 +292,7 @@ def measure_call(
     if budget is not None and runtime_budget is not None:
         raise ValueError("measure_call: give budget or runtime_budget, not both")
     device = device if device is not None else tvm.cpu()
-    if collect_garbage:
+    if collect_garbage and _holds_counted_bytes():
         gc.collect()
     if not isinstance(vm, relax.VirtualMachine):
         vm = relax.VirtualMachine(vm, device)

@@ -159,16 +159,35 @@ class DataParallelTrainer(Trainer):
 
     def local_batch(self, batch: Any) -> LocalBatch:
         """This rank's rows of the global ``batch`` (checked first), their dims and the rank's
-        share of the loss."""
+        share of the loss.
+
+        Every rank checks the whole batch, so a bad one is refused on every rank alike, before
+        any collective (a rank that raised alone would leave the others waiting in one).
+
+        Raises
+        ------
+        ValueError
+            Besides :func:`~.trainer.check_batch`'s errors, when some rank's rows count no
+            target (every label ``-100`` after the shift): its step's mean loss would be 0 / 0.
+        """
         arrays = as_batch(self.graph, batch)
         check_batch(self.graph, arrays)
         weights = rank_weights(self.graph.input_names, arrays, self.world_size)
         rows = int(arrays[0].shape[0])
+        empty = [r for r, weight in enumerate(weights) if weight == 0]
+        if empty:
+            start, stop = owned_rows(rows, self.world_size, empty[0])
+            raise ValueError(
+                f"rank {empty[0]}'s rows {start}:{stop} of the batch count no target (every "
+                f"label {IGNORE_INDEX} after the first position): each rank's step needs one; "
+                "mix such rows with others or give fewer ranks"
+            )
+        # The global batch is checked: its rows need their dims only.
         start, stop = owned_rows(rows, self.world_size, self.rank)
         local = [np.ascontiguousarray(a[start:stop]) for a in arrays]
         first, last = owned_rows(rows, self.world_size, 0)
-        common = check_batch(self.graph, [a[first:last] for a in arrays])
-        return LocalBatch(local, check_batch(self.graph, local), weights[self.rank], common)
+        common = self.graph.bind_dims([a[first:last] for a in arrays])
+        return LocalBatch(local, self.graph.bind_dims(local), weights[self.rank], common)
 
     def predicted_batch_peak(self, batch: Any) -> int:
         """This rank's full-step peak on the global ``batch``, predicted (see

@@ -418,8 +418,8 @@ class Trainer:
         predicted peak (:meth:`predicted_peak`, without a budget) is lower at its sizes (the
         updates at the end on a tie). Neither is lower at every length: an early update frees
         its gradient at once, but stops values that read its parameter from being recomputed.
-        It compiles twice and lowers each step once more to predict; it needs the default
-        pipeline.
+        It compiles twice (the predictions read the memory stage each compilation keeps); it
+        needs the default pipeline.
     """
 
     def __init__(
@@ -456,6 +456,8 @@ class Trainer:
         # Per placement: the compiled step and its kernels' workspaces.
         self._compiled: dict[str, Any] = {}
         self._choices: dict[tuple[tuple[str, int], ...], str] = {}
+        # Per placement: its step lowered to the memory stage, for predicted_peaks.
+        self._memory_stages: dict[str, Any] = {}
         self.compilations = 0
         self.compile_time_s = 0.0
         self.steps_done = 0
@@ -492,13 +494,18 @@ class Trainer:
         if not missing:
             return
         from ..analysis.workspace import compile_keeping_module
-        from ..pipeline import get_pipeline
+        from ..pipeline import pipeline_keeping_memory_stage
 
-        pipeline = self.pipeline if self.pipeline is not None else get_pipeline(self.target)
         start = time.perf_counter()
         for placement in missing:
             step = self.steps_ir[placement]
+            pipeline, kept = self.pipeline, []
+            if pipeline is None:
+                # The default pipeline's memory stage is what predicted_peaks reads.
+                pipeline = pipeline_keeping_memory_stage(self.target, kept)
             self._compiled[placement] = compile_keeping_module(step.mod, self.target, pipeline)
+            if kept:
+                self._memory_stages.setdefault(placement, kept[-1])
             self.compilations += 1
         self.compile_time_s = time.perf_counter() - start
         if default in missing:
@@ -549,13 +556,12 @@ class Trainer:
 
         if self.pipeline is not None:
             raise ValueError("predicted_peak reads the default pipeline; this trainer has its own")
-        lowered = self.__dict__.setdefault("_memory_stages", {})
         peaks = {}
         for placement, step in self.steps_ir.items():
-            if placement not in lowered:
-                lowered[placement] = lower_step(step, self.target)
+            if placement not in self._memory_stages:
+                self._memory_stages[placement] = lower_step(step, self.target)
             peaks[placement] = predicted_step_peak(
-                step, dims, self.target, lowered=lowered[placement]
+                step, dims, self.target, lowered=self._memory_stages[placement]
             )
         return peaks
 
