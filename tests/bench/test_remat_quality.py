@@ -26,15 +26,13 @@ def test_bad_input_exits_2_with_one_line(argv, message, capsys):
 
 def test_mlp_train_report(tmp_path, capsys):
     out = tmp_path / "quality.json"
-    argv = ["--workloads", "mlp-train", "--lengths", "192", "--json", str(out)]
+    argv = ["--workloads", "mlp-train", "--lengths", "256", "--json", str(out)]
     assert remat_quality.main(argv) == 0
     printed = capsys.readouterr().out
-    assert "| mlp-train | 192 |" in printed and "runtime peak / optimum" in printed
+    assert "| mlp-train | 256 |" in printed and "runtime peak / optimum" in printed
     (row,) = json.loads(out.read_text())
     assert row["floor"] <= row["minimum"] <= row["unbudgeted"]
-    # At s = 192 evictions lower the peak (from s = 194 on, the order of the schedule's middle
-    # range is at the floor already: nothing is left for them to lower).
-    assert row["minimum"] < row["unbudgeted"]
+    assert row["minimum"] < row["unbudgeted"]  # at s = 256 evictions lower the peak
     assert row["minimum_bitwise_equal"]
     assert row["budgets"], "the budgets between 1.05 x floor and the peak were measured"
     for budget in row["budgets"]:

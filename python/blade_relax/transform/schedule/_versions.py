@@ -30,7 +30,6 @@ they lower the peak.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -99,31 +98,43 @@ def choose_ranges(
 
     ``values`` is the dim's value at each acceptance point of the pool. A range's score is the
     lowest worst-case ratio to the reference that one order of the pool reaches on the range's
-    points (:func:`_best`). Ranges are cut, at point values, while a cut lowers the worst score
-    on one of the parts by more than ``min_gain`` (the range's order scored on that part's
-    points against the part's own best) and fewer than ``max_versions`` ranges exist; the cut
-    with the largest gain is taken first (then the lowest mean ratio). A range is cut in two;
-    in three when no cut in two pays and two more ranges are allowed: an order that wins only
-    between two lengths wins neither part of a cut in two, since each holds lengths where
-    another order is better.
+    points (:func:`_best`). Ranges are split in two, at a point value, while a split lowers the
+    worst score on one side by more than ``min_gain`` (the range's order scored on that side's
+    points against the side's own best) and fewer than ``max_versions`` ranges exist; the split
+    with the largest gain is taken first (then the lowest mean ratio).
 
     Between two acceptance points nothing is known; with ``peaks_at(name, dim_values)``
     (the peaks of a pool order at other values of the dim) each boundary is then moved to the
     last value, before the next acceptance point, where the left range's order is still no
-    worse than the right range's. Returns one range (the whole one) when no cut pays.
+    worse than the right range's. Returns one range (the whole one) when no split pays.
     """
     vals = np.asarray(values, dtype=np.int64)
     segments: list[tuple[int, int | None, np.ndarray]] = [(lower, upper, np.arange(vals.size))]
     while len(segments) < max_versions:
-        best = _best_cut(pool, vals, segments, min_gain, 1)
-        if best is None and len(segments) + 2 <= max_versions:
-            best = _best_cut(pool, vals, segments, min_gain, 2)
+        best = None
+        for i, (_, _, pts) in enumerate(segments):
+            current = _best(pool, pts)[2]
+            for t in np.unique(vals[pts])[:-1]:
+                left, right = pts[vals[pts] <= t], pts[vals[pts] > t]
+                (wl, ml, _), (wr, mr, _) = _best(pool, left), _best(pool, right)
+                # What the split gives the lengths of either side: the current order's worst
+                # ratio there over the side's own best (a gain on one side is not hidden by
+                # the other side's worse points).
+                gain = (
+                    max(
+                        pool.rank_key(current, left)[1] / wl,
+                        pool.rank_key(current, right)[1] / wr,
+                    )
+                    - 1.0
+                )
+                key = (-round(gain, 9), (ml * left.size + mr * right.size) / pts.size)
+                if gain > min_gain and (best is None or key < best[0]):
+                    best = (key, i, int(t), left, right)
         if best is None:
             break
-        i, cuts, parts = best
+        _, i, t, left, right = best
         lo, hi, _ = segments[i]
-        lows, highs = [lo, *(t + 1 for t in cuts)], [*cuts, hi]
-        segments[i : i + 1] = list(zip(lows, highs, parts))
+        segments[i : i + 1] = [(lo, t, left), (t + 1, hi, right)]
     if peaks_at is not None:
         for i in range(len(segments) - 1):
             lo, t, left = segments[i]
@@ -133,34 +144,6 @@ def choose_ranges(
             segments[i] = (lo, moved, left)
             segments[i + 1] = (moved + 1, hi, right)
     return [DimRange(dim, lo, hi) for lo, hi, _ in segments]
-
-
-def _best_cut(
-    pool: Pool,
-    vals: np.ndarray,
-    segments: list[tuple[int, int | None, np.ndarray]],
-    min_gain: float,
-    cuts: int,
-) -> tuple[int, tuple[int, ...], list[np.ndarray]] | None:
-    """The cut of one segment at ``cuts`` point values that gains most (see
-    :func:`choose_ranges`): the segment's index, the last value of each part but the last, and
-    the parts' points; None when no cut gains more than ``min_gain``."""
-    best = None
-    for i, (_, _, pts) in enumerate(segments):
-        current = _best(pool, pts)[2]
-        for ts in itertools.combinations(np.unique(vals[pts])[:-1].tolist(), cuts):
-            edges = [-np.inf, *ts, np.inf]
-            parts = [pts[(vals[pts] > a) & (vals[pts] <= b)] for a, b in zip(edges, edges[1:])]
-            scores = [_best(pool, part) for part in parts]
-            # What the cut gives the lengths of each part: the current order's worst ratio there
-            # over the part's own best (a gain on one part is not hidden by another's points).
-            gain = max(pool.rank_key(current, p)[1] / w for p, (w, _, _) in zip(parts, scores))
-            gain -= 1.0
-            mean = sum(m * p.size for p, (_, m, _) in zip(parts, scores)) / pts.size
-            key = (-round(gain, 9), mean)
-            if gain > min_gain and (best is None or key < best[0]):
-                best = (key, i, tuple(int(t) for t in ts), parts)
-    return None if best is None else best[1:]
 
 
 def _crossover(
