@@ -409,7 +409,12 @@ def test_demo_tells_the_story_and_writes_its_plot(tmp_path, capsys):
     assert int(budget[7]) > 0 and int(budget[8]) >= int(budget[7])
     budget_bytes = int(budget[2].split()[0].replace(",", ""))
     assert budget_bytes == int(0.9 * peak["b"]) and peak["g"] <= budget_bytes
-    assert budget[2].endswith("met") and budget[9] == "identical"
+    assert budget[2].endswith("met")
+    # The GEMMs run on ATen's BLAS: the outputs agree with stock TVM's to rounding.
+    for row in (blade, budget):
+        assert (
+            row[9] == "identical" or float(row[9].removeprefix("rel err ")) <= cli_demo.OUTPUT_RTOL
+        )
     # Progress lines went to stderr, not into the table: one per run.
     assert "... compiling" in err and "... compiling" not in out
     for step in ("[1/3]: stock TVM", "[2/3]: blade_relax", "[3/3]: blade_relax under a budget"):

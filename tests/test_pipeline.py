@@ -230,6 +230,8 @@ def test_our_passes_are_placed_by_phase():
         "LowerAllocTensor",
         "KillAfterLastUse",
         "RematTimeline",
+        "DispatchGemm",
+        "ExpandMathIntrinsics",  # it changes nothing on "llvm", which names no CPU
         "LowerRuntimeBuiltin",
         "ComputePrimValue",
     ]
@@ -247,16 +249,21 @@ def test_our_passes_are_placed_by_phase():
     assert cuda.index("PlanMemory") < cuda.index("RewriteCUDAGraph")
 
 
-def test_gemm_dispatch_is_an_option():
-    assert "DispatchGemm" not in _all_names(pipeline_phases("llvm"))
-    phases = pipeline_phases("llvm", dispatch_gemm=True)
+def test_gemm_dispatch_is_on_by_default_and_can_be_turned_off():
+    assert "DispatchGemm" not in _all_names(pipeline_phases("llvm", dispatch_gemm=False))
+    phases = pipeline_phases("llvm")
     finalize = _names(phases["finalize"])
     assert finalize.index("DispatchGemm") == finalize.index("RematTimeline") + 1
-    assert finalize[-3:] == ["DispatchGemm", "LowerRuntimeBuiltin", "ComputePrimValue"]
+    assert finalize[-4:] == [
+        "DispatchGemm",
+        "ExpandMathIntrinsics",
+        "LowerRuntimeBuiltin",
+        "ComputePrimValue",
+    ]
     assert _all_names(phases).count("DispatchGemm") == 1
     assert "MarkGemmKernels" not in _all_names(phases)
     # On CUDA the kernels are marked before dlight schedules them, dispatched at the same place.
-    cuda = pipeline_phases(CUDA, dispatch_gemm=True)
+    cuda = pipeline_phases(CUDA)
     legalize = _names(cuda["legalize"])
     assert legalize.index("MarkGemmKernels") == legalize.index("ApplyDefaultSchedule") - 1
     assert _names(cuda["finalize"])[-3:] == [
@@ -264,7 +271,7 @@ def test_gemm_dispatch_is_an_option():
         "LowerRuntimeBuiltin",
         "ComputePrimValue",
     ]
-    assert "MarkGemmKernels" not in _all_names(pipeline_phases(CUDA))
+    assert "MarkGemmKernels" not in _all_names(pipeline_phases(CUDA, dispatch_gemm=False))
 
 
 def test_stages_compose_and_reject_bad_names():

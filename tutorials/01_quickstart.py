@@ -95,10 +95,13 @@ def measured_peak(exe, dims):
     return peak, outputs
 
 
-print(f"{'b':>6} {'stock peak':>12} {'blade_relax':>12} {'ratio':>6}  same loss")
+# The losses agree to rounding: our pipeline runs the GEMMs on ATen's BLAS, which sums in
+# another order than TVM's kernels (``dispatch_gemm=False`` keeps those, bit for bit).
+print(f"{'b':>6} {'stock peak':>12} {'blade_relax':>12} {'ratio':>6}  loss rel. diff")
 for batch in (16, 128, 1024):
     stock_peak, stock_out = measured_peak(stock, {"b": batch})
     our_peak, our_out = measured_peak(ours, {"b": batch})
-    same = float(stock_out[0].numpy()) == float(our_out[0].numpy())
-    print(f"{batch:>6} {stock_peak:>12,} {our_peak:>12,} {our_peak / stock_peak:>6.2f}  {same}")
-    assert same and our_peak <= stock_peak
+    stock_loss, our_loss = float(stock_out[0].numpy()), float(our_out[0].numpy())
+    diff = abs(our_loss - stock_loss) / abs(stock_loss)
+    print(f"{batch:>6} {stock_peak:>12,} {our_peak:>12,} {our_peak / stock_peak:>6.2f}  {diff:.1e}")
+    assert diff <= 1e-5 and our_peak <= stock_peak

@@ -72,6 +72,8 @@ with tvm.transform.PassContext(opt_level=3, disabled_pass=["Rematerialize"]):
 ######################################################################
 # All three executables compute the same thing
 # --------------------------------------------
+# To rounding: the registered pipeline runs the GEMMs on ATen's BLAS (``DispatchGemm``, on by
+# default), the two others, built with the memory passes alone, on TVM's kernels.
 import numpy as np  # noqa: E402
 
 args = [tvm.runtime.tensor(a) for a in random_arguments(mod["main"], {"s": 48})]
@@ -79,6 +81,7 @@ results = [
     relax.VirtualMachine(e, tvm.cpu())["main"](*args).numpy()
     for e in (exe, exe_custom, exe_no_remat)
 ]
+np.testing.assert_array_equal(results[1], results[2])
 for r in results[1:]:
-    np.testing.assert_array_equal(results[0], r)
-print("outputs identical across the three pipelines")
+    np.testing.assert_allclose(results[0], r, rtol=1e-5, atol=1e-5)
+print("outputs agree across the three pipelines")

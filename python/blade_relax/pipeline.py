@@ -17,19 +17,20 @@ Where each pass runs, and why there:
 * ``CloneGeneratedTensors`` runs after it, still on high-level ops: a tensor computed from
   inputs alone (a causal mask, a one-hot) is built again before each later reader, so that
   ``FuseOps`` fuses it into every reader instead of keeping one copy live across the layers.
-* ``DispatchGemm`` (off by default; ``dispatch_gemm=True``) runs last in the memory stage,
-  after ``KillAfterLastUse`` and ``RematTimeline``: the kernels that are a GEMM become calls of
-  ATen's GEMMs with the same arguments (on a CPU, a GEMM fused with an elementwise tail too:
-  the GEMM into the kernel's output, then the tail in place), once every memory decision was
-  taken on TVM's kernels, so no peak rises (see dispatch_gemm.py). On CUDA targets
+* ``DispatchGemm`` (on by default; ``dispatch_gemm=False`` keeps TVM's kernels, bit for bit)
+  runs last in the memory stage, after ``KillAfterLastUse`` and ``RematTimeline``: the kernels
+  that are a GEMM become calls of ATen's GEMMs with the same arguments (on a CPU, a GEMM fused
+  with an elementwise tail too: the GEMM into the kernel's output, then the tail in place),
+  once every memory decision was taken on TVM's kernels, so no peak rises (see
+  dispatch_gemm.py). On CUDA targets
   ``MarkGemmKernels`` runs before dlight's ``ApplyDefaultSchedule`` in the ``legalize`` phase,
   so that the scheduled GEMM kernels are still known as GEMMs (cuBLAS through ATen).
 * ``BindElementwiseKernels`` runs on GPU targets in every pipeline (the stock one too), right
   before dlight's ``ApplyDefaultSchedule``: it binds the in-place update kernels of the
   in-graph optimizers to GPU threads, which no dlight rule can (a block that reads and writes
   one buffer); it touches no other kernel.
-* ``ExpandMathIntrinsics`` (off by default; ``expand_math=True``, llvm targets naming their CPU)
-  follows ``DispatchGemm``: it rewrites expressions inside kernels only (``exp`` and its kin
+* ``ExpandMathIntrinsics`` (on by default, for llvm targets naming their CPU) follows
+  ``DispatchGemm``: it rewrites expressions inside kernels only (``exp`` and its kin
   become arithmetic LLVM vectorizes), so no memory decision and no pass's view of a kernel's
   blocks depends on it (see expand_math.py).
 * ``InlineKernelIntermediates`` runs right after ``FuseTIR`` on CPU targets: it computes the
@@ -161,15 +162,15 @@ class PipelineFlags:
     simplify: bool = _flag(True, "SimplifyTransposes", "graph", "simplify_options")
     fold_scatter: bool = _flag(True, "FoldZeroScatter", "graph", "fold_scatter_options")
     clone_generated: bool = _flag(True, "CloneGeneratedTensors", "graph", "clone_options")
-    # Off by default: ATen's GEMMs sum in another order than TVM's kernels (equal to rounding).
-    dispatch_gemm: bool = _flag(False, "DispatchGemm", "graph", "gemm_options")
+    # ATen's GEMMs sum in another order than TVM's kernels: equal to rounding, not bit for bit.
+    dispatch_gemm: bool = _flag(True, "DispatchGemm", "graph", "gemm_options")
     inline_kernels: bool = _flag(True, "InlineKernelIntermediates", "graph", "inline_options")
     vectorize_softmax: bool = _flag(True, "VectorizeSoftmax", "graph", "softmax_options")
     vectorize_reductions: bool = _flag(
         True, "VectorizeColumnReductions", "graph", "reduction_options"
     )
-    # Off by default: the expanded exp/tanh/sigmoid agree with libm's to rounding, not bit for bit.
-    expand_math: bool = _flag(False, "ExpandMathIntrinsics", "graph", "math_options")
+    # The expanded exp/tanh/sigmoid agree with libm's to rounding, not bit for bit.
+    expand_math: bool = _flag(True, "ExpandMathIntrinsics", "graph", "math_options")
     recompute: bool = _flag(True, "RecomputeCheapValues", "graph", "recompute_options")
     fuse_readers: bool = _flag(True, "FuseIntoSoleReader", "graph", "fuse_reader_options")
     # The dim-range check.
@@ -487,8 +488,8 @@ def get_pipeline(
     fuse_readers: bool = True,
     clone_generated: bool = True,
     fuse_attention: bool = True,
-    dispatch_gemm: bool = False,
-    expand_math: bool = False,
+    dispatch_gemm: bool = True,
+    expand_math: bool = True,
     schedule_options: Any = None,
     remat_options: Any = None,
     plan_options: Any = None,
@@ -534,8 +535,9 @@ def get_pipeline(
         Enable ``DispatchGemm``: matmuls run on ATen's GEMMs (PyTorch's BLAS on a CPU, cuBLAS
         on CUDA targets, with ``MarkGemmKernels`` before dlight), writing into the VM's
         tensors; without PyTorch installed the pass logs one line and TVM's kernels compute
-        them. Off by default: results then equal TVM's kernels' bit for bit; on, they agree to
-        rounding. On CUDA targets only GEMMs without an elementwise tail are dispatched.
+        them. On by default (TVM's CPU GEMMs with a symbolic dimension are naive loop nests);
+        results agree with TVM's kernels to rounding, not bit for bit (``dispatch_gemm=False``
+        for that). On CUDA targets only GEMMs without an elementwise tail are dispatched.
     vectorize_softmax
         Enable ``VectorizeSoftmax`` (CPU targets): each kernel that is exactly TVM's softmax
         or log-softmax is computed with loops the CPU vectorizes (each ``exp`` once, the
@@ -548,8 +550,8 @@ def get_pipeline(
         Enable ``ExpandMathIntrinsics`` (llvm targets that name their CPU, such as
         :func:`host_target`): float32 ``exp``, ``tanh``, ``sigmoid`` and ``pow(x, 2 | 3)`` in
         the kernels become arithmetic LLVM vectorizes instead of libm calls one element at a
-        time. Off by default for the same reason as ``dispatch_gemm``: results agree to
-        rounding (one unit in the last place per function), not bit for bit.
+        time. On by default; results agree with libm's to rounding (one unit in the last
+        place per function). On a target naming no CPU (``"llvm"``) it changes nothing.
     check_dims
         Enable ``CheckDimRanges``: a call whose dims lie outside the ranges the function
         declares (``tir_var_lower_bound`` / ``tir_var_upper_bound``) fails before any kernel

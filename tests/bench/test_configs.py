@@ -171,7 +171,7 @@ def warned(monkeypatch):
     monkeypatch.setattr(configs, "_WARNED", set())
 
 
-def test_blade_relax_is_the_default_pipeline_with_dispatch_gemm_and_expand_math():
+def test_blade_relax_is_the_default_pipeline():
     from blade_relax.pipeline import PipelineFlags, get_pipeline
 
     defaults = {
@@ -179,10 +179,10 @@ def test_blade_relax_is_the_default_pipeline_with_dispatch_gemm_and_expand_math(
         for name, parameter in inspect.signature(get_pipeline).parameters.items()
         if parameter.kind is inspect.Parameter.KEYWORD_ONLY
     }
-    assert defaults["schedule"] and not defaults["dispatch_gemm"] and not defaults["expand_math"]
+    assert defaults["schedule"] and defaults["dispatch_gemm"] and defaults["expand_math"]
     config = get_config("blade-relax")
-    assert config.pipeline.keywords() == {**defaults, "dispatch_gemm": True, "expand_math": True}
-    assert config.pipeline.flags == PipelineFlags(dispatch_gemm=True, expand_math=True)
+    assert config.pipeline.keywords() == defaults
+    assert config.pipeline.flags == PipelineFlags()
     assert (config.static, config.keep_bounds, config.budget) == (False, False, None)
     assert config.description.startswith("the default pipeline")
     assert "static oracle" not in config.description
@@ -213,7 +213,7 @@ def test_blade_relax_compiles_what_get_pipeline_compiles():
     target = tvm.target.Target("llvm")
     with target:
         ours = get_config("blade-relax").pipeline(target)(Tiny)
-        default = get_pipeline(target, dispatch_gemm=True)(Tiny)
+        default = get_pipeline(target)(Tiny)
         schedule_remat = get_config("blade-relax-schedule-remat").pipeline(target)(Tiny)
     tvm.ir.assert_structural_equal(ours, default)
     # The renamed schedule + remat config plans with TVM's planner, not PlanMemory.

@@ -219,7 +219,9 @@ def test_one_step_equals_plain_gradients_then_torch_update(compiled, graph, grap
     assert losses[0] == pytest.approx(loss, rel=1e-6)
     for got, param, before in zip(params, tparams, graph.params):
         assert not np.array_equal(got, before)
-        np.testing.assert_allclose(got, param.detach().numpy(), rtol=1e-6, atol=1e-8)
+        # ATen's GEMMs sum in another order than the graph's kernels: gradients near zero
+        # differ by about 1e-8 absolute.
+        np.testing.assert_allclose(got, param.detach().numpy(), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("length", LENGTHS)

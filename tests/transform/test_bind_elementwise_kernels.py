@@ -104,11 +104,11 @@ def test_bad_options_are_refused():
 
 
 def test_it_runs_before_dlight_on_gpu_targets_only():
-    cuda = [p.info.name for p in pipeline_phases(CUDA)["legalize"]]
+    cuda = [p.info.name for p in pipeline_phases(CUDA, dispatch_gemm=False)["legalize"]]
     assert cuda.index("BindElementwiseKernels") == cuda.index("ApplyDefaultSchedule") - 1
     stock = [p.info.name for p in pipeline_phases(CUDA, **_all_off())["legalize"]]
     assert "BindElementwiseKernels" in stock  # the stock pipeline cannot build the kernels either
-    gemm = [p.info.name for p in pipeline_phases(CUDA, dispatch_gemm=True)["legalize"]]
+    gemm = [p.info.name for p in pipeline_phases(CUDA)["legalize"]]  # dispatch_gemm is on
     assert gemm.index("MarkGemmKernels") == gemm.index("ApplyDefaultSchedule") - 1
     assert gemm.index("BindElementwiseKernels") < gemm.index("MarkGemmKernels")
     phases = pipeline_phases("llvm")

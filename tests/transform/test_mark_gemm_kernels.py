@@ -86,9 +86,10 @@ def _cuda() -> tvm.target.Target:
 
 
 def test_on_cuda_the_mark_comes_right_before_dlight():
-    names = [p.info.name for p in pipeline_phases(_cuda(), dispatch_gemm=True)["legalize"]]
+    names = [p.info.name for p in pipeline_phases(_cuda())["legalize"]]  # dispatch_gemm is on
     assert names[names.index("MarkGemmKernels") + 1] == "ApplyDefaultSchedule"
-    assert "MarkGemmKernels" not in [p.info.name for p in pipeline_phases(_cuda())["legalize"]]
+    off = pipeline_phases(_cuda(), dispatch_gemm=False)["legalize"]
+    assert "MarkGemmKernels" not in [p.info.name for p in off]
     assert "MarkGemmKernels" not in [
         p.info.name for p in pipeline_phases("llvm", dispatch_gemm=True)["legalize"]
     ]
@@ -118,7 +119,9 @@ def test_a_cuda_build_runs_the_three_gemms_of_a_linear_layer_on_aten():
         if isinstance(f, tvm.tirx.PrimFunc) and "matmul" in gv.name_hint
     ]
     assert kernels == []
-    # Without the flag the GEMMs stay dlight's kernels.
-    stock = compile_keeping_module(mod, target, blade_relax.get_pipeline(target))
+    # With the flag off the GEMMs stay dlight's kernels.
+    stock = compile_keeping_module(
+        mod, target, blade_relax.get_pipeline(target, dispatch_gemm=False)
+    )
     assert "blade_relax.gemm_" not in stock.module.script()
     assert isinstance(compiled.executable, relax.VMExecutable)

@@ -26,7 +26,7 @@ configuration with argument ``"0.5"``; ``blade-relax@0.5`` is a budget of half t
 host memory (or offloaded or recomputed, per tensor, whichever is estimated faster: the
 eviction modes of :func:`blade_relax.runtime.set_eviction_mode`).
 
-``blade-relax`` is the default pipeline (``get_pipeline(target)`` with ``DispatchGemm`` on) and
+``blade-relax`` is the default pipeline (``get_pipeline(target)``) and
 ``blade-relax-no-<flag>`` that pipeline without one graph pass; ``blade-relax-schedule-remat``
 is ``MemoryAwareSchedule`` + ``Rematerialize`` alone (the name ``blade-relax`` had before).
 Renamed configurations keep their old names as deprecated aliases (:data:`_DEPRECATED_ALIASES`):
@@ -220,7 +220,7 @@ class ConfigFamily:
 _CONFIGS: dict[str, BenchConfig] = {}
 _FAMILIES: dict[str, ConfigFamily] = {}
 
-#: The default pipeline's configuration (``get_pipeline(target)`` with ``DispatchGemm`` on).
+#: The default pipeline's configuration (``get_pipeline(target)``).
 DEFAULT_CONFIG = "blade-relax"
 
 #: Old names that still resolve: old name -> (current name, what it is, for the message).
@@ -598,12 +598,11 @@ register_config(
     TvmConfig(
         DEFAULT_CONFIG,
         pipeline=_blade_factory(**_DEFAULT_FLAGS),
-        description="the default pipeline (blade_relax.get_pipeline(target) with DispatchGemm "
-        "and ExpandMathIntrinsics on), no budget: "
+        description="the default pipeline (blade_relax.get_pipeline(target)), no budget: "
         + " + ".join(_GRAPH_PASSES.values())
-        + " + MemoryAwareSchedule + Rematerialize + PlanMemory, bounds dropped (DispatchGemm "
-        "and ExpandMathIntrinsics, off in get_pipeline's defaults, on: GEMMs on ATen (its "
-        "BLAS on a CPU, cuBLAS on a GPU), exp and its kin vectorized on a CPU, peaks unchanged)",
+        + " + MemoryAwareSchedule + Rematerialize + PlanMemory, bounds dropped (DispatchGemm: "
+        "GEMMs on ATen, its BLAS on a CPU, cuBLAS on a GPU; ExpandMathIntrinsics: exp and its "
+        "kin vectorized on a CPU)",
     )
 )
 register_budget_family(DEFAULT_CONFIG)

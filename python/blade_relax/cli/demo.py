@@ -244,11 +244,11 @@ class DemoRow:
 def _demo_table(rows: Sequence[DemoRow], dim_label: str) -> str:
     header = (
         f"| {dim_label:>6} | pipeline          | budget         | predicted peak | measured peak "
-        "| match | vs stock | evictions | regenerations | outputs   |"
+        "| match | vs stock | evictions | regenerations | outputs       |"
     )
     rule = (
         "|-------:|-------------------|----------------|---------------:|--------------:"
-        "|:-----:|---------:|----------:|--------------:|-----------|"
+        "|:-----:|---------:|----------:|--------------:|---------------|"
     )
     lines = [header, rule]
     for row in rows:
@@ -263,7 +263,7 @@ def _demo_table(rows: Sequence[DemoRow], dim_label: str) -> str:
             f"| {row.size:>6} | {row.pipeline:<17} | {budget:<14} | {predicted:>14} "
             f"| {r.peak_bytes:>13,} "
             f"| {match:^5} | {r.peak_bytes / row.stock_peak:>8.3f} | {r.evictions:>9} "
-            f"| {r.regenerations:>13} | {row.outputs:<9} |"
+            f"| {r.regenerations:>13} | {row.outputs:<13} |"
         )
     return "\n".join(lines)
 

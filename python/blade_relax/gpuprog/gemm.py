@@ -1,8 +1,8 @@
 """The ``gemm`` step: the GEMMs of the benchmark's Llama on TVM's kernels against cuBLAS.
 
-blade_relax's default pipeline leaves every matmul to TVM, and on CUDA targets a GEMM is then
-the kernel dlight's ``Matmul`` rule schedules in TVM's CUDA pipeline (``dispatch_gemm=True``
-puts those without a fused tail on cuBLAS instead). This step measures what dlight's kernels
+Without ``DispatchGemm`` (``dispatch_gemm=False``, and in stock TVM) a GEMM on a CUDA target is
+the kernel dlight's ``Matmul`` rule schedules in TVM's CUDA pipeline (the default pipeline puts
+those without a fused tail on cuBLAS instead). This step measures what dlight's kernels
 cost against cuBLAS, which PyTorch eager calls for the same ``nn.Linear``, at the shapes of the
 benchmarked Llama (the carried manifest's sizes): each distinct projection of a decoder layer
 and the LM head, at the shortest and the longest length the benchmark runs, in the three GEMMs

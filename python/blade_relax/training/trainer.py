@@ -404,7 +404,9 @@ class Trainer:
         The optimizer (default :class:`AdamW` with torch's defaults); not with a
         :class:`TrainingStep`, which has one.
     target
-        Where to compile and run (``"llvm"``, or a CUDA target).
+        Where to compile and run: ``"host"`` (the default: llvm for this machine's CPU, its
+        vector units used, :func:`blade_relax.pipeline.host_target`), ``"llvm"`` (a generic
+        CPU of the architecture) or a CUDA target.
     pipeline
         The Relax pipeline (default :func:`blade_relax.get_pipeline` for ``target``).
     max_seq_len
@@ -427,7 +429,7 @@ class Trainer:
         source: Any,
         optimizer: InPlaceOptimizer | None = None,
         *,
-        target: str | dict | tvm.target.Target = "llvm",
+        target: str | dict | tvm.target.Target = "host",
         pipeline: tvm.transform.Pass | None = None,
         max_seq_len: int | None = None,
         max_batch_size: int | None = None,
@@ -750,7 +752,7 @@ def fit(
     budget: int | float | None = None,
     *,
     optimizer: InPlaceOptimizer | None = None,
-    target: str | dict | tvm.target.Target = "llvm",
+    target: str | dict | tvm.target.Target = "host",
     progress: bool = True,
     max_seq_len: int | None = None,
     max_batch_size: int | None = None,

@@ -59,7 +59,7 @@ Stages
 
 Where it runs
 -------------
-In :func:`blade_relax.get_pipeline` (``dispatch_gemm=True``): in the ``finalize`` phase, after
+In :func:`blade_relax.get_pipeline` (``dispatch_gemm``, on by default): in the ``finalize`` phase, after
 ``KillAfterLastUse`` (and ``RematTimeline``), before ``LowerRuntimeBuiltin``. It needs the
 lowered, planned form (no ``call_tir`` left); on a module that still has ``call_tir`` it
 changes nothing. On CUDA targets dlight has scheduled every kernel by then, so a GEMM is known

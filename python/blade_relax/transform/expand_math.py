@@ -26,8 +26,8 @@ vectorizes like any other loop body:
 * ``pow(x, 2)`` and ``pow(x, 3)`` (GELU's cube): products.
 
 Results therefore agree with the unexpanded kernels to rounding (about one unit in the last
-place per function), not bit for bit, which is why :func:`blade_relax.get_pipeline` runs the
-pass only when asked (``expand_math=True``), as it does ``DispatchGemm``.
+place per function), not bit for bit; :func:`blade_relax.get_pipeline` runs the pass by default
+(``expand_math=False`` leaves libm's calls), as it does ``DispatchGemm``.
 
 When it helps, and when the pass does nothing
 ----------------------------------------------
@@ -42,7 +42,7 @@ Where it runs
 -------------
 On PrimFuncs, at any point after ``FuseTIR``; it changes no buffer, no loop and no Relax
 function, so no memory figure and no other pass's view of a kernel's blocks changes. In
-:func:`blade_relax.get_pipeline` (``expand_math=True``) it runs last in the memory stage, after
+:func:`blade_relax.get_pipeline` (``expand_math``, on by default) it runs last in the memory stage, after
 ``DispatchGemm`` (whose epilogue kernels are PrimFuncs like any other).
 
 What it assumes
