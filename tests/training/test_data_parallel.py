@@ -16,7 +16,12 @@ from blade_relax.bench.workloads import ModelSizes, llama_model
 from blade_relax.contract import GATHER_PARAMETER, REDUCE_GRADIENT, owned_rows, shard_rows
 from blade_relax.frontend.hf import import_training_step
 from blade_relax.training import AdamW, Trainer, ZeroSharding, build_training_step
-from blade_relax.training.data_parallel import DataParallelTrainer, rank_weights
+from blade_relax.training.data_parallel import (
+    DataParallelTrainer,
+    rank_threads,
+    rank_weights,
+    threads_per_rank,
+)
 
 SIZES = ModelSizes(
     layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64, vocab=64, max_seq_len=32
@@ -213,8 +218,9 @@ def _run_two_ranks(updates: str) -> list[tuple]:
     queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_rank, args=(r, 2, port, queue, updates)) for r in range(2)]
-    for proc in procs:
-        proc.start()
+    with rank_threads(2):
+        for proc in procs:
+            proc.start()
     results = sorted(queue.get(timeout=600) for _ in procs)
     for proc in procs:
         proc.join(timeout=60)
@@ -267,6 +273,21 @@ def test_ranks_with_auto_updates_run_one_program_per_step(two_ranks):
     assert updates0 == updates1 and set(updates0) <= {"end", "early"}
     assert peaks0 == predicted0 and peaks1 == predicted1
     np.testing.assert_allclose(losses0, history.losses, rtol=1e-6)
+
+
+def test_rank_threads_shares_the_cores_unless_the_caller_chose(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)), raising=False)
+    assert [threads_per_rank(n) for n in (1, 2, 3, 16, 32)] == [16, 8, 5, 1, 1]
+    with rank_threads(2) as threads:
+        assert threads == 8 and os.environ["OMP_NUM_THREADS"] == "8"
+    assert "OMP_NUM_THREADS" not in os.environ  # restored
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    with rank_threads(2) as threads:
+        assert threads == 3 and os.environ["OMP_NUM_THREADS"] == "3"
+    assert os.environ["OMP_NUM_THREADS"] == "3"
+    with pytest.raises(ValueError, match="positive"):
+        threads_per_rank(0)
 
 
 def test_collectives_need_a_process_group():

@@ -91,7 +91,8 @@ def _rank_main(fn: Callable, rank: int, world: int, port: int, queue: Any, args:
 
 
 def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 3600) -> list[Any]:
-    """``fn(rank, world, *args)`` in ``world`` spawned processes joined in a gloo process group;
+    """``fn(rank, world, *args)`` in ``world`` spawned processes joined in a gloo process group,
+    each with its share of the cores (:func:`~blade_relax.training.data_parallel.rank_threads`);
     the results in rank order. ``fn`` and ``args`` must pickle (a module-level function).
 
     Raises
@@ -108,8 +109,11 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 3600) -> 
         ctx.Process(target=_rank_main, args=(fn, rank, world, port, queue, args))
         for rank in range(world)
     ]
-    for proc in procs:
-        proc.start()
+    from ..training.data_parallel import rank_threads
+
+    with rank_threads(world):  # the spawned ranks inherit the environment when started
+        for proc in procs:
+            proc.start()
     results: dict[int, Any] = {}
     try:
         for _ in range(world):

@@ -54,9 +54,12 @@ def _launch(args: argparse.Namespace) -> int:
         max_restarts=0,
         monitor_interval=0.2,
     )
-    progress(f"launching {args.nproc} ranks (gloo)")
+    from ..training.data_parallel import rank_threads
+
     try:
-        elastic_launch(config, sys.executable)("-m", "blade_relax.cli", *args.argv)
+        with rank_threads(args.nproc) as threads:
+            progress(f"launching {args.nproc} ranks (gloo), {threads} thread(s) each")
+            elastic_launch(config, sys.executable)("-m", "blade_relax.cli", *args.argv)
     except ChildFailedError as failed:
         codes = [f.exitcode for f in failed.failures.values()]
         return max(codes) if all(c in (1, 2) for c in codes) else 1

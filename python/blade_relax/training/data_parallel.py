@@ -20,12 +20,17 @@ its step added.
 
 The process group is the caller's (``torch.distributed.init_process_group``: torchrun's
 environment, or :func:`init_from_environment`); gloo runs on the CPU, NCCL on GPUs.
+
+Ranks on one machine share its cores: a launcher of this package starts them under
+:func:`rank_threads`, which gives each its share as ``OMP_NUM_THREADS`` (torch's intra-op pool,
+which runs the dispatched GEMMs, and TVM's thread pool both read it), as torchrun sets it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -35,7 +40,43 @@ from ..contract import owned_rows
 from .sharding import ZeroSharding
 from .trainer import IGNORE_INDEX, StepRecord, Trainer, as_batch, check_batch
 
-__all__ = ["DataParallelTrainer", "LocalBatch", "init_from_environment", "rank_weights"]
+__all__ = [
+    "DataParallelTrainer",
+    "LocalBatch",
+    "init_from_environment",
+    "rank_threads",
+    "rank_weights",
+    "threads_per_rank",
+]
+
+
+def threads_per_rank(ranks: int) -> int:
+    """The cores this process may run on, shared by ``ranks`` processes (at least one each)."""
+    if ranks < 1:
+        raise ValueError(f"ranks must be positive, got {ranks}")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // ranks)
+
+
+@contextlib.contextmanager
+def rank_threads(ranks: int) -> Iterator[int]:
+    """Within the block, processes started by this one run :func:`threads_per_rank` threads.
+
+    Sets ``OMP_NUM_THREADS`` unless the caller set it (then it is left as it is), and restores
+    the environment on exit; yields the number the ranks get. Without it every rank starts one
+    thread per core: on 2 cores, 2 ranks measured 2-10x slower steps (theirs and PyTorch's DDP
+    and FSDP2 alike) than with one thread each. torchrun sets ``OMP_NUM_THREADS=1`` for the
+    same reason; this gives each rank its share of the cores instead.
+    """
+    given = os.environ.get("OMP_NUM_THREADS")
+    threads = threads_per_rank(ranks)
+    if given is None:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+    try:
+        yield int(given) if given and given.isdigit() else threads
+    finally:
+        if given is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
 
 
 def init_from_environment(backend: str = "gloo") -> tuple[int, int]:

@@ -12,7 +12,8 @@ default pipeline's passes (:func:`blade_relax.pipeline.lower_to_memory_stage`;
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
+from typing import Any
 
 import numpy as np
 import tvm
@@ -51,6 +52,7 @@ def predicted_step_peak(
     target: str | tvm.target.Target = "llvm",
     *,
     lowered: tvm.IRModule | None = None,
+    timelines: MutableMapping[str, Any] | None = None,
 ) -> int:
     """The full step's peak at ``dims`` (a rank's own dims when sharded, e.g. ``{"b": 2,
     "s": 57}``): :func:`persistent_step_bytes` plus the timeline's peak.
@@ -60,6 +62,10 @@ def predicted_step_peak(
     lowered
         ``lower_step(step, target)``, when the caller keeps it (lowering a large step takes
         minutes; evaluating its timeline at more sizes does not).
+    timelines
+        A cache the caller keeps with ``lowered``: the symbolic timeline of each of its
+        versions of ``main``, by name, filled as they are needed (building one takes about
+        65 ms on the small Llama's step, evaluating it at a size a few).
     """
     from ..analysis import memory_timeline
     from ..pipeline import as_target
@@ -68,8 +74,12 @@ def predicted_step_peak(
     target = as_target(target)
     if lowered is None:
         lowered = lower_step(step, target)
-    func = lowered[version_for(lowered, "main", dims)]
-    timeline = memory_timeline(func, mod=lowered, target=target)
+    name = version_for(lowered, "main", dims)
+    timeline = timelines.get(name) if timelines is not None else None
+    if timeline is None:
+        timeline = memory_timeline(lowered[name], mod=lowered, target=target)
+        if timelines is not None:
+            timelines[name] = timeline
     known = set(timeline.graph.dims)
     peak = timeline.evaluate({k: v for k, v in dims.items() if k in known}).peak
     return persistent_step_bytes(step) + int(peak)
