@@ -22,9 +22,9 @@ Where each pass runs, and why there:
   that are a GEMM become calls of ATen's GEMMs with the same arguments (on a CPU, a GEMM fused
   with an elementwise tail too: the GEMM into the kernel's output, then the tail in place),
   once every memory decision was taken on TVM's kernels, so no peak rises (see
-  dispatch_gemm.py). On CUDA targets
-  ``MarkGemmKernels`` runs before dlight's ``ApplyDefaultSchedule`` in the ``legalize`` phase,
-  so that the scheduled GEMM kernels are still known as GEMMs (cuBLAS through ATen).
+  dispatch_gemm.py). On CUDA targets ``MarkGemmKernels`` runs before dlight's
+  ``ApplyDefaultSchedule`` in the ``legalize`` phase, so that the scheduled GEMM kernels are
+  still known as GEMMs (cuBLAS through ATen).
 * ``BindElementwiseKernels`` runs on GPU targets in every pipeline (the stock one too), right
   before dlight's ``ApplyDefaultSchedule``: it binds the in-place update kernels of the
   in-graph optimizers to GPU threads, which no dlight rule can (a block that reads and writes

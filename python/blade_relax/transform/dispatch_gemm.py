@@ -59,10 +59,10 @@ Stages
 
 Where it runs
 -------------
-In :func:`blade_relax.get_pipeline` (``dispatch_gemm``, on by default): in the ``finalize`` phase, after
-``KillAfterLastUse`` (and ``RematTimeline``), before ``LowerRuntimeBuiltin``. It needs the
-lowered, planned form (no ``call_tir`` left); on a module that still has ``call_tir`` it
-changes nothing. On CUDA targets dlight has scheduled every kernel by then, so a GEMM is known
+In :func:`blade_relax.get_pipeline` (``dispatch_gemm``, on by default): in the ``finalize``
+phase, after ``KillAfterLastUse`` (and ``RematTimeline``), before ``LowerRuntimeBuiltin``. It
+needs the lowered, planned form (no ``call_tir`` left); on a module that still has ``call_tir``
+it changes nothing. On CUDA targets dlight has scheduled every kernel by then, so a GEMM is known
 by what ``MarkGemmKernels`` recorded before (mark_gemm_kernels.py), and only GEMMs without a
 tail are dispatched (cuBLAS, through ATen); a kernel with an epilogue stays dlight's.
 

@@ -42,8 +42,8 @@ Where it runs
 -------------
 On PrimFuncs, at any point after ``FuseTIR``; it changes no buffer, no loop and no Relax
 function, so no memory figure and no other pass's view of a kernel's blocks changes. In
-:func:`blade_relax.get_pipeline` (``expand_math``, on by default) it runs last in the memory stage, after
-``DispatchGemm`` (whose epilogue kernels are PrimFuncs like any other).
+:func:`blade_relax.get_pipeline` (``expand_math``, on by default) it runs last in the memory
+stage, after ``DispatchGemm`` (whose epilogue kernels are PrimFuncs like any other).
 
 What it assumes
 ---------------

@@ -14,8 +14,8 @@ kernels stay dlight's.
 
 Where it runs
 -------------
-In :func:`blade_relax.get_pipeline` with ``dispatch_gemm`` (on by default) on CUDA targets: in the
-``legalize`` phase, after ``FuseTIR`` and before dlight's ``ApplyDefaultSchedule``. On CPU
+In :func:`blade_relax.get_pipeline` with ``dispatch_gemm`` (on by default) on CUDA targets: in
+the ``legalize`` phase, after ``FuseTIR`` and before dlight's ``ApplyDefaultSchedule``. On CPU
 targets it is not needed (``DispatchGemm`` reads the kernels themselves). It changes no
 computation and no buffer: only attributes of PrimFuncs.
 
