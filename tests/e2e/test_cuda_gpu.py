@@ -64,6 +64,8 @@ STOCK = {
     "inline_kernels": False,
     "recompute": False,
     "clone_generated": False,
+    "dispatch_gemm": False,
+    "expand_math": False,
     "check_dims": False,
 }
 # (pipeline variant, budget as a fraction of the unbudgeted peak); a budget acts only through
@@ -193,7 +195,7 @@ def test_training_step_matches_torch_on_cuda(training_graphs, model, variant, bu
 
 @pytest.mark.gpu
 def test_gemms_on_cublas_agree_with_torch_on_cuda():
-    """``dispatch_gemm=True`` on CUDA: the GEMM kernels (NN, NT, TN in an MLP's training step)
+    """``dispatch_gemm`` (on by default) on CUDA: the GEMM kernels (NN, NT, TN in an MLP's training step)
     run on cuBLAS (through ATen, on the VM's tensors), the rest on dlight's kernels; loss and
     gradients as torch's, and the peak as without the dispatch (no allocation changes)."""
     pytest.importorskip("torch")
@@ -202,8 +204,8 @@ def test_gemms_on_cublas_agree_with_torch_on_cuda():
     sizes = ModelSizes(layers=2, hidden=64, intermediate=128, max_seq_len=MAX_LEN)
     graph = build_workload("mlp-train", sizes).graph
     dev = tvm.cuda(0)
-    plain = relax.VirtualMachine(_build(graph.mod, BLADE), dev)
-    dispatched = relax.VirtualMachine(_build(graph.mod, {**BLADE, "dispatch_gemm": True}), dev)
+    plain = relax.VirtualMachine(_build(graph.mod, {**BLADE, "dispatch_gemm": False}), dev)
+    dispatched = relax.VirtualMachine(_build(graph.mod, BLADE), dev)  # dispatch_gemm is on
     for length in LENGTHS:
         _, _, without = _run_step(plain, graph, length, dev)
         outputs, reference, stats = _run_step(dispatched, graph, length, dev)

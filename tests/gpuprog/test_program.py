@@ -437,6 +437,18 @@ def test_the_gemm_step_shapes_and_table(tmp_path):
     assert data["table"] == table and not out.with_suffix(".md").exists()
 
 
+def test_the_gemm_step_times_tvm_kernels_not_aten():
+    """The default pipeline would dispatch the GEMMs to ATen: the step's side of TVM must
+    keep TVM's kernels (cuBLAS against cuBLAS would measure nothing)."""
+    import tvm
+
+    from blade_relax.gpuprog.gemm import compile_tvm_gemms, llama_gemms
+
+    shapes = llama_gemms(dict(hidden=16, heads=2, kv_heads=1, intermediate=32, vocab=64))
+    text = compile_tvm_gemms(shapes, tvm.target.Target("llvm")).as_text()
+    assert "blade_relax.gemm" not in text and "matmul" in text
+
+
 def test_the_eviction_modes_run_the_budgeted_build():
     """The offloading configurations of the Llama step, on a small workload: the same build,
     the same outputs, host copies where they offload, and their rows in the budget table."""

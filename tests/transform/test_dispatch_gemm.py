@@ -575,7 +575,7 @@ def test_an_output_written_over_a_tail_input_gets_a_tensor_of_its_own_only_below
         exe = tvm.compile(mod, "llvm", relax_pipeline=get_pipeline("llvm", dispatch_gemm=True))
     (report,) = [r.detail for r in results if r.pass_name == "DispatchGemm"]
     assert (report.temporaries, report.kept_in_place) == (temporaries, kept_in_place)
-    reference = tvm.compile(mod, "llvm", relax_pipeline=get_pipeline("llvm"))
+    reference = tvm.compile(mod, "llvm", relax_pipeline=get_pipeline("llvm", dispatch_gemm=False))
     vms = [relax.VirtualMachine(e, tvm.cpu()) for e in (exe, reference)]
     for s in (1, 7, 40):
         args = random_arguments(mod["main"], {"s": s}, seed=s)
@@ -585,3 +585,48 @@ def test_an_output_written_over_a_tail_input_gets_a_tensor_of_its_own_only_below
         )
         for g, w in zip(got, want):
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+@I.ir_module
+class CapturedGemms:
+    """Softmax between GEMMs over weights given as parameters (``num_input``): with CUDA graphs
+    on, ``RewriteCUDAGraph`` captures the middle GEMM with the softmax kernels around it."""
+
+    @R.function
+    def main(
+        x: R.Tensor((16, 64), "float32"),
+        w1: R.Tensor((64, 256), "float32"),
+        w2: R.Tensor((256, 64), "float32"),
+    ) -> R.Tensor((16, 256), "float32"):
+        R.func_attr({"num_input": 1})
+        with R.dataflow():
+            h = R.matmul(x, w1)
+            a = R.nn.softmax(h)
+            y = R.matmul(a, w2)
+            b = R.nn.softmax(y)
+            z = R.matmul(b, w1)
+            R.output(z)
+        return z
+
+
+def test_gemms_a_cuda_graph_captures_stay_tvm_kernels():
+    """ATen would launch on PyTorch's stream, outside the capture: the replayed graph would
+    run without the GEMM. The GEMMs outside the captured regions are dispatched."""
+    from blade_relax.analysis.cuda_graph_pool import captured_functions
+    from blade_relax.contract import CUDA_GRAPH_OPTION
+
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    lowered, reports = {}, {}
+    for graphs in (True, False):
+        with collect_results() as results:
+            with tvm.transform.PassContext(config={CUDA_GRAPH_OPTION: graphs}):
+                lowered[graphs] = lower_to_memory_stage(CapturedGemms, target, dispatch_gemm=True)
+        (reports[graphs],) = [r.detail for r in results if r.pass_name == "DispatchGemm"]
+    assert captured_functions(lowered[True]) == {"main_cuda_graph_capture"}
+    assert reports[True].kept_captured == 1 and reports[True].dispatched == {"NN": 2}
+    captured = lowered[True]["main_cuda_graph_capture"].script()
+    assert "blade_relax.gemm" not in captured and "matmul" in captured
+    assert lowered[True]["main"].script().count(GEMM_FUNCS["NN"]) == 2
+    # Without CUDA graphs nothing is captured, and every GEMM is dispatched.
+    assert captured_functions(lowered[False]) == set()
+    assert reports[False].kept_captured == 0 and reports[False].dispatched == {"NN": 3}

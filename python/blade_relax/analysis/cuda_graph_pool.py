@@ -19,6 +19,9 @@ planned alike -- the pool is exactly that function's storages: the largest bucke
 bytes, and further (smaller) buckets add nothing. :class:`PoolPlan` says whether that holds and,
 when it does not, how many bytes the merge adds (``excess_bytes``).
 
+:func:`captured_functions` names the functions ``RewriteCUDAGraph`` lifted the captured regions
+into, whose every call is recorded into a graph once and replayed after.
+
 Nothing here changes IR.
 """
 
@@ -30,11 +33,12 @@ from dataclasses import dataclass
 import tvm
 from tvm import relax
 
-from ..contract import CUDA_GRAPH_ALLOC
+from ..contract import CUDA_GRAPH_ALLOC, CUDA_GRAPH_RUN
 
 __all__ = [
     "PoolPlan",
     "alloc_function_storages",
+    "captured_functions",
     "merged_pool",
     "output_storages",
     "pool_plan",
@@ -56,6 +60,25 @@ def _op_name(value: relax.Expr) -> str | None:
     if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op):
         return value.op.name
     return None
+
+
+def captured_functions(mod: tvm.IRModule) -> set[str]:
+    """The names of the functions a CUDA graph captures: each one that a
+    :data:`~blade_relax.contract.CUDA_GRAPH_RUN` call of the module replays (empty when
+    ``RewriteCUDAGraph`` did not rewrite the module)."""
+    captured: set[str] = set()
+    for func in mod.functions.values():
+        if not isinstance(func, relax.Function):
+            continue
+        for binding in _bindings(func):
+            value = binding.value
+            if not isinstance(value, relax.Call) or not value.args:
+                continue
+            callee = value.args[0]
+            if isinstance(callee, relax.ExternFunc) and str(callee.global_symbol) == CUDA_GRAPH_RUN:
+                for arg in value.args[1:]:
+                    captured.update(gv.name_hint for gv in relax.analysis.all_global_vars(arg))
+    return captured
 
 
 def output_storages(func: relax.Function) -> set[relax.Var]:

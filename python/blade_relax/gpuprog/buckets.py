@@ -6,7 +6,10 @@ builds the module in one ``tvm.compile`` with blade_relax's pipeline, then repor
 the static storages of each copy are read just before ``RewriteCUDAGraph`` runs (by a pass
 instrument, so the pipeline is the project's own, unchanged) and merged as TVM merges them.
 ``Rematerialize`` is left out: its evictions are decided at run time, by Python packed
-functions that a CUDA graph would capture once and never call again.
+functions that a CUDA graph would capture once and never call again. ``DispatchGemm`` is left
+out too: inside a captured region it keeps TVM's GEMMs anyway (ATen launches outside the
+capture), so with graphs on only the GEMMs between regions would run on cuBLAS, and the graphs'
+gain could not be told from cuBLAS's in a comparison with graphs off.
 
 The :class:`BucketedBuild` it returns is what
 :class:`blade_relax.runtime.cuda_graphs.BucketedRunner` runs.
@@ -85,7 +88,7 @@ class _PoolRecorder:
 
 
 def _default_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
-    return get_pipeline(target, remat=False)
+    return get_pipeline(target, remat=False, dispatch_gemm=False)
 
 
 def compile_buckets(
@@ -116,7 +119,7 @@ def compile_buckets(
         Let ``RewriteCUDAGraph`` capture (CUDA targets; TVM's PassContext option).
     pipeline
         ``target -> Pass``, the whole Relax pipeline; by default blade_relax's without
-        ``Rematerialize`` (see the module docstring).
+        ``Rematerialize`` and ``DispatchGemm`` (see the module docstring).
 
     Returns
     -------

@@ -16,8 +16,8 @@ time there, while its graph passes turn transposes and matmuls into ``NT_matmul`
 
 Each GEMM is one Relax function (``x: (m, k)``, ``w: (n, k)``, ``dy: (m, n)``) with ``m``
 symbolic, as in the imported graphs; one module holds them all and is compiled once by
-blade_relax's default pipeline (:func:`blade_relax.get_pipeline`) before the GPU is taken
-(:data:`~.plan.LOCK_ENV`).
+blade_relax's pipeline without ``DispatchGemm`` (``get_pipeline(target, dispatch_gemm=False)``)
+before the GPU is taken (:data:`~.plan.LOCK_ENV`).
 Both sides are timed alike: ``calls`` back-to-back calls between two synchronisations, divided
 by ``calls`` (launch overhead amortised, as in a training step's stream of kernels), the
 median of ``repeat`` such batches. float32 on both sides, TF32 off (PyTorch's default for
@@ -40,7 +40,15 @@ from typing import Any
 from .cuda_graphs import max_relative_error
 from .plan import LOCK_ENV, read_manifest
 
-__all__ = ["PASSES", "GemmShape", "gemm_module", "llama_gemms", "main", "markdown"]
+__all__ = [
+    "PASSES",
+    "GemmShape",
+    "compile_tvm_gemms",
+    "gemm_module",
+    "llama_gemms",
+    "main",
+    "markdown",
+]
 
 #: The GEMMs of one linear layer in a training step: name -> (what it computes, its layout).
 PASSES = {
@@ -111,6 +119,17 @@ def gemm_module(shapes: Sequence[GemmShape], dtype: str = "float32") -> Any:
                     out = bb.emit_output(value)
                 bb.emit_func_output(out)
     return bb.get()
+
+
+def compile_tvm_gemms(shapes: Sequence[GemmShape], target: Any) -> Any:
+    """:func:`gemm_module` compiled with TVM's own GEMM kernels (dlight's on CUDA), the side
+    this step times against cuBLAS: blade_relax's pipeline without ``DispatchGemm``."""
+    import tvm
+
+    from ..pipeline import get_pipeline
+
+    pipeline = get_pipeline(target, dispatch_gemm=False)
+    return tvm.compile(gemm_module(shapes), target, relax_pipeline=pipeline)
 
 
 def _say(message: str) -> None:
@@ -245,7 +264,6 @@ def main(argv: Sequence[str]) -> int:
     import tvm
 
     from .. import quiet
-    from ..pipeline import get_pipeline
     from ..runtime.devices import configure_cuda_compiler
     from .__main__ import _bench_target, gpu_lock
 
@@ -262,7 +280,7 @@ def main(argv: Sequence[str]) -> int:
         configure_cuda_compiler()
     tgt = tvm.target.Target(target)
     start = time.perf_counter()
-    executable = tvm.compile(gemm_module(shapes), tgt, relax_pipeline=get_pipeline(tgt))
+    executable = compile_tvm_gemms(shapes, tgt)
     compile_s = time.perf_counter() - start
     _say(f"built {len(shapes) * len(PASSES)} GEMMs for {where} in {compile_s:.1f} s; "
          f"m in {tokens}")  # fmt: skip

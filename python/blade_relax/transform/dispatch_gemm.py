@@ -64,7 +64,11 @@ phase, after ``KillAfterLastUse`` (and ``RematTimeline``), before ``LowerRuntime
 needs the lowered, planned form (no ``call_tir`` left); on a module that still has ``call_tir``
 it changes nothing. On CUDA targets dlight has scheduled every kernel by then, so a GEMM is known
 by what ``MarkGemmKernels`` recorded before (mark_gemm_kernels.py), and only GEMMs without a
-tail are dispatched (cuBLAS, through ATen); a kernel with an epilogue stays dlight's.
+tail are dispatched (cuBLAS, through ATen); a kernel with an epilogue stays dlight's. A GEMM in
+a region a CUDA graph captures (a function ``RewriteCUDAGraph`` lifted, when the PassContext
+sets ``relax.backend.use_cuda_graph``) stays TVM's kernel too: ATen launches on PyTorch's
+stream, which the capture does not record, so the replayed graph would run without it
+(``GemmReport.kept_captured``).
 
 What it assumes
 ---------------
@@ -91,6 +95,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..analysis import memory_timeline
+from ..analysis.cuda_graph_pool import captured_functions
 from ..analysis.tir_fields import type_key
 from ..contract import EVICT, GEMM_FUNCS, GEMM_KERNEL_ATTR, REGENERATE, REMAT_BEGIN
 from ..symbolic import is_integer
@@ -159,6 +164,8 @@ class GemmReport:
         leave the function's peak where it is.
     temporaries
         Calls among ``epilogues`` whose GEMM result got a tensor of its own.
+    kept_captured
+        Calls of GEMM kernels left to TVM because a CUDA graph captures them.
     """
 
     dispatched: dict[str, int] = field(default_factory=dict)
@@ -166,6 +173,7 @@ class GemmReport:
     kept: int = 0
     kept_in_place: int = 0
     temporaries: int = 0
+    kept_captured: int = 0
 
     @property
     def total(self) -> int:
@@ -747,6 +755,18 @@ def _bindings(func: relax.Function) -> Iterator[tuple[relax.Var, relax.Call]]:
                 yield binding.var, binding.value
 
 
+def _gemm_calls(mod: tvm.IRModule, func: relax.Function) -> int:
+    """Calls in ``func`` of kernels that are a GEMM, with an epilogue or not."""
+    count = 0
+    for _, call in _bindings(func):
+        kernel = mod.functions.get(call.op) if isinstance(call.op, tvm.ir.GlobalVar) else None
+        if isinstance(kernel, tvm.tirx.PrimFunc) and (
+            gemm_layout(kernel) is not None or epilogue_kernel(kernel) is not None
+        ):
+            count += 1
+    return count
+
+
 def _rematerializes(func: relax.Function) -> bool:
     names = (REMAT_BEGIN, EVICT, REGENERATE)
     return any(
@@ -786,8 +806,12 @@ class DispatchGemm:
             return mod
         swapper = _Swapper(mod, self.options, self.report)
         changes: dict[str, list[str]] = {}
+        captured = captured_functions(mod)
         for gv, func in list(mod.functions.items()):
             if not isinstance(func, relax.Function):
+                continue
+            if gv.name_hint in captured:
+                self.report.kept_captured += _gemm_calls(mod, func)
                 continue
             before = self.report.total
             swapper.placements = _epilogue_placements(mod, func) if self.options.epilogues else {}
