@@ -1,16 +1,17 @@
 """What the GPU program runs, in which order, and how long each step is expected to take.
 
-The steps, in the order they run (:data:`STEP_ORDER`): first the foreground steps that need no
-build of their own, which hold the GPU while the benchmarks compile in the background; then the
-background steps, most valuable first (a run cut short by the deadline loses the least), each
-measuring alone when the program reaches it; the tutorial last.
+The steps, in the order they run (:data:`STEP_ORDER`): first the foreground steps, whose builds
+are small (the tests', the tutorial's), which hold the GPU while the benchmarks compile in the
+background (the Llama benchmark's builds, the longest, take longer than all of them together);
+then the background steps, most valuable first (a run cut short by the deadline loses the
+least), each measuring alone when the program reaches it.
 
 ``preflight``
     ``.gpukit/preflight.py``: the environment, TVM and blade_relax on the GPU, torch on the GPU
     (``$OUT/preflight.json``).
 ``gemm``
     The benchmarked Llama's GEMM shapes on TVM's kernels (dlight's, what blade_relax runs on a
-    GPU) against cuBLAS (``torch.nn.functional.linear``): time, TFLOP/s, error
+    GPU with ``dispatch_gemm=False``) against cuBLAS (``torch.nn.functional.linear``): time, TFLOP/s, error
     (``$OUT/gemm.json``; :mod:`.gemm`).
 ``gpu-tests``
     The tests marked ``gpu``, but for :data:`GPU_TESTS_LEFT_OUT`.
@@ -142,10 +143,10 @@ STEP_ORDER = (
     "preflight",
     "gemm",
     "gpu-tests",
+    "tutorial-5",
     "bench-llama-train",
     "cuda-graphs",
     "bench-gpt2-train",
-    "tutorial-5",
 )
 #: The environment variable naming the program's GPU lock file: a step holds it while it uses
 #: the GPU, so that a benchmark compiling in the background measures alone.
