@@ -630,3 +630,33 @@ def test_gemms_a_cuda_graph_captures_stay_tvm_kernels():
     # Without CUDA graphs nothing is captured, and every GEMM is dispatched.
     assert captured_functions(lowered[False]) == set()
     assert reports[False].kept_captured == 0 and reports[False].dispatched == {"NN": 3}
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        GemmOptions(),
+        GemmOptions(transposed=False),
+        GemmOptions(batched=False),
+        GemmOptions(epilogues=False),
+        GemmOptions(dtypes=("float64",)),
+    ],
+)
+def test_gemms_kept_for_a_capture_are_counted_as_the_swap_would_dispatch_them(options):
+    """``GemmReport.kept_captured`` counts the calls the swap would have dispatched under the
+    same options, with an epilogue or not, nothing it would have kept."""
+    from blade_relax.transform.dispatch_gemm import _dispatchable_calls
+
+    plain = _module_with(
+        {
+            "mm": _kernel((4, 8), (8, 6), (4, 6), NN),
+            "nt": _kernel((4, 8), (6, 8), (4, 6), NT),
+            "bmm": _kernel((2, 4, 8), (2, 8, 6), (2, 4, 6), NN),
+        }
+    )
+    for mod in (plain, WithEpilogue):
+        pass_obj = DispatchGemm(options)
+        pass_obj(mod)
+        report = pass_obj.report
+        swapped = sum(report.dispatched.values()) + sum(report.epilogues.values())
+        assert _dispatchable_calls(mod, mod["main"], options) == swapped + report.kept_in_place

@@ -99,7 +99,7 @@ from ..analysis.cuda_graph_pool import captured_functions
 from ..analysis.tir_fields import type_key
 from ..contract import EVICT, GEMM_FUNCS, GEMM_KERNEL_ATTR, REGENERATE, REMAT_BEGIN
 from ..symbolic import is_integer
-from ._collection import pauses_collection
+from ..util.collection import pauses_collection
 from .result import PassResult, counted, function_results, publish, snapshot
 
 __all__ = [
@@ -566,31 +566,24 @@ class _Swapper(PyExprMutator):
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: D102
         new_call = super().visit_call_(call)
-        op = new_call.op if isinstance(new_call, relax.Call) else None
-        if not isinstance(op, tvm.ir.GlobalVar) or op not in self.mod_.functions:
+        if not isinstance(new_call, relax.Call):
             return new_call
-        func = self.mod_[op]
-        if not isinstance(func, tvm.tirx.PrimFunc) or len(new_call.args) != len(func.params):
+        recognized = _gemm_called(self.mod_, new_call, self.options)
+        if recognized is None:
             return new_call
-        kernel = gemm_layout(func)
-        if kernel is not None:
-            if not self._accepts(kernel):
-                self.report.kept += 1
-                return new_call
-            _count(self.report.dispatched, kernel.layout)
-            return _gemm_call(kernel, new_call)
-        epilogue = epilogue_kernel(func) if self.options.epilogues else None
-        if epilogue is None:
-            return new_call
-        if not self._accepts(epilogue.gemm):
+        if not _accepts(_gemm_part(recognized), self.options):
             self.report.kept += 1
             return new_call
+        if isinstance(recognized, GemmKernel):
+            _count(self.report.dispatched, recognized.layout)
+            return _gemm_call(recognized, new_call)
+        epilogue = recognized
         placement = self.placements.get(call, _KEPT)
         if placement == _KEPT:
             self.report.kept_in_place += 1
             return new_call
         _count(self.report.epilogues, epilogue.gemm.layout)
-        args = new_call.args
+        op, args = new_call.op, new_call.args
         if placement == _IN_PLACE:
             self.builder_.emit(_gemm_call(epilogue.gemm, new_call))
             tail = self._function(op, epilogue.tail, "epilogue")
@@ -626,16 +619,40 @@ class _Swapper(PyExprMutator):
         self.builder_.emit(relax.op.memory.kill_storage(storage))
         return tensor
 
-    def _accepts(self, kernel: GemmKernel) -> bool:
-        rank_a, rank_b, rank_c = kernel.ranks
-        if kernel.dtype not in self.options.dtypes:
-            return False
-        if kernel.layout != "NN" and not self.options.transposed:
-            return False
-        if rank_b == 2:
-            # A weight: the batch axes of `a` fold into rows, which needs `a` as stored.
-            return rank_a == 2 or kernel.layout[0] == "N"
-        return self.options.batched and rank_a == rank_b == rank_c
+
+def _gemm_called(
+    mod: tvm.IRModule, call: relax.Call, options: GemmOptions
+) -> GemmKernel | EpilogueKernel | None:
+    """What the pass recognizes ``call`` to call: a GEMM kernel, a GEMM-with-epilogue kernel
+    (only with ``options.epilogues``), or ``None`` (any other call, or a kernel called with
+    other arguments than its parameters)."""
+    op = call.op
+    if not isinstance(op, tvm.ir.GlobalVar) or op not in mod.functions:
+        return None
+    func = mod[op]
+    if not isinstance(func, tvm.tirx.PrimFunc) or len(call.args) != len(func.params):
+        return None
+    kernel = gemm_layout(func)
+    if kernel is not None or not options.epilogues:
+        return kernel
+    return epilogue_kernel(func)
+
+
+def _gemm_part(recognized: GemmKernel | EpilogueKernel) -> GemmKernel:
+    return recognized if isinstance(recognized, GemmKernel) else recognized.gemm
+
+
+def _accepts(kernel: GemmKernel, options: GemmOptions) -> bool:
+    """Whether the runtime computes ``kernel`` without a copy, under ``options``."""
+    rank_a, rank_b, rank_c = kernel.ranks
+    if kernel.dtype not in options.dtypes:
+        return False
+    if kernel.layout != "NN" and not options.transposed:
+        return False
+    if rank_b == 2:
+        # A weight: the batch axes of `a` fold into rows, which needs `a` as stored.
+        return rank_a == 2 or kernel.layout[0] == "N"
+    return options.batched and rank_a == rank_b == rank_c
 
 
 def _count(counts: dict[str, int], layout: str) -> None:
@@ -704,7 +721,9 @@ def _apart(out: relax.Expr, operands: list[relax.Expr], memory: dict[relax.Var, 
 _IN_PLACE, _OWN_RESULT, _KEPT = "in place", "own result", "kept"
 
 
-def _epilogue_placements(mod: tvm.IRModule, func: relax.Function) -> dict[relax.Call, str]:
+def _epilogue_placements(
+    mod: tvm.IRModule, func: relax.Function, options: GemmOptions
+) -> dict[relax.Call, str]:
     """How each call of a GEMM-with-epilogue kernel in ``func`` is split (see the module
     docstring).
 
@@ -720,11 +739,8 @@ def _epilogue_placements(mod: tvm.IRModule, func: relax.Function) -> dict[relax.
     placements: dict[relax.Call, str] = {}
     over: list[tuple[relax.Var, relax.Call, relax.Expr]] = []
     for var, call in _bindings(func):
-        kernel = mod.functions.get(call.op) if isinstance(call.op, tvm.ir.GlobalVar) else None
-        if not isinstance(kernel, tvm.tirx.PrimFunc) or len(call.args) != len(kernel.params):
-            continue
-        epilogue = epilogue_kernel(kernel) if gemm_layout(kernel) is None else None
-        if epilogue is None:
+        epilogue = _gemm_called(mod, call, options)
+        if not isinstance(epilogue, EpilogueKernel):
             continue
         out = call.args[epilogue.gemm.buffers[2]]
         operands = [call.args[i] for i in (*epilogue.gemm.buffers[:2], *epilogue.reads)]
@@ -755,14 +771,13 @@ def _bindings(func: relax.Function) -> Iterator[tuple[relax.Var, relax.Call]]:
                 yield binding.var, binding.value
 
 
-def _gemm_calls(mod: tvm.IRModule, func: relax.Function) -> int:
-    """Calls in ``func`` of kernels that are a GEMM, with an epilogue or not."""
+def _dispatchable_calls(mod: tvm.IRModule, func: relax.Function, options: GemmOptions) -> int:
+    """Calls in ``func`` that the swap would dispatch to ATen under ``options`` (an epilogue
+    call counted whatever its placement)."""
     count = 0
     for _, call in _bindings(func):
-        kernel = mod.functions.get(call.op) if isinstance(call.op, tvm.ir.GlobalVar) else None
-        if isinstance(kernel, tvm.tirx.PrimFunc) and (
-            gemm_layout(kernel) is not None or epilogue_kernel(kernel) is not None
-        ):
+        recognized = _gemm_called(mod, call, options)
+        if recognized is not None and _accepts(_gemm_part(recognized), options):
             count += 1
     return count
 
@@ -811,10 +826,12 @@ class DispatchGemm:
             if not isinstance(func, relax.Function):
                 continue
             if gv.name_hint in captured:
-                self.report.kept_captured += _gemm_calls(mod, func)
+                self.report.kept_captured += _dispatchable_calls(mod, func, self.options)
                 continue
             before = self.report.total
-            swapper.placements = _epilogue_placements(mod, func) if self.options.epilogues else {}
+            swapper.placements = (
+                _epilogue_placements(mod, func, self.options) if self.options.epilogues else {}
+            )
             new_func = swapper.visit_expr(func)
             if self.report.total != before:
                 swapper.builder_.update_func(gv, new_func)
