@@ -286,6 +286,35 @@ def test_measure_call_releases_storage_only_a_reference_cycle_holds(two_adds, mo
         gc.enable()
 
 
+def test_without_a_collection_garbage_is_live_at_entry_and_the_peak_unchanged(two_adds):
+    """Rule 1 without ``collect_garbage``: a result only a cycle holds stays live through the
+    call, in ``live_before``, and ``peak_bytes`` is the call's own; the collector is paused
+    while the call runs (a collection there would free those bytes inside the call)."""
+    import gc
+
+    n = 11
+    enabled_during_call = []
+
+    def trace(_func, _symbol, before_run, _ret, *_args):
+        if before_run:
+            enabled_during_call.append(gc.isenabled())
+        return 0
+
+    vm = relax.VirtualMachine(two_adds, tvm.cpu())
+    cycle: list = [vm["main"](tvm.runtime.tensor(_rows(n))), vm]
+    cycle.append(cycle)
+    held = memory_stats()["live_bytes"]
+    del vm, cycle
+    try:
+        m = measure_call(two_adds, [_rows(n)], collect_garbage=False, instrument=trace)
+        assert m.live_before >= held
+        assert m.peak_bytes == _two_adds_peak(n)
+        assert enabled_during_call and not any(enabled_during_call)
+        assert gc.isenabled()  # as it was found
+    finally:
+        gc.collect()
+
+
 def test_measure_call_counts_workspaces_and_runs_the_callers_instrument():
     exe = tvm.compile(TwoKernels, "llvm")
     n = 30

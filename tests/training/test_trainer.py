@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+import tvm
 
 from blade_relax import get_pipeline
 from blade_relax.bench.workloads import ModelSizes, build_workload
@@ -139,6 +140,36 @@ def test_peaks_are_deterministic_across_calls(run):
     assert first.step + 1 == second.step
     assert first.peak_bytes == second.peak_bytes
     assert first.step_peak_bytes == second.step_peak_bytes
+
+
+def test_a_step_does_not_collect_and_peaks_as_without_garbage(graph, run, monkeypatch):
+    """A step reads only its own bytes, which garbage of earlier calls cannot change: it runs
+    no full collection (0.5 s with a Hugging Face model imported), even while a VM result only
+    a reference cycle holds is live, and peaks as it does without that garbage."""
+    import gc
+
+    from tvm import relax
+
+    trainer = _twin(graph, run)
+    batch = _ids((9,), seed=5)[0]
+    clean = trainer.step(batch)
+    vm = relax.VirtualMachine(trainer.executable, trainer.device)
+    arrays = [tvm.runtime.tensor(a, trainer.device) for a in as_batch(graph, batch)]
+    scalars = tvm.runtime.tensor(trainer.optimizer.scalars(1), trainer.device)
+    cycle: list = [vm["main"](*arrays, *trainer.params, *trainer.states, scalars), vm]
+    cycle.append(cycle)
+    del vm, cycle
+    collections = []
+    collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *args: collections.append(args) or collect(*args))
+    gc.disable()
+    try:
+        with_garbage = trainer.step(batch)
+    finally:
+        gc.enable()
+    assert collections == []
+    assert with_garbage.step_peak_bytes == clean.step_peak_bytes
+    assert with_garbage.peak_bytes == clean.peak_bytes
 
 
 # ---------------------------------------------------------------------------------- bad input

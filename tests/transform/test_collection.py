@@ -1,4 +1,4 @@
-"""Every pass runs with the cyclic garbage collector paused (``transform/_collection.py``)."""
+"""Every pass runs with the cyclic garbage collector paused (``util/collection.py``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from tvm.ir.instrument import pass_instrument
 
 from blade_relax.bench.workloads import SMALL, build_workload
 from blade_relax.pipeline import PipelineFlags, lower_to_memory_stage
-from blade_relax.transform._collection import collection_paused, pauses_collection
+from blade_relax.util.collection import collection_paused, pauses_collection
 
 
 @pytest.fixture

@@ -274,13 +274,16 @@ class _TvmRunner:
         main = vm["main"]
         args = [tvm.runtime.tensor(a, self.device) for a in inputs] + self._params
         # The measured step runs on a fresh VM of the executable, under a budget of what the
-        # step may add on top of the bytes live before it (see measure_call).
+        # step may add on top of the bytes live before it (see measure_call). Not collected
+        # first (its rule 1): every figure of the row is of the step's own bytes, which
+        # garbage of earlier calls cannot change, and a collection costs up to a second.
         measured = measure_call(
             self._exe,
             args,
             budget=budget_bytes,
             workspaces=self._workspaces,
             device=self.device,
+            collect_garbage=False,
         )
         outputs = [np.asarray(a) for a in flatten_outputs(measured.outputs)]
         row.step_peak_bytes = int(measured.peak_bytes)

@@ -7,11 +7,17 @@ it is built on, for callers that run the call themselves.
 
 The rules, in the order they apply:
 
-1. Garbage is collected first (``collect_garbage``): tensors of earlier calls that only a
-   reference cycle still holds would count as live bytes of this one. Only when the thread
-   holds counted bytes (storage or host copies) at all: a full collection walks every object
-   of the process (0.2 s once TVM is imported), and with nothing counted alive there is
-   nothing it could release that the figures would see.
+1. The call runs with the cyclic garbage collector paused (:mod:`blade_relax.util.collection`):
+   a collection during the call could free a tensor of an earlier call that only a reference
+   cycle still holds, and ``peak_bytes`` would not count bytes the call itself held. Such
+   tensors are live bytes at entry, then, and ``peak_bytes`` and a ``budget`` are exact
+   with or without them. Garbage is collected first (``collect_garbage``) so that
+   ``live_before`` and ``peak_absolute`` do not count them either; only when the thread holds
+   counted bytes (storage or host copies) at all: a full collection walks every object of
+   the process (0.2 s once TVM is imported, 0.5 s once a Hugging Face model is), and with
+   nothing counted alive there is nothing it could release that the figures would see. A
+   caller that reads only ``peak_bytes`` skips it (``collect_garbage=False``, as the
+   Trainer's step does).
 2. Given an executable, the call runs on a fresh VM, dropped once the outputs are
    converted. A Relax VM keeps the value it returned last alive until its next call
    *returns* (``return_value_`` in TVM's ``vm.cc``), so a reused VM enters the call with
@@ -73,6 +79,7 @@ from typing import Any
 import tvm
 from tvm import relax
 
+from ..util.collection import collection_paused
 from .accounting import memory_stats, reset_memory_stats, workspace_instrument
 from .budget import set_memory_budget
 
@@ -276,7 +283,8 @@ def measure_call(
         Applied to the result before a fresh VM is dropped (default: numpy arrays, tuples as
         lists); ``None`` drops the result.
     collect_garbage
-        Run ``gc.collect()`` first, where it could change a figure (rule 1).
+        Run ``gc.collect()`` first, where it could change ``live_before`` or
+        ``peak_absolute`` (rule 1; ``peak_bytes`` and a ``budget`` are exact without it).
     record_warnings
         Catch every warning the call raises (none is shown) into ``recorded_warnings``, and
         count the :class:`~blade_relax.runtime.RematBudgetWarning` among them; otherwise
@@ -299,7 +307,7 @@ def measure_call(
     call = vm[function]
     tensors = _on_device(args, device)
     clear_last_remat_decision()
-    with _warnings_recorded(record_warnings) as caught:
+    with _warnings_recorded(record_warnings) as caught, collection_paused():
         with measure_memory(vm, workspaces=workspaces, instrument=instrument) as measured:
             if budget is not None:
                 runtime_budget = measured.live_before + budget

@@ -64,7 +64,7 @@ import tvm
 from tvm import relax, tirx
 
 from ..contract import CHECKED_DIMS_ATTR, LOWER_BOUND_ATTR, UPPER_BOUND_ATTR
-from ._collection import pauses_collection
+from ..util.collection import pauses_collection
 from .result import FunctionResult, PassResult, counted, publish
 
 __all__ = ["CheckDimRanges", "DimCheck", "DimRangeOptions", "declared_dim_checks"]

@@ -47,8 +47,8 @@ import tvm
 from tvm import relax
 
 from ..analysis.effects import in_place_writes
+from ..util.collection import pauses_collection
 from ._block_edit import copy_chain, insert_copies, rewrite_dataflow_blocks, vars_read_after
-from ._collection import pauses_collection
 from .result import PassResult, counted, function_results, publish
 
 __all__ = ["CloneGeneratedTensors", "CloneOptions", "CloneReport"]

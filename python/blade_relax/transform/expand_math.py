@@ -61,7 +61,7 @@ import tvm
 import tvm_ffi
 from tvm import tirx
 
-from ._collection import pauses_collection
+from ..util.collection import pauses_collection
 from .result import PassResult, counted, function_results, publish, with_functions
 
 __all__ = ["ExpandMathIntrinsics", "MathOptions", "MathReport", "expanded_exp"]

@@ -52,7 +52,7 @@ import tvm
 from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._collection import pauses_collection
+from ..util.collection import pauses_collection
 from .result import PassResult, counted, function_results, publish
 from .simplify_transposes import _axes, _is_last_two_swap
 

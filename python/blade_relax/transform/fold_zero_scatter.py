@@ -54,7 +54,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script.builder import ir as T
 
-from ._collection import pauses_collection
+from ..util.collection import pauses_collection
 from .result import PassResult, counted, function_results, publish
 
 __all__ = ["FoldZeroScatter", "ScatterReport", "ZeroScatterOptions"]

@@ -132,6 +132,7 @@ from dataclasses import dataclass
 import tvm
 from tvm import relax
 
+from ..util.collection import pauses_collection
 from ._attention_kernel import KeysCopy, build_kernel
 from ._attention_match import (
     Block,
@@ -144,7 +145,6 @@ from ._attention_match import (
     softmax_axis_is_last,
 )
 from ._block_edit import rewrite_dataflow_blocks, vars_read_after
-from ._collection import pauses_collection
 from .result import PassResult, counted, function_results, publish
 
 __all__ = ["AttentionOptions", "AttentionReport", "FuseAttention"]

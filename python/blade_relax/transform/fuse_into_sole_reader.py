@@ -69,8 +69,8 @@ from tvm.relax.utils import copy_with_new_vars
 
 from ..analysis.effects import in_place_writes, reshape_pattern
 from ..symbolic import ShapeGraph, TypeSizes
+from ..util.collection import pauses_collection
 from ._block_edit import rewrite_dataflow_blocks, vars_read_after
-from ._collection import pauses_collection
 from .inline_kernel_intermediates import inline_intermediates
 from .recompute_cheap_values import kernel_patterns
 from .result import PassResult, counted, function_results, publish

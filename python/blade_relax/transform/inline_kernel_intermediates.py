@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import tvm
 from tvm import s_tir, tirx
 
-from ._collection import pauses_collection
+from ..util.collection import pauses_collection
 from .result import PassResult, counted, function_results, publish, with_functions
 
 __all__ = [

@@ -76,6 +76,7 @@ from ..analysis import (
 )
 from ..analysis.effects import in_place_writes, reshape_pattern
 from ..symbolic import Ordering
+from ..util.collection import pauses_collection
 from ._block_edit import (
     copy_chain,
     insert_copies,
@@ -83,7 +84,6 @@ from ._block_edit import (
     vars_read_after,
     with_blocks,
 )
-from ._collection import pauses_collection
 from .dispatch_gemm import gemm_layout
 from .result import PassResult, counted, function_results, publish
 from .vectorize_softmax import is_softmax_kernel

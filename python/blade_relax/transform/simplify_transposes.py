@@ -51,7 +51,7 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._collection import pauses_collection
+from ..util.collection import pauses_collection
 from .result import PassResult, counted, function_results, publish
 
 __all__ = ["SimplifyTransposes", "TransposeOptions", "TransposeReport"]

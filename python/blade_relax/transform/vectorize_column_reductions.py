@@ -50,7 +50,7 @@ import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 
-from ._collection import pauses_collection
+from ..util.collection import pauses_collection
 from .result import PassResult, counted, function_results, publish, with_functions
 
 __all__ = ["ColumnReductionOptions", "VectorizeColumnReductions", "column_reduction_order"]

@@ -61,7 +61,7 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script.builder import ir as T
 
 from ..contract import SOFTMAX_KERNEL_ATTR
-from ._collection import pauses_collection
+from ..util.collection import pauses_collection
 from .result import PassResult, counted, function_results, publish, with_functions
 
 __all__ = [

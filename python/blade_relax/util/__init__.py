@@ -2,6 +2,8 @@
 
 * :mod:`.cliargs`: what the command lines share (one-line errors, output paths and memory
   checked before any long step);
+* :mod:`.collection`: CPython's cyclic garbage collector paused around a pass or a measured
+  call;
 * :mod:`.figures`: matplotlib figures saved as small PNGs;
 * :mod:`.quiet`: TVM's native warnings and the Hugging Face stack's notes filtered from stderr.
 

@@ -1,4 +1,4 @@
-"""Every pass runs with CPython's cyclic garbage collector paused.
+"""CPython's cyclic garbage collector paused: around every pass, and around a measured VM call.
 
 The passes build many long-lived Python objects: per-binding effects, symbolic sizes, memo
 tables, wrappers of IR nodes. CPython's collector decides when to run a full collection by how
@@ -9,6 +9,11 @@ full collections, where the stock pipeline paid none. Reference counting still f
 everything a pass drops; the cycles it leaves are collected by the first collection after the
 pass (with the collector paused over that whole lowering, they were about 69,000 objects; paused
 per pass, the lowering's peak RSS is the same as without a pause).
+
+A measured VM call (:func:`blade_relax.runtime.measure_call`) runs paused for another reason: a
+collection during the call could free a tensor of an earlier call that only a reference cycle
+held, and the call would be credited with bytes it did not release (its peak is measured above
+the bytes live at entry).
 
 The pause is re-entrant (a pass run by another pass, as ``MemoryAwareSchedule`` runs
 ``RecomputeCheapValues``, leaves the outer pause in place) and leaves the collector as it found

@@ -72,7 +72,7 @@ from tvm import relax, tirx
 from ...analysis.inplace_reuse import inplace_verdict
 from ...contract import LOWER_BOUND_ATTR, NO_PLAN_ATTR, REGENERATE, UPPER_BOUND_ATTR
 from ...symbolic import ShapeGraph, SymbolicExpr
-from .._collection import pauses_collection
+from ...util.collection import pauses_collection
 from .._warn import warn_fallback
 from ..result import (
     FunctionResult,

@@ -59,7 +59,7 @@ from ...contract import (
     RematSlot,
     metadata_key,
 )
-from .._collection import pauses_collection
+from ...util.collection import pauses_collection
 
 __all__ = [
     "RematHazardError",

@@ -98,7 +98,7 @@ from ...contract import (
     RematMetadata,
 )
 from ...contract.dimexpr import compile_expressions, validate
-from .._collection import pauses_collection
+from ...util.collection import pauses_collection
 from .._warn import warn_fallback
 from ..dispatch import budget_dispatch
 from ..result import FunctionResult, PassResult, counted, publish, snapshot, timeline_peak

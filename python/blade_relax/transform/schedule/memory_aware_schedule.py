@@ -145,7 +145,7 @@ import tvm
 from tvm import relax
 
 from ...contract import SCHEDULE_VERSION_ATTR
-from .._collection import pauses_collection
+from ...util.collection import pauses_collection
 from ..dispatch import DimRange, range_dispatch, range_of
 from ..fuse_into_sole_reader import FuseReaderOptions
 from ..recompute_cheap_values import RecomputeOptions
