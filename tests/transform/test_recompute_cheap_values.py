@@ -699,6 +699,52 @@ def test_the_screen_decides_as_the_timelines_do(monkeypatch):
     assert changed
 
 
+def test_on_bounded_dims_the_grid_decides_as_the_proof_does(monkeypatch):
+    """Where every value of the dims can be listed, a trial past the screen is decided by its
+    peaks at each value, without the symbolic peaks: on random blocks whose dim is bounded,
+    each such verdict is the proof-first one (a symbolic proof of no higher, else the peaks
+    over the grid), and the pass builds the module it builds deciding proof-first."""
+    from blade_relax.analysis import lowers_peak
+    from blade_relax.transform import recompute_cheap_values as rcv
+
+    lowers = rcv._lowers
+    pairs: list[tuple[bool, bool]] = []  # (the pass's verdict, the proof-first one)
+    proven = 0
+
+    def proof_first(trial, base, trial_screen, base_screen):
+        nonlocal proven
+        if trial_screen is None or base_screen is None:
+            return lowers(trial, base, trial_screen, base_screen)
+        trial_peak, base_peak = trial_screen.sampled.peak, base_screen.sampled.peak
+        if any(t > b for t, b in zip(trial_peak, base_peak)) or trial_peak == base_peak:
+            return False
+        assert base.graph.admissible_grid() is not None
+        if base.graph.compare(trial.peak, base.peak) in rcv._NO_HIGHER:
+            proven += 1
+            decided = True
+        else:
+            decided = lowers_peak(trial, base) is True
+        pairs.append((lowers(trial, base, trial_screen, base_screen), decided))
+        return decided
+
+    def run(mod, decide):
+        monkeypatch.setattr(rcv, "_DECISIONS", rcv._DecisionMemo())
+        with monkeypatch.context() as patch:
+            patch.setattr(rcv, "_lowers", decide)
+            return RecomputeCheapValues()(mod)
+
+    changed = 0
+    for seed in range(40):
+        mod = _random_block(seed)
+        mod["main"] = mod["main"].with_attr("tir_var_upper_bound", {"s": 64})
+        expected = run(mod, proof_first)
+        tvm.ir.assert_structural_equal(run(mod, lowers), expected)
+        changed += not expected.same_as(mod)
+    assert all(ours == theirs for ours, theirs in pairs)
+    # Trials past the screen occur, some of them proven symbolically; the blocks change.
+    assert pairs and proven and changed
+
+
 def _softmax_calls(func: relax.Function) -> int:
     return sum(
         1

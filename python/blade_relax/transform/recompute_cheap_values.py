@@ -680,6 +680,12 @@ def _lowers(
     decide first where they can: a trial higher at one point cannot be proven no higher (the
     points are admissible values, the proofs sound), and one lower at no point is not taken
     either way (:func:`_lowers_somewhere` reads the same values).
+
+    Past the screen the trial is lower at a sample point and no higher at any, and where the
+    dims take few enough values to list (:meth:`ShapeGraph.admissible_grid`), the peaks at
+    every one of them (:func:`lowers_peak`) decide what the proof would: a proof of no higher
+    holds at each value, and the sample points are among them. The symbolic peaks, whose
+    running sums and ``Max`` are most of a trial's cost, are then never built.
     """
     if trial_screen is None or base_screen is None:
         verdict = base.graph.compare(trial.peak, base.peak)
@@ -691,6 +697,10 @@ def _lowers(
         return False
     if all(t == b for t, b in zip(trial_peak, base_peak)):
         return False
+    if base.graph.admissible_grid() is not None:
+        verdict = lowers_peak(trial, base)
+        if verdict is not None:
+            return verdict
     if base.graph.compare(trial.peak, base.peak) in _NO_HIGHER:
         return True
     return lowers_peak(trial, base) is True
