@@ -394,6 +394,40 @@ def test_admissible_grid_holds_every_value_and_evaluates_exactly():
     assert np.all(values > 0)
 
 
+def test_an_expression_is_compiled_for_the_grid_once(monkeypatch):
+    """The passes evaluate the same sizes over a grid again and again: each expression is
+    turned into a numpy function once, and the values stay exact (an UNKNOWN part or a dim the
+    grid lacks still gives None)."""
+    import sympy
+
+    from blade_relax.symbolic import concrete
+
+    compiled = []
+    lambdify = sympy.lambdify
+
+    def counting(symbols, expr, **kwargs):
+        compiled.append(expr)
+        return lambdify(symbols, expr, **kwargs)
+
+    monkeypatch.setattr(concrete.sympy, "lambdify", counting)
+    concrete._vectorized.cache_clear()
+    graph = ShapeGraph.from_function(bounded_length)
+    grid = graph.admissible_grid()
+    size = graph.bytes_of(bounded_length.params[0]) * E.dim("s") + 11
+    first = graph.evaluate_grid(size, grid)
+    again = graph.evaluate_grid(graph.bytes_of(bounded_length.params[0]) * E.dim("s") + 11, grid)
+    other = graph.evaluate_grid(size + 1, grid)
+    assert len(compiled) == 2  # size, then size + 1; the second size was the first's function
+    assert (
+        first.tolist() == again.tolist() == [graph.evaluate(size, {"s": int(v)}) for v in grid["s"]]
+    )
+    assert (other - first).tolist() == [1.0] * len(grid["s"])
+    unknown = graph.bytes_of(relax.Var("opaque", relax.TensorType(ndim=1, dtype="float32")))
+    assert graph.evaluate_grid(size + unknown, grid) is None
+    assert graph.evaluate_grid(E.dim("b") * size, grid) is None
+    assert len(compiled) == 2
+
+
 def test_an_unbounded_dim_splits_into_checked_values_and_a_proven_tail():
     """Every value up to ``head`` is in the grid, and the copy starts right after them: a check
     over the grid and a proof on the copy cover every admissible value."""

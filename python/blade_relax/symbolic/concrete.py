@@ -11,6 +11,7 @@ the parameters' concrete shapes), :meth:`~ConcreteValues.representative_points` 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,19 @@ if TYPE_CHECKING:
 
 #: Stand-in value of an unbounded dim in :meth:`ShapeGraph.representative_points`.
 UNBOUNDED_STAND_IN = 4096
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _vectorized(e: sympy.Expr) -> Any:
+    """``e`` as a numpy function of its free symbols, sorted by name.
+
+    ``sympy.lambdify`` writes and compiles Python source on each call, which costs more than
+    evaluating the result over a grid of thousands of points, and the passes evaluate the
+    same sizes over a grid again and again (the trials of a rewrite share most of their sizes).
+    The function depends on ``e`` alone, so it is made once per expression.
+    """
+    symbols = sorted(e.free_symbols, key=lambda sym: sym.name)
+    return sympy.lambdify(symbols, e, modules="numpy")
 
 
 class ConcreteValues:
@@ -246,8 +260,7 @@ class ConcreteValues:
             return None
         if not symbols:
             return np.full(points, float(e))
-        function = sympy.lambdify(symbols, e, modules="numpy")
-        values = function(*(grid[sym.name] for sym in symbols))
+        values = _vectorized(e)(*(grid[sym.name] for sym in symbols))
         return np.broadcast_to(np.asarray(values, dtype=np.float64), (points,))
 
     def bind_arguments(self, shapes: Sequence[Sequence[int] | None]) -> dict[str, int]:
