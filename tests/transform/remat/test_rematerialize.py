@@ -1085,3 +1085,28 @@ def test_the_candidates_kept_are_those_that_free_the_most_bytes():
         assert [s["name"] for s in _meta(after)["slots"]] == kept
     every = Rematerialize(OPTIONS)(before)
     assert [s["name"] for s in _meta(every)["slots"]] == [f"h{i}" for i in range(7)]
+
+
+def test_a_kernel_calls_cost_is_read_once_for_every_recipe_sharing_it(monkeypatch):
+    """Neighbouring candidates' recipes replay many of the same kernel calls: each call's loop
+    nest is read once, and each candidate's cost is the sum over its own recipe's kernels."""
+    from types import SimpleNamespace
+
+    from blade_relax.transform.remat import rematerialize
+
+    read = []
+
+    def kernel_cost(op, mod, dims):
+        read.append(op.var)
+        return f"{op.var} * s"
+
+    monkeypatch.setattr(rematerialize, "_kernel_cost", kernel_cost)
+    a, b, c = (SimpleNamespace(var=name, kind="kernel") for name in "abc")
+    view = SimpleNamespace(var="v", kind="view")
+    first = SimpleNamespace(root="x", recipe=SimpleNamespace(ops=[a, view, b]))
+    second = SimpleNamespace(root="y", recipe=SimpleNamespace(ops=[a, b, c]))
+    cost_of = rematerialize._CostTexts(None, {"s"})
+    assert cost_of(first) == "(a * s) + (b * s)"
+    assert cost_of(second) == "(a * s) + (b * s) + (c * s)"
+    assert cost_of(first) == "(a * s) + (b * s)"
+    assert read == ["a", "b", "c"]

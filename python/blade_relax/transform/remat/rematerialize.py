@@ -571,22 +571,27 @@ def _worth_evicting(
 
 class _CostTexts:
     """Each candidate's recompute cost as a dim expression: the loop iterations of its recipe's
-    kernels (:func:`_kernel_cost`), written once per tensor."""
+    kernels (:func:`_kernel_cost`), written once per tensor, and once per kernel call (the
+    recipes of neighbouring tensors share most of their calls, and reading a kernel's loop
+    nest costs more than the rest of a candidate's ranking)."""
 
     def __init__(self, mod: tvm.IRModule, dim_names: set[str]) -> None:
         self.mod = mod
         self.dim_names = dim_names
         self.texts: dict[relax.Var, str] = {}
+        self.kernel_costs: dict[relax.Var, str] = {}
 
     def __call__(self, cand: Candidate) -> str:
         if cand.root not in self.texts:
-            terms = [
-                _kernel_cost(op, self.mod, self.dim_names)
-                for op in cand.recipe.ops
-                if op.kind == "kernel"
-            ]
+            terms = [self._kernel_cost(op) for op in cand.recipe.ops if op.kind == "kernel"]
             self.texts[cand.root] = " + ".join(f"({t})" for t in terms) or "1"
         return self.texts[cand.root]
+
+    def _kernel_cost(self, op: Op) -> str:
+        # An op is one binding of the function: its variable names the call.
+        if op.var not in self.kernel_costs:
+            self.kernel_costs[op.var] = _kernel_cost(op, self.mod, self.dim_names)
+        return self.kernel_costs[op.var]
 
 
 def _most_freeing(
