@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import tvm
+import tvm_ffi
 from tvm import relax
 
 from ...analysis import memory_timeline
@@ -122,11 +123,20 @@ def after_recompute(
     if found is not None:
         points = sorted(points, key=lambda p: p[found[0].name])
     # A candidate may be the same function under two names (a range copy that kept the input
-    # order is the input): each function is recomputed and read once.
-    scored: list[tuple[relax.Function, Callable[[list[dict[str, int]]], list[int]]]] = []
+    # order is the input; a range's own order is often one of the pool's, in another copy of
+    # the function): each function is recomputed and read once.
+    scored: list[tuple[relax.Function, int, Callable[[list[dict[str, int]]], list[int]]]] = []
     scorers = {}
     for name, f in candidates:
-        scorer = next((known for g, known in scored if g.same_as(f)), None)
+        key = tvm_ffi.structural_hash(f)
+        scorer = next(
+            (
+                known
+                for g, other, known in scored
+                if g.same_as(f) or (other == key and tvm_ffi.structural_equal(g, f))
+            ),
+            None,
+        )
         if scorer is None:
             scorer = _recomputed_peaks(
                 mod,
@@ -137,7 +147,7 @@ def after_recompute(
                 options.recompute_options,
                 _fuse(options),
             )
-            scored.append((f, scorer))
+            scored.append((f, key, scorer))
         scorers[name] = scorer
     functions = dict(candidates)
     try:
