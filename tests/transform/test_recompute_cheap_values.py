@@ -552,6 +552,42 @@ def test_a_second_run_on_an_equal_function_replays_the_decision(monkeypatch):
     assert len(calls) == 3
 
 
+def test_the_pipeline_replays_the_decision_on_the_order_the_schedule_chose(monkeypatch):
+    """MemoryAwareSchedule recomputes each of its candidates (ten on this small MLP step) before
+    the pipeline's own run of the pass, which then replays the decision made on the order
+    chosen instead of deciding afresh: the memo outlives the comparison."""
+    from blade_relax.bench import ModelSizes, build_workload
+    from blade_relax.pipeline import get_pipeline
+    from blade_relax.transform import recompute_cheap_values as rcv
+    from blade_relax.transform.schedule import memory_aware_schedule
+
+    found = []
+
+    class Counting(rcv._DecisionMemo):
+        def lookup(self, *args):
+            plans = super().lookup(*args)
+            found.append(plans is not None)
+            return plans
+
+    monkeypatch.setattr(rcv, "_DECISIONS", Counting())
+    compared = []
+    original = memory_aware_schedule.after_recompute
+
+    def spy(*args):
+        chosen = original(*args)
+        compared.append((len(args[3]), chosen))
+        return chosen
+
+    monkeypatch.setattr(memory_aware_schedule, "after_recompute", spy)
+    sizes = ModelSizes(layers=1, hidden=16, intermediate=32, vocab=8, max_seq_len=48)
+    with tvm.transform.PassContext(opt_level=3):
+        get_pipeline("llvm")(build_workload("mlp-train", sizes).graph.mod)
+    ((candidates, chosen),) = compared
+    assert candidates > 8
+    assert len(chosen) == 1 and chosen[0][0] is None, "expected one order for all shapes"
+    assert found[-1] and not any(found[:-1]), found
+
+
 # fmt: off
 @I.ir_module
 class Kernels:

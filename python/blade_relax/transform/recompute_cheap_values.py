@@ -719,9 +719,14 @@ class _DecisionMemo:
     decision. Plans name bindings by position, so they apply to any
     structurally equal function; the kernels it calls must be the same objects (the pipeline
     keeps them), since the plans depend on their op patterns and in-place writes.
+
+    ``MemoryAwareSchedule`` recomputes every candidate before the pipeline's run reads the
+    chosen one back: by default up to ``recompute_candidates`` (8) orders of the pool, the
+    ``max_versions`` (3) range copies and the input order, so the memo keeps twice the eight
+    that, with a shorter memory, pushed the input order (often the choice) out first.
     """
 
-    def __init__(self, size: int = 8) -> None:
+    def __init__(self, size: int = 16) -> None:
         self._size = size
         self._entries: OrderedDict[tuple, tuple[relax.Function, tuple, list[_Plan]]] = OrderedDict()
 
