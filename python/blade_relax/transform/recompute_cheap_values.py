@@ -720,10 +720,10 @@ class _DecisionMemo:
     structurally equal function; the kernels it calls must be the same objects (the pipeline
     keeps them), since the plans depend on their op patterns and in-place writes.
 
-    ``MemoryAwareSchedule`` recomputes every candidate before the pipeline's run reads the
-    chosen one back: by default up to ``recompute_candidates`` (8) orders of the pool, the
-    ``max_versions`` (3) range copies and the input order, so the memo keeps twice the eight
-    that, with a shorter memory, pushed the input order (often the choice) out first.
+    ``MemoryAwareSchedule`` recomputes all its candidates before the pipeline's run reads the
+    chosen one back: by default up to 12 functions (``recompute_candidates`` orders of the
+    pool, ``max_versions`` range copies, the input order). The memo keeps 16: with 8, on small
+    steps the candidates compared first (the pass's choice, the input order) were gone by then.
     """
 
     def __init__(self, size: int = 16) -> None:
