@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import tvm
-import tvm_ffi
 from tvm import relax
 
 from ...analysis import memory_timeline
@@ -19,9 +18,7 @@ from ...symbolic import ShapeGraph
 from ..dispatch import DimRange
 from ..fuse_into_sole_reader import FuseIntoSoleReader, FuseReaderOptions
 from ..recompute_cheap_values import RecomputeCheapValues, RecomputeOptions
-from ..result import (
-    with_functions,
-)
+from ..result import differs, with_functions
 from ._blocks import Scheduled, dataflow_blocks, graph_of, main_block, with_orders
 from ._cost import UnsupportedBytes, acceptance_points
 from ._effects import UnsupportedBlock
@@ -125,18 +122,10 @@ def after_recompute(
     # A candidate may be the same function under two names (a range copy that kept the input
     # order is the input; a range's own order is often one of the pool's, in another copy of
     # the function): each function is recomputed and read once.
-    scored: list[tuple[relax.Function, int, Callable[[list[dict[str, int]]], list[int]]]] = []
+    scored: list[tuple[relax.Function, Callable[[list[dict[str, int]]], list[int]]]] = []
     scorers = {}
     for name, f in candidates:
-        key = tvm_ffi.structural_hash(f)
-        scorer = next(
-            (
-                known
-                for g, other, known in scored
-                if g.same_as(f) or (other == key and tvm_ffi.structural_equal(g, f))
-            ),
-            None,
-        )
+        scorer = next((known for g, known in scored if not differs(g, f)), None)
         if scorer is None:
             scorer = _recomputed_peaks(
                 mod,
@@ -147,7 +136,7 @@ def after_recompute(
                 options.recompute_options,
                 _fuse(options),
             )
-            scored.append((f, key, scorer))
+            scored.append((f, scorer))
         scorers[name] = scorer
     functions = dict(candidates)
     try:
