@@ -172,72 +172,78 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank(rank: int, world: int, port: int, queue, updates: str = "end") -> None:
+def _rank(rank: int, world: int, port: int, queue) -> None:
+    """One rank: trains with updates at the step's end, then again with ``updates="auto"``
+    (one process for both: the export, the imports and the process group are paid once)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        trainer = DataParallelTrainer(_graph(), _adamw(), updates=updates)
-        # Rank 1's one row counts no target: every rank refuses the batch, none waits in a
-        # collective, and nothing changes (the training below still matches one process).
-        empty_rank = _batches()[0]
-        empty_rank["labels"][2] = -100
-        try:
-            trainer.step(empty_rank)
-            refused = ""
-        except ValueError as err:
-            refused = str(err)
-        history = trainer.fit(_batches(), progress=False)
-        if updates == "auto":
-            predicted = [trainer.predicted_batch_peak(batch) for batch in _batches()]
-        else:
-            predicted = [
-                trainer.predicted_peak({"b": stop - start, "s": s})
-                for s in LENGTHS
-                for start, stop in [owned_rows(3, world, rank)]
-            ]
-        queue.put(
-            (
-                rank,
-                history.losses,
-                history.peaks,
-                predicted,
-                trainer.parameters(),
-                trainer.full_state(),
-                [record.updates for record in history.records],
-                refused,
-            )
-        )
+        graph = _graph()
+        queue.put((rank, {u: _train_rank(graph, rank, world, u) for u in ("end", "auto")}))
     finally:
         dist.destroy_process_group()
 
 
-def _run_two_ranks(updates: str) -> list[tuple]:
+def _train_rank(graph, rank: int, world: int, updates: str) -> tuple:
+    trainer = DataParallelTrainer(graph, _adamw(), updates=updates)
+    # Rank 1's one row counts no target: every rank refuses the batch, none waits in a
+    # collective, and nothing changes (the training below still matches one process).
+    empty_rank = _batches()[0]
+    empty_rank["labels"][2] = -100
+    try:
+        trainer.step(empty_rank)
+        refused = ""
+    except ValueError as err:
+        refused = str(err)
+    history = trainer.fit(_batches(), progress=False)
+    if updates == "auto":
+        predicted = [trainer.predicted_batch_peak(batch) for batch in _batches()]
+    else:
+        predicted = [
+            trainer.predicted_peak({"b": stop - start, "s": s})
+            for s in LENGTHS
+            for start, stop in [owned_rows(3, world, rank)]
+        ]
+    return (
+        rank,
+        history.losses,
+        history.peaks,
+        predicted,
+        trainer.parameters(),
+        trainer.full_state(),
+        [record.updates for record in history.records],
+        refused,
+    )
+
+
+def _run_two_ranks() -> dict[str, list[tuple]]:
+    """Per ``updates`` mode, each rank's results in rank order."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, queue, updates)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, 2, port, queue)) for r in range(2)]
     with rank_threads(2):
         for proc in procs:
             proc.start()
-    results = sorted(queue.get(timeout=600) for _ in procs)
+    by_rank = dict(queue.get(timeout=900) for _ in procs)
     for proc in procs:
         proc.join(timeout=60)
         assert proc.exitcode == 0
-    return results
+    return {mode: [by_rank[r][mode] for r in sorted(by_rank)] for mode in ("end", "auto")}
 
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    results = _run_two_ranks("end")
+    runs = _run_two_ranks()
     single = Trainer(_graph(), _adamw())
     history = single.fit(_batches(), progress=False)
-    return results, single, history
+    return runs["end"], single, history, runs["auto"]
 
 
 def test_two_ranks_train_as_one_process(two_ranks):
-    results, single, history = two_ranks
+    results, single, history, _auto = two_ranks
     for _rank_id, losses, _peaks, _predicted, params, state, _updates, _refused in results:
         np.testing.assert_allclose(losses, history.losses, rtol=1e-6)
         # The gradients are summed in another order than in one process: equal to rounding.
@@ -247,15 +253,15 @@ def test_two_ranks_train_as_one_process(two_ranks):
 
 
 def test_each_rank_peaks_as_predicted_and_below_one_process(two_ranks):
-    results, _single, history = two_ranks
+    results, _single, history, _auto = two_ranks
     for _rank_id, _losses, peaks, predicted, _params, _state, _updates, _refused in results:
         assert peaks == predicted
         assert all(ours < one for ours, one in zip(peaks, history.peaks))
 
 
 def test_every_rank_refuses_a_batch_whose_rows_leave_one_rank_no_target(two_ranks):
-    results, _single, _history = two_ranks
-    messages = {result[-1] for result in results}
+    results, _single, _history, auto = two_ranks
+    messages = {result[-1] for result in [*results, *auto]}
     assert len(messages) == 1
     (message,) = messages
     assert message.startswith("rank 1's rows 2:3 of the batch count no target"), message
@@ -264,8 +270,7 @@ def test_every_rank_refuses_a_batch_whose_rows_leave_one_rank_no_target(two_rank
 def test_ranks_with_auto_updates_run_one_program_per_step(two_ranks):
     """``updates="auto"`` with rows split 2 / 1: every rank runs the placement chosen for rank
     0's rows (their collectives must match), peaks as predicted, and trains as one process."""
-    results = _run_two_ranks("auto")
-    _end, _single, history = two_ranks
+    _end, _single, history, results = two_ranks
     (
         (_, losses0, peaks0, predicted0, *_rest0, updates0, _),
         (_, _, peaks1, predicted1, *_, updates1, _),

@@ -204,15 +204,25 @@ def _model(config: Any) -> Any:
 
 
 def check_architecture(
-    architecture: str, lengths: Sequence[int] = LENGTHS
+    architecture: str, lengths: Sequence[int] = LENGTHS, layers: int | None = None
 ) -> tuple[ArchitectureResult, Any]:
     """Import, compile, check and measure one architecture of :data:`ARCHITECTURES` or
     :data:`REFUSED` (:func:`check_model` on its tiny model).
 
+    Parameters
+    ----------
+    architecture
+        The ``model_type``.
+    lengths
+        The sequence lengths checked and measured.
+    layers
+        Decoder layers of the tiny model, at most its config's: the first ``layers``
+        (``layer_types`` included); ``None`` keeps them all.
+
     Raises
     ------
     ValueError
-        For an architecture in neither table.
+        For an architecture in neither table, or ``layers`` outside 1 to the config's.
     """
     if architecture in REFUSED:
         make = REFUSED[architecture][0]
@@ -221,7 +231,24 @@ def check_architecture(
     else:
         known = ", ".join(sorted({*ARCHITECTURES, *REFUSED}))
         raise ValueError(f"unknown architecture {architecture!r}; the zoo has {known}")
-    return check_model(architecture, _model(make()), lengths)
+    config = make()
+    if layers is not None:
+        config = _first_layers(config, layers)
+    return check_model(architecture, _model(config), lengths)
+
+
+def _first_layers(config: Any, layers: int) -> Any:
+    """``config`` cut to its first ``layers`` decoder layers."""
+    if not 1 <= layers <= config.num_hidden_layers:
+        raise ValueError(
+            f"layers must be from 1 to the tiny config's {config.num_hidden_layers}, not {layers}"
+        )
+    config.num_hidden_layers = layers
+    # Configs that name each layer's kind (sliding or full attention) keep the first ones.
+    kinds = getattr(config, "layer_types", None)
+    if kinds is not None:
+        config.layer_types = list(kinds[:layers])
+    return config
 
 
 def check_model(

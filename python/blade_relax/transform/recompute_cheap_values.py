@@ -721,9 +721,10 @@ class _DecisionMemo:
     keeps them), since the plans depend on their op patterns and in-place writes.
 
     ``MemoryAwareSchedule`` recomputes all its candidates before the pipeline's run reads the
-    chosen one back: by default up to 12 functions (``recompute_candidates`` orders of the
-    pool, ``max_versions`` range copies, the input order). The memo keeps 16: with 8, on small
-    steps the candidates compared first (the pass's choice, the input order) were gone by then.
+    chosen one back: with ``ScheduleOptions``' defaults, up to 12 functions (8 orders of the
+    pool, ``recompute_candidates``; 3 range copies, ``max_versions``; the input order). The
+    memo keeps 16: with 8, on small steps the candidates compared first (the pass's choice,
+    the input order) were gone by then. Raising those defaults asks for a larger memo.
     """
 
     def __init__(self, size: int = 16) -> None:
