@@ -7,11 +7,13 @@ import pytest
 from blade_relax.bench import compile_time
 from blade_relax.bench.workloads import SMALL
 
+_SIZES = dataclasses.replace(SMALL, hidden=32, heads=2, kv_heads=1, intermediate=64, vocab=64)
+
 
 @pytest.fixture(scope="module")
 def rows():
-    sizes = dataclasses.replace(SMALL, hidden=32, heads=2, kv_heads=1, intermediate=64, vocab=64)
-    return compile_time.measure("llama-train", sizes, [1])
+    # Three runs of each pipeline: the median tests read them, the others one row of medians.
+    return compile_time.measure("llama-train", _SIZES, [1], repeat=3)
 
 
 def test_rows_time_both_pipelines(rows):
@@ -39,15 +41,14 @@ def test_cli_rejects_bad_layers(capsys):
     assert compile_time.main(["--size", "huge"]) == 2
 
 
-def test_repeated_runs_report_the_median_run():
-    sizes = dataclasses.replace(SMALL, hidden=32, heads=2, kv_heads=1, intermediate=64, vocab=64)
-    (row,) = compile_time.measure("llama-train", sizes, [1], repeat=3)
+def test_repeated_runs_report_the_median_run(rows):
+    (row,) = rows
     assert len(row.stock_runs) == len(row.default_runs) == 3
     assert row.stock.seconds == sorted(row.stock_runs)[1]
     assert row.default.seconds == sorted(row.default_runs)[1]
     assert row.ratio == row.default.seconds / row.stock.seconds
     with pytest.raises(ValueError, match="repeat"):
-        compile_time.measure("llama-train", sizes, [1], repeat=0)
+        compile_time.measure("llama-train", _SIZES, [1], repeat=0)
     assert compile_time.main(["--repeat", "0"]) == 2
 
 

@@ -201,11 +201,8 @@ def _train_rank(graph, rank: int, world: int, updates: str) -> tuple:
     if updates == "auto":
         predicted = [trainer.predicted_batch_peak(batch) for batch in _batches()]
     else:
-        predicted = [
-            trainer.predicted_peak({"b": stop - start, "s": s})
-            for s in LENGTHS
-            for start, stop in [owned_rows(3, world, rank)]
-        ]
+        start, stop = owned_rows(3, world, rank)
+        predicted = [trainer.predicted_peak({"b": stop - start, "s": s}) for s in LENGTHS]
     return (
         rank,
         history.losses,
