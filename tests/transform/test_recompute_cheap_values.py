@@ -553,7 +553,7 @@ def test_a_second_run_on_an_equal_function_replays_the_decision(monkeypatch):
 
 
 def test_the_pipeline_replays_the_decision_on_the_order_the_schedule_chose(monkeypatch):
-    """MemoryAwareSchedule recomputes each of its candidates (nine on this small MLP step) before
+    """MemoryAwareSchedule recomputes each of its candidates (ten on this small MLP step) before
     the pipeline's own run of the pass, which then replays the decision made on the order
     chosen instead of deciding afresh: the memo outlives the comparison."""
     from blade_relax.bench import ModelSizes, build_workload
@@ -579,7 +579,7 @@ def test_the_pipeline_replays_the_decision_on_the_order_the_schedule_chose(monke
         return chosen
 
     monkeypatch.setattr(memory_aware_schedule, "after_recompute", spy)
-    sizes = ModelSizes(layers=1, hidden=16, intermediate=32, vocab=16, max_seq_len=48)
+    sizes = ModelSizes(layers=1, hidden=16, intermediate=32, vocab=8, max_seq_len=48)
     with tvm.transform.PassContext(opt_level=3):
         get_pipeline("llvm")(build_workload("mlp-train", sizes).graph.mod)
     ((candidates, chosen),) = compared

@@ -77,12 +77,10 @@ several strategies (``ScheduleOptions.strategies``):
 ``refine``
     Local search from the input order: at the step where the peak is reached (each acceptance
     point in turn, largest peak first), move the producer of a live buffer, with the ancestors
-    only it needs, to just before its first other reader (alone, and with the other producers
-    that read an input the move keeps alive: two normalizations of one residual stream are
-    each no gain delayed alone, and a gain delayed together), or the last reader of a live
-    buffer, with the ancestors it still waits for, to just before the peak step; keep a move
-    only if the peak gets no higher at any acceptance point and lower (or reached by fewer
-    steps) at the point being worked on. At most ``refine_evaluations`` orders are scored. With the
+    only it needs, to just before its first other reader, or the last reader of a live buffer,
+    with the ancestors it still waits for, to just before the peak step; keep a move only if
+    the peak gets no higher at any acceptance point and lower (or reached by fewer steps) at
+    the point being worked on. At most ``refine_evaluations`` orders are scored. With the
     storage planner's model the search also runs once on plain liveness, and its moves are
     replayed one by one under the planner's model, keeping those that leave no point above the
     input (``refine-liveness``).
