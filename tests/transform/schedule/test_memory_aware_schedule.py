@@ -534,6 +534,41 @@ def test_refine_tries_refine_moves_moves_at_each_peak():
     assert _order(after) == ["a", "ra", "b", "rb", "c", "rc", "s1", "out"]
 
 
+@I.ir_module
+class TwoNormsOfOneStream:
+    """Two results of ``x`` (as a layer norm's backward recomputes the normalized input of
+    each of two norms of one residual stream) computed early and read after the matmul."""
+
+    @R.function
+    def main(inp: R.Tensor(("s", 64), "float32"), w: R.Tensor((64, 64), "float32")):
+        with R.dataflow():
+            x = R.exp(inp)
+            m1 = R.mean(x, axis=[1], keepdims=True)
+            m2 = R.max(x, axis=[1], keepdims=True)
+            n1 = R.subtract(x, m1)
+            n2 = R.subtract(x, m2)
+            h = R.matmul(x, w)
+            g = R.nn.relu(h)
+            r = R.sum(g, axis=[1], keepdims=True)
+            o1 = R.multiply(n1, r)
+            o2 = R.multiply(n2, r)
+            out = R.add(o1, o2)
+            R.output(out)
+        return out
+
+
+def test_balanced_delays_two_readers_of_one_input_together():
+    # Delaying n1 (or n2) alone keeps x alive across the matmul in its place: no lower peak.
+    # Delayed together, x is held once where n1 and n2 were both held. With 40 orders to
+    # score, the descent without the joint delay (and its random restarts) keeps the input.
+    options = ScheduleOptions(strategies=("balanced",), search_evaluations=40)
+    after, report = schedule_module(TwoNormsOfOneStream, options)
+    (block,) = report.blocks
+    assert all(a < b for a, b in zip(block.peak_after, block.peak_before))
+    order = _order(after)
+    assert min(order.index("n1"), order.index("n2")) > order.index("g")
+
+
 @pytest.mark.parametrize("strategy", ["greedy-delta", "greedy-peak"])
 def test_point_variants_rerun_a_greedy_strategy_that_met_an_unknown(strategy):
     # On s in [1, inf) the two branches compare UNKNOWN: each representative point decides.

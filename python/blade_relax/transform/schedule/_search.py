@@ -207,12 +207,16 @@ def hoist_group(block: Block, pos: Sequence[int], v: int, k: int) -> list[int] |
     return sorted(int(pos[x]) for x in group)
 
 
-def peak_moves(block: Block, tl: Timeline, k: int, point: int, limit: int) -> list[tuple]:
+def peak_moves(
+    block: Block, tl: Timeline, k: int, point: int, limit: int, joint: bool = False
+) -> list[tuple]:
     """Moves that may lower the live bytes at step ``k``: each ``(bytes, group, dst)``.
 
     For every buffer live at step ``k``, largest first: run its producer, with the ancestors
-    only it needs, just before the producer's first other reader (if that is after ``k``); or
-    run its last reader, with the ancestors it still waits for, just before step ``k``.
+    only it needs, just before the producer's first other reader (if that is after ``k``),
+    and, with ``joint``, also together with the other producers that read an input it would
+    keep alive (:func:`shared_input_move`); or run its last reader, with the ancestors it
+    still waits for, just before step ``k``.
     """
     order = tl.order
     n = block.n
@@ -240,6 +244,9 @@ def peak_moves(block: Block, tl: Timeline, k: int, point: int, limit: int) -> li
             target = min(succ) if succ else n
             if target > k + 1 or (target > k and pos[u] < k):
                 moves.setdefault((tuple(group), target), nbytes)
+                shared = shared_input_move(block, tl, pos, u, k, target, point) if joint else None
+                if shared is not None:
+                    moves.setdefault((tuple(shared[1]), shared[2]), nbytes + shared[0])
         free = int(tl.free_step[b])
         if not block.escaping[b] and free > k:
             v = order[free]
@@ -252,6 +259,57 @@ def peak_moves(block: Block, tl: Timeline, k: int, point: int, limit: int) -> li
                 moves.setdefault((tuple(group), k), nbytes)
     ranked = sorted(moves.items(), key=lambda item: -item[1])[:limit]
     return [(nbytes, group, dst) for (group, dst), nbytes in ranked]
+
+
+#: The most bindings :func:`shared_input_move` moves with the one it starts from.
+_MAX_PARTNERS = 4
+
+
+def _first_read(block: Block, pos: Sequence[int], u: int) -> int:
+    """The position of the first binding that reads ``u``'s result (``block.n``: none)."""
+    succ = [pos[x] for x in block.succs[u]]
+    return min(succ) if succ else block.n
+
+
+def shared_input_move(
+    block: Block, tl: Timeline, pos: Sequence[int], u: int, k: int, target: int, point: int
+) -> tuple[int, list[int], int] | None:
+    """Delay ``u`` together with the other readers of an input the delay keeps alive.
+
+    Run just before ``target`` (its first reader), ``u`` keeps each input it reads alive until
+    then. Where another binding run before step ``k`` reads that input too and its result is
+    first read after ``k`` (the two halves of a layer norm's backward, each recomputing its
+    normalized input from one residual stream), delaying either alone holds the input across
+    ``k`` and saves one result, often no net gain, while delaying both holds the input once
+    and saves two. The local search moves one group at a time and never crosses that rise, so
+    this offers the joint move: ``u`` and those readers (each with the ancestors only it
+    needs) just before the earliest of their first readers.
+
+    Returns ``(bytes, group, dst)``: the partners' result bytes at ``point`` (what the move
+    may save beyond the single one), the positions moved and the destination; ``None`` where
+    no input has such a reader.
+    """
+    created = block.created_by
+    partners: list[int] = []
+    for c in block.touch[u]:
+        last = int(tl.free_step[c])
+        if created[c] == u or block.escaping[c] or not 0 <= last < target:
+            continue
+        for r in block.consumers[c]:
+            if len(partners) >= _MAX_PARTNERS:
+                break
+            if r != u and r not in partners and pos[r] < k and _first_read(block, pos, r) > k + 1:
+                partners.append(r)
+    if not partners:
+        return None
+    group = set(tl.groups.get(u) or delay_group(block, pos, u))
+    for r in partners:
+        group.update(delay_group(block, pos, r))
+    dst = min(target, *(_first_read(block, pos, r) for r in partners))
+    if dst <= k or any(p >= dst for p in group):
+        return None
+    saved = _size_values(block)[np.isin(created, partners), point]
+    return int(saved.sum()), sorted(group), dst
 
 
 def _size_values(block: Block) -> np.ndarray:
@@ -461,8 +519,10 @@ def balance(
     Minimizes, lexicographically: how far the peak rises above the input order's at any point
     (with ``feasible``), the worst ratio of the peak to the pool's reference, the number of
     steps at the peak of the worst points (to leave plateaus), the sum of ratios. The moves are
-    those of :func:`peak_moves` at the worst point first. Every order scored lowers the pool's
-    reference. At most ``evaluations`` orders are scored.
+    those of :func:`peak_moves` at the worst point first, joint delays included. (``refine``
+    goes without them: it also keeps moves that only shorten a plateau at the peak, and with
+    joint delays offered there the MLP steps' orders changed while no peak was lowered.)
+    Every order scored lowers the pool's reference. At most ``evaluations`` orders are scored.
 
     Returns
     -------
@@ -487,7 +547,7 @@ def balance(
         for j in np.argsort(-pressure, kind="stable"):
             p = int(points[j])
             k = int(np.argmax(tl.by_point[p]))
-            for _, group, dst in peak_moves(block, tl, k, p, moves_per_step):
+            for _, group, dst in peak_moves(block, tl, k, p, moves_per_step, joint=True):
                 if spent >= evaluations:
                     break
                 spent += 1

@@ -86,10 +86,13 @@ several strategies (``ScheduleOptions.strategies``):
     input (``refine-liveness``).
 ``balanced``
     Iterated local search (:mod:`._search`) on the pool of all orders above: with the
-    moves of ``refine`` but no monotonicity constraint, then random perturbations followed by
-    the same descent, first for single acceptance points (spread over the range), then for all
-    points at once, minimizing the worst ratio of the peak to the best peak met at each point
-    while staying nowhere above the input. The best order met at each point joins the pool.
+    moves of ``refine`` and joint delays (a producer together with the other producers that
+    read an input its delay keeps alive: two normalizations of one residual stream are each
+    no gain delayed alone, and a gain delayed together) but no monotonicity constraint, then
+    random perturbations followed by the same descent, first for single acceptance points
+    (spread over the range), then for all points at once, minimizing the worst ratio of the
+    peak to the best peak met at each point while staying nowhere above the input. The best
+    order met at each point joins the pool.
     At most ``min(search_evaluations, search_work // bindings)`` orders are scored per block.
 
 When a comparison in a greedy step is UNKNOWN (it holds for some admissible shapes only), the
