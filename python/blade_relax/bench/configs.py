@@ -192,6 +192,12 @@ class TorchConfig:
         :mod:`blade_relax.training.hf_checkpointing`): every decoder layer recomputes its
         activations in the backward pass. Only for workloads whose torch module holds a Hugging
         Face model.
+    attention
+        The attention implementation the Hugging Face model runs (``"sdpa"``: PyTorch's
+        ``scaled_dot_product_attention``, transformers' default, which keeps no attention
+        matrix for the backward pass); ``None``: the model's own. The registered Hugging Face
+        workloads build their models with ``"eager"`` attention, the computation the compiled
+        step imports, so ``torch-eager`` and ``torch-compile`` compute what TVM computes.
     description
         One line for the README and ``--list-configs``.
     """
@@ -200,6 +206,7 @@ class TorchConfig:
     compile: bool = False
     activation_memory_budget: float | None = None
     checkpointing: bool = False
+    attention: str | None = None
     description: str = ""
 
     kind = "torch"
@@ -505,6 +512,22 @@ register_config_family(
         description=f"torch.compile(dynamic=True), activation_memory_budget={argument}",
     ),
     description="torch.compile(dynamic=True) with activation_memory_budget=B",
+)
+register_config(
+    TorchConfig(
+        "torch-eager-sdpa",
+        attention="sdpa",
+        description="PyTorch eager with scaled_dot_product_attention (transformers' default "
+        "attention: no attention matrix kept for the backward pass)",
+    )
+)
+register_config(
+    TorchConfig(
+        "torch-compile-sdpa",
+        compile=True,
+        attention="sdpa",
+        description="torch.compile(dynamic=True) with scaled_dot_product_attention",
+    )
 )
 register_config(
     TorchConfig(

@@ -26,6 +26,10 @@ Runtime budgets (``blade-relax@0.8``)
     The same step on a twin of the module built on the ``meta`` device (sizes, no data, no
     compute), its storages counted by
     :class:`~blade_relax.training.torch_memory.LiveBytesCounter` with ``meta=True``: the counter sees the same ATen ops and storages as on the CPU.
+    With SDPA attention (``torch-eager-sdpa``) two choices PyTorch and transformers make from
+    what meta tensors lack are made as on the CPU: the attention backend (flash attention
+    where the CPU picks it, not the meta device's math fallback) and whether the batch's
+    attention mask is all ones (read from the inputs).
 ``torch-compile``
     Inductor cannot compile for the ``meta`` device. The step is compiled for the CPU as the
     measuring ruler compiles it (``dynamic=True``, one compilation for the trace) and run on CPU
@@ -48,7 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -235,18 +239,28 @@ def _meta_model(model: Any) -> Any:
 
 
 def predict_torch_peak(
-    graph: ImportedGraph, shapes: Sequence[tuple[int, ...]], *, checkpointing: bool = False
+    graph: ImportedGraph,
+    shapes: Sequence[tuple[int, ...]],
+    *,
+    checkpointing: bool = False,
+    attention: str | None = None,
+    mask_all_ones: bool = True,
 ) -> int:
     """The step peak PyTorch eager allocates for inputs of ``shapes``, counted on meta tensors.
 
     The step is the runner's: gradients reset to ``None``, the module's forward, and for a
     training graph ``loss.backward()``; the peak is what
-    :class:`~blade_relax.training.torch_memory.LiveBytesCounter` counts on top of the parameters and inputs. With ``checkpointing`` the
-    twin runs with Hugging Face gradient checkpointing (``torch-eager-ckpt``).
+    :class:`~blade_relax.training.torch_memory.LiveBytesCounter` counts on top of the
+    parameters and inputs. With ``checkpointing`` the twin runs with Hugging Face gradient
+    checkpointing (``torch-eager-ckpt``); with ``attention`` that attention implementation
+    (``torch-eager-sdpa``). ``mask_all_ones``: whether the batch's attention mask has no
+    padding, the one value of the data that changes what PyTorch allocates (see
+    :func:`_mask_test_answered`).
     """
     import torch
 
-    from ..training.hf_checkpointing import gradient_checkpointing
+    from ..frontend.hf import attention_implementation
+    from ..training.hf_checkpointing import checkpointing_model, gradient_checkpointing
     from ..training.torch_memory import LiveBytesCounter
 
     twin, params = meta_twin(graph)
@@ -259,7 +273,10 @@ def predict_torch_peak(
     counter = LiveBytesCounter(meta=True)
     context = torch.enable_grad() if graph.kind == "training" else torch.no_grad()
     ckpt = gradient_checkpointing(twin) if checkpointing else contextlib.nullcontext()
-    with ckpt, context, counter:
+    attend = contextlib.nullcontext()
+    if attention is not None:
+        attend = attention_implementation(checkpointing_model(twin), attention)
+    with ckpt, attend, _mask_test_answered(mask_all_ones), _sdpa_as_on_cpu(), context, counter:
         result = twin(*tensors)
         if graph.kind == "training":
             (loss,) = result
@@ -267,6 +284,108 @@ def predict_torch_peak(
     peak = int(counter.peak_bytes)
     counter.detach_all()
     return peak
+
+
+@contextlib.contextmanager
+def _mask_test_answered(all_ones: bool) -> Iterator[None]:
+    """transformers' test "is the attention mask all ones?" answered on meta tensors.
+
+    With SDPA attention, transformers drops the causal mask (and lets SDPA apply it) where the
+    padding mask is all ones, which it reads with ``.item()`` (``masking_utils.fast_all``), a
+    value a meta tensor does not have. The answer is the batch's (``all_ones``); tensors
+    with values are tested as before. Where transformers has no such test, nothing changes.
+    """
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        masking_utils = None
+    original = getattr(masking_utils, "fast_all", None)
+    if original is None:
+        yield
+        return
+
+    def fast_all(tensor: Any) -> Any:
+        return all_ones if tensor.device.type == "meta" else original(tensor)
+
+    masking_utils.fast_all = fast_all
+    try:
+        yield
+    finally:
+        masking_utils.fast_all = original
+
+
+@contextlib.contextmanager
+def _sdpa_as_on_cpu() -> Iterator[None]:
+    """``scaled_dot_product_attention`` on meta tensors run as on CPU tensors of their shapes.
+
+    On the meta device PyTorch picks the math backend, which keeps the attention matrix for
+    the backward pass; on the CPU it picks flash attention where it can, which keeps only the
+    output and a log-sum-exp per row. The backend is chosen as for CPU tensors of the same
+    shapes, dtypes and flags (``torch._fused_sdp_choice`` on zero-stride stand-ins, so that
+    nothing of their size is allocated), and flash attention is called as the CPU's composite
+    calls it (a boolean mask turned into an additive one first); the meta kernels of the flash
+    operators, forward and backward, then allocate what the CPU's do.
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend
+
+    original = F.scaled_dot_product_attention
+
+    def attention(
+        query: Any,
+        key: Any,
+        value: Any,
+        attn_mask: Any = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> Any:
+        flags = dict(dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        if query.device.type != "meta":
+            return original(query, key, value, attn_mask, **flags)
+        stand_ins = [_cpu_stand_in(x) for x in (query, key, value, attn_mask)]
+        choice = torch._fused_sdp_choice(*stand_ins, **flags)
+        if choice != int(SDPBackend.FLASH_ATTENTION):
+            return original(query, key, value, attn_mask, **flags)
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            zero = torch.scalar_tensor(0.0, dtype=query.dtype, device=attn_mask.device)
+            minus = torch.scalar_tensor(float("-inf"), dtype=query.dtype, device=attn_mask.device)
+            attn_mask = torch.where(attn_mask, zero, minus)
+        output, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+        )
+        return output
+
+    F.scaled_dot_product_attention = attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def _cpu_stand_in(tensor: Any) -> Any:
+    """A CPU tensor of ``tensor``'s shape, dtype and ``requires_grad`` over one row of
+    memory (zero strides but the last), or ``None`` for ``None``."""
+    import torch
+
+    if tensor is None:
+        return None
+    shape = tuple(tensor.shape)
+    row = torch.empty(shape[-1] if shape else 1, dtype=tensor.dtype)
+    strides = (0,) * (len(shape) - 1) + (1,) if shape else ()
+    return row.as_strided(shape, strides).requires_grad_(tensor.requires_grad)
+
+
+def _mask_all_ones(graph: ImportedGraph, inputs: Sequence[np.ndarray]) -> bool:
+    """Whether the attention mask among ``inputs`` has no padding (no mask input: the step
+    wrappers pass ``ones_like(input_ids)``)."""
+    return all(
+        bool(np.all(value != 0))
+        for name, value in zip(graph.input_names, inputs)
+        if name == "attention_mask"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -433,7 +552,13 @@ def _predict_row(
     if isinstance(predictor, _EagerPredictor):
         assert isinstance(config, TorchConfig)
         shapes = [a.shape for a in inputs]
-        row.step_peak_bytes = predict_torch_peak(graph, shapes, checkpointing=config.checkpointing)
+        row.step_peak_bytes = predict_torch_peak(
+            graph,
+            shapes,
+            checkpointing=config.checkpointing,
+            attention=config.attention,
+            mask_all_ones=_mask_all_ones(graph, inputs),
+        )
         row.peak_bytes = row.step_peak_bytes + row.caller_bytes
         return
     if isinstance(predictor, _CompiledPredictor):

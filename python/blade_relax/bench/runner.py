@@ -366,6 +366,30 @@ def _timed(step: Callable[[], Any], repeat: int, device: Any = None) -> list[flo
 # PyTorch
 
 
+def _switched_model(config: TorchConfig, module: Any) -> Any:
+    """The Hugging Face model in ``module`` whose settings ``config`` switches (gradient
+    checkpointing, the attention implementation); ``None`` when it switches none.
+
+    Raises
+    ------
+    ValueError
+        When ``config`` switches a setting and ``module`` holds no Hugging Face model.
+    """
+    from ..training.hf_checkpointing import checkpointing_model
+
+    if not config.checkpointing and config.attention is None:
+        return None
+    try:
+        return checkpointing_model(module)
+    except ValueError as err:
+        if config.checkpointing:
+            raise ValueError(f"{config.name}: {err}") from None
+        raise ValueError(
+            f"{config.name}: attention={config.attention!r} needs a Hugging Face model; the "
+            f"workload's torch module ({type(module).__name__}) holds none"
+        ) from None
+
+
 class _TorchRunner:
     def __init__(self, config: TorchConfig, graph: ImportedGraph, device: Any = None) -> None:
         import torch
@@ -385,13 +409,7 @@ class _TorchRunner:
             memo: dict[int, Any] = {}
             self.module = copy.deepcopy(self.module, memo).to(f"cuda:{device.index}")
             self.params = [memo.get(id(p), p) for p in self.params]
-        if config.checkpointing:
-            from ..training.hf_checkpointing import checkpointing_model
-
-            try:
-                checkpointing_model(self.module)
-            except ValueError as err:
-                raise ValueError(f"{config.name}: {err}") from None
+        self.hf_model = _switched_model(config, self.module)
         self.compilations = 0
         self.compile_time_s = 0.0
         self._graphs_at_start = 0
@@ -407,12 +425,15 @@ class _TorchRunner:
 
     @contextlib.contextmanager
     def _settings(self) -> Iterator[None]:
+        from ..frontend.hf import attention_implementation
         from ..training.hf_checkpointing import gradient_checkpointing
         from ..training.torch_memory import visible_inductor_allocations
 
         with contextlib.ExitStack() as stack:
+            # On for the steps only: the module is shared with the other configurations.
+            if self.config.attention is not None:
+                stack.enter_context(attention_implementation(self.hf_model, self.config.attention))
             if self.config.checkpointing:
-                # On for the steps only: the module is shared with the other configurations.
                 stack.enter_context(gradient_checkpointing(self.module))
             if self.config.compile:
                 stack.enter_context(visible_inductor_allocations())
@@ -764,6 +785,7 @@ def _summary(config: BenchConfig, requested: bool) -> ConfigSummary:
             "compile": config.compile,
             "activation_memory_budget": config.activation_memory_budget,
             "checkpointing": config.checkpointing,
+            "attention": config.attention,
         }
     return ConfigSummary(
         name=config.name,

@@ -51,6 +51,7 @@ __all__ = [
     "AUTOCAST_DTYPES",
     "TiedParameterError",
     "UnsupportedOperatorError",
+    "attention_implementation",
     "import_inference",
     "import_training_step",
     "inference_reference",
@@ -184,18 +185,36 @@ def step_wrappers() -> tuple[type, type, type]:
 def _export_settings(model: Any, attn_implementation: str | None) -> Iterator[None]:
     """Eval mode and the requested attention implementation, restored on exit."""
     was_training = model.training
+    with attention_implementation(model, attn_implementation):
+        model.eval()
+        try:
+            yield
+        finally:
+            model.train(was_training)
+
+
+@contextlib.contextmanager
+def attention_implementation(model: Any, implementation: str | None) -> Iterator[None]:
+    """A Hugging Face model running ``implementation`` of attention for a while.
+
+    Parameters
+    ----------
+    model
+        A ``PreTrainedModel`` (or a PEFT model around one).
+    implementation
+        A name transformers knows (``"eager"``, ``"sdpa"``, ...); ``None`` changes nothing.
+        The model's own implementation is restored on exit.
+    """
     config = getattr(model, "config", None)
-    old_attn = getattr(config, "_attn_implementation", None)
-    switch = attn_implementation is not None and old_attn not in (None, attn_implementation)
+    old = getattr(config, "_attn_implementation", None)
+    switch = implementation is not None and old not in (None, implementation)
     if switch:
-        _set_attn(model, attn_implementation)
-    model.eval()
+        _set_attn(model, implementation)
     try:
         yield
     finally:
-        model.train(was_training)
         if switch:
-            _set_attn(model, old_attn)
+            _set_attn(model, old)
 
 
 def _set_attn(model: Any, implementation: str) -> None:
