@@ -82,6 +82,8 @@ DISTRIBUTED_END = "<!-- end of generated distributed -->"
 DISTRIBUTED_RESULTS = RESULTS / "distributed-predict.json"
 FINETUNE_PLOT = ROOT / "docs" / "img" / "llama-lora-sft-peak.png"
 TORCH = ("torch-eager", "torch-compile")
+#: PyTorch with transformers' default attention (the registered workloads run eager attention).
+SDPA = ("torch-eager-sdpa", "torch-compile-sdpa")
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,22 @@ SECTIONS: tuple[Section, ...] = (
         "A 2-layer GPT-2 training step over the length trace.",
     ),
     Section(
+        "llama-train-sdpa.json",
+        "Llama training step against PyTorch with SDPA attention (small, CPU)",
+        "The Llama training step above against PyTorch running transformers' default "
+        "attention, `scaled_dot_product_attention` (flash attention on the CPU, which keeps "
+        "no attention matrix for the backward pass), eager and compiled. The other PyTorch "
+        "rows of these pages run the models' eager attention, the computation the compiled "
+        "step imports.",
+        against=SDPA,
+    ),
+    Section(
+        "gpt2-train-sdpa.json",
+        "GPT-2 training step against PyTorch with SDPA attention (small, CPU)",
+        "The GPT-2 training step above against PyTorch with SDPA attention.",
+        against=SDPA,
+    ),
+    Section(
         "mlp-train.json",
         "MLP training step against PyTorch (small, CPU)",
         "A Relax-native MLP training step whose batch is the dynamic dimension.",
@@ -198,6 +216,15 @@ SECTIONS: tuple[Section, ...] = (
         "run here: TVM peaks from the symbolic timeline of each compiled program, PyTorch's "
         "from the same counter over meta tensors (`--predict`).",
         tables=("peaks", "vs-torch"),
+    ),
+    Section(
+        "llama-1b-sdpa-predicted.json",
+        "Llama at 1.1B parameters against SDPA attention (predicted, CPU)",
+        "The same 1.1B Llama against PyTorch with SDPA attention, predicted as above: the meta "
+        "twin's attention takes the backend the CPU takes (flash attention), and "
+        "`torch-compile-sdpa` runs with Inductor's kernels skipped.",
+        tables=("peaks", "vs-torch"),
+        against=SDPA,
     ),
     Section(
         "llama-lora-sft-1b-predicted.json",

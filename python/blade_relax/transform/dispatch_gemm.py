@@ -78,7 +78,12 @@ pass changes nothing and says once per process, in one logged line, that GEMMs a
 dispatched.
 
 Numerics: ATen's GEMMs sum in another order (blocked, vectorized) than TVM's loop nest, so
-results agree to rounding (relative errors about 1e-6 in float32), not bit for bit.
+results agree to rounding (relative errors about 1e-6 in float32), not bit for bit. A
+function's two versions under ``Rematerialize`` (``f__plain``, ``f__remat``) are planned apart:
+where the rematerializing one keeps a GEMM-with-epilogue call whole (its output planned over an
+operand, see above) and the plain one splits it, a step under a budget agrees with the step
+without one to rounding, not bit for bit (``python -m blade_relax.bench.remat_quality`` says,
+per budget, whether they are bitwise equal).
 """
 
 from __future__ import annotations
