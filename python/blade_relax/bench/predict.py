@@ -55,6 +55,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import tvm
@@ -307,11 +308,8 @@ def _mask_test_answered(all_ones: bool) -> Iterator[None]:
     def fast_all(tensor: Any) -> Any:
         return all_ones if tensor.device.type == "meta" else original(tensor)
 
-    masking_utils.fast_all = fast_all
-    try:
+    with mock.patch.object(masking_utils, "fast_all", fast_all):
         yield
-    finally:
-        masking_utils.fast_all = original
 
 
 @contextlib.contextmanager
@@ -358,11 +356,8 @@ def _sdpa_as_on_cpu() -> Iterator[None]:
         )
         return output
 
-    F.scaled_dot_product_attention = attention
-    try:
+    with mock.patch.object(F, "scaled_dot_product_attention", attention):
         yield
-    finally:
-        F.scaled_dot_product_attention = original
 
 
 def _cpu_stand_in(tensor: Any) -> Any:
