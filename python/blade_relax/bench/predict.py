@@ -260,7 +260,7 @@ def predict_torch_peak(
     """
     import torch
 
-    from ..frontend.hf import attention_implementation
+    from ..frontend.attention import attention_implementation
     from ..training.hf_checkpointing import checkpointing_model, gradient_checkpointing
     from ..training.torch_memory import LiveBytesCounter
 

@@ -425,7 +425,7 @@ class _TorchRunner:
 
     @contextlib.contextmanager
     def _settings(self) -> Iterator[None]:
-        from ..frontend.hf import attention_implementation
+        from ..frontend.attention import attention_implementation
         from ..training.hf_checkpointing import gradient_checkpointing
         from ..training.torch_memory import visible_inductor_allocations
 

@@ -36,6 +36,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from .attention import attention_implementation
 from .converters import custom_convert_map
 from .imported import (
     LOWER_BOUND_ATTR,
@@ -51,7 +52,6 @@ __all__ = [
     "AUTOCAST_DTYPES",
     "TiedParameterError",
     "UnsupportedOperatorError",
-    "attention_implementation",
     "import_inference",
     "import_training_step",
     "inference_reference",
@@ -191,41 +191,6 @@ def _export_settings(model: Any, attn_implementation: str | None) -> Iterator[No
             yield
         finally:
             model.train(was_training)
-
-
-@contextlib.contextmanager
-def attention_implementation(model: Any, implementation: str | None) -> Iterator[None]:
-    """A Hugging Face model running ``implementation`` of attention for a while.
-
-    Parameters
-    ----------
-    model
-        A ``PreTrainedModel`` (or a PEFT model around one).
-    implementation
-        A name transformers knows (``"eager"``, ``"sdpa"``, ...); ``None`` changes nothing.
-        The model's own implementation is restored on exit.
-    """
-    config = getattr(model, "config", None)
-    old = getattr(config, "_attn_implementation", None)
-    switch = implementation is not None and old not in (None, implementation)
-    if switch:
-        _set_attn(model, implementation)
-    try:
-        yield
-    finally:
-        if switch:
-            _set_attn(model, old)
-
-
-def _set_attn(model: Any, implementation: str) -> None:
-    setter = getattr(model, "set_attn_implementation", None)
-    if setter is not None:
-        setter(implementation)
-    if model.config._attn_implementation != implementation:
-        # No setter, or one that declines (Falcon's attention is no AttentionInterface, so
-        # transformers only logs that it cannot switch): models of that kind read the
-        # implementation from their config when they run.
-        model.config._attn_implementation = implementation
 
 
 def max_positions(model: Any) -> int | None:
