@@ -1,7 +1,7 @@
 # ruff: noqa: E501, F841
 """FoldBroadcastMatmul: a key or value shared by several query heads is read once by each
-matmul, the heads as rows of one GEMM; the broadcast copy is not made; bit for bit the same
-results."""
+matmul, the heads as rows of one GEMM; the broadcast copy is not made; a broadcast of a tensor
+to its own shape is the tensor; bit for bit the same results."""
 
 from __future__ import annotations
 
@@ -93,11 +93,76 @@ class GroupedQueryExpected:
             out = R.multiply(o, R.const(2.0, "float32"))
             R.output(out)
         return out
+
+
+@I.ir_module
+class AttentionStep:
+    """``P @ V`` as torch exports it (an ``expand`` of ``P`` to its own shape, a ``view``, a
+    ``bmm``), and ``P`` read by the softmax's backward while the copy is live."""
+
+    @R.function
+    def main(scores: R.Tensor((1, 4, "s", "s"), "float32"), v: R.Tensor((4, "s", 8), "float32"), dp: R.Tensor((1, 4, "s", "s"), "float32")):
+        s = T.int64()
+        with R.dataflow():
+            p = R.nn.softmax(scores, axis=-1)
+            p_copy = R.broadcast_to(p, R.shape([1, 4, s, s]))
+            p_heads = R.reshape(p_copy, R.shape([4, s, s]))
+            ds = R.multiply(p, dp)
+            o = R.matmul(p_heads, v, out_dtype="float32")
+            R.output(o, ds)
+        return (o, ds)
+
+
+@I.ir_module
+class AttentionStepExpected:
+    @R.function
+    def main(scores: R.Tensor((1, 4, "s", "s"), "float32"), v: R.Tensor((4, "s", 8), "float32"), dp: R.Tensor((1, 4, "s", "s"), "float32")):
+        s = T.int64()
+        with R.dataflow():
+            p = R.nn.softmax(scores, axis=-1)
+            p_heads = R.reshape(p, R.shape([4, s, s]))
+            ds = R.multiply(p, dp)
+            o = R.matmul(p_heads, v, out_dtype="float32")
+            R.output(o, ds)
+        return (o, ds)
+
+
+@I.ir_module
+class IdentityRefusals:
+    """Broadcasts that are not removed: one to another dim (``t`` is not provably ``s``), one
+    that broadcasts, and one bound to a variable that leaves the block."""
+
+    @R.function
+    def main(x: R.Tensor(("s", 8), "float32"), y: R.Tensor((1, 8), "float32")):
+        s = T.int64()
+        t = T.int64()
+        with R.dataflow():
+            x_t = R.match_cast(x, R.Tensor((t, 8), "float32"))
+            to_other = R.broadcast_to(x, R.shape([t, 8]))
+            widened = R.broadcast_to(y, R.shape([s, 8]))
+            total = R.add(to_other, x_t)
+            same = R.broadcast_to(widened, R.shape([s, 8]))
+            R.output(total, same)
+        return (total, same)
 # fmt: on
 
 
 def _unchanged(mod: tvm.IRModule) -> None:
-    tvm.ir.assert_structural_equal(FoldBroadcastMatmul()(mod), mod)
+    options = BroadcastMatmulOptions(identities=False)
+    tvm.ir.assert_structural_equal(FoldBroadcastMatmul(options)(mod), mod)
+
+
+def test_a_broadcast_to_its_own_shape_is_the_tensor(well_formed_checks):
+    fold = FoldBroadcastMatmul()
+    tvm.ir.assert_structural_equal(fold(AttentionStep), AttentionStepExpected)
+    assert (fold.report.folded, fold.report.identities) == (0, 1)
+    assert fold.last_result["main"].changes == ("1 copy of a tensor to its own shape removed",)
+
+
+def test_broadcasts_that_are_not_identities_stay(well_formed_checks):
+    fold = FoldBroadcastMatmul()
+    tvm.ir.assert_structural_equal(fold(IdentityRefusals), IdentityRefusals)
+    assert fold.report.identities == 0
 
 
 def test_a_shared_key_is_read_once_by_both_matmuls(well_formed_checks):
@@ -217,6 +282,8 @@ def test_options():
     off = FoldBroadcastMatmul(BroadcastMatmulOptions(enabled=False))
     tvm.ir.assert_structural_equal(off(MultiQuery), MultiQuery)
     assert off.last_result.notes == ("disabled by its options",)
+    kept = FoldBroadcastMatmul(BroadcastMatmulOptions(identities=False))
+    tvm.ir.assert_structural_equal(kept(AttentionStep), AttentionStep)
 
 
 def _stock_with(**flags):
@@ -244,5 +311,48 @@ def test_the_copies_are_gone_and_results_are_bit_identical(s):
         result = vm["main"](*(tvm.runtime.tensor(a) for a in (q, k, ds)))
         outs[fold] = [t.numpy() for t in result]
     assert peaks[True] == peaks[False] - 128 * s
+    for ours, theirs in zip(outs[True], outs[False]):
+        np.testing.assert_array_equal(ours, theirs)
+
+
+def test_both_layers_probabilities_are_recomputed_and_results_are_bit_identical():
+    """A two-layer GPT-2 training step, the length unbounded (as the benchmark compiles it):
+    with the copies of ``P`` (and of the mask, and under the transposes) gone,
+    ``RecomputeCheapValues`` recomputes both layers' probabilities for the backward instead of
+    the first layer's only; the peak is lower where ``P`` dominates and higher nowhere, and the
+    step computes the same bits."""
+    pytest.importorskip("transformers")
+    from blade_relax.bench.workloads import ModelSizes, build_workload
+    from blade_relax.frontend import flatten_outputs
+
+    sizes = ModelSizes(
+        layers=2, hidden=32, heads=2, kv_heads=1, intermediate=64, vocab=64, max_seq_len=64
+    )
+    graph = build_workload("gpt2-train", sizes).graph.with_upper_bounds(False)
+    flags = dict.fromkeys(PipelineFlags.switches(), True)
+    recomputed, peaks, outs = {}, {}, {}
+    for identities in (False, True):
+        flags["fold_broadcast_options"] = BroadcastMatmulOptions(identities=identities)
+        fused = lower_to_memory_stage(graph.mod, stop_before="dataflow_lower", **flags)
+        recomputed[identities] = sorted(
+            b.value.args[0].name_hint
+            for block in fused["main"].body.blocks
+            for b in block.bindings
+            if b.var.name.endswith("_recompute") and "softmax" in b.value.args[0].name_hint
+        )
+        stage = lower_to_memory_stage(fused, start_at="dataflow_lower", **flags)
+        timeline = memory_timeline(stage["main__plain"], mod=stage)
+        peaks[identities] = [timeline.evaluate({"s": s}).peak for s in (8, 40, 64)]
+        exe = tvm.compile(graph.mod, "llvm", relax_pipeline=get_pipeline("llvm", **flags))
+        vm = relax.VirtualMachine(exe, tvm.cpu())
+        params = [tvm.runtime.tensor(p) for p in graph.params]
+        outs[identities] = []
+        for s in (3, 40):
+            ids = tvm.runtime.tensor(np.random.default_rng(s).integers(0, sizes.vocab, (1, s)))
+            result = flatten_outputs(vm["main"](ids, ids, *params))
+            outs[identities] += [t.numpy() for t in result]
+    assert recomputed == {False: ["softmax"], True: ["softmax", "softmax"]}
+    assert all(a <= b for a, b in zip(peaks[True], peaks[False])), peaks
+    assert peaks[True][2] < peaks[False][2], peaks
     for ours, theirs in zip(outs[True], outs[False]):
         np.testing.assert_array_equal(ours, theirs)

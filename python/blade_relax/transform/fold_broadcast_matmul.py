@@ -23,6 +23,24 @@ key become rows of one GEMM against it. Both reshapes are views of dense tensors
 copy, once nothing reads it, is removed (``DeadCodeElimination``). Each output element is the
 same sum over ``k`` in the same order, so results are bit for bit those of the unfolded graph.
 
+Identity broadcasts
+-------------------
+torch exports ``torch.matmul`` of two 4-d tensors as ``expand`` + ``view`` + ``bmm``, with an
+``expand`` even where nothing broadcasts; imported, that is a ``broadcast_to`` of a tensor to
+its own shape. At run time it costs nothing: legalized, it is a copy with the reshape pattern,
+which ``RewriteDataflowReshape`` makes a view. Until then it is one more kernel between
+attention's probabilities ``P`` and ``P @ V`` (and between a mask and its ``where``, a
+transpose and its reader), and the passes that decide on the fused graph read it as one:
+``RecomputeCheapValues`` recomputes ``P`` for the backward through it, and with the length
+unbounded it accepted that for the first layer of a two-layer GPT-2 only, so the second
+layer's ``P`` (a ``(b, h, s, s)`` tensor) stayed live from the forward until the backward.
+With ``BroadcastMatmulOptions.identities`` every ``broadcast_to`` bound to a dataflow variable
+whose operand provably has the target shape (``tvm.sym.Analyzer``, extent by extent) is
+replaced by its operand; ``CanonicalizeBindings`` removes the alias. Both layers' ``P`` are
+then recomputed (``tests/transform/test_fold_broadcast_matmul.py``). No live set grows: the
+operand was live where the copy was made, and now lives only as long as the copy did. TVM has
+no pass that removes the broadcast before legalization.
+
 Not folded: a matmul whose result leaves its dataflow block (``RewriteDataflowReshape`` makes
 views of dataflow variables only, so restoring its shape would copy it), a broadcast left
 operand (attention has none: its broadcast keys and values are always on the right), a
@@ -75,10 +93,14 @@ class BroadcastMatmulOptions:
     Attributes
     ----------
     enabled
-        Fold broadcast right operands into the rows of their matmuls.
+        Run the pass; when ``False`` it returns its input unchanged.
+    identities
+        Also replace broadcasts of a tensor to its own shape by the tensor (see "Identity
+        broadcasts" in the module docstring).
     """
 
     enabled: bool = True
+    identities: bool = True
 
 
 @dataclass
@@ -89,9 +111,12 @@ class BroadcastMatmulReport:
     ----------
     folded
         Matmuls that now read the un-broadcast operand.
+    identities
+        Broadcasts of a tensor to its own shape replaced by the tensor.
     """
 
     folded: int = 0
+    identities: int = 0
 
 
 @dataclass(frozen=True)
@@ -143,6 +168,8 @@ class _Broadcasts:
         self.analyzer = analyzer
         self.found: dict[relax.Var, _Broadcast] = {}
         self.values: dict[relax.Var, relax.Expr] = {}
+        #: Dataflow variables bound to a broadcast of a tensor to its own shape.
+        self.identities: set[relax.Var] = set()
 
     def visit(self, func: relax.Function) -> dict[relax.Var, _Broadcast]:
         if isinstance(func.body, relax.SeqExpr):
@@ -150,10 +177,21 @@ class _Broadcasts:
                 for binding in block.bindings:
                     if isinstance(binding, relax.VarBinding):
                         self.values[binding.var] = binding.value
+                        if self._is_identity(binding):
+                            self.identities.add(binding.var)
                         found = self._describe(binding.value)
                         if found is not None:
                             self.found[binding.var] = found
         return self.found
+
+    def _is_identity(self, binding: relax.VarBinding) -> bool:
+        value = binding.value
+        if not isinstance(binding.var, relax.DataflowVar) or not isinstance(value, relax.Call):
+            return False
+        if not value.op.same_as(_BROADCAST):
+            return False
+        source, shape = _shape(value.args[0]), _shape(value)
+        return source is not None and shape is not None and _all_equal(self.analyzer, source, shape)
 
     def _describe(self, value: relax.Expr) -> _Broadcast | None:
         if isinstance(value, relax.Var):
@@ -205,12 +243,15 @@ class _Folder(PyExprMutator):
         self.analyzer = tvm.sym.Analyzer()
         self.broadcasts: dict[relax.Var, _Broadcast] = {}
         self.values: dict[relax.Var, relax.Expr] = {}
+        self.identities: set[relax.Var] = set()
+        self.bound: relax.Var | None = None
         self.in_dataflow = False
 
-    def fold(self, func: relax.Function) -> relax.Expr:
+    def fold(self, func: relax.Function, identities: bool) -> relax.Expr:
         found = _Broadcasts(self.analyzer)
         self.broadcasts, self.values = found.visit(func), found.values
-        if not self.broadcasts:
+        self.identities = found.identities if identities else set()
+        if not self.broadcasts and not self.identities:
             return func
         return self.visit_expr(func)
 
@@ -218,10 +259,14 @@ class _Folder(PyExprMutator):
         # Only a dataflow variable's reshape becomes a view (RewriteDataflowReshape); the
         # reshape that restores the product's shape would be a copy anywhere else.
         self.in_dataflow = isinstance(binding.var, relax.DataflowVar)
+        self.bound = binding.var
         super().visit_var_binding_(binding)
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: D102
         new_call = super().visit_call_(call)
+        if self.bound in self.identities and self.values[self.bound].same_as(call):
+            self.report.identities += 1
+            return new_call.args[0]
         if not (isinstance(new_call, relax.Call) and new_call.op.same_as(_MATMUL)):
             return new_call
         if not self.in_dataflow:
@@ -278,6 +323,18 @@ class _Folder(PyExprMutator):
         return operand
 
 
+def _changes(folded: int, identities: int) -> list[str]:
+    """What the pass changed in one function, in words."""
+    changes = []
+    if folded:
+        changes.append(f"{counted(folded, 'matmul')} read a broadcast operand in place")
+    if identities:
+        changes.append(
+            f"{counted(identities, 'copy', 'copies')} of a tensor to its own shape removed"
+        )
+    return changes
+
+
 @tvm.transform.module_pass(opt_level=0, name="FoldBroadcastMatmul")
 class FoldBroadcastMatmul:
     """Let matmuls read a head-shared (broadcast) right operand once, as rows of one GEMM.
@@ -313,17 +370,17 @@ class FoldBroadcastMatmul:
         for gv, func in list(mod.functions.items()):
             if not isinstance(func, relax.Function):
                 continue
-            before = self.report.folded
-            new_func = folder.fold(func)
-            if self.report.folded != before:
-                folder.builder_.update_func(gv, new_func)
-                changes[gv.name_hint] = [
-                    f"{counted(self.report.folded - before, 'matmul')} read a broadcast "
-                    "operand in place"
-                ]
+            folded, identities = self.report.folded, self.report.identities
+            new_func = folder.fold(func, self.options.identities)
+            folded, identities = self.report.folded - folded, self.report.identities - identities
+            if not (folded or identities):
+                continue
+            folder.builder_.update_func(gv, new_func)
+            changes[gv.name_hint] = _changes(folded, identities)
         out = mod
         if changes:
-            out = relax.transform.DeadCodeElimination()(folder.builder_.get())
+            out = folder.builder_.get()
+            out = relax.transform.DeadCodeElimination()(relax.transform.CanonicalizeBindings()(out))
         publish(
             self,
             PassResult(
