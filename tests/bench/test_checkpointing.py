@@ -13,7 +13,9 @@ import pytest
 
 from blade_relax.bench import ModelSizes, build_workload, run_benchmark
 from blade_relax.bench.configs import get_config
-from blade_relax.bench.runner import Measurement, _TorchRunner
+from blade_relax.bench.runner import _TorchRunner
+
+from ._torch_steps import measure_torch_step
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -33,17 +35,12 @@ def _checkpointing(module) -> bool:
     return any(getattr(sub, "gradient_checkpointing", False) for sub in module.modules())
 
 
-def _measure(workload, name: str, length: int = LENGTH) -> tuple[Measurement, list[np.ndarray]]:
-    runner = _TorchRunner(get_config(name), workload.graph)
-    row = Measurement(name, length)
-    inputs = workload.inputs(length)
-    arrays = runner.measure(row, inputs, workload.graph.bind_dims(inputs), 1, None)
-    return row, arrays
-
-
 @pytest.fixture(scope="module")
 def steps(workload):
-    return {name: _measure(workload, name) for name in ("torch-eager", "torch-eager-ckpt")}
+    return {
+        name: measure_torch_step(workload, name, LENGTH)
+        for name in ("torch-eager", "torch-eager-ckpt")
+    }
 
 
 def test_same_loss_and_gradients_as_eager(workload, steps):
@@ -71,7 +68,7 @@ def test_module_is_restored(workload, training):
     before = module.training
     module.train(training)
     try:
-        _measure(workload, "torch-eager-ckpt", 16)
+        measure_torch_step(workload, "torch-eager-ckpt", 16)
         assert not _checkpointing(module)
         assert all(sub.training == training for sub in module.modules())
         assert not getattr(module.model, "_require_grads_hooks", None)

@@ -16,7 +16,9 @@ import pytest
 from blade_relax.bench import ModelSizes, build_workload, run_benchmark
 from blade_relax.bench.configs import get_config
 from blade_relax.bench.predict import predict_benchmark
-from blade_relax.bench.runner import Measurement, _TorchRunner
+from blade_relax.bench.runner import _TorchRunner
+
+from ._torch_steps import measure_torch_step
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -32,14 +34,6 @@ def workload():
     return build_workload("llama-train", SIZES)
 
 
-def _measure(workload, name: str, length: int) -> tuple[Measurement, list[np.ndarray]]:
-    runner = _TorchRunner(get_config(name), workload.graph)
-    row = Measurement(name, length)
-    inputs = workload.inputs(length)
-    arrays = runner.measure(row, inputs, workload.graph.bind_dims(inputs), 1, None)
-    return row, arrays
-
-
 def test_the_configs_are_registered():
     eager, compiled = get_config("torch-eager-sdpa"), get_config("torch-compile-sdpa")
     assert eager.attention == compiled.attention == "sdpa"
@@ -50,8 +44,8 @@ def test_the_configs_are_registered():
 def test_same_loss_and_gradients_as_eager_attention_and_a_lower_peak(workload):
     model = workload.graph.torch_module.model
     assert model.config._attn_implementation == "eager"
-    eager_row, eager = _measure(workload, "torch-eager", LENGTHS[-1])
-    sdpa_row, sdpa = _measure(workload, "torch-eager-sdpa", LENGTHS[-1])
+    eager_row, eager = measure_torch_step(workload, "torch-eager", LENGTHS[-1])
+    sdpa_row, sdpa = measure_torch_step(workload, "torch-eager-sdpa", LENGTHS[-1])
     assert model.config._attn_implementation == "eager"  # restored after the step
     assert len(sdpa) == len(eager) == 1 + len(workload.graph.param_names)
     for got, want in zip(sdpa, eager):

@@ -31,15 +31,16 @@ its own shape. At run time it costs nothing: legalized, it is a copy with the re
 which ``RewriteDataflowReshape`` makes a view. Until then it is one more kernel between
 attention's probabilities ``P`` and ``P @ V`` (and between a mask and its ``where``, a
 transpose and its reader), and the passes that decide on the fused graph read it as one:
-``RecomputeCheapValues`` recomputes ``P`` for the backward through it, and with the length
-unbounded it accepted that for the first layer of a two-layer GPT-2 only, so the second
-layer's ``P`` (a ``(b, h, s, s)`` tensor) stayed live from the forward until the backward.
-With ``BroadcastMatmulOptions.identities`` every ``broadcast_to`` bound to a dataflow variable
+``RecomputeCheapValues`` recomputes ``P`` for the backward through it. With these kernels in
+the way it accepted that for the first layer of a two-layer GPT-2 only (the length unbounded)
+and for neither layer of a two-layer Llama compiled for one exact length, so those layers'
+``P`` (``(b, h, s, s)`` tensors) stayed live from the forward until the backward. With
+``BroadcastMatmulOptions.identities`` every ``broadcast_to`` bound to a dataflow variable
 whose operand provably has the target shape (``tvm.sym.Analyzer``, extent by extent) is
-replaced by its operand; ``CanonicalizeBindings`` removes the alias. Both layers' ``P`` are
-then recomputed (``tests/transform/test_fold_broadcast_matmul.py``). No live set grows: the
-operand was live where the copy was made, and now lives only as long as the copy did. TVM has
-no pass that removes the broadcast before legalization.
+replaced by its operand; ``CanonicalizeBindings`` removes the alias. Every layer's ``P`` is
+then recomputed in both (``tests/transform/test_fold_broadcast_matmul.py``). No live set
+grows: the operand was live where the copy was made, and now lives only as long as the copy
+did. TVM has no pass that removes the broadcast before legalization.
 
 Not folded: a matmul whose result leaves its dataflow block (``RewriteDataflowReshape`` makes
 views of dataflow variables only, so restoring its shape would copy it), a broadcast left

@@ -32,13 +32,36 @@ Why it never raises the peak
 At every point of the block the new live set is a subset of the old one: ``v`` (with its
 views) now dies at its last early read instead of its last late read; ``v'`` is live from just
 before the first late read to the last one, where ``v`` was live before (and it has ``v``'s
-size); the inputs were live at every late read already, so the recomputation extends no lifetime. This holds for every
-value of the symbolic dims, so no comparison of sizes is needed, and the bytes live in the gap
+size); the inputs were live at every late read already, so the recomputation extends no
+lifetime. This holds for every value of the symbolic dims, so no comparison of sizes is
+needed, and the bytes live in the gap
 drop by ``v``'s size. The memory planners that run later only share storage where the unshared
 program allows it (``PlanMemory`` proves its sharing never raises that program's peak), and the
 runtime's memory accounting and ``blade_relax.analysis.memory_timeline`` see the smaller
 lifetimes. The cost is one more run of the kernel per recomputed value (elementwise work, next
 to the matmuls around it).
+
+Chains, and values whose inputs die early, do not have that argument: a value recomputed with
+the cheap kernels that made its inputs (up to ``max_chain`` kernels), or by keeping one input
+alive until the copy (``extend_inputs``), is accepted only where the timeline of the block with
+the copy proves the peak no higher for every admissible value of the dims and lower for one
+(``_lowers``: symbolically, or value by value where a bounded dim takes few enough). Plans
+are tried one at a time, each against the block with the ones accepted before it.
+
+Attention
+---------
+An attention layer's probabilities ``P = softmax(q @ k^T * scale + mask)`` (a ``(b, h, s, s)``
+tensor) are read by ``P @ V`` in the forward and by the softmax's and ``P @ V``'s backward,
+which also read ``q``, ``k`` and ``V``. Kept, every layer's ``P`` is live from its forward
+until its backward. With ``RecomputeOptions.attention`` a softmax kernel
+(``vectorize_softmax.is_softmax_kernel``) read late is recomputed from the GEMM that made its
+scores, as fused attention's backward does: the chain runs through views (``reshape``
+kernels, at no cost in ``max_chain``), cheap kernels (the scale, the mask's ``where``) and one
+GEMM, whose operands are live at the late reads. An input of the chain that would die earlier
+and that no cheap kernel makes (a mask shared by the layers) is kept alive until the copy
+instead. Such a plan is a chain, so it is accepted only where the timeline proves it (above).
+Each recomputation reruns the same kernels on the same inputs: the backward reads the same
+bits. The cost is one more scores GEMM and softmax per layer.
 
 Where it runs
 -------------
