@@ -40,7 +40,8 @@ whose operand provably has the target shape (``tvm.sym.Analyzer``, extent by ext
 replaced by its operand; ``CanonicalizeBindings`` removes the alias. Every layer's ``P`` is
 then recomputed in both (``tests/transform/test_fold_broadcast_matmul.py``). No live set
 grows: the operand was live where the copy was made, and now lives only as long as the copy
-did. TVM has no pass that removes the broadcast before legalization.
+did. TVM has no pass that removes the broadcast before legalization (its
+``RemoveRedundantReshape`` matches reshapes only).
 
 Not folded: a matmul whose result leaves its dataflow block (``RewriteDataflowReshape`` makes
 views of dataflow variables only, so restoring its shape would copy it), a broadcast left
