@@ -353,6 +353,7 @@ def test_every_layers_probabilities_are_recomputed_and_results_are_bit_identical
         mod = specialize(tvm.IRModule({"main": graph.main}), {"s": static})
         lengths, runs = [{}], (static,)
     flags = {**dict.fromkeys(PipelineFlags.switches(), True), "schedule": False, "remat": False}
+    params = [tvm.runtime.tensor(p) for p in graph.params]
     counts, peaks, outs = [], [], []
     for identities in (False, True):
         flags["fold_broadcast_options"] = BroadcastMatmulOptions(identities=identities)
@@ -364,7 +365,6 @@ def test_every_layers_probabilities_are_recomputed_and_results_are_bit_identical
         # The module the timeline read, built: the rest of the pipeline is VMShapeLower on.
         rest = tvm.transform.Sequential(pipeline_phases("llvm", **flags)["vm_lower"])
         vm = relax.VirtualMachine(tvm.compile(stage, "llvm", relax_pipeline=rest), tvm.cpu())
-        params = [tvm.runtime.tensor(p) for p in graph.params]
         outs.append([])
         for s in runs:
             ids = tvm.runtime.tensor(np.random.default_rng(s).integers(0, sizes.vocab, (1, s)))

@@ -246,8 +246,8 @@ class _Folder(PyExprMutator):
         self.broadcasts: dict[relax.Var, _Broadcast] = {}
         self.values: dict[relax.Var, relax.Expr] = {}
         self.identities: set[relax.Var] = set()
+        #: The variable of the binding being visited.
         self.bound: relax.Var | None = None
-        self.in_dataflow = False
 
     def fold(self, func: relax.Function, identities: bool) -> relax.Expr:
         found = _Broadcasts(self.analyzer)
@@ -258,9 +258,6 @@ class _Folder(PyExprMutator):
         return self.visit_expr(func)
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:  # noqa: D102
-        # Only a dataflow variable's reshape becomes a view (RewriteDataflowReshape); the
-        # reshape that restores the product's shape would be a copy anywhere else.
-        self.in_dataflow = isinstance(binding.var, relax.DataflowVar)
         self.bound = binding.var
         super().visit_var_binding_(binding)
 
@@ -271,7 +268,9 @@ class _Folder(PyExprMutator):
             return new_call.args[0]
         if not (isinstance(new_call, relax.Call) and new_call.op.same_as(_MATMUL)):
             return new_call
-        if not self.in_dataflow:
+        # Only a dataflow variable's reshape becomes a view (RewriteDataflowReshape); the
+        # reshape that restores the product's shape would be a copy anywhere else.
+        if not isinstance(self.bound, relax.DataflowVar):
             return new_call
         rhs = call.args[1]
         found = self.broadcasts.get(rhs) if isinstance(rhs, relax.Var) else None

@@ -34,12 +34,11 @@ views) now dies at its last early read instead of its last late read; ``v'`` is 
 before the first late read to the last one, where ``v`` was live before (and it has ``v``'s
 size); the inputs were live at every late read already, so the recomputation extends no
 lifetime. This holds for every value of the symbolic dims, so no comparison of sizes is
-needed, and the bytes live in the gap
-drop by ``v``'s size. The memory planners that run later only share storage where the unshared
-program allows it (``PlanMemory`` proves its sharing never raises that program's peak), and the
-runtime's memory accounting and ``blade_relax.analysis.memory_timeline`` see the smaller
-lifetimes. The cost is one more run of the kernel per recomputed value (elementwise work, next
-to the matmuls around it).
+needed, and the bytes live in the gap drop by ``v``'s size. The memory planners that run later
+only share storage where the unshared program allows it (``PlanMemory`` proves its sharing
+never raises that program's peak), and the runtime's memory accounting and
+``blade_relax.analysis.memory_timeline`` see the smaller lifetimes. The cost is one more run of
+the kernel per recomputed value (elementwise work, next to the matmuls around it).
 
 Chains, and values whose inputs die early, do not have that argument: a value recomputed with
 the cheap kernels that made its inputs (up to ``max_chain`` kernels), or by keeping one input
