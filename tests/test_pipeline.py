@@ -304,6 +304,7 @@ def test_get_pipeline_keywords_are_the_pipeline_flags():
         "remat",
         "plan",
         "fold_broadcast",
+        "softmax_backward",
         "simplify",
         "fold_scatter",
         "inline_kernels",
@@ -330,7 +331,9 @@ def test_variants_and_configs_cover_every_switch():
     assert set(switches) <= variant_fields
     assert tuple(Variant("v").flags) == switches
     for switch in PipelineFlags.switches("graph"):
-        assert get_config(f"blade-relax-no-{switch.replace('_', '-')}")
+        on_by_default = getattr(PipelineFlags(), switch)
+        name = f"blade-relax-{'no' if on_by_default else 'with'}-{switch.replace('_', '-')}"
+        assert get_config(name)
     # The differential reference is TVM's pipeline: no blade_relax pass, not even the check.
     target = tvm.target.Target("llvm")
     with target:

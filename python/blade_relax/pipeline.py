@@ -159,6 +159,11 @@ class PipelineFlags:
     # The graph passes (FuseAttention and InlineKernelIntermediates on CPU targets only).
     fuse_attention: bool = _flag(True, "FuseAttention", "graph", "attention_options")
     fold_broadcast: bool = _flag(True, "FoldBroadcastMatmul", "graph", "fold_broadcast_options")
+    # Opt-in: equal to rounding, and the recomputation of attention probabilities, decided
+    # before memory planning, does not see that the new kernel writes in place.
+    softmax_backward: bool = _flag(
+        False, "RewriteSoftmaxBackward", "graph", "softmax_backward_options"
+    )
     simplify: bool = _flag(True, "SimplifyTransposes", "graph", "simplify_options")
     fold_scatter: bool = _flag(True, "FoldZeroScatter", "graph", "fold_scatter_options")
     clone_generated: bool = _flag(True, "CloneGeneratedTensors", "graph", "clone_options")
@@ -181,6 +186,7 @@ class PipelineFlags:
     plan_options: Any = None
     attention_options: Any = None
     fold_broadcast_options: Any = None
+    softmax_backward_options: Any = None
     simplify_options: Any = None
     fold_scatter_options: Any = None
     clone_options: Any = None
@@ -395,6 +401,8 @@ def _phases(
         graph.append(_ours("FuseAttention", flags.attention_options))
     if flags.fold_broadcast:
         graph.append(_ours("FoldBroadcastMatmul", flags.fold_broadcast_options))
+    if flags.softmax_backward:
+        graph.append(_ours("RewriteSoftmaxBackward", flags.softmax_backward_options))
     if flags.simplify:
         graph.append(_ours("SimplifyTransposes", flags.simplify_options))
     if flags.fold_scatter:
@@ -479,6 +487,7 @@ def get_pipeline(
     remat: bool = True,
     plan: bool = True,
     fold_broadcast: bool = True,
+    softmax_backward: bool = False,
     simplify: bool = True,
     fold_scatter: bool = True,
     inline_kernels: bool = True,
@@ -494,6 +503,7 @@ def get_pipeline(
     remat_options: Any = None,
     plan_options: Any = None,
     fold_broadcast_options: Any = None,
+    softmax_backward_options: Any = None,
     simplify_options: Any = None,
     fold_scatter_options: Any = None,
     inline_options: Any = None,
@@ -522,10 +532,12 @@ def get_pipeline(
         ``RecomputeCheapValues``. With these, the three above, ``fuse_readers`` and
         ``check_dims`` off, the result is TVM's default pipeline for the target.
     fold_broadcast
-        Enable ``FoldBroadcastMatmul``: a matmul whose right operand is a key or value
-        broadcast to several query heads (multi-query and grouped-query attention) reads the
-        key once, the heads sharing it as rows of one GEMM; the broadcast copy is not made.
-        Bit for bit the same results.
+        Enable ``FoldBroadcastMatmul``: a key or value shared by several query heads is read
+        once, the heads as rows of one GEMM, without the broadcast copy; bit for bit.
+    softmax_backward
+        Enable ``RewriteSoftmaxBackward`` (opt-in): attention's score gradient is one kernel
+        written over ``P``, one attention matrix live in the softmax's backward instead of
+        two; equal to rounding. Off by default (its module docstring says why).
     fuse_readers
         Enable ``FuseIntoSoleReader`` (CPU targets): after ``RecomputeCheapValues``, an
         elementwise kernel whose one reader is an elementwise kernel, reading values live
@@ -556,13 +568,9 @@ def get_pipeline(
         Enable ``CheckDimRanges``: a call whose dims lie outside the ranges the function
         declares (``tir_var_lower_bound`` / ``tir_var_upper_bound``) fails before any kernel
         runs, with an error naming the dim, its value and the range.
-    schedule_options, remat_options, plan_options, fold_broadcast_options, simplify_options,
-    fold_scatter_options, inline_options, softmax_options, reduction_options, recompute_options,
-    fuse_reader_options, clone_options, attention_options, gemm_options, math_options,
-    check_options
-        Option dataclasses handed to the passes (``None`` for their defaults).
-
-    The keywords are the fields of :class:`PipelineFlags`, with its defaults.
+    schedule_options, remat_options, plan_options, and the other ``*_options``
+        Option dataclasses handed to the passes (``None`` for their defaults). The keywords
+        are the fields of :class:`PipelineFlags`, with its defaults.
 
     Returns
     -------

@@ -234,6 +234,12 @@ def test_the_default_without_each_graph_pass():
     for flag in GRAPH_FLAGS:
         without = get_config(f"blade-relax-no-{flag}").pipeline.keywords()
         assert without == {**default, flag.replace("-", "_"): False}, flag
+    # An opt-in pass is measured the other way round: the default with it.
+    assert not default["softmax_backward"]
+    with_it = get_config("blade-relax-with-softmax-backward").pipeline.keywords()
+    assert with_it == {**default, "softmax_backward": True}
+    with pytest.raises(ValueError, match="unknown config 'blade-relax-no-softmax-backward'"):
+        get_config("blade-relax-no-softmax-backward")
 
 
 @pytest.mark.usefixtures("warned")

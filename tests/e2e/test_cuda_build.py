@@ -288,3 +288,17 @@ def hf_graphs():
 def test_hf_workload_builds_for_cuda(hf_graphs, model: str, kind: str, variant: str) -> None:
     graph = hf_graphs(model, kind)
     check_build(graph.mod, variant)
+
+
+def test_softmax_backward_kernel_builds_for_cuda(hf_graphs) -> None:
+    """The opt-in ``RewriteSoftmaxBackward`` emits a GEMM with an epilogue over ``P``: dlight
+    schedules it like the other GEMMs, and it is compiled with them."""
+    graph = hf_graphs("llama", "training")
+    lowered, executable = build(graph.mod, {**BLADE, "softmax_backward": True})
+    rewritten = [n for n in device_kernels(lowered) if n.startswith("softmax_grad_NT_matmul")]
+    assert rewritten, "the training step has no score-gradient kernel"
+    source = cuda_source(executable)
+    assert all(any(k.startswith(f"{n}_kernel") for k in global_kernels(source)) for n in rewritten)
+    if COMPILER is None:
+        pytest.skip(f"CUDA C built and checked, cubin not compiled: {COMPILER_NOTE}")
+    assert len(compile_cuda_source(source, ARCH, compiler=COMPILER)) > 0

@@ -26,9 +26,11 @@ configuration with argument ``"0.5"``; ``blade-relax@0.5`` is a budget of half t
 host memory (or offloaded or recomputed, per tensor, whichever is estimated faster: the
 eviction modes of :func:`blade_relax.runtime.set_eviction_mode`).
 
-``blade-relax`` is the default pipeline (``get_pipeline(target)``) and
-``blade-relax-no-<flag>`` that pipeline without one graph pass; ``blade-relax-schedule-remat``
-is ``MemoryAwareSchedule`` + ``Rematerialize`` alone (the name ``blade-relax`` had before).
+``blade-relax`` is the default pipeline (``get_pipeline(target)``),
+``blade-relax-no-<flag>`` that pipeline without one graph pass and ``blade-relax-with-<flag>``
+with one it leaves off (an opt-in pass, such as ``RewriteSoftmaxBackward``);
+``blade-relax-schedule-remat`` is ``MemoryAwareSchedule`` + ``Rematerialize`` alone (the name
+``blade-relax`` had before).
 Renamed configurations keep their old names as deprecated aliases (:data:`_DEPRECATED_ALIASES`):
 :func:`get_config` resolves one to the configuration under its new name, which the results
 carry, and says so once per process on stderr.
@@ -242,6 +244,7 @@ _DEPRECATED_ALIASES: dict[str, tuple[str, str]] = {
             f"the default pipeline without {name}",
         )
         for flag, name in PipelineFlags.passes("graph").items()
+        if getattr(PipelineFlags(), flag)
     },
 }
 #: The old names :func:`canonical_name` has warned about in this process.
@@ -614,7 +617,11 @@ register_config(
 )
 register_budget_family("blade-relax-schedule-remat")
 # The default pipeline's passes beyond the three memory passes, by the flag that enables each.
-_GRAPH_PASSES = PipelineFlags.passes("graph")
+_GRAPH_PASSES = {
+    flag: name
+    for flag, name in PipelineFlags.passes("graph").items()
+    if getattr(PipelineFlags(), flag)
+}
 _DEFAULT_FLAGS = dict.fromkeys(PipelineFlags.switches("memory") + tuple(_GRAPH_PASSES), True)
 
 register_config(
@@ -629,13 +636,17 @@ register_config(
     )
 )
 register_budget_family(DEFAULT_CONFIG)
-for _flag, _pass in _GRAPH_PASSES.items():
-    # What each pass removes from the default pipeline's peak: the default without it.
+for _flag, _pass in PipelineFlags.passes("graph").items():
+    # What each pass does to the default pipeline's peak: the default without it (with it,
+    # for an opt-in pass).
+    _on = _flag in _GRAPH_PASSES
     register_config(
         TvmConfig(
-            f"{DEFAULT_CONFIG}-no-{_flag.replace('_', '-')}",
-            pipeline=_blade_factory(**{**_DEFAULT_FLAGS, _flag: False}),
-            description=f"the default pipeline without {_pass}, bounds dropped",
+            f"{DEFAULT_CONFIG}-{'no' if _on else 'with'}-{_flag.replace('_', '-')}",
+            pipeline=_blade_factory(**{**_DEFAULT_FLAGS, _flag: not _on}),
+            description=f"the default pipeline {'without' if _on else 'with'} {_pass}"
+            + ("" if _on else " (opt-in)")
+            + ", bounds dropped",
         )
     )
 register_config(

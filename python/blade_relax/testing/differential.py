@@ -94,6 +94,7 @@ class Variant:
     remat: bool = False
     plan: bool = False
     fold_broadcast: bool = False
+    softmax_backward: bool = False
     simplify: bool = False
     fold_scatter: bool = False
     inline_kernels: bool = False
@@ -131,6 +132,7 @@ ALL_VARIANTS: tuple[Variant, ...] = (
     Variant("remat", remat=True),
     Variant("plan", plan=True),
     Variant("fold-broadcast", fold_broadcast=True, simplify=True),
+    Variant("softmax-backward", fold_broadcast=True, softmax_backward=True),
     Variant("simplify", simplify=True),
     Variant("fold-scatter", fold_scatter=True),
     Variant("inline-kernels", inline_kernels=True),

@@ -18,6 +18,11 @@ from .plan import PlanMemory, PlanOptions
 from .recompute_cheap_values import RecomputeCheapValues, RecomputeOptions
 from .remat import Rematerialize, RematOptions, RematTimeline
 from .result import FunctionResult, PassResult, collect_results
+from .rewrite_softmax_backward import (
+    RewriteSoftmaxBackward,
+    SoftmaxBackwardOptions,
+    SoftmaxBackwardReport,
+)
 from .schedule import MemoryAwareSchedule, ScheduleOptions
 from .simplify_transposes import SimplifyTransposes, TransposeOptions
 from .specialize_buckets import SpecializeBuckets
@@ -57,7 +62,10 @@ __all__ = [
     "RematOptions",
     "RematTimeline",
     "Rematerialize",
+    "RewriteSoftmaxBackward",
     "ScheduleOptions",
+    "SoftmaxBackwardOptions",
+    "SoftmaxBackwardReport",
     "SimplifyTransposes",
     "SoftmaxOptions",
     "SpecializeBuckets",
