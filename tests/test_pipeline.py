@@ -299,6 +299,7 @@ def test_get_pipeline_keywords_are_the_pipeline_flags():
     fields = {f.name: f.default for f in dataclasses.fields(PipelineFlags)}
     assert keywords == fields
     assert all(PipelineFlags.options_field(s) in fields for s in PipelineFlags.switches())
+    assert PipelineFlags.defaults() == {s: keywords[s] for s in PipelineFlags.switches()}
     assert set(PipelineFlags.switches()) == {
         "schedule",
         "remat",
@@ -331,7 +332,7 @@ def test_variants_and_configs_cover_every_switch():
     assert set(switches) <= variant_fields
     assert tuple(Variant("v").flags) == switches
     for switch in PipelineFlags.switches("graph"):
-        on_by_default = getattr(PipelineFlags(), switch)
+        on_by_default = PipelineFlags.defaults("graph")[switch]
         name = f"blade-relax-{'no' if on_by_default else 'with'}-{switch.replace('_', '-')}"
         assert get_config(name)
     # The differential reference is TVM's pipeline: no blade_relax pass, not even the check.

@@ -224,6 +224,13 @@ class PipelineFlags:
         raise ValueError(f"not a pipeline switch: {switch!r}")
 
     @classmethod
+    def defaults(cls, kind: str | None = None) -> dict[str, bool]:
+        """Switch name -> whether :func:`get_pipeline` runs its pass by default (of one
+        ``kind`` when given); an opt-in pass's switch is ``False``."""
+        default = cls()
+        return {name: getattr(default, name) for name in cls.switches(kind)}
+
+    @classmethod
     def stock(cls, **changes: Any) -> PipelineFlags:
         """Every pass off (TVM's default pipeline), then ``changes``."""
         return cls.of({**dict.fromkeys(cls.switches(), False), **changes})

@@ -352,8 +352,7 @@ def test_every_layers_probabilities_are_recomputed_and_results_are_bit_identical
     if static is not None:
         mod = specialize(tvm.IRModule({"main": graph.main}), {"s": static})
         lengths, runs = [{}], (static,)
-    defaults = {name: getattr(PipelineFlags(), name) for name in PipelineFlags.switches()}
-    flags = {**defaults, "schedule": False, "remat": False}
+    flags = {**PipelineFlags.defaults(), "schedule": False, "remat": False}
     params = [tvm.runtime.tensor(p) for p in graph.params]
     counts, peaks, outs = [], [], []
     for identities in (False, True):

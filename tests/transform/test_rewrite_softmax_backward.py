@@ -185,11 +185,15 @@ def test_training_steps_agree_and_one_attention_matrix_is_live(workload):
         layers=2, hidden=32, heads=2, kv_heads=1, intermediate=64, vocab=64, max_seq_len=64
     )
     graph = build_workload(workload, sizes).graph.with_upper_bounds(False)
-    defaults = {name: getattr(PipelineFlags(), name) for name in PipelineFlags.switches()}
     params = [tvm.runtime.tensor(p) for p in graph.params]
     kernels, peaks, outs = [], [], []
     for rewrite in (False, True):
-        flags = {**defaults, "schedule": False, "remat": False, "softmax_backward": rewrite}
+        flags = {
+            **PipelineFlags.defaults(),
+            "schedule": False,
+            "remat": False,
+            "softmax_backward": rewrite,
+        }
         stage = lower_to_memory_stage(graph.mod, **flags)
         kernels.append(_softmax_grad_kernels(stage["main"]))
         timeline = memory_timeline(stage["main"], mod=stage)

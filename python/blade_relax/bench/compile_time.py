@@ -141,8 +141,7 @@ def _lower_in_child(mod: Any, default: bool, queue: Any) -> None:
 
         from ..pipeline import PipelineFlags, lower_to_memory_stage
 
-        defaults = PipelineFlags()
-        flags = {n: getattr(defaults, n) for n in PipelineFlags.switches()} if default else {}
+        flags = PipelineFlags.defaults() if default else {}
         start = _resident_bytes(os.getpid())
         t0 = time.perf_counter()
         out = lower_to_memory_stage(mod, "llvm", **flags)

@@ -244,7 +244,7 @@ _DEPRECATED_ALIASES: dict[str, tuple[str, str]] = {
             f"the default pipeline without {name}",
         )
         for flag, name in PipelineFlags.passes("graph").items()
-        if getattr(PipelineFlags(), flag)
+        if PipelineFlags.defaults("graph")[flag]
     },
 }
 #: The old names :func:`canonical_name` has warned about in this process.
@@ -620,9 +620,9 @@ register_budget_family("blade-relax-schedule-remat")
 _GRAPH_PASSES = {
     flag: name
     for flag, name in PipelineFlags.passes("graph").items()
-    if getattr(PipelineFlags(), flag)
+    if PipelineFlags.defaults("graph")[flag]
 }
-_DEFAULT_FLAGS = dict.fromkeys(PipelineFlags.switches("memory") + tuple(_GRAPH_PASSES), True)
+_DEFAULT_FLAGS = {**PipelineFlags.defaults("memory"), **PipelineFlags.defaults("graph")}
 
 register_config(
     TvmConfig(

@@ -104,7 +104,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..util.collection import pauses_collection
 from ._attention_match import constant_array
-from .fold_broadcast_matmul import _shape
+from .fold_broadcast_matmul import _all_equal, _shape
 from .result import PassResult, counted, function_results, publish
 from .simplify_transposes import _axes, _is_last_two_swap
 
@@ -160,15 +160,16 @@ class _Site:
 
     ``probs_mm`` is ``P'`` (``P`` as the forward GEMM reads it), ``output`` is ``O``,
     ``grad_lhs`` is ``A`` (``dO`` in ``O``'s layout), ``values`` is ``V`` (as the forward
-    GEMM reads it), ``shape`` the shape of the binding replaced and ``scale`` the constant
-    folded (or ``None``).
+    GEMM reads it), ``reshape_to`` the shape of the binding replaced where it is not ``P'``'s
+    (the kernel's result is then reshaped to it; ``None`` where it is) and ``scale`` the
+    constant folded (or ``None``).
     """
 
     probs_mm: relax.Var
     output: relax.Var
     grad_lhs: relax.Expr
     values: relax.Expr
-    shape: tuple[tirx.PrimExpr, ...]
+    reshape_to: tuple[tirx.PrimExpr, ...] | None
     scale: float | None
     #: The tensor ``grad_lhs`` is a chain of reshapes of: the row sums are computed right
     #: after it is bound, so that ``O`` may die before the rest of the backward.
@@ -228,9 +229,7 @@ class _Sites:
         return readers[0] if len(readers) == 1 else None
 
     def _equal(self, a: Sequence[tirx.PrimExpr] | None, b: Sequence[tirx.PrimExpr] | None) -> bool:
-        if a is None or b is None or len(a) != len(b):
-            return False
-        return all(self.analyzer.can_prove_equal(x, y) for x, y in zip(a, b))
+        return a is not None and b is not None and _all_equal(self.analyzer, a, b)
 
     def find(self) -> dict[relax.Var, _Site]:
         """The sites, keyed by the variable whose binding the rewrite replaces."""
@@ -240,9 +239,10 @@ class _Sites:
                 site = self._site(var, value)
                 if site is not None:
                     target, site = self._with_scale(var, site)
+                    if self._equal(_shape(site.probs_mm), site.reshape_to):
+                        site = dataclasses.replace(site, reshape_to=None)
                     # Only a dataflow variable's reshape becomes a view (RewriteDataflowReshape).
-                    reshaped = not self._equal(_shape(site.probs_mm), site.shape)
-                    if isinstance(target, relax.DataflowVar) or not reshaped:
+                    if isinstance(target, relax.DataflowVar) or site.reshape_to is None:
                         sites[target] = site
         return sites
 
@@ -482,12 +482,9 @@ class _Rewriter(PyExprMutator):
         grad = self.builder_.emit(
             self.builder_.call_te(kernel, a, values, probs, row, primfunc_name_hint=_KERNEL_NAME)
         )
-        shape = _shape(grad)
-        analyzer = tvm.sym.Analyzer()
-        if shape is not None and len(shape) == len(site.shape):
-            if all(analyzer.can_prove_equal(x, y) for x, y in zip(shape, site.shape)):
-                return grad
-        return relax.op.reshape(grad, list(site.shape))
+        if site.reshape_to is None:
+            return grad
+        return relax.op.reshape(grad, list(site.reshape_to))
 
 
 @tvm.transform.module_pass(opt_level=0, name="RewriteSoftmaxBackward")
