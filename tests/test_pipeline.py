@@ -218,6 +218,7 @@ def test_our_passes_are_placed_by_phase():
     assert _names(phases["fused"]) == [
         "InlineKernelIntermediates",
         "VectorizeSoftmax",
+        "VectorizeScoreGrad",
         "VectorizeColumnReductions",
         "MemoryAwareSchedule",
         "RecomputeCheapValues",
@@ -310,6 +311,7 @@ def test_get_pipeline_keywords_are_the_pipeline_flags():
         "fold_scatter",
         "inline_kernels",
         "vectorize_softmax",
+        "vectorize_score_grad",
         "vectorize_reductions",
         "recompute",
         "fuse_readers",

@@ -35,9 +35,10 @@ Where each pass runs, and why there:
   blocks depends on it (see expand_math.py).
 * ``InlineKernelIntermediates`` runs right after ``FuseTIR`` on CPU targets: it computes the
   elementwise chains inside fused kernels without scratch buffers (kernel workspaces), which
-  dlight's schedules do on GPU targets. ``VectorizeSoftmax`` and ``VectorizeColumnReductions``
-  follow it (CPU targets): TVM's softmax kernels and reductions over outer axes become loops
-  the CPU vectorizes, before any memory pass reads a kernel.
+  dlight's schedules do on GPU targets. ``VectorizeSoftmax``, ``VectorizeScoreGrad`` and
+  ``VectorizeColumnReductions`` follow it (CPU targets): TVM's softmax kernels, the score
+  gradient of ``RewriteSoftmaxBackward`` and reductions over outer axes become loops the CPU
+  vectorizes, before any memory pass reads a kernel.
 * ``MemoryAwareSchedule`` runs after ``FuseOps``/``FuseTIR`` and before ``ToNonDataflow``: it
   reorders bindings of dataflow blocks, which exist only until ``ToNonDataflow``, and it should
   see the fused kernels whose buffers the VM will really allocate.
@@ -66,7 +67,8 @@ explicit list of phases, :data:`PHASES`, run in order:
     ``FuseTIR``, and dlight's GPU schedules on CUDA).
 ``fused``
     Our passes on the fused dataflow graph (``InlineKernelIntermediates``,
-    ``VectorizeSoftmax``, ``VectorizeColumnReductions``, ``MemoryAwareSchedule``,
+    ``VectorizeSoftmax``, ``VectorizeScoreGrad``, ``VectorizeColumnReductions``,
+    ``MemoryAwareSchedule``,
     ``RecomputeCheapValues``, ``FuseIntoSoleReader``).
 ``finalize``, ``vm_lower``
     TVM's ``finalize_passes`` for the target, written out here with the ``relax.transform``
@@ -171,6 +173,7 @@ class PipelineFlags:
     dispatch_gemm: bool = _flag(True, "DispatchGemm", "graph", "gemm_options")
     inline_kernels: bool = _flag(True, "InlineKernelIntermediates", "graph", "inline_options")
     vectorize_softmax: bool = _flag(True, "VectorizeSoftmax", "graph", "softmax_options")
+    vectorize_score_grad: bool = _flag(True, "VectorizeScoreGrad", "graph", "score_grad_options")
     vectorize_reductions: bool = _flag(
         True, "VectorizeColumnReductions", "graph", "reduction_options"
     )
@@ -193,6 +196,7 @@ class PipelineFlags:
     gemm_options: Any = None
     inline_options: Any = None
     softmax_options: Any = None
+    score_grad_options: Any = None
     reduction_options: Any = None
     math_options: Any = None
     recompute_options: Any = None
@@ -427,6 +431,8 @@ def _phases(
         fused.append(_ours("InlineKernelIntermediates", flags.inline_options))
     if flags.vectorize_softmax and cpu:
         fused.append(_ours("VectorizeSoftmax", flags.softmax_options))
+    if flags.vectorize_score_grad and cpu:
+        fused.append(_ours("VectorizeScoreGrad", flags.score_grad_options))
     if flags.vectorize_reductions and cpu:
         fused.append(_ours("VectorizeColumnReductions", flags.reduction_options))
     if flags.schedule:
@@ -499,6 +505,7 @@ def get_pipeline(
     fold_scatter: bool = True,
     inline_kernels: bool = True,
     vectorize_softmax: bool = True,
+    vectorize_score_grad: bool = True,
     vectorize_reductions: bool = True,
     recompute: bool = True,
     fuse_readers: bool = True,
@@ -515,6 +522,7 @@ def get_pipeline(
     fold_scatter_options: Any = None,
     inline_options: Any = None,
     softmax_options: Any = None,
+    score_grad_options: Any = None,
     reduction_options: Any = None,
     recompute_options: Any = None,
     fuse_reader_options: Any = None,
@@ -547,9 +555,8 @@ def get_pipeline(
         two; equal to rounding. Off by default (its module docstring says why).
     fuse_readers
         Enable ``FuseIntoSoleReader`` (CPU targets): after ``RecomputeCheapValues``, an
-        elementwise kernel whose one reader is an elementwise kernel, reading values live
-        there anyway, is computed inside that reader (no buffer of its own); bit for bit the
-        same results.
+        elementwise kernel whose one reader is elementwise, reading values live there anyway,
+        is computed inside that reader (no buffer of its own); bit for bit.
     dispatch_gemm
         Enable ``DispatchGemm``: matmuls run on ATen's GEMMs (PyTorch's BLAS on a CPU, cuBLAS
         on CUDA targets, with ``MarkGemmKernels`` before dlight), writing into the VM's
@@ -557,14 +564,12 @@ def get_pipeline(
         them. On by default (TVM's CPU GEMMs with a symbolic dimension are naive loop nests);
         results agree with TVM's kernels to rounding, not bit for bit (``dispatch_gemm=False``
         for that). On CUDA targets only GEMMs without an elementwise tail are dispatched.
-    vectorize_softmax
-        Enable ``VectorizeSoftmax`` (CPU targets): each kernel that is exactly TVM's softmax
-        or log-softmax is computed with loops the CPU vectorizes (each ``exp`` once, the
-        maximum over 16 lanes), bit for bit the same results.
-    vectorize_reductions
-        Enable ``VectorizeColumnReductions`` (CPU targets): a reduction over an outer axis
-        (``collapse_sum`` of a bias gradient) runs with its output rows in the inner loop,
-        which the CPU vectorizes; each element sums in the same order, bit for bit.
+    vectorize_softmax, vectorize_score_grad, vectorize_reductions
+        Enable ``VectorizeSoftmax``, ``VectorizeScoreGrad`` and ``VectorizeColumnReductions``
+        (CPU targets), each bit for bit: TVM's softmax and log-softmax kernels (each ``exp``
+        once, the maximum over 16 lanes), the score gradient of ``softmax_backward`` (tiles of
+        16 columns over a transposed copy of ``V``'s tile) and reductions over an outer axis
+        (``collapse_sum`` of a bias gradient: output rows inner) become loops a CPU vectorizes.
     expand_math
         Enable ``ExpandMathIntrinsics`` (llvm targets that name their CPU, such as
         :func:`host_target`): float32 ``exp``, ``tanh``, ``sigmoid`` and ``pow(x, 2 | 3)`` in

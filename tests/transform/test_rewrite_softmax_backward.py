@@ -13,8 +13,10 @@ from tvm.script import relax as R
 from tvm.script import tirx as T
 
 from blade_relax.analysis import memory_timeline
-from blade_relax.pipeline import PipelineFlags, lower_to_memory_stage, pipeline_phases
+from blade_relax.pipeline import PipelineFlags
 from blade_relax.transform import RewriteSoftmaxBackward, SoftmaxBackwardOptions
+
+from ._steps import run_step, tiny_training_graph
 
 
 @I.ir_module
@@ -177,15 +179,7 @@ def test_training_steps_agree_and_one_attention_matrix_is_live(workload):
     layer's score gradient is the new kernel, the loss and every gradient agree with the
     default pipeline's to rounding, and at a length where the attention matrices dominate the
     step peaks lower (one matrix live in the softmax's backward instead of two)."""
-    pytest.importorskip("transformers")
-    from blade_relax.bench.workloads import ModelSizes, build_workload
-    from blade_relax.frontend import flatten_outputs
-
-    sizes = ModelSizes(
-        layers=2, hidden=32, heads=2, kv_heads=1, intermediate=64, vocab=64, max_seq_len=64
-    )
-    graph = build_workload(workload, sizes).graph.with_upper_bounds(False)
-    params = [tvm.runtime.tensor(p) for p in graph.params]
+    graph, sizes = tiny_training_graph(workload)
     kernels, peaks, outs = [], [], []
     for rewrite in (False, True):
         flags = {
@@ -194,16 +188,11 @@ def test_training_steps_agree_and_one_attention_matrix_is_live(workload):
             "remat": False,
             "softmax_backward": rewrite,
         }
-        stage = lower_to_memory_stage(graph.mod, **flags)
+        stage, out = run_step(graph, sizes, flags)
+        outs.append(out)
         kernels.append(_softmax_grad_kernels(stage["main"]))
         timeline = memory_timeline(stage["main"], mod=stage)
         peaks.append(timeline.evaluate({"s": 1024}).peak)
-        rest = tvm.transform.Sequential(pipeline_phases("llvm", **flags)["vm_lower"])
-        vm = relax.VirtualMachine(tvm.compile(stage, "llvm", relax_pipeline=rest), tvm.cpu())
-        outs.append([])
-        for s in (3, 40):
-            ids = tvm.runtime.tensor(np.random.default_rng(s).integers(0, sizes.vocab, (1, s)))
-            outs[-1] += [t.numpy() for t in flatten_outputs(vm["main"](ids, ids, *params))]
     assert kernels == [0, 2]
     assert peaks[1] < peaks[0], peaks
     for ours, theirs in zip(outs[1], outs[0]):

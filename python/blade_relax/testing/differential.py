@@ -99,6 +99,7 @@ class Variant:
     fold_scatter: bool = False
     inline_kernels: bool = False
     vectorize_softmax: bool = False
+    vectorize_score_grad: bool = False
     vectorize_reductions: bool = False
     recompute: bool = False
     fuse_readers: bool = False
@@ -137,6 +138,13 @@ ALL_VARIANTS: tuple[Variant, ...] = (
     Variant("fold-scatter", fold_scatter=True),
     Variant("inline-kernels", inline_kernels=True),
     Variant("vectorize-softmax", inline_kernels=True, vectorize_softmax=True),
+    Variant(
+        "vectorize-score-grad",
+        fold_broadcast=True,
+        softmax_backward=True,
+        inline_kernels=True,
+        vectorize_score_grad=True,
+    ),
     Variant("vectorize-reductions", inline_kernels=True, vectorize_reductions=True),
     Variant("recompute", schedule=True, recompute=True),
     Variant("fuse-readers", schedule=True, recompute=True, fuse_readers=True),
@@ -152,6 +160,7 @@ ALL_VARIANTS: tuple[Variant, ...] = (
         fold_scatter=True,
         inline_kernels=True,
         vectorize_softmax=True,
+        vectorize_score_grad=True,
         vectorize_reductions=True,
         recompute=True,
         fuse_readers=True,

@@ -27,6 +27,7 @@ from .schedule import MemoryAwareSchedule, ScheduleOptions
 from .simplify_transposes import SimplifyTransposes, TransposeOptions
 from .specialize_buckets import SpecializeBuckets
 from .vectorize_column_reductions import ColumnReductionOptions, VectorizeColumnReductions
+from .vectorize_score_grad import ScoreGradOptions, VectorizeScoreGrad
 from .vectorize_softmax import SoftmaxOptions, VectorizeSoftmax
 
 __all__ = [
@@ -64,6 +65,7 @@ __all__ = [
     "Rematerialize",
     "RewriteSoftmaxBackward",
     "ScheduleOptions",
+    "ScoreGradOptions",
     "SoftmaxBackwardOptions",
     "SoftmaxBackwardReport",
     "SimplifyTransposes",
@@ -71,6 +73,7 @@ __all__ = [
     "SpecializeBuckets",
     "TransposeOptions",
     "VectorizeColumnReductions",
+    "VectorizeScoreGrad",
     "VectorizeSoftmax",
     "ZeroScatterOptions",
     "collect_results",

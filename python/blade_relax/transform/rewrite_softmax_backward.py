@@ -56,9 +56,14 @@ gpt2-train    4.33 / 4.33    7.08 / 7.15   14.85 / 14.29  43.12 / 34.58
 (equal at 20 and 57). The longer the sequence, the more the attention matrices weigh and the
 more the pass saves; at GPT-2's s = 256 it costs 1 %. Measured on the VM (llama-train, the
 same command without ``--predict``, with ``torch-eager`` and ``torch-compile``, one run) the
-peaks are the predicted ones and every row matches torch; the step takes 1.65x to 1.81x as
-long at s >= 256, because the kernel is TVM's loop nest: ``DispatchGemm`` leaves it, its output
-lying in ``P``'s storage, an operand. Forcing the recomputation of every
+peaks are the predicted ones and every row matches torch. ``DispatchGemm`` leaves the kernel to
+TVM (its output lies in ``P``'s storage, an operand); on a CPU ``VectorizeScoreGrad`` schedules
+it. Timed in interleaved rounds (``python -m blade_relax.bench.overhead --workload W --base
+blade-relax --configs blade-relax-with-softmax-backward --lengths 64,128,256 --target host``,
+small sizes, 11 rounds), the step takes 0.98 / 1.00 / 0.89 of the default's time on
+llama-train and 1.00 / 0.88 / 0.92 on gpt2-train; its peak there is 1.00 / 0.97 / 0.99 of the
+default's on llama-train and 1.00 / 1.06 / 1.07 on gpt2-train (lengths bounded by 256, where
+``RecomputeCheapValues`` keeps more of the probabilities). Forcing the recomputation of every
 layer's ``P`` (an experiment, not a proof) gives llama-train's step at s = 256 a peak of
 4,005,128 B where the default pipeline's is 4,854,020 B: turning the pass on by default waits
 for recomputation decided on the planned program.
@@ -108,7 +113,14 @@ from .fold_broadcast_matmul import _all_equal, _shape
 from .result import PassResult, counted, function_results, publish
 from .simplify_transposes import _axes, _is_last_two_swap
 
-__all__ = ["RewriteSoftmaxBackward", "SoftmaxBackwardOptions", "SoftmaxBackwardReport"]
+__all__ = [
+    "EPILOGUE_BLOCK",
+    "GEMM_BLOCK",
+    "RewriteSoftmaxBackward",
+    "SoftmaxBackwardOptions",
+    "SoftmaxBackwardReport",
+    "score_grad_kernel",
+]
 
 _SOFTMAX = tvm.ir.Op.get("relax.nn.softmax")
 _MATMUL = tvm.ir.Op.get("relax.matmul")
@@ -120,6 +132,8 @@ _PERMUTE = tvm.ir.Op.get("relax.permute_dims")
 #: Operators that are pure views of their first operand: equal calls give equal tensors.
 _VIEWS = (_RESHAPE, _PERMUTE, tvm.ir.Op.get("relax.expand_dims"), tvm.ir.Op.get("relax.squeeze"))
 _KERNEL_NAME = "softmax_grad_NT_matmul"
+#: The kernel's blocks: the GEMM and its epilogue (``VectorizeScoreGrad`` schedules them).
+GEMM_BLOCK, EPILOGUE_BLOCK = "NT_matmul", "softmax_grad"
 
 
 @dataclass(frozen=True)
@@ -405,7 +419,7 @@ class _Sites:
         return reader, dataclasses.replace(site, scale=scale)
 
 
-def _score_grad_kernel(scale: float | None):
+def score_grad_kernel(scale: float | None):
     """A TE compute of ``P * (A @ V^T - D) [* c]``, ``V`` read untransposed.
 
     Each element sums its ``d`` products in ascending order (the legalized ``NT_matmul``'s
@@ -420,14 +434,14 @@ def _score_grad_kernel(scale: float | None):
             *batch, i, j = idx
             return te.sum(a(*batch, i, k) * v(*batch, j, k), axis=k)
 
-        product = te.compute(out_shape, gemm, name="NT_matmul")
+        product = te.compute(out_shape, gemm, name=GEMM_BLOCK)
 
         def epilogue(*idx: tirx.Var) -> tirx.PrimExpr:
             *batch, i, _ = idx
             grad = probs(*idx) * (product(*idx) - row(*batch, i, 0))
             return grad if scale is None else grad * tirx.const(scale, probs.dtype)
 
-        return te.compute(out_shape, epilogue, name="softmax_grad")
+        return te.compute(out_shape, epilogue, name=EPILOGUE_BLOCK)
 
     return compute
 
@@ -478,7 +492,7 @@ class _Rewriter(PyExprMutator):
             row = self._row_sum(dataclasses.replace(site, grad_source=site.grad_lhs))
         if site.scale is not None:
             self.report.scales_folded += 1
-        kernel = _score_grad_kernel(site.scale)
+        kernel = score_grad_kernel(site.scale)
         grad = self.builder_.emit(
             self.builder_.call_te(kernel, a, values, probs, row, primfunc_name_hint=_KERNEL_NAME)
         )
