@@ -17,16 +17,19 @@ The schedule (``s_tir.Schedule`` on the kernel as TE built it):
 * for each batch index and each tile of ``tile`` columns, the tile of ``V`` is copied once,
   transposed, into a ``(d, tile)`` scratch buffer (``cache``), then every row of ``A`` is
   multiplied with it: ``tile`` accumulators updated by one vectorized multiply-add per ``k``;
-* the epilogue of the row's tile follows at once, vectorized, from the accumulators; the
-  partial last tile is split off by TVM's loop partitioning (``pragma_loop_partition_hint``),
-  so the full tiles run without a bound check.
+* the epilogue of the row's tile follows at once from the accumulators; the partial last tile
+  is split off by TVM's loop partitioning (``pragma_loop_partition_hint``), so the full tiles
+  run without a bound check. (Its loop is marked vectorized, but TVM 0.27's lowering
+  vectorizes before it partitions and leaves it scalar; the GEMM's multiply-adds, most of the
+  work, are vector instructions.)
 
 Each element still sums its ``d`` products in ascending ``k`` from zero and applies the same
 epilogue expression: the results are the unscheduled kernel's, bit for bit. The scratch is the
 ``(d, tile)`` tile and ``tile`` accumulators, heap workspace of constant size that
 :mod:`blade_relax.analysis.workspace` reads from the lowered kernel (``4 * tile * (d + 1)``
 bytes per partition in float32, 4,224 bytes for ``d = 32``); no loop is parallel, so that
-figure is exact. Measured alone as above: 46 ms → 8 ms (single thread).
+figure is exact. Measured alone as above (one thread): 6 to 8 ms instead of 46; at lengths
+that are not a multiple of 16 (1000, 1001, 1016), 12 to 15 ms instead of 46 to 72.
 
 What TVM lacks: no dlight rule schedules a GEMM on the CPU, and a GEMM with a symbolic dimension
 gets no schedule from the stock CPU pipeline at all.
