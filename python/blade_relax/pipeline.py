@@ -68,8 +68,7 @@ explicit list of phases, :data:`PHASES`, run in order:
 ``fused``
     Our passes on the fused dataflow graph (``InlineKernelIntermediates``,
     ``VectorizeSoftmax``, ``VectorizeScoreGrad``, ``VectorizeColumnReductions``,
-    ``MemoryAwareSchedule``,
-    ``RecomputeCheapValues``, ``FuseIntoSoleReader``).
+    ``MemoryAwareSchedule``, ``RecomputeCheapValues``, ``FuseIntoSoleReader``).
 ``finalize``, ``vm_lower``
     TVM's ``finalize_passes`` for the target, written out here with the ``relax.transform``
     constructors and split where the memory stage ends (``vm_lower`` starts at

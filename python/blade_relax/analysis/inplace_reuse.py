@@ -47,7 +47,7 @@ import tvm
 from tvm import relax, tirx
 
 from ..contract import SOFTMAX_KERNEL_ATTR
-from .tir_fields import field_names, type_key
+from .tir_fields import field_names, is_buffer, type_key
 
 __all__ = ["InplaceVerdict", "inplace_inputs", "inplace_verdict"]
 
@@ -190,7 +190,7 @@ def _verdict(
         return InplaceVerdict(
             True, "a softmax kernel of VectorizeSoftmax reads each row before writing it"
         )
-    buffers = [p for p in params if isinstance(getattr(p, "ty", None), tirx.BufferType)]
+    buffers = [p for p in params if is_buffer(p)]
     buffers += _alloc_buffers(func.body)
     collector = _AccessCollector(buffers)
     body = func.body

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["field_names", "type_key"]
+import tvm
+import tvm_ffi
+from tvm import tirx
+
+__all__ = ["blocks", "field_names", "is_buffer", "type_key"]
 
 _FIELD_CACHE: dict[type, tuple[str, ...]] = {}
 
@@ -33,3 +37,22 @@ def field_names(node: Any) -> tuple[str, ...]:
     result = tuple(names)
     _FIELD_CACHE[cls] = result
     return result
+
+
+def blocks(func: tirx.PrimFunc) -> list[tvm.s_tir.SBlock]:
+    """The blocks of ``func`` but its root, in program order (``tvm_ffi.structural_map`` walks
+    the tree, each node returned unchanged)."""
+    found: list[tvm.s_tir.SBlock] = []
+
+    def block(node: tvm.s_tir.SBlock) -> tvm.s_tir.SBlock:
+        if node.name_hint != "root":
+            found.append(node)
+        return node
+
+    tvm_ffi.structural_map(func.body, [(tvm.s_tir.SBlock, block)])
+    return found
+
+
+def is_buffer(param: Any) -> bool:
+    """Whether a PrimFunc parameter is a buffer (not a scalar)."""
+    return isinstance(getattr(param, "ty", None), tirx.BufferType)

@@ -58,6 +58,7 @@ import tvm
 import tvm_ffi
 from tvm import s_tir, te, tirx
 
+from ..analysis.tir_fields import blocks, is_buffer
 from ..util.collection import pauses_collection
 from .inline_kernel_intermediates import inline_intermediates
 from .result import PassResult, counted, function_results, publish, with_functions
@@ -92,14 +93,11 @@ class ScoreGradOptions:
 def _epilogue_scale(func: tirx.PrimFunc) -> tuple[bool, float | None]:
     """Whether ``func`` has the epilogue block, and the constant its value is multiplied by
     last (``None``: no such constant)."""
-    found: list[tirx.PrimExpr] = []
-
-    def block(node: tvm.s_tir.SBlock) -> tvm.s_tir.SBlock:
-        if node.name_hint == EPILOGUE_BLOCK and isinstance(node.body, tirx.BufferStore):
-            found.append(node.body.value)
-        return node
-
-    tvm_ffi.structural_map(func.body, [(tvm.s_tir.SBlock, block)])
+    found = [
+        b.body.value
+        for b in blocks(func)
+        if b.name_hint == EPILOGUE_BLOCK and isinstance(b.body, tirx.BufferStore)
+    ]
     if len(found) != 1:
         return False, None
     value = found[0]
@@ -108,15 +106,11 @@ def _epilogue_scale(func: tirx.PrimFunc) -> tuple[bool, float | None]:
     return True, None
 
 
-def _is_buffer(param: object) -> bool:
-    return isinstance(getattr(param, "ty", None), tvm.tirx.buffer.BufferType)
-
-
 def _rebuilt(func: tirx.PrimFunc, scale: float | None, index_dtype: str | None):
     """``score_grad_kernel(scale)`` built by TE on placeholders of ``func``'s own buffers (with
     ``index_dtype`` for its loops, as ``BlockBuilder.call_te`` builds Relax's kernels)."""
     params = list(func.params)
-    if len(params) != _PARAMS or not all(_is_buffer(p) for p in params):
+    if len(params) != _PARAMS or not all(is_buffer(p) for p in params):
         return None
     holders = [te.placeholder(p.ty.shape, p.ty.dtype, p.name) for p in params[:-1]]
     try:
@@ -137,14 +131,14 @@ def _matched(func: tirx.PrimFunc) -> tuple[tirx.PrimFunc, float | None] | None:
     has_epilogue, scale = _epilogue_scale(func)
     if not has_epilogue:
         return None
-    for candidate in (scale, None) if scale is not None else (None,):
-        for index_dtype in ("int64", None):
-            plain = _rebuilt(func, candidate, index_dtype)
-            if plain is None:
-                continue
-            for form in (plain, inline_intermediates(plain)[0]):
-                if tvm_ffi.structural_equal(form, func):
-                    return plain, candidate
+    # The epilogue of an unscaled kernel ends in ``P * (G - D)``, never in a constant factor.
+    for index_dtype in ("int64", None):
+        plain = _rebuilt(func, scale, index_dtype)
+        if plain is None:
+            continue
+        for form in (plain, inline_intermediates(plain)[0]):
+            if tvm_ffi.structural_equal(form, func):
+                return plain, scale
     return None
 
 

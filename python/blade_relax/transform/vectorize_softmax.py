@@ -60,6 +60,7 @@ from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script.builder import ir as T
 
+from ..analysis.tir_fields import blocks, is_buffer
 from ..contract import SOFTMAX_KERNEL_ATTR
 from ..util.collection import pauses_collection
 from .result import PassResult, counted, function_results, publish, with_functions
@@ -99,28 +100,10 @@ class SoftmaxOptions:
             raise ValueError(f"lanes must be a power of two from 1 to 64, got {self.lanes}")
 
 
-def _blocks(func: tirx.PrimFunc) -> list[tvm.s_tir.SBlock]:
-    """The blocks of ``func`` but its root (TVM 0.27's Python has no TIR visitor:
-    ``tvm_ffi.structural_map`` walks the tree, each node returned unchanged)."""
-    found: list[tvm.s_tir.SBlock] = []
-
-    def block(node: tvm.s_tir.SBlock) -> tvm.s_tir.SBlock:
-        if node.name_hint != "root":
-            found.append(node)
-        return node
-
-    tvm_ffi.structural_map(func.body, [(tvm.s_tir.SBlock, block)])
-    return found
-
-
-def _is_buffer(param: object) -> bool:
-    return isinstance(getattr(param, "ty", None), tvm.tirx.buffer.BufferType)
-
-
 def _row_kernel_blocks(func: tirx.PrimFunc) -> dict[str, tvm.s_tir.SBlock] | None:
     """The blocks of ``func`` by name when it maps one float buffer to another of the same
     shape and dtype and names no block twice, else ``None``."""
-    if len(func.params) != 2 or not all(_is_buffer(p) for p in func.params):
+    if len(func.params) != 2 or not all(is_buffer(p) for p in func.params):
         return None
     src, dst = (p.ty for p in func.params)
     if str(src.dtype) != str(dst.dtype) or not str(src.dtype).startswith("float"):
@@ -129,9 +112,9 @@ def _row_kernel_blocks(func: tirx.PrimFunc) -> dict[str, tvm.s_tir.SBlock] | Non
         return None
     if not all(tvm_ffi.structural_equal(a, b) for a, b in zip(src.shape, dst.shape)):
         return None
-    found = _blocks(func)
-    blocks = {b.name_hint: b for b in found}
-    return blocks if len(blocks) == len(found) else None  # a name twice: not topi's kernel
+    found = blocks(func)
+    by_name = {b.name_hint: b for b in found}
+    return by_name if len(by_name) == len(found) else None  # a name twice: not topi's kernel
 
 
 def _over_last_axis(block: tvm.s_tir.SBlock, func: tirx.PrimFunc) -> int | None:
