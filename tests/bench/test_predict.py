@@ -182,8 +182,9 @@ def test_bfloat16_predictions_are_the_measured_peaks():
     assert {str(p.dtype) for p in workload.graph.params} == {"bfloat16"}
     configs = ["tvm-dynamic", "blade-relax", "blade-relax@0.97", "torch-eager"]
     predicted = predict_benchmark(workload, configs, [40])
-    # bfloat16 keeps 8 bits of mantissa: TVM's kernels round differently from torch's.
-    measured = run_benchmark(workload, configs, [40], repeat=1, tolerance=0.1)
+    # bfloat16 keeps 8 bits of mantissa: TVM's kernels round differently from torch's. The
+    # budgeted config runs blade-relax's executable (builds shared): one compile fewer.
+    measured = run_benchmark(workload, configs, [40], repeat=1, tolerance=0.1, builds={})
     guess = {m.config: m for m in predicted.measurements}
     for real in measured.measurements:
         assert real.error is None and real.correct, real

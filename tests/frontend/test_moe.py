@@ -171,15 +171,17 @@ def test_inference_of_a_mixture_of_experts_model_matches_torch():
 
 
 def _mixtral_routed_to_two_experts():
-    """A tiny Mixtral whose routers send every token to experts 0 and 1: embeddings of unit
-    scale whose first component is at least 3, routers that read only that component, with
-    expert scores 2, 1, -1, -2 (so experts 2 and 3 receive no token). The layers' outputs (of
-    the initializer's scale, 0.02) leave the first component positive in the second layer."""
+    """A tiny Mixtral of one decoder layer whose router sends every token to experts 0 and 1:
+    embeddings of unit scale whose first component is at least 3, a router that reads only
+    that component, with expert scores 2, 1, -1, -2 (so experts 2 and 3 receive no token). One
+    layer: a second runs the same converters and passes, for half the test's time."""
     transformers = pytest.importorskip("transformers")
     from blade_relax.bench.zoo import tiny_config
 
     torch.manual_seed(0)
-    config = tiny_config("mixtral", num_local_experts=EXPERTS, num_experts_per_tok=2)
+    config = tiny_config(
+        "mixtral", num_local_experts=EXPERTS, num_experts_per_tok=2, num_hidden_layers=1
+    )
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         embedding = model.model.embed_tokens.weight
@@ -230,7 +232,7 @@ def test_a_mixture_of_experts_model_trains_as_torch_with_its_optimizer():
     from blade_relax.training import AdamW, Trainer, torch_fit
 
     torch.manual_seed(0)
-    config = tiny_config("mixtral")
+    config = tiny_config("mixtral", num_hidden_layers=1)  # a second layer adds only time
     model = transformers.AutoModelForCausalLM.from_config(config)
     graph = import_training_step(model, max_seq_len=32)
     rng = np.random.default_rng(0)
