@@ -23,14 +23,14 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
 # ``python -m pytest``; TVM's parser's ``<ast>``), Python scans all of ``sys.modules`` on every
 # call and finds none: with torch and transformers loaded, collecting the suite spent 69 of its
 # 86 s there. Naming those files in getmodule's cache, under a module name that is not loaded,
-# gives the scan's answer (no module) at once.
+# gives the scan's answer (no module) at once. (A Python without that cache scans as before.)
 for _pseudo_file in (
     "<frozen importlib._bootstrap>",
     "<frozen importlib._bootstrap_external>",
     "<frozen runpy>",
     "<ast>",
 ):
-    inspect.modulesbyfile.setdefault(_pseudo_file, "<not a module>")
+    getattr(inspect, "modulesbyfile", {}).setdefault(_pseudo_file, "<not a module>")
 
 
 def pytest_collection_modifyitems(config, items):
