@@ -15,6 +15,7 @@ from blade_relax.pipeline import get_pipeline, lower_to_memory_stage, stock_pipe
 from blade_relax.testing import program_from_seed
 from blade_relax.testing.differential import (
     STOCK,
+    Builds,
     CompiledVariant,
     IllFormedIR,
     ProgramReport,
@@ -137,6 +138,27 @@ def test_memory_stage_is_what_lower_to_memory_stage_gives():
         mod = program_from_seed(seed).mod
         compiled = compile_checked(mod, STOCK)
         tvm.ir.assert_structural_equal(compiled.memory_stage, lower_to_memory_stage(mod))
+
+
+def test_variants_that_produce_one_module_share_its_build():
+    builds = Builds()
+    stock = compile_checked(AddChain, STOCK, builds=builds)
+    # Nothing to schedule or plan differently in the chain: the stock module, the stock build.
+    planned = compile_checked(AddChain, Variant("plan", plan=True), builds=builds)
+    assert planned.executable is stock.executable
+    # InlineKernelIntermediates rewrites the fused kernel: a module of its own, built.
+    inlined = compile_checked(AddChain, Variant("inline", inline_kernels=True), builds=builds)
+    assert inlined.executable is not stock.executable
+    assert (
+        compile_checked(AddChain, Variant("inline", inline_kernels=True), builds=builds).executable
+        is inlined.executable
+    )
+    # Each shared build runs as its own build would.
+    alone = compile_checked(AddChain, Variant("plan", plan=True))
+    assert alone.executable is not stock.executable
+    args = _program().arguments({"n": 5})
+    shared_out, alone_out = (measure_call(c.vm(), args).outputs for c in (planned, alone))
+    assert outputs_equal(alone_out, shared_out) is None
 
 
 @I.ir_module

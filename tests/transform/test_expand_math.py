@@ -1,6 +1,8 @@
 """ExpandMathIntrinsics: structure (Before / Expected), accuracy against float64, and end to end
 against the unexpanded program at several lengths."""
 
+import functools
+
 import numpy as np
 import pytest
 import tvm
@@ -211,6 +213,12 @@ class Layer:
         return out
 
 
+@functools.cache
+def _layer_executable(expand: bool):
+    """The layer compiled with and without the pass, once for every length."""
+    return tvm.compile(Layer, HOST, relax_pipeline=get_pipeline(HOST, expand_math=expand))
+
+
 @pytest.mark.parametrize("length", [1, 7, 64, 130])
 def test_the_pipeline_with_expand_math_agrees_with_the_unexpanded_one(length):
     rng = np.random.default_rng(length)
@@ -218,8 +226,7 @@ def test_the_pipeline_with_expand_math_agrees_with_the_unexpanded_one(length):
     w = (rng.standard_normal((64, 64)) * 0.2).astype(np.float32)
     outs = []
     for expand in (False, True):
-        exe = tvm.compile(Layer, HOST, relax_pipeline=get_pipeline(HOST, expand_math=expand))
-        vm = relax.VirtualMachine(exe, tvm.cpu())
+        vm = relax.VirtualMachine(_layer_executable(expand), tvm.cpu())
         outs.append(vm["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(w)).numpy())
     np.testing.assert_allclose(outs[1], outs[0], rtol=2e-6, atol=0)
     assert not np.array_equal(outs[1], np.zeros_like(outs[1]))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import TypeVar
 
@@ -443,6 +444,13 @@ KEYS = Variant(
 STOCK = Variant("none")
 
 
+@functools.cache
+def _compiled(module: tvm.IRModule, variant: Variant):
+    """``compile_checked`` once per module and variant: the tests below run each build at
+    several lengths (a VM per test)."""
+    return compile_checked(module, variant)
+
+
 @pytest.mark.parametrize("s", [1, 7, 33])
 def test_results_and_bytes_against_the_unfused_graph(s):
     rng = np.random.default_rng(s)
@@ -450,7 +458,7 @@ def test_results_and_bytes_against_the_unfused_graph(s):
     mask = np.triu(np.full((s, s), -1e9, "float32"), 1)[None]
     runs = {}
     for variant in (STOCK, ATTENTION):
-        compiled = compile_checked(Attention, variant)
+        compiled = _compiled(Attention, variant)
         runs[variant.name] = measure_call(compiled.vm(), [qkv, mask])
     # Bit for bit: the matmuls and the sum keep their order, the maximum takes none.
     _assert_equal(runs["attention"].outputs, runs["none"].outputs)
@@ -484,7 +492,7 @@ def test_other_ranks_against_the_unfused_graph(module, s, attention):
     ]
     outs = {}
     for variant in (STOCK, attention):
-        outs[variant.name] = measure_call(compile_checked(module, variant).vm(), args).outputs
+        outs[variant.name] = measure_call(_compiled(module, variant).vm(), args).outputs
     _assert_equal(outs["attention"], outs["none"])
 
 
@@ -592,7 +600,7 @@ def test_causal_mask_against_the_unfused_graph(module, s):
     args = _causal_args(module, s)
     runs = {}
     for name, variant in (("none", STOCK), ("fused", ATTENTION), ("tensor", NO_MASKS)):
-        runs[name] = measure_call(compile_checked(module, variant).vm(), args)
+        runs[name] = measure_call(_compiled(module, variant).vm(), args)
     _assert_equal(runs["fused"].outputs, runs["none"].outputs)
     _assert_equal(runs["tensor"].outputs, runs["none"].outputs)
     if module is CausalAttention:
@@ -629,5 +637,5 @@ def test_causal_rows_against_the_unfused_graph(s):
     args[0] *= 4  # larger scores, so that probabilities differ widely
     outs = {}
     for name, variant in (("none", STOCK), ("fused", ATTENTION)):
-        outs[name] = measure_call(compile_checked(CausalOnly, variant).vm(), args).outputs
+        outs[name] = measure_call(_compiled(CausalOnly, variant).vm(), args).outputs
     _assert_equal(outs["fused"], outs["none"])

@@ -53,6 +53,7 @@ from typing import Any
 
 import numpy as np
 import tvm
+import tvm_ffi
 from tvm import relax
 
 from .. import runtime
@@ -65,6 +66,7 @@ from .program_gen import GeneratedProgram
 __all__ = [
     "ALL_VARIANTS",
     "STOCK",
+    "Builds",
     "CompiledVariant",
     "Finding",
     "ProgramReport",
@@ -324,6 +326,36 @@ class CompiledVariant:
         return vm
 
 
+class Builds:
+    """Executables by the module the Relax pipeline produced, shared between variants.
+
+    Many variants change nothing in a small program (no scatter to fold, no softmax to
+    vectorize): their pipelines produce the stock module, and the build after the Relax
+    pipeline (TIR lowering, LLVM's code generation, and its JIT when a VM first loads the
+    kernels) is most of such a compile. The build of a module is deterministic, so a module
+    structurally equal to one built before (same function names) runs that executable; the
+    checks still run on each variant's VM.
+    """
+
+    def __init__(self) -> None:
+        self._by_hash: dict[int, list[tuple[tvm.IRModule, Any]]] = {}
+
+    @staticmethod
+    def _names(mod: tvm.IRModule) -> list[str]:
+        return sorted(gv.name_hint for gv in mod.get_global_vars())
+
+    def get(self, mod: tvm.IRModule) -> Any | None:
+        """The executable built from a module structurally equal to ``mod``, or None."""
+        for known, exe in self._by_hash.get(tvm_ffi.structural_hash(mod), []):
+            if self._names(known) == self._names(mod) and tvm_ffi.structural_equal(known, mod):
+                return exe
+        return None
+
+    def add(self, mod: tvm.IRModule, exe: Any) -> None:
+        """Remember ``exe`` as the build of ``mod``."""
+        self._by_hash.setdefault(tvm_ffi.structural_hash(mod), []).append((mod, exe))
+
+
 # VMs made by CompiledVariant.vm -> their executable's workspace table.
 _VM_WORKSPACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -335,6 +367,7 @@ def compile_checked(
     *,
     well_formed: bool = True,
     disabled_pass: Sequence[str] = (),
+    builds: Builds | None = None,
 ) -> CompiledVariant:
     """Compile ``mod`` with ``variant``'s pipeline, checking well-formedness around every pass.
 
@@ -350,6 +383,9 @@ def compile_checked(
         Check the IR before and after every pass of the pipeline.
     disabled_pass
         Pass names the ``PassContext`` disables.
+    builds
+        Executables built before (see :class:`Builds`): a pipeline that produced a module
+        structurally equal to one there takes its executable instead of building it again.
 
     Raises
     ------
@@ -370,7 +406,15 @@ def compile_checked(
         disabled_pass=[*current.disabled_pass, *disabled_pass],
     ):
         try:
-            exe = tvm.compile(mod, target, relax_pipeline=pipeline)
+            # What tvm.compile does, in two steps, so that the build can be shared: the Relax
+            # pipeline under the target, then the build of its module (relax_pipeline=None).
+            with tvm.target.Target(target):
+                lowered = pipeline(mod)
+            exe = builds.get(lowered) if builds is not None else None
+            if exe is None:
+                exe = tvm.compile(lowered, target, relax_pipeline=None)
+                if builds is not None:
+                    builds.add(lowered, exe)
         except Exception:
             if checker.failure is not None:
                 raise checker.failure from None
@@ -552,8 +596,9 @@ def check_program(
     # The reference.
     stock_bug: IllFormedIR | None = None
     compiled: dict[str, CompiledVariant] = {}
+    builds = Builds()
     try:
-        compiled[STOCK.name] = compile_checked(program.mod, STOCK, target)
+        compiled[STOCK.name] = compile_checked(program.mod, STOCK, target, builds=builds)
         reference = compiled[STOCK.name]
     except IllFormedIR as err:
         if err.pass_name != "StaticPlanBlockMemory" or not program.has_control_flow:
@@ -573,7 +618,7 @@ def check_program(
 
     for variant in variants:
         try:
-            compiled[variant.name] = compile_checked(program.mod, variant, target)
+            compiled[variant.name] = compile_checked(program.mod, variant, target, builds=builds)
             report.checks["compile"] += 1
         except IllFormedIR as err:
             known = None
