@@ -333,27 +333,23 @@ class Builds:
     vectorize): their pipelines produce the stock module, and the build after the Relax
     pipeline (TIR lowering, LLVM's code generation, and its JIT when a VM first loads the
     kernels) is most of such a compile. The build of a module is deterministic, so a module
-    structurally equal to one built before (same function names) runs that executable; the
-    checks still run on each variant's VM.
+    structurally equal to one built before (function names included) runs that executable;
+    the checks still run on each variant's VM.
     """
 
     def __init__(self) -> None:
         self._by_hash: dict[int, list[tuple[tvm.IRModule, Any]]] = {}
 
-    @staticmethod
-    def _names(mod: tvm.IRModule) -> list[str]:
-        return sorted(gv.name_hint for gv in mod.get_global_vars())
-
-    def get(self, mod: tvm.IRModule) -> Any | None:
-        """The executable built from a module structurally equal to ``mod``, or None."""
-        for known, exe in self._by_hash.get(tvm_ffi.structural_hash(mod), []):
-            if self._names(known) == self._names(mod) and tvm_ffi.structural_equal(known, mod):
+    def build(self, mod: tvm.IRModule, target: str) -> Any:
+        """The executable of ``mod``: the one built from a structurally equal module before,
+        else ``tvm.compile(mod, target, relax_pipeline=None)``, kept for the next."""
+        known = self._by_hash.setdefault(tvm_ffi.structural_hash(mod), [])
+        for other, exe in known:
+            if tvm_ffi.structural_equal(other, mod):
                 return exe
-        return None
-
-    def add(self, mod: tvm.IRModule, exe: Any) -> None:
-        """Remember ``exe`` as the build of ``mod``."""
-        self._by_hash.setdefault(tvm_ffi.structural_hash(mod), []).append((mod, exe))
+        exe = tvm.compile(mod, target, relax_pipeline=None)
+        known.append((mod, exe))
+        return exe
 
 
 # VMs made by CompiledVariant.vm -> their executable's workspace table.
@@ -410,11 +406,10 @@ def compile_checked(
             # pipeline under the target, then the build of its module (relax_pipeline=None).
             with tvm.target.Target(target):
                 lowered = pipeline(mod)
-            exe = builds.get(lowered) if builds is not None else None
-            if exe is None:
+            if builds is None:
                 exe = tvm.compile(lowered, target, relax_pipeline=None)
-                if builds is not None:
-                    builds.add(lowered, exe)
+            else:
+                exe = builds.build(lowered, target)
         except Exception:
             if checker.failure is not None:
                 raise checker.failure from None
