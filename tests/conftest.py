@@ -11,6 +11,8 @@ import tvm
 from hypothesis import settings
 from tvm.relax.ir.instrument import WellFormedInstrument
 
+from blade_relax.transform.schedule import forget_schedules
+
 # Property tests draw the same examples on every run (CI must not turn red by chance);
 # HYPOTHESIS_PROFILE=explore draws new ones, to hunt for bugs.
 settings.register_profile("deterministic", derandomize=True)
@@ -50,6 +52,19 @@ def pytest_collection_finish(session):
     # the explicit ones before a measured call (``measure_call``) included, which otherwise scan
     # them all each time (0.2 s per collection for these imports alone).
     gc.freeze()
+
+
+@pytest.fixture(autouse=True)
+def _schedules_fresh_around_patches(request):
+    """MemoryAwareSchedule remembers its runs for the process (``transform/schedule/_memo.py``).
+    A test that patches code may change what the pass computes: it neither takes a schedule
+    remembered before it nor leaves its own to the tests after it."""
+    if "monkeypatch" not in request.fixturenames:
+        yield
+        return
+    forget_schedules()
+    yield
+    forget_schedules()
 
 
 @pytest.fixture

@@ -169,7 +169,7 @@ def test_the_1b_preset_is_the_llama_2_architecture_at_1_1b_parameters():
     assert count == 1_100_048_384
 
 
-def test_bfloat16_predictions_are_the_measured_peaks():
+def test_bfloat16_predictions_are_the_measured_peaks(tiny_llama):
     """The Llama in bfloat16: every product stays bfloat16 through the import, and the peaks
     predicted for TVM and for PyTorch eager are the ones measured, byte for byte."""
     from blade_relax.bench.workloads import ModelSizes, build_workload
@@ -189,8 +189,9 @@ def test_bfloat16_predictions_are_the_measured_peaks():
     for real in measured.measurements:
         assert real.error is None and real.correct, real
         assert guess[real.config].step_peak_bytes == real.step_peak_bytes, real.config
-    fp32 = build_workload("llama-train", dataclasses.replace(sizes, dtype="float32"))
-    single = predict_benchmark(fp32, ["tvm-dynamic"], [40]).measurements[0]
+    # The same Llama in float32.
+    assert dataclasses.replace(sizes, dtype="float32") == tiny_llama.sizes
+    single = predict_benchmark(tiny_llama, ["tvm-dynamic"], [40]).measurements[0]
     assert guess["tvm-dynamic"].step_peak_bytes < single.step_peak_bytes
 
 

@@ -3,6 +3,7 @@ split, and two ranks on gloo against one process."""
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import socket
@@ -29,7 +30,9 @@ SIZES = ModelSizes(
 LENGTHS = (9, 16, 5, 12, 16)
 
 
+@functools.cache
 def _graph():
+    """The step's graph, imported once per process (the tests and ranks only read it)."""
     return import_training_step(llama_model(SIZES, seed=0), max_seq_len=32, max_batch_size=4)
 
 

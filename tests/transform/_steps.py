@@ -3,6 +3,7 @@ with given flags and run on the VM: what the end-to-end tests of the attention p
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -15,8 +16,13 @@ from blade_relax.pipeline import lower_to_memory_stage, pipeline_phases
 
 def tiny_training_graph(workload: str) -> tuple[Any, Any]:
     """The two-layer ``workload`` (its length unbounded, as the benchmark compiles it) and its
-    sizes; skips without ``transformers``."""
+    sizes; skips without ``transformers``. Imported once per process: the tests only read it."""
     pytest.importorskip("transformers")
+    return _imported(workload)
+
+
+@functools.cache
+def _imported(workload: str) -> tuple[Any, Any]:
     from blade_relax.bench.workloads import ModelSizes, build_workload
 
     sizes = ModelSizes(

@@ -4,7 +4,9 @@ live anyway, never raising the live bytes at any point."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -794,6 +796,21 @@ def _softmax_calls(func: relax.Function) -> int:
     )
 
 
+@functools.cache
+def _starcoder2_step() -> tuple[Any, Any]:
+    """The tiny Starcoder2 of the zoo (seed 0) and its training step, imported once per
+    process: the tests only read them."""
+    import torch
+    import transformers
+
+    from blade_relax.bench.zoo import tiny_config
+    from blade_relax.frontend import import_training_step
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("starcoder2"))
+    return model, import_training_step(model, max_seq_len=64)
+
+
 def test_attention_probabilities_are_recomputed_in_the_backward():
     """A two-layer causal LM's training step: each layer's probabilities are recomputed from
     its queries and keys before the backward reads them, which lowers the peak where they
@@ -801,17 +818,12 @@ def test_attention_probabilities_are_recomputed_in_the_backward():
     pytest.importorskip("transformers")
     import dataclasses
 
-    import transformers
-
     from blade_relax import get_pipeline
-    from blade_relax.bench.zoo import tiny_config
-    from blade_relax.frontend import flatten_outputs, import_training_step
+    from blade_relax.frontend import flatten_outputs
     from blade_relax.pipeline import PipelineFlags, lower_to_memory_stage
 
-    torch = pytest.importorskip("torch")
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config("starcoder2"))
-    graph = import_training_step(model, max_seq_len=64)
+    pytest.importorskip("torch")
+    model, graph = _starcoder2_step()
     flags = {f.name: getattr(PipelineFlags(), f.name) for f in dataclasses.fields(PipelineFlags)}
     fused = lower_to_memory_stage(
         graph.mod, stop_before="dataflow_lower", **{**flags, "recompute": False}
@@ -856,16 +868,11 @@ def test_attention_recomputation_is_proven_without_an_upper_bound(monkeypatch):
     pytest.importorskip("transformers")
     import dataclasses
 
-    import transformers
-
-    from blade_relax.bench.zoo import tiny_config
-    from blade_relax.frontend import import_training_step
     from blade_relax.pipeline import PipelineFlags, lower_to_memory_stage
 
-    torch = pytest.importorskip("torch")
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config("starcoder2"))
-    graph = import_training_step(model, max_seq_len=64).with_upper_bounds(False)
+    pytest.importorskip("torch")
+    model, graph = _starcoder2_step()
+    graph = graph.with_upper_bounds(False)
     flags = {f.name: getattr(PipelineFlags(), f.name) for f in dataclasses.fields(PipelineFlags)}
     flags.update(recompute=False, schedule=False)
     fused = lower_to_memory_stage(graph.mod, stop_before="dataflow_lower", **flags)

@@ -51,7 +51,6 @@ and ``correct`` stay ``None``.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -98,6 +97,7 @@ class _Lowerings:
     def get(self, key: tuple, pipeline: FlagsPipeline, mod: tvm.IRModule) -> _Lowered:
         """The lowering of ``mod`` through ``pipeline``, cached under ``key``."""
         from ..pipeline import lower_to_memory_stage
+        from ..transform import CompileClock
 
         full_key = (pipeline, *key)
         found = self._mods.get(full_key)
@@ -105,9 +105,9 @@ class _Lowerings:
             return found
         # CheckDimRanges allocates nothing; its lowered condition would read as a dim.
         flags = {**pipeline.keywords(), "check_dims": False}
-        start = time.perf_counter()
+        clock = CompileClock()
         lowered = lower_to_memory_stage(mod, self.target, **flags)
-        made = self._mods[full_key] = _Lowered(lowered, time.perf_counter() - start)
+        made = self._mods[full_key] = _Lowered(lowered, clock.seconds())
         return made
 
     def timeline(self, lowered: _Lowered, function: str) -> Any:

@@ -23,7 +23,7 @@ from .rewrite_softmax_backward import (
     SoftmaxBackwardOptions,
     SoftmaxBackwardReport,
 )
-from .schedule import MemoryAwareSchedule, ScheduleOptions
+from .schedule import CompileClock, MemoryAwareSchedule, ScheduleOptions
 from .simplify_transposes import SimplifyTransposes, TransposeOptions
 from .specialize_buckets import SpecializeBuckets
 from .vectorize_column_reductions import ColumnReductionOptions, VectorizeColumnReductions
@@ -36,6 +36,7 @@ __all__ = [
     "CheckDimRanges",
     "CloneGeneratedTensors",
     "CloneOptions",
+    "CompileClock",
     "ColumnReductionOptions",
     "DimRangeOptions",
     "DispatchGemm",

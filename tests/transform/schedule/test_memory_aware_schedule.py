@@ -35,6 +35,7 @@ from blade_relax.transform import (
 from blade_relax.transform.schedule import (
     _after_recompute,
     _range_copies,
+    forget_schedules,
     memory_aware_schedule,
     schedule_module,
 )
@@ -1076,6 +1077,7 @@ def test_pool_orders_are_compared_again_after_recomputation(monkeypatch):
         return chosen
 
     monkeypatch.setattr(memory_aware_schedule, "after_recompute", spy)
+    forget_schedules()  # the run above is remembered: the spy would see no second one
     options = ScheduleOptions(planner="plan", recompute_after=True)
     lower_to_memory_stage(mod, "llvm", schedule_options=options, **flags)
     assert [seen[s] for s in lengths] == peaks[8]

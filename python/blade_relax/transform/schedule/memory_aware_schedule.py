@@ -159,6 +159,7 @@ from ..result import (
 )
 from ._after_recompute import after_recompute, recompute_candidates
 from ._blocks import graph_of, main_block, schedule_blocks
+from ._memo import MEMO
 from ._model import (
     PLANNERS,
 )
@@ -490,6 +491,10 @@ class MemoryAwareSchedule:
     before planning, so the plain liveness of the schedule's ``"none"`` model, kernel
     workspaces included; built when first read); a function turned into a dispatcher has no
     peak after (the dispatch allocates nothing), and each of its range copies reports its own.
+
+    A run whose input equals one of the last few runs' in this process (the module, the options,
+    the target and ``PassContext`` it reads) takes that run's result, a copy of its report and
+    its warnings instead of searching again (:mod:`._memo`).
     """
 
     def __init__(self, options: ScheduleOptions | None = None) -> None:
@@ -501,9 +506,13 @@ class MemoryAwareSchedule:
 
     @pauses_collection
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        # The trial runs of RecomputeCheapValues (``recompute_after``) are not this run's.
-        with collect_results():
-            new_mod, report = schedule_module(mod, self.options)
+        def schedule() -> tuple[tvm.IRModule, ScheduleReport]:
+            # The trial runs of RecomputeCheapValues (``recompute_after``) are not this run's.
+            with collect_results():
+                return schedule_module(mod, self.options)
+
+        # An input met before in this process takes that run's result (see ._memo).
+        new_mod, report = MEMO.run(mod, self.options, schedule)
         self.report = report
         publish(self, schedule_result(mod, new_mod, report))
         return new_mod
