@@ -98,7 +98,7 @@ class History:
     compilations
         How many times the step was compiled (one for the whole run).
     compile_time_s
-        Time to compile it.
+        Time to compile it, as a cold compile takes (:class:`blade_relax.transform.CompileClock`).
     label
         What ran (``"blade_relax"``, ``"torch"``).
     """

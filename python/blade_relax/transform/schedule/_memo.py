@@ -2,8 +2,8 @@
 remembered for an input it meets again.
 
 A module is often lowered twice in one process: once to the memory stage for its predicted
-peaks (``lower_to_memory_stage``, ``Trainer.predicted_peak``, ``bench --predict``) and once
-more to be built, or compiled again by a second ``Trainer`` of the same step. The schedule is
+peaks (``lower_to_memory_stage``, as ``blade_relax.bench.predict`` does) and once more to be
+built, or compiled again by a second ``Trainer`` of the same step. The schedule is
 most of the default pipeline's time (8 of 14 s on the small Llama's training step), and it is
 a function of what the pass reads: the module (its Relax functions and kernels), the pass's
 options, and the target and ``PassContext`` configuration under which kernel workspaces are
