@@ -37,28 +37,25 @@ __all__ = ["CompileClock", "forget_schedules", "remembered_seconds"]
 @dataclass
 class _Entry:
     source: tvm.IRModule
-    context: tuple  # (target, opt_level, disabled passes, config) the run read
+    config: Any  # the PassContext's config the run read (the rest of its context is keyed)
     result: tvm.IRModule
     report: Any
     seconds: float
     warnings: list[warnings.WarningMessage]
 
 
-def _context() -> tuple:
+def _context() -> tuple[tuple, Any]:
     """What the pass reads from the ambient contexts: the target (kernel workspaces are read
-    from the kernels lowered for it) and the ``PassContext`` options that lowering runs with."""
+    from the kernels lowered for it) and the ``PassContext`` options that lowering runs with,
+    as a hashable key and the config (a TVM map, compared structurally)."""
     target = tvm.target.Target.current(allow_none=True)
     ctx = tvm.transform.PassContext.current()
-    return (
+    key = (
         None if target is None else str(target),
         int(ctx.opt_level),
         tuple(sorted(str(name) for name in ctx.disabled_pass)),
-        ctx.config,
     )
-
-
-def _same_context(a: tuple, b: tuple) -> bool:
-    return a[:3] == b[:3] and tvm_ffi.structural_equal(a[3], b[3])
+    return key, ctx.config
 
 
 class ScheduleMemo:
@@ -80,12 +77,12 @@ class ScheduleMemo:
         """``schedule()`` (the pass's own run on ``mod`` with ``options``) or the remembered
         result of an equal input; the report is a copy either way (callers may annotate it),
         and the warnings the run gave are given again."""
-        context = _context()
-        key = (tvm_ffi.structural_hash(mod), options, context[:3])
+        context, config = _context()
+        key = (tvm_ffi.structural_hash(mod), options, context)
         entry = self._entries.get(key)
         if (
             entry is not None
-            and _same_context(entry.context, context)
+            and tvm_ffi.structural_equal(entry.config, config)
             and tvm_ffi.structural_equal(entry.source, mod)
         ):
             self._entries.move_to_end(key)
@@ -100,7 +97,7 @@ class ScheduleMemo:
             result, report = schedule()
         seconds = time.perf_counter() - start
         _reissue(caught)
-        self._entries[key] = _Entry(mod, context, result, copy.deepcopy(report), seconds, caught)
+        self._entries[key] = _Entry(mod, config, result, copy.deepcopy(report), seconds, caught)
         while len(self._entries) > self._size:
             self._entries.popitem(last=False)
         return result, report
