@@ -367,3 +367,91 @@ class WrittenBetween:
 def test_no_producer_moves_past_an_in_place_write_of_its_input():
     fuse = FuseIntoSoleReader()
     assert fuse(WrittenBetween).same_as(WrittenBetween)
+
+
+# fmt: off
+@I.ir_module
+class Shifted:
+    """``a``, the labels shifted left with ``-1`` padded in (a causal LM loss's shift: an
+    ``if_then_else``), read by one kernel: ``keep`` reads it twice per element (a ``where``
+    on it), ``double`` once."""
+
+    @T.prim_func(private=True, s_tir=True)
+    def shift(var_x: T.handle, var_y: T.handle):
+        T.func_attr({"op_pattern": 2, "tirx.noalias": True})
+        s = T.int64()
+        x = T.match_buffer(var_x, (s,))
+        y = T.match_buffer(var_y, (s,))
+        for i in range(s):
+            with T.sblock("shift"):
+                vi = T.axis.spatial(s, i)
+                y[vi] = T.if_then_else(vi + T.int64(1) < s, x[vi + T.int64(1)], T.float32(-1.0))
+
+    @T.prim_func(private=True, s_tir=True)
+    def keep(var_a: T.handle, var_c: T.handle):
+        T.func_attr({"op_pattern": 0, "tirx.noalias": True})
+        s = T.int64()
+        a = T.match_buffer(var_a, (s,))
+        c = T.match_buffer(var_c, (s,))
+        for i in range(s):
+            with T.sblock("keep"):
+                vi = T.axis.spatial(s, i)
+                c[vi] = T.Select(a[vi] != T.float32(-1.0), a[vi], T.float32(0.0))
+
+    @T.prim_func(private=True, s_tir=True)
+    def double(var_a: T.handle, var_c: T.handle):
+        T.func_attr({"op_pattern": 0, "tirx.noalias": True})
+        s = T.int64()
+        a = T.match_buffer(var_a, (s,))
+        c = T.match_buffer(var_c, (s,))
+        for i in range(s):
+            with T.sblock("double"):
+                vi = T.axis.spatial(s, i)
+                c[vi] = a[vi] * T.float32(2.0)
+
+    @R.function
+    def main(x: R.Tensor(("s",), "float32")) -> R.Tensor(("s",), "float32"):
+        s = T.int64()
+        cls = Shifted
+        with R.dataflow():
+            a = R.call_tir(cls.shift, (x,), out_ty=R.Tensor((s,), "float32"))
+            c = R.call_tir(cls.keep, (a,), out_ty=R.Tensor((s,), "float32"))
+            R.output(c)
+        return c
+# fmt: on
+
+
+def _reading_shift_with(reader: str) -> tvm.IRModule:
+    """``Shifted`` with ``reader`` reading ``a``."""
+    kernels = {gv: f for gv, f in Shifted.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
+    x = relax.Var("x", Shifted["main"].params[0].ty)
+    bb = relax.BlockBuilder(tvm.IRModule(kernels))
+    gv = {g.name_hint: g for g in kernels}
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(_call(bb, gv, reader, _call(bb, gv, "shift", x)))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_a_conditional_its_reader_reads_twice_is_not_copied_into_it():
+    """Fused, ``keep`` would evaluate the shift's ``if_then_else`` twice per element, which
+    TVM's simplifier would enter under each enclosing condition (34-38 s to lower the loss
+    gradient of a step specialized to one length): the pair is left as it is."""
+    fuse = FuseIntoSoleReader()
+    assert fuse(Shifted).same_as(Shifted)
+    assert (fuse.report.fused, fuse.report.refused) == (0, 1)
+
+
+@pytest.mark.parametrize("s", [1, 2, 9])
+def test_a_conditional_read_once_is_computed_inside_its_reader(s):
+    before = _reading_shift_with("double")
+    after = FuseIntoSoleReader()(before)
+    assert _kernels_called(after) == ["fused_shift_double"]
+    x = np.random.default_rng(s).standard_normal(s).astype("float32")
+    outs = []
+    for mod in (before, after):
+        vm = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())
+        outs.append(vm["main"](tvm.runtime.tensor(x)).numpy())
+    np.testing.assert_array_equal(outs[1], outs[0])
+    assert outs[0][-1] == -2.0

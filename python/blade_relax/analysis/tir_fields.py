@@ -6,13 +6,14 @@ kernel stores to, how a kernel reads its buffers) step through each node's refle
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import tvm
 import tvm_ffi
 from tvm import tirx
 
-__all__ = ["blocks", "field_names", "is_buffer", "type_key"]
+__all__ = ["blocks", "field_names", "is_buffer", "occurrences", "type_key"]
 
 _FIELD_CACHE: dict[type, tuple[str, ...]] = {}
 
@@ -37,6 +38,29 @@ def field_names(node: Any) -> tuple[str, ...]:
     result = tuple(names)
     _FIELD_CACHE[cls] = result
     return result
+
+
+def occurrences(node: Any, matches: Callable[[Any], bool]) -> int:
+    """How many nodes under ``node`` (itself included) ``matches`` accepts, a subexpression
+    shared by several parents counted once per parent: the program as written, which is what
+    TVM's passes and its printer walk. Each distinct node is read once, so the walk is linear
+    in the graph's size even where the count is exponential in it."""
+    counted: dict[int, int] = {}
+
+    def count(current: Any) -> int:
+        if isinstance(current, list | tuple | tvm_ffi.Array):
+            return sum(count(item) for item in current)
+        if not isinstance(current, tvm_ffi.Object) or isinstance(current, tirx.Buffer):
+            return 0
+        handle = current.__chandle__()
+        if handle not in counted:
+            own = int(bool(matches(current)))
+            counted[handle] = own + sum(
+                count(getattr(current, name)) for name in field_names(current)
+            )
+        return counted[handle]
+
+    return count(node)
 
 
 def blocks(func: tirx.PrimFunc) -> list[tvm.s_tir.SBlock]:

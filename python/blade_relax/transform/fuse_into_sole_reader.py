@@ -33,6 +33,13 @@ broadcasting, which then evaluates each of its elements once per broadcast copy:
 work traded for a whole buffer); otherwise it is left as it was. The values are the same
 expressions evaluated in the same order, so results are bit-identical.
 
+A group is also left as it was when its fused kernel would hold a producer's conditional
+(``Select``, ``if_then_else``) at more than one place, its reader reading the value at
+several: TVM's simplifier enters each copy under every condition that encloses it, and a
+causal LM's loss gradient specialized to one length (Llama's, GPT-2's at s = 40) took 34-38 s
+to lower so (its labels' shift at the seven places the cross-entropy's ``where`` chain reads
+it), its reader alone 0.25 s.
+
 What the library lacked
 -----------------------
 TVM's ``FuseOps`` decides on the graph as it is when it runs, before the passes that make
@@ -68,6 +75,7 @@ from tvm.relax.expr_functor import PyExprVisitor, visitor
 from tvm.relax.utils import copy_with_new_vars
 
 from ..analysis.effects import in_place_writes, reshape_pattern
+from ..analysis.tir_fields import occurrences
 from ..symbolic import ShapeGraph, TypeSizes
 from ..util.collection import pauses_collection
 from ._block_edit import rewrite_dataflow_blocks, vars_read_after
@@ -78,6 +86,7 @@ from .result import PassResult, counted, function_results, publish
 __all__ = ["FuseIntoSoleReader", "FuseReaderOptions", "FuseReaderReport"]
 
 _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
+_IF_THEN_ELSE = tvm.ir.Op.get("prim.if_then_else")
 
 
 @dataclass(frozen=True)
@@ -110,8 +119,8 @@ class FuseReaderOptions:
 @dataclass
 class FuseReaderReport:
     """What one run changed: producers ``fused`` into their readers, as ``kernels`` new kernels;
-    groups ``refused`` because the fused kernel would keep a scratch buffer or could not be
-    built."""
+    groups ``refused`` because the fused kernel would keep a scratch buffer or copy a
+    producer's conditional, or could not be built."""
 
     fused: int = 0
     kernels: int = 0
@@ -290,9 +299,10 @@ def _fused_kernel(
 ) -> tuple[tirx.PrimFunc, list[int]] | None:
     """The fused kernel of ``group`` and, for each of its tensor arguments, the index of the
     outer variable it reads (see :func:`_group_function`); ``None`` when ``FuseTIR`` cannot
-    build it or it keeps a scratch buffer of a producer."""
+    build it, it keeps a scratch buffer of a producer or it copies a producer's conditional."""
     func, outer = _group_function(bindings, group)
-    kernels = {bindings[p].value.args[0] for p in (*group.producers, group.reader)}
+    parts = [bindings[p].value.args[0] for p in (*group.producers, group.reader)]
+    kernels = set(parts)
     reader_kernel = mod[bindings[group.reader].value.args[0]]
     builder = relax.BlockBuilder(tvm.IRModule({gv: mod[gv] for gv in kernels}))
     # Fresh variables, symbolic ones included: a module is well formed only when no two
@@ -318,7 +328,24 @@ def _fused_kernel(
     kernel = _inline_broadcasts(inline_intermediates(fused_mod[call.args[0]])[0])
     if _scratch_buffers(kernel) > _scratch_buffers(reader_kernel):
         return None
+    if _conditionals(kernel) > sum(_conditionals(mod[gv]) for gv in parts):
+        return None
     return kernel, [index[a] for a in fields]
+
+
+def _conditionals(kernel: tirx.PrimFunc) -> int:
+    """How many conditional expressions (``Select``, ``if_then_else``) the kernel holds as
+    written, one per place it is read: more in a fused kernel than in its parts means a
+    producer's conditional was copied to each place its reader reads it (see the module
+    docstring)."""
+    return occurrences(kernel.body, _is_conditional)
+
+
+def _is_conditional(node: object) -> bool:
+    """Whether ``node`` is a ``Select`` or an ``if_then_else`` call."""
+    return isinstance(node, tirx.Select) or (
+        isinstance(node, tvm.ir.Call) and node.op.same_as(_IF_THEN_ELSE)
+    )
 
 
 def _inline_broadcasts(kernel: tirx.PrimFunc) -> tirx.PrimFunc:
