@@ -151,17 +151,18 @@ class Narrowing:
 # fmt: on
 
 
-def _variant(body) -> tvm.IRModule:
-    """The kernels of ``SoleReader`` and ``Narrowing`` with a ``main`` whose block
-    ``body(bb, x, gv)`` builds (``gv``: kernel name -> GlobalVar); ``body`` returns the
-    block's output."""
+def _variant(body, modules: tuple[tvm.IRModule, ...] | None = None) -> tvm.IRModule:
+    """The kernels of ``modules`` (``SoleReader`` and ``Narrowing``) with a ``main`` whose
+    block ``body(bb, x, gv)`` builds (``gv``: kernel name -> GlobalVar; ``x`` typed as the
+    first module's); ``body`` returns the block's output."""
+    modules = modules or (SoleReader, Narrowing)
     kernels = {
         gv: func
-        for mod in (SoleReader, Narrowing)
+        for mod in modules
         for gv, func in mod.functions.items()
         if isinstance(func, tvm.tirx.PrimFunc)
     }
-    x = relax.Var("x", SoleReader["main"].params[0].ty)
+    x = relax.Var("x", modules[0]["main"].params[0].ty)
     bb = relax.BlockBuilder(tvm.IRModule(kernels))
     gv = {g.name_hint: g for g in kernels}
     with bb.function("main", [x]):
@@ -421,19 +422,6 @@ class Shifted:
 # fmt: on
 
 
-def _reading_shift_with(reader: str) -> tvm.IRModule:
-    """``Shifted`` with ``reader`` reading ``a``."""
-    kernels = {gv: f for gv, f in Shifted.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
-    x = relax.Var("x", Shifted["main"].params[0].ty)
-    bb = relax.BlockBuilder(tvm.IRModule(kernels))
-    gv = {g.name_hint: g for g in kernels}
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            out = bb.emit_output(_call(bb, gv, reader, _call(bb, gv, "shift", x)))
-        bb.emit_func_output(out)
-    return bb.get()
-
-
 def test_a_conditional_its_reader_reads_twice_is_not_copied_into_it():
     """Fused, ``keep`` would evaluate the shift's ``if_then_else`` twice per element, which
     TVM's simplifier would enter under each enclosing condition (34-38 s to lower the loss
@@ -445,7 +433,9 @@ def test_a_conditional_its_reader_reads_twice_is_not_copied_into_it():
 
 @pytest.mark.parametrize("s", [1, 2, 9])
 def test_a_conditional_read_once_is_computed_inside_its_reader(s):
-    before = _reading_shift_with("double")
+    before = _variant(
+        lambda bb, x, gv: _call(bb, gv, "double", _call(bb, gv, "shift", x)), (Shifted,)
+    )
     after = FuseIntoSoleReader()(before)
     assert _kernels_called(after) == ["fused_shift_double"]
     x = np.random.default_rng(s).standard_normal(s).astype("float32")
