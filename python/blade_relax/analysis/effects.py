@@ -33,7 +33,7 @@ from tvm import relax, tirx
 from ..contract import COLLECTIVE_FUNCS, EVICT, REGENERATE, REMAT_BEGIN
 from ..symbolic import ShapeGraph, SymbolicExpr
 from .liveness import BindingInfo
-from .tir_fields import field_names, type_key
+from .tir_fields import code_fields, type_key
 from .workspace import call_workspace
 
 __all__ = [
@@ -520,7 +520,6 @@ def kernel_written_params(func: tvm.tirx.PrimFunc) -> frozenset[int]:
 
 _WRITTEN_CACHE: dict[Any, frozenset[int]] = {}
 _ARRAYS = ("ffi.Array", "ffi.List")
-_SKIPPED_FIELDS = ("span", "ty")
 
 
 def _buffer_stores(root: Any) -> list[Any]:
@@ -537,8 +536,8 @@ def _buffer_stores(root: Any) -> list[Any]:
         if isinstance(node, tvm.tirx.BufferStore):
             found.append(node)
             continue
-        for name in field_names(node):
-            child = getattr(node, name, None) if name not in _SKIPPED_FIELDS else None
+        for name in code_fields(node):
+            child = getattr(node, name, None)
             if child is not None:
                 stack.append(child)
     return found

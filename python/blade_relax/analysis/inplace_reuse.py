@@ -47,14 +47,12 @@ import tvm
 from tvm import relax, tirx
 
 from ..contract import SOFTMAX_KERNEL_ATTR
-from .tir_fields import field_names, is_buffer, type_key
+from .tir_fields import code_fields, is_buffer, type_key
 
 __all__ = ["InplaceVerdict", "inplace_inputs", "inplace_verdict"]
 
 # Iterator type of a spatial (data-parallel) block iterator.
 _DATA_PAR = 0
-# Fields never holding buffer accesses: source positions and type annotations.
-_TIR_SKIPPED = frozenset({"span", "ty"})
 _POINTER_OPS = frozenset(
     {"tirx.address_of", "tirx.tvm_access_ptr", "tirx.ptr_byte_offset", "tirx.buffer_data"}
 )
@@ -134,9 +132,8 @@ class _AccessCollector:
             # A buffer used as a plain value (e.g. its data pointer handed to a call).
             self._record(current, _Access("opaque", node))
             return
-        for name in field_names(node):
-            if name not in _TIR_SKIPPED:
-                self.visit(getattr(node, name), current, in_index)
+        for name in code_fields(node):
+            self.visit(getattr(node, name), current, in_index)
 
     def _visit_block(self, blk: Any) -> None:
         entry = _TirBlock(blk)
@@ -397,9 +394,8 @@ def _alloc_buffers(body: Any) -> list[Any]:
             found.append(node.buffer)
         if key.startswith(("ir.", "prim.")) and key != "ir.Range":
             return  # expressions hold no allocations
-        for name in field_names(node):
-            if name not in _TIR_SKIPPED:
-                walk(getattr(node, name))
+        for name in code_fields(node):
+            walk(getattr(node, name))
 
     walk(body)
     return [b for b in found if isinstance(getattr(b, "ty", None), tirx.BufferType)]
@@ -443,9 +439,8 @@ def _vars_in(node: Any, targets: Sequence[Any]) -> list[Any]:
         if hit is not None:
             found.append(hit)
             return
-        for name in field_names(n):
-            if name not in _TIR_SKIPPED:
-                walk(getattr(n, name))
+        for name in code_fields(n):
+            walk(getattr(n, name))
 
     walk(node)
     return found

@@ -13,9 +13,12 @@ import tvm
 import tvm_ffi
 from tvm import tirx
 
-__all__ = ["blocks", "field_names", "is_buffer", "occurrences", "type_key"]
+__all__ = ["blocks", "code_fields", "field_names", "is_buffer", "occurrences", "type_key"]
 
 _FIELD_CACHE: dict[type, tuple[str, ...]] = {}
+_CODE_FIELD_CACHE: dict[type, tuple[str, ...]] = {}
+# Fields that hold no code: source positions and type annotations.
+_NOT_CODE = frozenset({"span", "ty"})
 
 
 def type_key(node: Any) -> str:
@@ -40,6 +43,18 @@ def field_names(node: Any) -> tuple[str, ...]:
     return result
 
 
+def code_fields(node: Any) -> tuple[str, ...]:
+    """The reflected fields of ``node``'s class that hold code: all but its source position
+    and its type annotation (cached per class)."""
+    cls = type(node)
+    cached = _CODE_FIELD_CACHE.get(cls)
+    if cached is None:
+        cached = _CODE_FIELD_CACHE[cls] = tuple(
+            name for name in field_names(node) if name not in _NOT_CODE
+        )
+    return cached
+
+
 def occurrences(node: Any, matches: Callable[[Any], bool]) -> int:
     """How many nodes under ``node`` (itself included) ``matches`` accepts, a subexpression
     shared by several parents counted once per parent: the program as written, which is what
@@ -56,7 +71,7 @@ def occurrences(node: Any, matches: Callable[[Any], bool]) -> int:
         if handle not in counted:
             own = int(bool(matches(current)))
             counted[handle] = own + sum(
-                count(getattr(current, name)) for name in field_names(current)
+                count(getattr(current, name)) for name in code_fields(current)
             )
         return counted[handle]
 
