@@ -39,8 +39,8 @@ What is measured, per configuration and sequence length:
     Compile time spent for this length (0 when an earlier compilation is reused; a schedule
     remembered from an earlier lowering in the process counts the seconds it took then, see
     :class:`blade_relax.transform.CompileClock`) and the number of compilations so far for
-    the configuration. For ``torch.compile`` the compile time
-    is the first call at the length minus the median step, when dynamo compiled a new graph.
+    the configuration. For ``torch.compile`` the compile time is the first call at the length
+    minus the median step, when dynamo compiled a new graph.
 ``driver_peak_bytes`` / ``driver_agrees`` (TVM on CUDA)
     The step's peak in the CUDA driver's view (free memory read after every VM instruction, a
     ``memory_cfg="naive"`` VM so that every storage is one ``cudaMalloc``), and whether it
