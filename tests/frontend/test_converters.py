@@ -262,3 +262,103 @@ def test_other_powers_stay_power():
     assert "relax.power" in _ops(mod)
     (got,) = compile_and_run(mod, x.numpy())
     np.testing.assert_allclose(got, Root()(x).numpy(), rtol=1e-6)
+
+
+def test_integer_division_truncates_towards_zero():
+    """``div(rounding_mode="trunc")`` on integers (JetMoE's router): the floor quotient, plus
+    one where the division is inexact and the operands have opposite signs."""
+
+    class Trunc(torch.nn.Module):
+        def forward(self, a, b):
+            return (
+                a.div(b, rounding_mode="trunc"),
+                a.div(-3, rounding_mode="trunc"),
+                a.div(4, rounding_mode="trunc"),
+            )
+
+    seq = torch.export.Dim("s", min=2, max=64)
+    a = torch.tensor([[-7, 7, -6, 6, 0]])
+    mod = _import(Trunc(), (a, a + 10), {"a": {1: seq}, "b": {1: seq}})
+    assert "relax.trunc" not in _ops(mod)
+    for length in (3, 8, 13):
+        a = torch.arange(length).reshape(1, length) * 5 - 3 * length
+        b = torch.tensor([3, -3, 2, -4, 5, -1, 7]).repeat(2)[:length].reshape(1, length)
+        got = compile_and_run(mod, a.numpy(), b.numpy())
+        for g, w in zip(got, Trunc()(a, b)):
+            np.testing.assert_array_equal(g, w.numpy())
+
+
+def test_slice_scatter_with_symbolic_bounds():
+    """The backward of ``scores[..., :-1]`` (GPT-OSS's attention sinks) scatters into the
+    first ``s`` of ``s + 1`` columns: TVM legalizes ``slice_scatter`` only for constant bounds;
+    here it is a concatenation of slices of the input around the source."""
+
+    class Scatter(torch.nn.Module):
+        def forward(self, src, x):
+            s = src.shape[2]
+            wide = src.new_zeros(2, s, s + 1)
+            first = torch.ops.aten.slice_scatter(wide, src, 2, 0, s)
+            last = torch.ops.aten.slice_scatter(x, src[:, :, 2:] * 2, 2, 2)
+            middle = torch.ops.aten.slice_scatter(x, src[:, :, 1:-1] - 1, 2, 1, s - 1)
+            return first, last, middle
+
+    src, x = torch.randn(2, 4, 4), torch.randn(2, 4, 4)
+    seq = torch.export.Dim("s", min=4, max=64)
+    mod = _import(Scatter(), (src, x), {"src": {1: seq, 2: seq}, "x": {1: seq, 2: seq}})
+    assert "relax.slice_scatter" not in _ops(mod)
+    for length in (4, 6, 11):
+        src, x = torch.randn(2, length, length), torch.randn(2, length, length)
+        got = compile_and_run(mod, src.numpy(), x.numpy())
+        for g, w in zip(got, Scatter()(src, x)):
+            np.testing.assert_array_equal(g, w.numpy())
+
+
+def test_sym_max_and_sym_min_of_sizes():
+    """MPT's ALiBi window ``bias[:, max(0, 16 - s):]``: ``sym_max`` is the operand torch proves
+    the larger, so the slice is ``s`` long and adds to an ``s``-long tensor; a choice torch
+    cannot make (``min(s, 8)``) is TIR's ``min``."""
+
+    class Window(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("bias", torch.arange(16.0).reshape(1, 16))
+
+        def forward(self, x):
+            s = x.shape[1]
+            first = torch.sym_max(0, self.bias.shape[1] - s)
+            last = torch.sym_min(self.bias.shape[1], first + s)
+            return self.bias[:, first:last] + x, x.new_ones(torch.sym_min(s, 8))
+
+    x = torch.randn(1, 5)
+    mod = _import(Window(), (x,), {"x": {1: torch.export.Dim("s", min=2, max=16)}})
+    window, prefix = mod["main"].ret_ty.fields
+    seq = mod["main"].params[0].ty.shape.values[1]
+    analyzer = tvm.sym.Analyzer()
+    assert analyzer.can_prove_equal(window.shape.values[1], seq)
+    assert analyzer.can_prove_equal(prefix.shape.values[0], tvm.tirx.min(seq, 8))
+    for length in (3, 11, 16):
+        x = torch.randn(1, length)
+        got = compile_and_run(mod, x.numpy())
+        for g, w in zip(got, Window()(x)):
+            np.testing.assert_array_equal(g, w.numpy())
+
+
+def test_empty_with_a_symbolic_size():
+    """``torch.empty`` sized by the length (DeepSeek-V3's latent attention builds its queries
+    in one): TVM's converter hands the FX node of the size to ``zeros`` unconverted."""
+
+    class Filled(torch.nn.Module):
+        def forward(self, x):
+            out = torch.empty(x.shape[0], 4)
+            out.copy_(x * 2)
+            return out
+
+    mod = _import(Filled(), (torch.randn(3, 4),), {"x": {0: torch.export.Dim("s", min=2, max=64)}})
+    out = mod["main"].ret_ty
+    out = out.fields[0] if isinstance(out, relax.TupleType) else out
+    seq = mod["main"].params[0].ty.shape.values[0]
+    assert tvm.sym.Analyzer().can_prove_equal(out.shape.values[0], seq)
+    for length in (2, 5, 17):
+        x = torch.randn(length, 4)
+        (got,) = compile_and_run(mod, x.numpy())
+        np.testing.assert_array_equal(got, Filled()(x).numpy())

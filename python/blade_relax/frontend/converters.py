@@ -6,9 +6,10 @@ FX node and the importer, emits Relax through ``importer.block_builder`` and ret
 
 Why each one exists:
 
-``empty_permuted.default``
-    Emitted by the joint graph for gradient buffers; its sizes hold symbolic values, which the
-    built-in converter passes through unconverted.
+``empty_permuted.default``, ``empty.memory_format``, ``empty.default``
+    Emitted by the joint graph for gradient buffers (and by DeepSeek-V3's and MiniCPM3's latent
+    attention for a buffer of the length's size); its sizes hold symbolic values, which the
+    built-in converters pass through unconverted.
 ``index_put.default`` with one index tensor
     The backward of ``embedding``: ``zeros[V, H].index_put_([ids], grad, accumulate=True)``, and
     of a gather along an inner axis (Falcon's grouped keys: ``[None, None, None, idx]``). It
@@ -60,8 +61,10 @@ Why each one exists:
     ``perm // top_k`` (a mixture-of-experts layer's token of each sorted pair) divides an
     int64 tensor by a Python ``int``; TVM's converter makes the number an int32 constant and
     the division is rejected (operands of different dtypes). The number takes the tensor's
-    dtype. Integer division with ``rounding_mode="trunc"`` is refused (Relax has no truncating
-    integer division; floor and true division are what exported graphs use).
+    dtype. Relax has no truncating integer division, and JetMoE's router divides with
+    ``rounding_mode="trunc"`` (``index_sorted_experts.div(top_k, rounding_mode="trunc")``): it
+    is the floor quotient plus one where the division is inexact and the operands have
+    opposite signs.
 ``scatter_add.default``
     Absent from TVM's importer; routers of several mixture-of-experts models (GLM-4-MoE,
     ERNIE-4.5-MoE, PhiMoE) and the backward of ``gather`` use it. It is ``scatter_elements``
@@ -74,6 +77,25 @@ Why each one exists:
     ``labels[..., 1:]`` arrives with ``end = 2**63 - 1``. The built-in converter keeps that end,
     so shapes become ``min(2**63 - 2, s)`` and byte counts overflow int64 during lowering. The
     end is replaced by the axis size (and negative bounds are made relative to it).
+``slice.Tensor`` with a symbolic bound
+    MPT slices its ALiBi bias ``[:, :, max(0, 2048 - s):]``. The built-in converter keeps
+    TVM's clamping of the bounds in the shape (``2048 - max(2048 - s, 0)``, not ``s``), so the
+    sum with the ``s``-long scores has no known shape and cannot be lowered. Where torch proves
+    ``0 <= start <= end <= size`` over the exported lengths, the slice is taken as in bounds.
+``slice_scatter.default`` with a symbolic bound
+    The backward of a slice (GPT-OSS's attention sinks: the scores' gradient is the first ``s``
+    columns of an ``s + 1``-wide one) scatters into ``[..., 0:s]``. TVM legalizes
+    ``slice_scatter`` with ``topi.slice_scatter``, which needs the axis size and the bounds to be
+    constants ("Expect value to be constant int"). With a step of one it becomes
+    ``concat(x[:start], src, x[end:])`` (empty parts left out), which lowers for any size;
+    constant bounds keep TVM's converter, other steps too. (A TE kernel emitted while importing
+    does not do: the renaming of the symbolic dims afterwards rewrites ``1 + s`` in the graph as
+    ``s + 1`` but not in the kernel, and FuseTIR then rejects the two buffers as different.)
+``sym_max``, ``sym_min`` (on symbolic sizes)
+    MPT's ``max(0, position_bias.size(2) - key_length)`` exports as ``torch.sym_max``, for which
+    TVM has no converter. Where torch proves which operand is the larger (smaller) over the
+    exported range of lengths, it is that operand, so the shapes it bounds stay simple (the
+    slice above); otherwise the TIR ``max`` (``min``) of the two.
 """
 
 from __future__ import annotations
@@ -94,7 +116,7 @@ __all__ = ["CUSTOM_CONVERTERS", "custom_convert_map"]
 _OPEN_END = 1 << 62
 
 
-def _empty_permuted(node: Any, importer: Any) -> relax.Var:
+def _empty(node: Any, importer: Any) -> relax.Var:
     import torch
 
     size = importer.retrieve_args(node)[0]
@@ -143,6 +165,34 @@ def _size_pow(node: Any, importer: Any) -> Any:
     if isinstance(base, int):
         return base**exponent
     return functools.reduce(operator.mul, [base] * exponent, 1)
+
+
+def _as_size(value: Any) -> Any:
+    """A size as a Python ``int`` where it is a constant, else the symbolic expression."""
+    if isinstance(value, tvm.ir.GenericConst):  # what ``sym_size.int`` gives a static axis
+        return int(value.value.numpy())
+    if isinstance(value, tvm.tirx.IntImm):
+        return int(value.value)
+    return value
+
+
+def _size_extremum(node: Any, importer: Any, largest: bool) -> Any:
+    """``sym_max`` / ``sym_min`` of two sizes: the one torch proves is the larger (smaller) over
+    the exported range of lengths, else the TIR ``max`` (``min``) of the two."""
+    import torch
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    first, second = (_as_size(v) for v in importer.retrieve_args(node)[:2])
+    if isinstance(first, int) and isinstance(second, int):
+        return max(first, second) if largest else min(first, second)
+    a, b = (v.meta.get("val") if isinstance(v, torch.fx.Node) else v for v in node.args[:2])
+    if a is not None and b is not None:
+        if statically_known_true(a >= b if largest else a <= b):
+            return first
+        if statically_known_true(b >= a if largest else b <= a):
+            return second
+    pick = tvm.tirx.max if largest else tvm.tirx.min
+    return pick(_int64(first), _int64(second))
 
 
 def _reshape(node: Any, importer: Any) -> relax.Var:
@@ -235,7 +285,23 @@ def _div_mode(node: Any, importer: Any) -> relax.Var:
         return bb.emit(relax.op.floor_divide(lhs, rhs))
     if mode == "trunc" and "float" in dtype:
         return bb.emit(relax.op.trunc(relax.op.divide(lhs, rhs)))
+    if mode == "trunc" and "int" in dtype:
+        return _trunc_divide(bb, lhs, rhs, dtype)
     raise ValueError(f"div with rounding_mode={mode!r} on {dtype} is not supported")
+
+
+def _trunc_divide(bb: Any, lhs: relax.Expr, rhs: relax.Expr, dtype: str) -> relax.Var:
+    """Integer division rounded towards zero, from the floor division Relax has.
+
+    The two differ by one where the division is inexact and the operands have opposite signs.
+    """
+    quotient = bb.emit(relax.op.floor_divide(lhs, rhs))
+    remainder = bb.emit(relax.op.subtract(lhs, relax.op.multiply(quotient, rhs)))
+    zero = relax.const(0, dtype)
+    opposite = relax.op.logical_xor(relax.op.less(lhs, zero), relax.op.less(rhs, zero))
+    inexact = relax.op.not_equal(remainder, zero)
+    adjust = bb.emit(relax.op.astype(relax.op.logical_and(opposite, inexact), dtype))
+    return bb.emit(relax.op.add(quotient, adjust))
 
 
 def _scatter_add(node: Any, importer: Any) -> relax.Var:
@@ -271,6 +337,9 @@ def _slice(node: Any, importer: Any) -> relax.Var:
     start = 0 if start is None else start
     end = _OPEN_END if end is None else end
     constant_bounds = all(isinstance(v, int) for v in (start, end, step))
+    if not constant_bounds and step == 1:
+        inbound = _inbound_slice(node, importer, x, axis)
+        return importer._slice(node) if inbound is None else inbound
     if isinstance(size, tvm.tirx.IntImm) or not constant_bounds or step != 1:
         return importer._slice(node)
     begin = size + start if start < 0 else start
@@ -284,6 +353,77 @@ def _slice(node: Any, importer: Any) -> relax.Var:
         return x
     # In bounds by construction: the stop is the axis size (or relative to it) and the start a
     # small constant the exported length range admits.
+    return importer.block_builder.emit(
+        relax.op.strided_slice(x, [axis], [begin], [stop], [1], assume_inbound=True)
+    )
+
+
+def _slice_scatter(node: Any, importer: Any) -> relax.Var:
+    args = importer.retrieve_args(node)
+    x, src = args[0], args[1]
+    dim = args[2] if len(args) > 2 else node.kwargs.get("dim", 0)
+    start = args[3] if len(args) > 3 else node.kwargs.get("start")
+    end = args[4] if len(args) > 4 else node.kwargs.get("end")
+    step = _as_size(args[5] if len(args) > 5 else node.kwargs.get("step", 1))
+    shape = getattr(getattr(x, "ty", None), "shape", None)
+    values = getattr(shape, "values", None)
+    if values is None or step != 1:
+        return importer._slice_scatter(node)
+    axis = dim % len(values)
+    size = _as_size(values[axis])
+    start = 0 if start is None else _as_size(start)
+    end = _OPEN_END if end is None else _as_size(end)
+    if all(isinstance(v, int) for v in (size, start, end)):
+        return importer._slice_scatter(node)  # constant bounds: TVM's legalization works
+    if isinstance(start, int) and start < 0:
+        start = size + start
+    if isinstance(end, int):
+        end = size if end >= _OPEN_END else (size + end if end < 0 else end)
+    # x[:start] ++ src ++ x[end:], leaving out the parts that are provably empty.
+    bb = importer.block_builder
+    analyzer = tvm.sym.Analyzer()
+    parts = [src]
+    if not (isinstance(start, int) and start == 0):
+        head = relax.op.strided_slice(x, [axis], [0], [start], [1], assume_inbound=True)
+        parts.insert(0, bb.emit(head))
+    if not analyzer.can_prove_equal(_int64(end), _int64(size)):
+        tail = relax.op.strided_slice(x, [axis], [end], [size], [1], assume_inbound=True)
+        parts.append(bb.emit(tail))
+    if len(parts) == 1:
+        return src
+    return bb.emit(relax.op.concat(parts, axis=axis))
+
+
+def _int64(value: Any) -> Any:
+    if isinstance(value, int):
+        return tvm.tirx.const(value, "int64")
+    return value if str(value.ty.dtype) == "int64" else value.astype("int64")
+
+
+def _inbound_slice(node: Any, importer: Any, x: relax.Expr, axis: int) -> relax.Var | None:
+    """``x[start:end]`` along ``axis`` with a symbolic bound that torch proves lies within the
+    axis, ``0 <= start <= end <= size``, over the exported range of lengths; else ``None``."""
+    import torch
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    def value(arg: Any) -> Any:
+        return arg.meta.get("val") if isinstance(arg, torch.fx.Node) else arg
+
+    data = value(node.args[0])
+    start = value(node.args[2]) if len(node.args) > 2 else None
+    end = value(node.args[3]) if len(node.args) > 3 else None
+    if data is None or not hasattr(data, "shape"):
+        return None
+    size = data.shape[axis]
+    start = 0 if start is None else start
+    open_end = end is None or (isinstance(end, int) and end >= _OPEN_END)
+    end = size if open_end else end
+    if not all(statically_known_true(a <= b) for a, b in ((0, start), (start, end), (end, size))):
+        return None
+    args = importer.retrieve_args(node)
+    shape = x.ty.shape.values
+    begin = _as_size(args[2]) if len(args) > 2 and args[2] is not None else 0
+    stop = shape[axis] if open_end else _as_size(args[3])
     return importer.block_builder.emit(
         relax.op.strided_slice(x, [axis], [begin], [stop], [1], assume_inbound=True)
     )
@@ -376,7 +516,9 @@ CUSTOM_CONVERTERS: dict[str, Callable[[Any, Any], relax.Var]] = {
     "addmm.default": _addmm,
     "bmm.default": _matmul,
     "div.Tensor_mode": _div_mode,
-    "empty_permuted.default": _empty_permuted,
+    "empty.default": _empty,
+    "empty.memory_format": _empty,
+    "empty_permuted.default": _empty,
     "index.Tensor": _index_tensor,
     "index_put.default": _index_put,
     "matmul.default": _matmul,
@@ -388,6 +530,9 @@ CUSTOM_CONVERTERS: dict[str, Callable[[Any, Any], relax.Var]] = {
     "reshape.default": _reshape,
     "scatter_add.default": _scatter_add,
     "slice.Tensor": _slice,
+    "slice_scatter.default": _slice_scatter,
+    "sym_max": functools.partial(_size_extremum, largest=True),
+    "sym_min": functools.partial(_size_extremum, largest=False),
     "topk.default": _topk,
     "view.default": _reshape,
     **MOE_CONVERTERS,
