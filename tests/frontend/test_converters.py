@@ -300,7 +300,8 @@ def test_slice_scatter_with_symbolic_bounds():
             first = torch.ops.aten.slice_scatter(wide, src, 2, 0, s)
             last = torch.ops.aten.slice_scatter(x, src[:, :, 2:] * 2, 2, 2)
             middle = torch.ops.aten.slice_scatter(x, src[:, :, 1:-1] - 1, 2, 1, s - 1)
-            return first, last, middle
+            from_end = torch.ops.aten.slice_scatter(x, src[:, :, 1:-1] + 3, 2, 1, -1)
+            return first, last, middle, from_end
 
     src, x = torch.randn(2, 4, 4), torch.randn(2, 4, 4)
     seq = torch.export.Dim("s", min=4, max=64)
@@ -362,3 +363,20 @@ def test_empty_with_a_symbolic_size():
         x = torch.randn(length, 4)
         (got,) = compile_and_run(mod, x.numpy())
         np.testing.assert_array_equal(got, Filled()(x).numpy())
+
+
+def test_a_slice_with_a_symbolic_start_and_a_bound_from_the_end():
+    """``x[:, s - 4 : -1]``: the end counts from the axis's end, the start is symbolic; past the
+    axis (``x[:, s - 4 : s + 3]``, which torch clamps) the built-in converter takes it."""
+
+    class Tail(torch.nn.Module):
+        def forward(self, x):
+            s = x.shape[1]
+            return x[:, s - 4 : -1] * 2, x[:, s - 4 : s + 3] + 1
+
+    mod = _import(Tail(), (torch.randn(2, 9),), {"x": {1: torch.export.Dim("s", min=5, max=64)}})
+    for length in (5, 7, 16):
+        x = torch.randn(2, length)
+        got = compile_and_run(mod, x.numpy())
+        for g, w in zip(got, Tail()(x)):
+            np.testing.assert_array_equal(g, w.numpy())

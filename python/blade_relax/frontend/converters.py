@@ -88,9 +88,11 @@ Why each one exists:
     ``slice_scatter`` with ``topi.slice_scatter``, which needs the axis size and the bounds to be
     constants ("Expect value to be constant int"). With a step of one it becomes
     ``concat(x[:start], src, x[end:])`` (empty parts left out), which lowers for any size;
-    constant bounds keep TVM's converter, other steps too. (A TE kernel emitted while importing
-    does not do: the renaming of the symbolic dims afterwards rewrites ``1 + s`` in the graph as
-    ``s + 1`` but not in the kernel, and FuseTIR then rejects the two buffers as different.)
+    constant bounds keep TVM's converter, as do other steps and bounds that torch does not
+    prove within the axis over the exported lengths (once negative ones are taken from its
+    end). (A TE kernel emitted while importing does not do: the renaming of the symbolic dims
+    afterwards rewrites ``1 + s`` in the graph as ``s + 1`` but not in the kernel, and FuseTIR
+    then rejects the two buffers as different.)
 ``sym_max``, ``sym_min`` (on symbolic sizes)
     MPT's ``max(0, position_bias.size(2) - key_length)`` exports as ``torch.sym_max``, for which
     TVM has no converter. Where torch proves which operand is the larger (smaller) over the
@@ -358,6 +360,10 @@ def _slice(node: Any, importer: Any) -> relax.Var:
     )
 
 
+# Where ``slice_scatter``'s start and end are, as positional arguments or keywords.
+_BOUNDS = ((3, "start"), (4, "end"))
+
+
 def _slice_scatter(node: Any, importer: Any) -> relax.Var:
     args = importer.retrieve_args(node)
     x, src = args[0], args[1]
@@ -379,6 +385,10 @@ def _slice_scatter(node: Any, importer: Any) -> relax.Var:
         start = size + start
     if isinstance(end, int):
         end = size if end >= _OPEN_END else (size + end if end < 0 else end)
+    # Bounds past the axis (torch clamps them) keep TVM's converter.
+    bounds = [node.args[i] if len(node.args) > i else node.kwargs.get(k) for i, k in _BOUNDS]
+    if not _proven_inbound(node.args[0], axis, bounds):
+        return importer._slice_scatter(node)
     # x[:start] ++ src ++ x[end:], leaving out the parts that are provably empty.
     bb = importer.block_builder
     analyzer = tvm.sym.Analyzer()
@@ -400,30 +410,42 @@ def _int64(value: Any) -> Any:
     return value if str(value.ty.dtype) == "int64" else value.astype("int64")
 
 
-def _inbound_slice(node: Any, importer: Any, x: relax.Expr, axis: int) -> relax.Var | None:
-    """``x[start:end]`` along ``axis`` with a symbolic bound that torch proves lies within the
-    axis, ``0 <= start <= end <= size``, over the exported range of lengths; else ``None``."""
+def _proven_inbound(data: Any, axis: int, bounds: Any) -> bool:
+    """Whether torch proves ``0 <= start <= end <= size`` over the exported range of lengths
+    for the ``(start, end)`` FX arguments ``bounds`` (either may be missing or ``None``: the
+    axis's start and end; a negative integer counts from the end) of a slice of ``data`` along
+    ``axis``."""
     import torch
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     def value(arg: Any) -> Any:
         return arg.meta.get("val") if isinstance(arg, torch.fx.Node) else arg
 
-    data = value(node.args[0])
-    start = value(node.args[2]) if len(node.args) > 2 else None
-    end = value(node.args[3]) if len(node.args) > 3 else None
+    data = value(data)
     if data is None or not hasattr(data, "shape"):
-        return None
+        return False
     size = data.shape[axis]
+    start, end = (value(b) for b in (*bounds, None, None)[:2])
     start = 0 if start is None else start
-    open_end = end is None or (isinstance(end, int) and end >= _OPEN_END)
-    end = size if open_end else end
-    if not all(statically_known_true(a <= b) for a, b in ((0, start), (start, end), (end, size))):
+    end = size if end is None or (isinstance(end, int) and end >= _OPEN_END) else end
+    # Negative bounds count from the end, as torch takes them.
+    start, end = (size + b if isinstance(b, int) and b < 0 else b for b in (start, end))
+    return all(statically_known_true(a <= b) for a, b in ((0, start), (start, end), (end, size)))
+
+
+def _inbound_slice(node: Any, importer: Any, x: relax.Expr, axis: int) -> relax.Var | None:
+    """``x[start:end]`` along ``axis`` with a symbolic bound that torch proves lies within the
+    axis, ``0 <= start <= end <= size``, over the exported range of lengths; else ``None``."""
+    if not _proven_inbound(node.args[0], axis, node.args[2:4]):
         return None
     args = importer.retrieve_args(node)
     shape = x.ty.shape.values
+    open_end = len(args) < 4 or args[3] is None
+    open_end = open_end or (isinstance(args[3], int) and args[3] >= _OPEN_END)
     begin = _as_size(args[2]) if len(args) > 2 and args[2] is not None else 0
     stop = shape[axis] if open_end else _as_size(args[3])
+    # Negative bounds count from the end (the proof above took them so).
+    begin, stop = (shape[axis] + b if isinstance(b, int) and b < 0 else b for b in (begin, stop))
     return importer.block_builder.emit(
         relax.op.strided_slice(x, [axis], [begin], [stop], [1], assume_inbound=True)
     )
