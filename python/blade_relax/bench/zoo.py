@@ -139,9 +139,8 @@ ARCHITECTURES: dict[str, Callable[[], Any]] = {
     # Rotary embeddings on part of each head, interleaved (GPT-J's), and a fused QKV.
     "codegen": _tiny("codegen", rotary_dim=4, n_ctx=MAX_LEN),
     "cohere": _tiny("cohere"),
-    # Sliding-window layers (a window of 16 < 40 tokens) beside global ones.
+    # Sliding-window layers (a window of 16 < 40 tokens).
     "cohere2": _tiny("cohere2", sliding_window=_WINDOW),
-    # Routed experts with a shared one, no dense first layer.
     # Multi-head latent attention, routed experts and a shared one.
     "deepseek_v3": _mla(
         "deepseek_v3",
@@ -177,9 +176,10 @@ ARCHITECTURES: dict[str, Callable[[], Any]] = {
     # Multi-query attention: views compared as symbolic shapes.
     "gpt_bigcode": _tiny("gpt_bigcode", multi_query=True),
     "gpt_neo": _gpt_neo,
-    # Attention sinks (a learned logit beside each row's scores) and routed experts.
-    "gpt_oss": _tiny("gpt_oss", num_local_experts=4, num_experts_per_tok=2, sliding_window=_WINDOW),
     "gpt_neox": _tiny("gpt_neox"),
+    # Attention sinks (a learned logit beside each row's scores), routed experts, and sliding
+    # and full attention layers.
+    "gpt_oss": _tiny("gpt_oss", num_local_experts=4, num_experts_per_tok=2, sliding_window=_WINDOW),
     "gptj": _tiny("gptj", rotary_dim=4),
     "granite": _tiny("granite"),
     "granitemoe": _tiny("granitemoe", **_MOE),
@@ -195,9 +195,9 @@ ARCHITECTURES: dict[str, Callable[[], Any]] = {
     "mistral": _tiny("mistral"),
     # Mixture-of-experts: 4 experts, 2 per token, one grouped GEMM (frontend.moe).
     "mixtral": _tiny("mixtral", **_MOE),
-    # Squared ReLU and a LayerNorm whose weight is offset by 1.
-    # ALiBi position biases (a slice that depends on the length), clamped QKV.
+    # ALiBi position biases (a slice that depends on the length).
     "mpt": _tiny("mpt"),
+    # Squared ReLU and a LayerNorm whose weight is offset by 1.
     "nemotron": _tiny("nemotron"),
     "olmo": _tiny("olmo"),
     "olmo2": _tiny("olmo2"),
