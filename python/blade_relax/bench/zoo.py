@@ -129,6 +129,8 @@ def _mla(model_type: str, **overrides: Any) -> Callable[[], Any]:
 _MOE = dict(num_local_experts=4, num_experts_per_tok=2)
 #: The same for configs that name them as DeepSeek's do.
 _ROUTED = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+#: Those routed experts beside one shared expert, in every layer (no dense first layers).
+_ROUTED_AND_SHARED = dict(**_ROUTED, n_shared_experts=1, first_k_dense_replace=0)
 #: Architectures imported and checked, by ``model_type``: a function making the tiny config.
 ARCHITECTURES: dict[str, Callable[[], Any]] = {
     # xIELU activation (expm1, log1p, a learned piecewise form).
@@ -142,16 +144,8 @@ ARCHITECTURES: dict[str, Callable[[], Any]] = {
     # Sliding-window layers (a window of 16 < 40 tokens).
     "cohere2": _tiny("cohere2", sliding_window=_WINDOW),
     # Multi-head latent attention, routed experts and a shared one.
-    "deepseek_v3": _mla(
-        "deepseek_v3",
-        **_ROUTED,
-        n_shared_experts=1,
-        first_k_dense_replace=0,
-        n_group=1,
-        topk_group=1,
-    ),
-    # Routed experts with a shared one, no dense first layer.
-    "dots1": _tiny("dots1", **_ROUTED, n_shared_experts=1, first_k_dense_replace=0),
+    "deepseek_v3": _mla("deepseek_v3", **_ROUTED_AND_SHARED, n_group=1, topk_group=1),
+    "dots1": _tiny("dots1", **_ROUTED_AND_SHARED),
     "ernie4_5": _tiny("ernie4_5"),
     "ernie4_5_moe": _tiny("ernie4_5_moe", moe_num_experts=4, moe_k=2, moe_intermediate_size=32),
     "exaone4": _tiny("exaone4", sliding_window=_WINDOW),
@@ -163,15 +157,7 @@ ARCHITECTURES: dict[str, Callable[[], Any]] = {
     "glm": _tiny("glm", pad_token_id=0),
     "glm4": _tiny("glm4", pad_token_id=0),
     # Routed and grouped experts (2 groups, 1 chosen: an unsorted top-k).
-    "glm4_moe": _tiny(
-        "glm4_moe",
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        first_k_dense_replace=0,
-        n_group=2,
-        topk_group=1,
-    ),
+    "glm4_moe": _tiny("glm4_moe", **_ROUTED, first_k_dense_replace=0, n_group=2, topk_group=1),
     "gpt2": _tiny("gpt2"),
     # Multi-query attention: views compared as symbolic shapes.
     "gpt_bigcode": _tiny("gpt_bigcode", multi_query=True),
@@ -230,7 +216,7 @@ ARCHITECTURES: dict[str, Callable[[], Any]] = {
 #: models once here import since :mod:`blade_relax.frontend.moe`).
 REFUSED: dict[str, tuple[Callable[[], Any], tuple[str, ...]]] = {
     "deepseek_v2": (
-        _mla("deepseek_v2", **_ROUTED, n_shared_experts=1, first_k_dense_replace=0, n_group=1),
+        _mla("deepseek_v2", **_ROUTED_AND_SHARED, n_group=1),
         ("_conj.default", "polar.default", "view_as_complex.default", "view_as_real.default"),
     ),
 }

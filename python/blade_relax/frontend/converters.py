@@ -178,16 +178,31 @@ def _as_size(value: Any) -> Any:
     return value
 
 
+def _fx_value(arg: Any) -> Any:
+    """What torch traced for an FX argument (a ``SymInt``, a fake tensor), else the argument."""
+    import torch
+
+    return arg.meta.get("val") if isinstance(arg, torch.fx.Node) else arg
+
+
+def _absolute_bounds(start: Any, end: Any, size: Any) -> tuple[Any, Any]:
+    """``(start, end)`` of a slice along an axis of ``size`` as torch reads them: ``None`` is
+    the axis's start (end), an end of ``_OPEN_END`` or more the axis's end, and a negative
+    integer counts from the end (out-of-range bounds are left for the caller to prove)."""
+    start = 0 if start is None else start
+    end = size if end is None or (isinstance(end, int) and end >= _OPEN_END) else end
+    return tuple(size + b if isinstance(b, int) and b < 0 else b for b in (start, end))
+
+
 def _size_extremum(node: Any, importer: Any, largest: bool) -> Any:
     """``sym_max`` / ``sym_min`` of two sizes: the one torch proves is the larger (smaller) over
     the exported range of lengths, else the TIR ``max`` (``min``) of the two."""
-    import torch
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     first, second = (_as_size(v) for v in importer.retrieve_args(node)[:2])
     if isinstance(first, int) and isinstance(second, int):
         return max(first, second) if largest else min(first, second)
-    a, b = (v.meta.get("val") if isinstance(v, torch.fx.Node) else v for v in node.args[:2])
+    a, b = (_fx_value(v) for v in node.args[:2])
     if a is not None and b is not None:
         if statically_known_true(a >= b if largest else a <= b):
             return first
@@ -377,14 +392,9 @@ def _slice_scatter(node: Any, importer: Any) -> relax.Var:
         return importer._slice_scatter(node)
     axis = dim % len(values)
     size = _as_size(values[axis])
-    start = 0 if start is None else _as_size(start)
-    end = _OPEN_END if end is None else _as_size(end)
+    start, end = _absolute_bounds(_as_size(start), _as_size(end), size)
     if all(isinstance(v, int) for v in (size, start, end)):
         return importer._slice_scatter(node)  # constant bounds: TVM's legalization works
-    if isinstance(start, int) and start < 0:
-        start = size + start
-    if isinstance(end, int):
-        end = size if end >= _OPEN_END else (size + end if end < 0 else end)
     # Bounds past the axis (torch clamps them) keep TVM's converter.
     bounds = [node.args[i] if len(node.args) > i else node.kwargs.get(k) for i, k in _BOUNDS]
     if not _proven_inbound(node.args[0], axis, bounds):
@@ -415,21 +425,13 @@ def _proven_inbound(data: Any, axis: int, bounds: Any) -> bool:
     for the ``(start, end)`` FX arguments ``bounds`` (either may be missing or ``None``: the
     axis's start and end; a negative integer counts from the end) of a slice of ``data`` along
     ``axis``."""
-    import torch
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-    def value(arg: Any) -> Any:
-        return arg.meta.get("val") if isinstance(arg, torch.fx.Node) else arg
-
-    data = value(data)
+    data = _fx_value(data)
     if data is None or not hasattr(data, "shape"):
         return False
     size = data.shape[axis]
-    start, end = (value(b) for b in (*bounds, None, None)[:2])
-    start = 0 if start is None else start
-    end = size if end is None or (isinstance(end, int) and end >= _OPEN_END) else end
-    # Negative bounds count from the end, as torch takes them.
-    start, end = (size + b if isinstance(b, int) and b < 0 else b for b in (start, end))
+    start, end = _absolute_bounds(*(_fx_value(b) for b in (*bounds, None, None)[:2]), size)
     return all(statically_known_true(a <= b) for a, b in ((0, start), (start, end), (end, size)))
 
 
@@ -439,13 +441,8 @@ def _inbound_slice(node: Any, importer: Any, x: relax.Expr, axis: int) -> relax.
     if not _proven_inbound(node.args[0], axis, node.args[2:4]):
         return None
     args = importer.retrieve_args(node)
-    shape = x.ty.shape.values
-    open_end = len(args) < 4 or args[3] is None
-    open_end = open_end or (isinstance(args[3], int) and args[3] >= _OPEN_END)
-    begin = _as_size(args[2]) if len(args) > 2 and args[2] is not None else 0
-    stop = shape[axis] if open_end else _as_size(args[3])
-    # Negative bounds count from the end (the proof above took them so).
-    begin, stop = (shape[axis] + b if isinstance(b, int) and b < 0 else b for b in (begin, stop))
+    bounds = (_as_size(args[i]) if len(args) > i else None for i in (2, 3))
+    begin, stop = _absolute_bounds(*bounds, x.ty.shape.values[axis])
     return importer.block_builder.emit(
         relax.op.strided_slice(x, [axis], [begin], [stop], [1], assume_inbound=True)
     )
