@@ -51,3 +51,9 @@ def test_bad_input_is_one_line(capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "unknown architecture(s) nope" in err
     assert set(zoo.REFUSED).isdisjoint(zoo.ARCHITECTURES)
+
+
+def test_jobs_must_be_positive(capsys):
+    assert main(["--only", "llama", "--jobs", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--jobs must be at least 1, not 0" in err

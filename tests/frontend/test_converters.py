@@ -380,3 +380,79 @@ def test_a_slice_with_a_symbolic_start_and_a_bound_from_the_end():
         got = compile_and_run(mod, x.numpy())
         for g, w in zip(got, Tail()(x)):
             np.testing.assert_array_equal(g, w.numpy())
+
+
+def test_a_symbolic_negative_start_counts_from_the_end():
+    """``mask[:, -s:]`` (LFM2's mask of the last ``s`` positions) and a ``slice_scatter`` into
+    the last ``s`` of ``s + 3`` columns: a start torch proves negative counts from the axis's
+    end, so the slices keep the plain shape ``s`` (the built-in converter's clamped shape has no
+    size the later operators can lower)."""
+
+    class Last(torch.nn.Module):
+        def forward(self, wide, x):
+            s = x.shape[1]
+            tail = wide[:, -s:]
+            return tail * x, torch.ops.aten.slice_scatter(wide, x, 1, -s)
+
+    seq = torch.export.Dim("s", min=2, max=64)
+    wide, x = torch.randn(2, 9), torch.randn(2, 6)
+    mod = _import(Last(), (wide, x), {"wide": {1: seq + 3}, "x": {1: seq}})
+    main_text = mod["main"].script()
+    assert "T.min(" not in main_text and "T.max(" not in main_text, main_text
+    for length in (2, 7, 30):
+        wide, x = torch.randn(2, length + 3), torch.randn(2, length)
+        got = compile_and_run(mod, wide.numpy(), x.numpy())
+        for g, w in zip(got, Last()(wide, x)):
+            np.testing.assert_array_equal(g, w.numpy())
+
+
+def test_integer_tensors_divide_as_floats():
+    """``/`` on int64 tensors gives floats, as in torch (Ministral 3's query scaling reads
+    ``log(1 + floor(positions / n))``); a Python float divisor is not rounded to an integer;
+    ``rounding_mode=None`` is the same division."""
+
+    class TrueDivide(torch.nn.Module):
+        def forward(self, positions, counts):
+            return (
+                torch.log(1 + torch.floor(positions / 4)),
+                positions / counts,
+                positions / 2.5,
+                positions.div(counts, rounding_mode=None),
+            )
+
+    seq = torch.export.Dim("s", min=2, max=64)
+    positions = torch.arange(6).reshape(1, 6)
+    mod = _import(
+        TrueDivide(), (positions, positions + 1), {"positions": {1: seq}, "counts": {1: seq}}
+    )
+    for length in (3, 8, 13):
+        positions = torch.arange(length).reshape(1, length) * 3 - 7
+        counts = torch.tensor([3, -2, 5, 4]).repeat(4)[:length].reshape(1, length)
+        got = compile_and_run(mod, positions.numpy(), counts.numpy())
+        want = TrueDivide()(positions, counts)
+        assert [g.dtype for g in got] == [np.float32] * 4
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w.numpy(), rtol=1e-6)
+
+
+def test_amax_and_amin_over_axes_and_over_everything():
+    """``amax``/``amin`` along one axis (kept), several axes, and every axis (``dim=[]``)."""
+
+    class Extremes(torch.nn.Module):
+        def forward(self, x):
+            return (
+                x.amax(-1, keepdim=True),
+                x.amin((0, 2)),
+                torch.ops.aten.amax.default(x, []),
+                torch.ops.aten.amin.default(x),
+            )
+
+    seq = torch.export.Dim("s", min=2, max=64)
+    mod = _import(Extremes(), (torch.randn(2, 5, 3),), {"x": {1: seq}})
+    for length in (2, 7, 19):
+        x = torch.randn(2, length, 3)
+        got = compile_and_run(mod, x.numpy())
+        want = Extremes()(x)
+        assert [g.shape for g in got] == [tuple(w.shape) for w in want]
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w.numpy())

@@ -20,8 +20,10 @@ express; Llama 4 (text), whose export fails in torch: it asks for a guard,
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
+import multiprocessing
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +38,7 @@ __all__ = [
     "MAX_LEN",
     "REFUSED",
     "ArchitectureResult",
+    "check_all",
     "check_architecture",
     "check_model",
     "main",
@@ -131,11 +134,17 @@ _MOE = dict(num_local_experts=4, num_experts_per_tok=2)
 _ROUTED = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 #: Those routed experts beside one shared expert, in every layer (no dense first layers).
 _ROUTED_AND_SHARED = dict(**_ROUTED, n_shared_experts=1, first_k_dense_replace=0)
+#: The same as Qwen2-MoE names them, and beside a shared expert.
+_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+_SHARED = dict(**_EXPERTS, shared_expert_intermediate_size=32)
 #: Architectures imported and checked, by ``model_type``: a function making the tiny config.
 ARCHITECTURES: dict[str, Callable[[], Any]] = {
     # xIELU activation (expm1, log1p, a learned piecewise form).
     "apertus": _tiny("apertus"),
+    "apertus1p5_text": _tiny("apertus1p5_text"),
     "arcee": _tiny("arcee"),
+    "aria_text": _tiny("aria_text", moe_num_experts=4),
+    "axk1": _mla("axk1", **_ROUTED, n_group=1, topk_group=1),
     "bitnet": _tiny("bitnet"),
     "bloom": _tiny("bloom"),
     # Rotary embeddings on part of each head, interleaved (GPT-J's), and a fused QKV.
@@ -143,46 +152,109 @@ ARCHITECTURES: dict[str, Callable[[], Any]] = {
     "cohere": _tiny("cohere"),
     # Sliding-window layers (a window of 16 < 40 tokens).
     "cohere2": _tiny("cohere2", sliding_window=_WINDOW),
+    "cohere2_moe": _tiny("cohere2_moe", num_experts=4, sliding_window=_WINDOW),
+    "cwm": _tiny("cwm", sliding_window=_WINDOW),
     # Multi-head latent attention, routed experts and a shared one.
     "deepseek_v3": _mla("deepseek_v3", **_ROUTED_AND_SHARED, n_group=1, topk_group=1),
+    "dory": _tiny("dory", sliding_window=_WINDOW),
     "dots1": _tiny("dots1", **_ROUTED_AND_SHARED),
     "ernie4_5": _tiny("ernie4_5"),
     "ernie4_5_moe": _tiny("ernie4_5_moe", moe_num_experts=4, moe_k=2, moe_intermediate_size=32),
+    "exaone": _tiny("exaone"),
     "exaone4": _tiny("exaone4", sliding_window=_WINDOW),
+    "exaone_moe": _tiny(
+        "exaone_moe",
+        **_EXPERTS,
+        first_k_dense_replace=0,
+        sliding_window=_WINDOW,
+    ),
     "falcon": _falcon,
     "flex_olmo": _tiny("flex_olmo", num_experts=4, num_experts_per_tok=2, pad_token_id=0),
+    "flint": _tiny("flint", **_SHARED, sliding_window=_WINDOW),
     "gemma": _tiny("gemma"),
     "gemma2": _tiny("gemma2"),
     "gemma3_text": _tiny("gemma3_text"),
+    "gemma4_text": _tiny("gemma4_text", sliding_window=_WINDOW),
     "glm": _tiny("glm", pad_token_id=0),
     "glm4": _tiny("glm4", pad_token_id=0),
     # Routed and grouped experts (2 groups, 1 chosen: an unsorted top-k).
     "glm4_moe": _tiny("glm4_moe", **_ROUTED, first_k_dense_replace=0, n_group=2, topk_group=1),
+    "glm4_moe_lite": _mla("glm4_moe_lite", **_ROUTED),
+    "gpt-sw3": _tiny("gpt-sw3"),
     "gpt2": _tiny("gpt2"),
     # Multi-query attention: views compared as symbolic shapes.
     "gpt_bigcode": _tiny("gpt_bigcode", multi_query=True),
     "gpt_neo": _gpt_neo,
     "gpt_neox": _tiny("gpt_neox"),
+    "gpt_neox_japanese": _tiny("gpt_neox_japanese"),
     # Attention sinks (a learned logit beside each row's scores), routed experts, and sliding
     # and full attention layers.
     "gpt_oss": _tiny("gpt_oss", num_local_experts=4, num_experts_per_tok=2, sliding_window=_WINDOW),
     "gptj": _tiny("gptj", rotary_dim=4),
     "granite": _tiny("granite"),
+    # Attention sinks through logsumexp (amax), sliding-window layers.
+    "granite_swa": _tiny("granite_swa", sliding_window=_WINDOW),
     "granitemoe": _tiny("granitemoe", **_MOE),
+    "granitemoe_swa": _tiny("granitemoe_swa", num_local_experts=4, sliding_window=_WINDOW),
     "granitemoeshared": _tiny("granitemoeshared", **_MOE),
     "helium": _tiny("helium"),
+    "hrm_text": _tiny("hrm_text"),
     "hunyuan_v1_dense": _tiny("hunyuan_v1_dense"),
     "hunyuan_v1_moe": _tiny("hunyuan_v1_moe", num_experts=4, moe_topk=2),
+    "hy_v3": _tiny("hy_v3", **_EXPERTS),
+    "hyperclovax": _tiny("hyperclovax"),
+    # Convolutions (conv1d and its backward, frontend.convolution) in mixture-of-experts layers.
+    "inkling_text": _tiny("inkling_text", **_ROUTED, n_shared_experts=1),
+    "inkling2_text": _tiny("inkling2_text", **_ROUTED),
     "internlm3": _tiny("internlm3"),
+    "iquestcoder": _tiny("iquestcoder"),
+    "jais2": _tiny("jais2"),
+    "kolibri1": _tiny(
+        "kolibri1",
+        **_MOE,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        sliding_window=_WINDOW,
+    ),
+    "laguna": _tiny("laguna", **_SHARED, sliding_window=_WINDOW),
+    # Short causal convolutions (conv1d and its backward) beside attention layers.
+    "lfm2": _tiny("lfm2", layer_types=["conv", "full_attention"]),
+    "lfm2_moe": _tiny(
+        "lfm2_moe", **_EXPERTS, num_dense_layers=0, layer_types=["conv", "full_attention"]
+    ),
+    "lfm3": _tiny(
+        "lfm3", pad_token_id=0, layer_types=["conv", "sliding_attention"], sliding_window=_WINDOW
+    ),
     "llama": _tiny("llama"),
+    "mellum": _tiny("mellum", **_MOE, moe_intermediate_size=32, sliding_window=_WINDOW),
+    "mimo_v2_flash": _tiny("mimo_v2_flash", **_ROUTED, v_head_dim=8, sliding_window=_WINDOW),
     # Multi-head latent attention in a dense model.
     "minicpm3": _mla("minicpm3"),
+    "minimax_m2": _tiny("minimax_m2", **_MOE),
     "ministral": _tiny("ministral", sliding_window=_WINDOW),
+    # Queries scaled by 1 + 0.1 log(1 + floor(position / 16)) (integer positions divided as
+    # floats) with YaRN rotary embeddings; 16 original positions, so that the scale varies.
+    "ministral3": _tiny(
+        "ministral3",
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=1e6,
+            factor=MAX_LEN / 16,
+            original_max_position_embeddings=16,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+            llama_4_scaling_beta=0.1,
+        ),
+    ),
     "mistral": _tiny("mistral"),
     # Mixture-of-experts: 4 experts, 2 per token, one grouped GEMM (frontend.moe).
     "mixtral": _tiny("mixtral", **_MOE),
+    "modernbert-decoder": _tiny("modernbert-decoder", pad_token_id=0, sliding_window=_WINDOW),
     # ALiBi position biases (a slice that depends on the length).
     "mpt": _tiny("mpt"),
+    "nanochat": _tiny("nanochat"),
     # Squared ReLU and a LayerNorm whose weight is offset by 1.
     "nemotron": _tiny("nemotron"),
     "olmo": _tiny("olmo"),
@@ -196,20 +268,18 @@ ARCHITECTURES: dict[str, Callable[[], Any]] = {
     "phi3": _tiny("phi3", pad_token_id=0),
     "qwen2": _tiny("qwen2"),
     # Routed experts beside a gated shared expert.
-    "qwen2_moe": _tiny(
-        "qwen2_moe",
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=32,
-    ),
+    "qwen2_moe": _tiny("qwen2_moe", **_SHARED),
     "qwen3": _tiny("qwen3"),
     "qwen3_moe": _tiny("qwen3_moe", num_experts=4, num_experts_per_tok=2),
+    "sarvam_mla": _mla("sarvam_mla", **_ROUTED, first_k_dense_replace=0),
+    "sarvam_moe": _tiny("sarvam_moe", **_ROUTED, first_k_dense_replace=0),
     "seed_oss": _tiny("seed_oss"),
     "smollm3": _tiny("smollm3", pad_token_id=0),
+    "solar_open": _tiny("solar_open", **_ROUTED),
     "stablelm": _tiny("stablelm"),
     "starcoder2": _tiny("starcoder2"),
     "vaultgemma": _tiny("vaultgemma", sliding_window=_WINDOW),
+    "youtu": _mla("youtu"),
 }
 #: Architectures refused at import, with the operators that refuse them: DeepSeek-V2 rotates its
 #: queries and keys as complex numbers, which Relax has no type for (the mixture-of-experts
@@ -398,7 +468,40 @@ def build_parser(prog: str = DEFAULT_PROG) -> OneLineParser:
     )
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="architectures checked at once, each in a process of its own (default 1; peaks are "
+        "counted allocations, the same with any number)",
+    )
     return parser
+
+
+def _summary(architecture: str) -> ArchitectureResult:
+    return check_architecture(architecture)[0]
+
+
+def check_all(
+    names: Sequence[str], jobs: int = 1, say: Callable[[str], None] | None = None
+) -> list[ArchitectureResult]:
+    """:func:`check_architecture` on each of ``names``, in that order, ``jobs`` at once in
+    processes of their own (spawned: none inherits another's torch or TVM state). ``say`` is
+    told each architecture as it starts (one process) or ends (several)."""
+    if jobs == 1:
+        results = []
+        for name in names:
+            if say is not None:
+                say(f"... {name}")
+            results.append(_summary(name))
+        return results
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        futures = {pool.submit(_summary, name): name for name in names}
+        for future in concurrent.futures.as_completed(futures):
+            if say is not None:
+                say(f"... {futures[future]} done")
+        return [future.result() for future in futures]
 
 
 def main(argv: Sequence[str] | None = None, prog: str = DEFAULT_PROG) -> int:
@@ -412,17 +515,18 @@ def main(argv: Sequence[str] | None = None, prog: str = DEFAULT_PROG) -> int:
             unknown = [n for n in names if n not in ARCHITECTURES and n not in REFUSED]
             if unknown:
                 raise CliError(f"unknown architecture(s) {', '.join(unknown)} (see --help)")
+        if args.jobs < 1:
+            raise CliError(f"--jobs must be at least 1, not {args.jobs}")
         check_output_path(args.out, "--out")
     except CliError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     from .report import provenance
 
-    results = []
-    for name in sorted(names):
-        if not args.quiet:
-            print(f"... {name}", file=sys.stderr, flush=True)
-        results.append(check_architecture(name)[0])
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    results = check_all(sorted(names), args.jobs, None if args.quiet else say)
     if args.out:
         command = " ".join([prog, *(argv if argv is not None else sys.argv[1:])])
         document = {

@@ -4,7 +4,8 @@ They are handed to ``from_exported_program(custom_convert_map=...)`` for every g
 imports (inference graphs and joint forward+backward training graphs). Each converter takes the
 FX node and the importer, emits Relax through ``importer.block_builder`` and returns the result.
 
-Why each one exists:
+Those of a mixture-of-experts layer are in :mod:`.moe`, the backward of a convolution in
+:mod:`.convolution`. Why each one here exists:
 
 ``empty_permuted.default``, ``empty.memory_format``, ``empty.default``
     Emitted by the joint graph for gradient buffers (and by DeepSeek-V3's and MiniCPM3's latent
@@ -57,6 +58,12 @@ Why each one exists:
     Python lists, which asks a symbolic comparison for a truth value and fails
     (GPT-BigCode's multi-query attention: "Cannot use and / or / not operator to Expr"). The
     shapes are compared with TVM's symbolic analyzer (``tvm.sym.Analyzer``) instead.
+``div.Tensor``, ``div.Scalar`` (true division)
+    torch divides integer tensors as floats (Ministral 3 scales its queries by
+    ``log(1 + floor(position_ids / n))``, ``position_ids`` being int64); TVM's converter
+    divides them as integers, and ``log`` of the int64 result is rejected. The operands take
+    the dtype torch gives the quotient (the FX node's value), a Python number too (an int64
+    tensor divided by ``2.5`` would otherwise divide by a constant rounded to 2).
 ``div.Tensor_mode`` with a Python number
     ``perm // top_k`` (a mixture-of-experts layer's token of each sorted pair) divides an
     int64 tensor by a Python ``int``; TVM's converter makes the number an int32 constant and
@@ -65,6 +72,12 @@ Why each one exists:
     ``rounding_mode="trunc"`` (``index_sorted_experts.div(top_k, rounding_mode="trunc")``): it
     is the floor quotient plus one where the division is inexact and the operands have
     opposite signs.
+``amax.default``, ``amin.default``
+    Absent from TVM's importer. torch decomposes ``logsumexp`` with ``amax`` (the sinks of
+    Granite's sliding-window variants scale each head's output by
+    ``sigmoid(logsumexp(scores) - sink)``); an empty ``dim`` reduces over every axis, as in
+    torch. They are Relax's ``max`` and ``min`` (the backward torch exports for them is built
+    from comparisons and sums, which TVM converts).
 ``scatter_add.default``
     Absent from TVM's importer; routers of several mixture-of-experts models (GLM-4-MoE,
     ERNIE-4.5-MoE, PhiMoE) and the backward of ``gather`` use it. It is ``scatter_elements``
@@ -110,6 +123,7 @@ from typing import Any
 import tvm
 from tvm import relax
 
+from .convolution import CONVOLUTION_CONVERTERS
 from .moe import MOE_CONVERTERS
 
 __all__ = ["CUSTOM_CONVERTERS", "custom_convert_map"]
@@ -185,13 +199,36 @@ def _fx_value(arg: Any) -> Any:
     return arg.meta.get("val") if isinstance(arg, torch.fx.Node) else arg
 
 
-def _absolute_bounds(start: Any, end: Any, size: Any) -> tuple[Any, Any]:
+def _absolute_bounds(
+    start: Any, end: Any, size: Any, from_end: tuple[bool, bool] = (False, False)
+) -> tuple[Any, Any]:
     """``(start, end)`` of a slice along an axis of ``size`` as torch reads them: ``None`` is
     the axis's start (end), an end of ``_OPEN_END`` or more the axis's end, and a negative
-    integer counts from the end (out-of-range bounds are left for the caller to prove)."""
+    integer, or a bound marked in ``from_end`` (see :func:`_from_end`), counts from the end
+    (out-of-range bounds are left for the caller to prove)."""
     start = 0 if start is None else start
     end = size if end is None or (isinstance(end, int) and end >= _OPEN_END) else end
-    return tuple(size + b if isinstance(b, int) and b < 0 else b for b in (start, end))
+    bounds = []
+    for bound, back in zip((start, end), from_end):
+        if isinstance(bound, int) and bound < 0 or back:
+            bound = size + bound
+            if isinstance(bound, tvm.ir.Expr):  # a TIR size, not torch's: s + -s is 0
+                bound = tvm.sym.Analyzer().simplify(bound)
+        bounds.append(bound)
+    return bounds[0], bounds[1]
+
+
+def _from_end(bounds: Any) -> tuple[bool, bool]:
+    """For the ``(start, end)`` FX arguments of a slice (either may be missing or ``None``),
+    whether each is a symbolic size that torch proves negative over the exported lengths, and
+    so counts from the axis's end (``attention_mask[:, -s:]``)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    values = [_fx_value(b) for b in (*bounds, None, None)[:2]]
+    return tuple(
+        v is not None and not isinstance(v, int) and bool(statically_known_true(v < 0))
+        for v in values
+    )
 
 
 def _size_extremum(node: Any, importer: Any, largest: bool) -> Any:
@@ -297,7 +334,7 @@ def _div_mode(node: Any, importer: Any) -> relax.Var:
     lhs, rhs = (x if isinstance(x, relax.Expr) else relax.const(x, dtype) for x in (lhs, rhs))
     bb = importer.block_builder
     if mode is None:
-        return bb.emit(relax.op.divide(lhs, rhs))
+        return _true_divide(node, importer)
     if mode == "floor":
         return bb.emit(relax.op.floor_divide(lhs, rhs))
     if mode == "trunc" and "float" in dtype:
@@ -305,6 +342,25 @@ def _div_mode(node: Any, importer: Any) -> relax.Var:
     if mode == "trunc" and "int" in dtype:
         return _trunc_divide(bb, lhs, rhs, dtype)
     raise ValueError(f"div with rounding_mode={mode!r} on {dtype} is not supported")
+
+
+def _true_divide(node: Any, importer: Any) -> relax.Var:
+    """``lhs / rhs`` in the dtype torch gives the quotient: integer tensors divide as floats (a
+    Python number is a constant of that dtype)."""
+    lhs, rhs = importer.retrieve_args(node)[:2]
+    operands = (lhs, rhs)
+    numbers = all(_is_tensor(x) or isinstance(x, int | float) for x in operands)
+    if not numbers or not any(map(_is_tensor, operands)):
+        return importer._binary_op(relax.op.divide, operator.truediv)(node)  # sizes: TVM's
+    tensor = lhs if _is_tensor(lhs) else rhs
+    dtype = _value_dtype(node, importer, str(tensor.ty.dtype))
+    bb = importer.block_builder
+    lhs, rhs = (_cast(bb, x, dtype) if _is_tensor(x) else relax.const(x, dtype) for x in (lhs, rhs))
+    return bb.emit(relax.op.divide(lhs, rhs))
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(getattr(value, "ty", None), relax.TensorType)
 
 
 def _trunc_divide(bb: Any, lhs: relax.Expr, rhs: relax.Expr, dtype: str) -> relax.Var:
@@ -319,6 +375,17 @@ def _trunc_divide(bb: Any, lhs: relax.Expr, rhs: relax.Expr, dtype: str) -> rela
     inexact = relax.op.not_equal(remainder, zero)
     adjust = bb.emit(relax.op.astype(relax.op.logical_and(opposite, inexact), dtype))
     return bb.emit(relax.op.add(quotient, adjust))
+
+
+def _extreme(node: Any, importer: Any, largest: bool) -> relax.Var:
+    """``amax`` / ``amin``: the largest (smallest) values along ``dim`` (every axis when it is
+    empty, as in torch)."""
+    x = importer.env[node.args[0]]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", [])
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    axes = [dim] if isinstance(dim, int) else list(dim)
+    reduce = relax.op.max if largest else relax.op.min
+    return importer.block_builder.emit(reduce(x, axes or None, bool(keepdim)))
 
 
 def _scatter_add(node: Any, importer: Any) -> relax.Var:
@@ -392,11 +459,11 @@ def _slice_scatter(node: Any, importer: Any) -> relax.Var:
         return importer._slice_scatter(node)
     axis = dim % len(values)
     size = _as_size(values[axis])
-    start, end = _absolute_bounds(_as_size(start), _as_size(end), size)
+    bounds = [node.args[i] if len(node.args) > i else node.kwargs.get(k) for i, k in _BOUNDS]
+    start, end = _absolute_bounds(_as_size(start), _as_size(end), size, _from_end(bounds))
     if all(isinstance(v, int) for v in (size, start, end)):
         return importer._slice_scatter(node)  # constant bounds: TVM's legalization works
     # Bounds past the axis (torch clamps them) keep TVM's converter.
-    bounds = [node.args[i] if len(node.args) > i else node.kwargs.get(k) for i, k in _BOUNDS]
     if not _proven_inbound(node.args[0], axis, bounds):
         return importer._slice_scatter(node)
     # x[:start] ++ src ++ x[end:], leaving out the parts that are provably empty.
@@ -431,7 +498,8 @@ def _proven_inbound(data: Any, axis: int, bounds: Any) -> bool:
     if data is None or not hasattr(data, "shape"):
         return False
     size = data.shape[axis]
-    start, end = _absolute_bounds(*(_fx_value(b) for b in (*bounds, None, None)[:2]), size)
+    values = (_fx_value(b) for b in (*bounds, None, None)[:2])
+    start, end = _absolute_bounds(*values, size, _from_end(bounds))
     return all(statically_known_true(a <= b) for a, b in ((0, start), (start, end), (end, size)))
 
 
@@ -442,7 +510,7 @@ def _inbound_slice(node: Any, importer: Any, x: relax.Expr, axis: int) -> relax.
         return None
     args = importer.retrieve_args(node)
     bounds = (_as_size(args[i]) if len(args) > i else None for i in (2, 3))
-    begin, stop = _absolute_bounds(*bounds, x.ty.shape.values[axis])
+    begin, stop = _absolute_bounds(*bounds, x.ty.shape.values[axis], _from_end(node.args[2:4]))
     return importer.block_builder.emit(
         relax.op.strided_slice(x, [axis], [begin], [stop], [1], assume_inbound=True)
     )
@@ -478,8 +546,8 @@ def _pow(node: Any, importer: Any) -> relax.Var:
     return bb.emit(relax.op.astype(raised, "bfloat16"))
 
 
-def _product_dtype(node: Any, importer: Any, fallback: str) -> str:
-    """The dtype torch gives the product (the FX node's value), else ``fallback``."""
+def _value_dtype(node: Any, importer: Any, fallback: str) -> str:
+    """The dtype torch gives the node's value (a product, a quotient), else ``fallback``."""
     dtype = getattr(node.meta.get("val"), "dtype", None)
     return fallback if dtype is None else importer._convert_data_type(dtype, importer.env)
 
@@ -496,11 +564,11 @@ def _cast(bb: Any, value: relax.Expr, dtype: str) -> relax.Expr:
 def _matmul(node: Any, importer: Any, accumulate: str | None = None) -> relax.Var:
     lhs, rhs = importer.retrieve_args(node)[:2]
     tensors = (lhs, rhs)
-    if not all(isinstance(getattr(t, "ty", None), relax.TensorType) for t in tensors):
+    if not all(map(_is_tensor, tensors)):
         # Not two tensors: what the built-in converter does.
         builtin = functools.partial(relax.op.linear_algebra.matmul, out_dtype="float32")
         return importer._binary_op(builtin, operator.matmul)(node)
-    dtype = _product_dtype(node, importer, lhs.ty.dtype)
+    dtype = _value_dtype(node, importer, lhs.ty.dtype)
     wide = _widened(dtype, accumulate)
     bb = importer.block_builder
     lhs, rhs = _cast(bb, lhs, dtype), _cast(bb, rhs, dtype)
@@ -514,9 +582,9 @@ def _addmm(node: Any, importer: Any, accumulate: str | None = None) -> relax.Var
     alpha = node.kwargs.get("alpha", 1)
     beta = node.kwargs.get("beta", 1)
     tensors = (bias, lhs, rhs)
-    if alpha == 0 or not all(isinstance(getattr(t, "ty", None), relax.TensorType) for t in tensors):
+    if alpha == 0 or not all(map(_is_tensor, tensors)):
         return importer._addmm(node)
-    dtype = _product_dtype(node, importer, lhs.ty.dtype)
+    dtype = _value_dtype(node, importer, lhs.ty.dtype)
     wide = _widened(dtype, accumulate)
     bb = importer.block_builder
     lhs, rhs = _cast(bb, lhs, dtype), _cast(bb, rhs, dtype)
@@ -533,7 +601,11 @@ def _addmm(node: Any, importer: Any, accumulate: str | None = None) -> relax.Var
 
 CUSTOM_CONVERTERS: dict[str, Callable[[Any, Any], relax.Var]] = {
     "addmm.default": _addmm,
+    "amax.default": functools.partial(_extreme, largest=True),
+    "amin.default": functools.partial(_extreme, largest=False),
     "bmm.default": _matmul,
+    "div.Scalar": _true_divide,
+    "div.Tensor": _true_divide,
     "div.Tensor_mode": _div_mode,
     "empty.default": _empty,
     "empty.memory_format": _empty,
@@ -554,6 +626,7 @@ CUSTOM_CONVERTERS: dict[str, Callable[[Any, Any], relax.Var]] = {
     "sym_min": functools.partial(_size_extremum, largest=False),
     "topk.default": _topk,
     "view.default": _reshape,
+    **CONVOLUTION_CONVERTERS,
     **MOE_CONVERTERS,
 }
 
