@@ -230,6 +230,9 @@ ARCHITECTURES: dict[str, Callable[[], Any]] = {
     "mimo_v2_flash": _tiny("mimo_v2_flash", **_ROUTED, v_head_dim=8, sliding_window=_WINDOW),
     # Multi-head latent attention in a dense model.
     "minicpm3": _mla("minicpm3"),
+    # Lightning (linear) attention beside full attention, in blocks of min(256, s) rows: a guard
+    # torch cannot prove, deferred and checked at every length (frontend.guards).
+    "minimax": _tiny("minimax", **_MOE),
     "minimax_m2": _tiny("minimax_m2", **_MOE),
     "ministral": _tiny("ministral", sliding_window=_WINDOW),
     # Queries scaled by 1 + 0.1 log(1 + floor(position / 16)) (integer positions divided as

@@ -10,6 +10,7 @@ All return an :class:`ImportedGraph`. torch and transformers are imported only w
 Face importer is called.
 """
 
+from .guards import GuardError
 from .hf import (
     TiedParameterError,
     UnsupportedOperatorError,
@@ -31,6 +32,7 @@ from .relax_native import relax_training_step
 __all__ = [
     "DimOutOfRangeError",
     "DimRange",
+    "GuardError",
     "ImportedGraph",
     "TiedParameterError",
     "UnsupportedOperatorError",

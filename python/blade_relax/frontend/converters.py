@@ -94,7 +94,10 @@ Those of a mixture-of-experts layer are in :mod:`.moe`, the backward of a convol
     MPT slices its ALiBi bias ``[:, :, max(0, 2048 - s):]``. The built-in converter keeps
     TVM's clamping of the bounds in the shape (``2048 - max(2048 - s, 0)``, not ``s``), so the
     sum with the ``s``-long scores has no known shape and cannot be lowered. Where torch proves
-    ``0 <= start <= end <= size`` over the exported lengths, the slice is taken as in bounds.
+    ``0 <= start <= end <= size`` over the exported lengths, the slice is taken as in bounds. A
+    bound torch proves negative counts from the end, as in torch, symbolic ones too: LFM2's
+    ``attention_mask[:, -s:]`` is the whole mask, where TVM's converter gives it a clamped
+    shape (and ``slice_scatter`` a wrong number of elements).
 ``slice_scatter.default`` with a symbolic bound
     The backward of a slice (GPT-OSS's attention sinks: the scores' gradient is the first ``s``
     columns of an ``s + 1``-wide one) scatters into ``[..., 0:s]``. TVM legalizes
@@ -210,7 +213,7 @@ def _absolute_bounds(
     end = size if end is None or (isinstance(end, int) and end >= _OPEN_END) else end
     bounds = []
     for bound, back in zip((start, end), from_end):
-        if isinstance(bound, int) and bound < 0 or back:
+        if back or (isinstance(bound, int) and bound < 0):
             bound = size + bound
             if isinstance(bound, tvm.ir.Expr):  # a TIR size, not torch's: s + -s is 0
                 bound = tvm.sym.Analyzer().simplify(bound)
@@ -351,7 +354,7 @@ def _true_divide(node: Any, importer: Any) -> relax.Var:
     operands = (lhs, rhs)
     numbers = all(_is_tensor(x) or isinstance(x, int | float) for x in operands)
     if not numbers or not any(map(_is_tensor, operands)):
-        return importer._binary_op(relax.op.divide, operator.truediv)(node)  # sizes: TVM's
+        return importer._binary_op(relax.op.divide, operator.truediv)(node)  # sizes, as TVM
     tensor = lhs if _is_tensor(lhs) else rhs
     dtype = _value_dtype(node, importer, str(tensor.ty.dtype))
     bb = importer.block_builder

@@ -38,6 +38,7 @@ from tvm import relax
 
 from .attention import attention_implementation
 from .converters import custom_convert_map
+from .guards import drop_proven_asserts, export
 from .imported import (
     LOWER_BOUND_ATTR,
     SIZE_OPTIONS,
@@ -466,6 +467,9 @@ def import_inference(
     custom_converters
         Extra ``from_exported_program`` converters (they win over ours).
 
+    A guard torch cannot prove over the declared sizes is deferred and checked at each of them
+    (:mod:`blade_relax.frontend.guards`): :class:`GuardError` where one fails.
+
     Returns
     -------
     ImportedGraph
@@ -474,7 +478,7 @@ def import_inference(
     min_seq_len, max_seq_len, batch_size, max_batch_size = _check_sizes(
         "import_inference", model, min_seq_len, max_seq_len, batch_size, max_batch_size
     )
-    torch = _torch()
+    _torch()  # without torch, the install hint before anything else
     inference_cls, _, _ = step_wrappers()
     wrapper = inference_cls(model)
     dynamic, ranges = _dims_spec(["input_ids"], min_seq_len, max_seq_len, max_batch_size)
@@ -483,7 +487,9 @@ def import_inference(
         model, ["input_ids"], example_batch, min(max_seq_len, max(min_seq_len, 16))
     )
     with _export_settings(model, attn_implementation):
-        ep = torch.export.export(wrapper, example, dynamic_shapes=dynamic)
+        ep, deferred = export(wrapper, example, dynamic)
+        if deferred:
+            drop_proven_asserts(ep)
         mod = _import(ep, custom_converters, decompose=True, architecture=_model_type(model))
     mod, names, arrays = _finish(mod, ep, 1, dynamic["input_ids"], keep_upper_bound)
     batch_axis: int | str = "b" if max_batch_size is not None else batch_size
@@ -825,6 +831,8 @@ def _export_training_step(
     ------
     TiedParameterError
         When a trainable parameter receives no gradient.
+    GuardError
+        When torch defers a guard that fails at some declared size (see :mod:`.guards`).
     """
     torch = _torch()
     min_seq_len, max_seq_len, batch_size, max_batch_size = sizes
@@ -835,7 +843,7 @@ def _export_training_step(
         model, input_names, example_batch, min(max_seq_len, max(min_seq_len, 16))
     )
     with _export_settings(model, attn_implementation), _untied(model, groups):
-        ep = torch.export.export(wrapper, example, dynamic_shapes=dynamic)
+        ep, deferred = export(wrapper, example, dynamic)
         try:
             joint = torch.export.experimental._export_forward_backward(ep, joint_loss_index=0)
         except AssertionError as err:
@@ -846,6 +854,8 @@ def _export_training_step(
                 ) from err
             raise
         grad_targets = _relabel_gradients(joint)
+        if deferred:
+            drop_proven_asserts(joint)
         # torch sums 16-bit products in float32 and rounds once; autocast graphs do the same.
         accumulate = None if autocast is None else "float32"
         mod = _import(
