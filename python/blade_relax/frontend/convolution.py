@@ -18,22 +18,20 @@ symbolic length, so the memory passes see them as any other kernel:
     k * dilation - padding]``, tap by tap (``K`` is a constant): what tap ``k`` reads of the
     input (the input padded by constants, or a strided slice of it padded), multiplied by
     ``grad_output`` and summed where the convolution is depthwise, else one batched matmul per
-    group summed over the batch. (A
-    grouped convolution with the batch as channels would do it in one operator, but TVM's
-    ``RewriteDataflowReshape`` fails on the reshapes it needs when the batch is above one: "The
-    padding factor ... is not divisible".)
+    group summed over the batch. (A grouped convolution with the batch as channels would do it
+    in one operator, from reshapes of the input and of ``grad_output``: see below.)
 ``grad_bias``
     ``grad_output`` summed over the batch and the length.
 
-Over a symbolic length the weight's gradient must do without slicing that length: TVM's
-``RewriteDataflowReshape`` fails ("The padding factor ... is not divisible") on a slice that
-starts at 0 along a symbolic innermost axis when the batch is above one, and on the reshapes a
-grouped formulation needs. So there, only a stride of one with a padding of at least
-``dilation * (kernel - 1)`` (each tap is the input padded by constants: causal convolutions
-are) and groups of one or one per channel are converted; other settings are converted for
-constant lengths. Convolutions of other ranks, transposed convolutions and the rest are refused
-(``NotImplementedError``, naming what was asked); the forward ``convolution`` keeps TVM's
-converter.
+Over a symbolic length the weight's gradient is built without slicing that length: on the
+graphs of ``tests/frontend/test_convolution.py`` (batch 2), TVM's ``RewriteDataflowReshape``
+stopped with "The padding factor ... is not divisible" on the strided slices of the padded input
+that a tap would read, and on the reshapes of the grouped formulation above. So there, only a
+stride of one with a padding of at least ``dilation * (kernel - 1)`` (each tap is then the input
+padded by constants: causal convolutions are) and groups of one or one per channel are
+converted; other settings are converted for constant lengths. Convolutions of other ranks,
+transposed convolutions and the rest are refused (``NotImplementedError``, naming what was
+asked); the forward ``convolution`` keeps TVM's converter.
 """
 
 from __future__ import annotations
