@@ -96,7 +96,9 @@ def test_training_step_matches_torch_within_its_peak(architecture):
 
 
 def test_unknown_architecture_is_a_clear_error():
-    with pytest.raises(ValueError, match="unknown architecture 'nope'; the zoo has apertus, arcee"):
+    with pytest.raises(
+        ValueError, match="unknown architecture 'nope'; the zoo has apertus, apertus1p5_text, arcee"
+    ):
         check_architecture("nope")
     with pytest.raises(ValueError, match="layers must be from 1 to the tiny config's 2, not 3"):
         check_architecture("llama", layers=3)

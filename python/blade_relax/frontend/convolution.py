@@ -36,6 +36,7 @@ asked); the forward ``convolution`` keeps TVM's converter.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import tvm
@@ -66,11 +67,14 @@ def _convolution_backward(node: Any, importer: Any) -> relax.Var:
     return bb.emit(relax.Tuple(grads))
 
 
+@dataclass(frozen=True)
 class _Conv1d:
     """A 1-D convolution's settings, and the gradients of its input and weight."""
 
-    def __init__(self, stride: int, padding: int, dilation: int, groups: int) -> None:
-        self.stride, self.padding, self.dilation, self.groups = stride, padding, dilation, groups
+    stride: int
+    padding: int
+    dilation: int
+    groups: int
 
     def input_grad(
         self, bb: Any, grad_output: relax.Expr, data: relax.Expr, weight: relax.Expr

@@ -83,13 +83,23 @@ def drop_proven_asserts(program: Any) -> int:
         if node.op == "call_function" and node.target is torch.ops.aten._assert_scalar.default
     ]
     for node in asserts:
-        _check(node.args[0].meta["val"].node.expr, ranges)
+        _check(_condition(node.args[0]), ranges)
     for node in asserts:
         graph.erase_node(node)
     if asserts:
         graph.eliminate_dead_code()
         program.graph_module.recompile()
     return len(asserts)
+
+
+def _condition(argument: Any) -> Any:
+    """An assertion's condition as a sympy expression (a constant where torch folded it)."""
+    import sympy
+    import torch
+
+    value = argument.meta.get("val") if isinstance(argument, torch.fx.Node) else argument
+    symbolic = getattr(value, "node", None)
+    return symbolic.expr if symbolic is not None else sympy.sympify(bool(value))
 
 
 def _check(condition: Any, ranges: dict[Any, tuple[Any, Any]]) -> None:
@@ -116,7 +126,7 @@ def _check(condition: Any, ranges: dict[Any, tuple[Any, Any]]) -> None:
     for point in itertools.product(*values):
         held = condition.xreplace({s: sympy.Integer(v) for s, v in zip(symbols, point)})
         if held is not sympy.true:
-            at = ", ".join(f"{s} = {v}" for s, v in zip(symbols, point))
+            at = ", ".join(f"{s} = {v}" for s, v in zip(symbols, point)) or "every size"
             fails = "fails" if held is sympy.false else f"cannot be evaluated ({held})"
             raise GuardError(f"the export needs {condition}, which {fails} at {at}")
 
