@@ -334,10 +334,10 @@ def _div_mode(node: Any, importer: Any) -> relax.Var:
     mode = args[2] if len(node.args) > 2 else node.kwargs.get("rounding_mode")
     tensor = lhs if isinstance(lhs, relax.Expr) else rhs
     dtype = str(tensor.ty.dtype)
-    lhs, rhs = (x if isinstance(x, relax.Expr) else relax.const(x, dtype) for x in (lhs, rhs))
-    bb = importer.block_builder
     if mode is None:
         return _true_divide(node, importer)
+    lhs, rhs = (x if isinstance(x, relax.Expr) else relax.const(x, dtype) for x in (lhs, rhs))
+    bb = importer.block_builder
     if mode == "floor":
         return bb.emit(relax.op.floor_divide(lhs, rhs))
     if mode == "trunc" and "float" in dtype:
@@ -463,11 +463,12 @@ def _slice_scatter(node: Any, importer: Any) -> relax.Var:
     axis = dim % len(values)
     size = _as_size(values[axis])
     bounds = [node.args[i] if len(node.args) > i else node.kwargs.get(k) for i, k in _BOUNDS]
-    start, end = _absolute_bounds(_as_size(start), _as_size(end), size, _from_end(bounds))
+    from_end = _from_end(bounds)
+    start, end = _absolute_bounds(_as_size(start), _as_size(end), size, from_end)
     if all(isinstance(v, int) for v in (size, start, end)):
         return importer._slice_scatter(node)  # constant bounds: TVM's legalization works
     # Bounds past the axis (torch clamps them) keep TVM's converter.
-    if not _proven_inbound(node.args[0], axis, bounds):
+    if not _proven_inbound(node.args[0], axis, bounds, from_end):
         return importer._slice_scatter(node)
     # x[:start] ++ src ++ x[end:], leaving out the parts that are provably empty.
     bb = importer.block_builder
@@ -490,11 +491,11 @@ def _int64(value: Any) -> Any:
     return value if str(value.ty.dtype) == "int64" else value.astype("int64")
 
 
-def _proven_inbound(data: Any, axis: int, bounds: Any) -> bool:
+def _proven_inbound(data: Any, axis: int, bounds: Any, from_end: tuple[bool, bool]) -> bool:
     """Whether torch proves ``0 <= start <= end <= size`` over the exported range of lengths
     for the ``(start, end)`` FX arguments ``bounds`` (either may be missing or ``None``: the
-    axis's start and end; a negative integer counts from the end) of a slice of ``data`` along
-    ``axis``."""
+    axis's start and end; a negative integer, or a bound marked in ``from_end``, counts from
+    the end: :func:`_from_end` of ``bounds``) of a slice of ``data`` along ``axis``."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     data = _fx_value(data)
@@ -502,18 +503,19 @@ def _proven_inbound(data: Any, axis: int, bounds: Any) -> bool:
         return False
     size = data.shape[axis]
     values = (_fx_value(b) for b in (*bounds, None, None)[:2])
-    start, end = _absolute_bounds(*values, size, _from_end(bounds))
+    start, end = _absolute_bounds(*values, size, from_end)
     return all(statically_known_true(a <= b) for a, b in ((0, start), (start, end), (end, size)))
 
 
 def _inbound_slice(node: Any, importer: Any, x: relax.Expr, axis: int) -> relax.Var | None:
     """``x[start:end]`` along ``axis`` with a symbolic bound that torch proves lies within the
     axis, ``0 <= start <= end <= size``, over the exported range of lengths; else ``None``."""
-    if not _proven_inbound(node.args[0], axis, node.args[2:4]):
+    from_end = _from_end(node.args[2:4])
+    if not _proven_inbound(node.args[0], axis, node.args[2:4], from_end):
         return None
     args = importer.retrieve_args(node)
     bounds = (_as_size(args[i]) if len(args) > i else None for i in (2, 3))
-    begin, stop = _absolute_bounds(*bounds, x.ty.shape.values[axis], _from_end(node.args[2:4]))
+    begin, stop = _absolute_bounds(*bounds, x.ty.shape.values[axis], from_end)
     return importer.block_builder.emit(
         relax.op.strided_slice(x, [axis], [begin], [stop], [1], assume_inbound=True)
     )

@@ -117,10 +117,14 @@ class _Conv1d:
                 "of at least dilation * (kernel - 1) and groups of 1 or one per channel are "
                 "converted (the weight's gradient would slice that length)"
             )
-        padded: list[relax.Expr] = []  # the input padded on both sides, made once if needed
+        # Taps that are slices read the input padded on both sides, made once.
+        padded = data
+        if not self._padded_taps(kernel) and self.padding:
+            pad = [0, 0, 0, 0, self.padding, self.padding]
+            padded = bb.emit(relax.op.nn.pad(data, pad))
         taps = []
         for k in range(kernel):
-            tap = self._tap(bb, data, k, kernel, out_length, padded)
+            tap = self._tap(bb, data, padded, k, kernel, out_length)
             if depthwise:  # one product per channel
                 product = bb.emit(relax.op.multiply(grad_output, tap))
                 taps.append(bb.emit(relax.op.sum(product, axis=[0, 2], keepdims=True)))
@@ -149,30 +153,25 @@ class _Conv1d:
         self,
         bb: Any,
         data: relax.Expr,
+        padded: relax.Expr,
         k: int,
         kernel: int,
         out_length: Any,
-        padded: list[relax.Expr],
     ) -> relax.Expr:
         """What tap ``k`` multiplies: ``input[..., t * stride + k * dilation - padding]`` for
         ``t < out_length``, zero outside the input: the input padded by constants (see
-        :meth:`_padded_taps`), else a strided slice of the input padded on both sides (for
-        constant lengths only: see the module's docstring)."""
+        :meth:`_padded_taps`), else a strided slice of ``padded``, the input padded on both
+        sides (for constant lengths only: see the module's docstring)."""
         if self._padded_taps(kernel):
             left = self.padding - k * self.dilation
             right = self.padding - (kernel - 1 - k) * self.dilation
             if left == right == 0:
                 return data
             return bb.emit(relax.op.nn.pad(data, [0, 0, 0, 0, left, right]))
-        if not padded:
-            pad = [0, 0, 0, 0, self.padding, self.padding]
-            padded.append(bb.emit(relax.op.nn.pad(data, pad)) if self.padding else data)
         start = k * self.dilation
         end = start + (out_length - 1) * self.stride + 1
         return bb.emit(
-            relax.op.strided_slice(
-                padded[0], [2], [start], [end], [self.stride], assume_inbound=True
-            )
+            relax.op.strided_slice(padded, [2], [start], [end], [self.stride], assume_inbound=True)
         )
 
 
