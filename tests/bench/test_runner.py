@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 from blade_relax.bench import ModelSizes, build_workload, main, run_benchmark
@@ -11,6 +13,7 @@ from blade_relax.bench import configs as registry
 from blade_relax.bench.configs import TvmConfig, register_budget_family, register_config
 from blade_relax.bench.configs import stock_pipeline_factory as stock
 from blade_relax.bench.report import SCHEMA, markdown_table
+from blade_relax.bench.runner import within_float64_rounding
 from blade_relax.frontend import DimOutOfRangeError
 
 pytest.importorskip("torch")
@@ -24,7 +27,7 @@ RESULT_KEYS = {
     "step_time_s", "step_times_s", "compile_time_s", "compilations", "loss", "max_rel_error",
     "correct", "budget_bytes", "evictions", "regenerations", "unevictable_bytes",
     "workspace_bytes", "allocations", "driver_peak_bytes", "driver_agrees", "padded_to",
-    "source", "error", "offloads", "peak_host_bytes",
+    "source", "error", "offloads", "peak_host_bytes", "float64_checked",
 }  # fmt: skip
 MEASURED_KEYS = {
     "config", "seq_len", "peak_bytes", "step_peak_bytes", "caller_bytes", "lower_bound_bytes",
@@ -167,3 +170,62 @@ def test_unevictable_bytes_bound_the_budgeted_peak(budget_family):
         assert rows[("blade-relax-schedule-remat", n)].unevictable_bytes is None
         assert budgeted.caller_bytes < budgeted.unevictable_bytes <= budgeted.peak_bytes
         assert rows[("stock-again@0.5", n)].unevictable_bytes is None
+
+
+def test_float64_rounding_passes_noise_and_refuses_an_error():
+    exact = np.zeros(16)
+    noise = np.random.default_rng(0).normal(scale=1e-11, size=(2, 16))
+    # A gradient zero in exact arithmetic: torch's and ours are both noise of one size.
+    assert within_float64_rounding(noise[0], noise[1], exact)
+    assert not within_float64_rounding(noise[0] + 1e-6, noise[1], exact)
+    # Where torch's float32 result is close to exact, being as far as the tolerance is not.
+    exact = np.linspace(1.0, 2.0, 16)
+    assert not within_float64_rounding(exact * (1 + 1e-3), exact * (1 + 1e-7), exact)
+    assert within_float64_rounding(exact * (1 + 1e-7), exact * (1 - 1e-7), exact)
+
+
+def _with_noisy_reference(workload, index, noisy_exact):
+    """``workload`` whose torch reference misses output ``index`` by 1e-3 (as float32 rounding
+    misses a gradient zero in exact arithmetic), with a float64 reference that is the true
+    outputs (``noisy_exact=False``) or misses it as well (``True``); counts float64 calls."""
+    reference, calls = workload.graph.reference, []
+
+    def noisy(inputs):
+        outputs = [np.array(a) for a in reference(inputs)]
+        outputs[index] = outputs[index] * np.float32(1 + 1e-3)
+        return outputs
+
+    def exact(inputs):
+        calls.append(len(inputs))
+        return [np.float64(a) for a in (noisy if noisy_exact else reference)(inputs)]
+
+    graph = dataclasses.replace(workload.graph, reference=noisy, float64_reference=exact)
+    return dataclasses.replace(workload, graph=graph), calls
+
+
+@pytest.mark.parametrize("noisy_exact", [False, True])
+def test_an_output_above_the_tolerance_is_checked_against_float64(noisy_exact):
+    workload = build_workload("mlp-train", TINY_SIZES)
+    plain = run_benchmark(workload, ["tvm-dynamic"], [12], repeat=1).measurements[0]
+    assert plain.correct and plain.float64_checked is None
+    index = 2
+    noisy, calls = _with_noisy_reference(workload, index, noisy_exact)
+    (row,) = run_benchmark(noisy, ["tvm-dynamic"], [12], repeat=1).measurements
+    assert calls == [len(workload.inputs(12))]  # asked once, and only because one failed
+    name = workload.graph.output_names[index]
+    if noisy_exact:  # torch's float32 result is close to exact, ours is not: wrong
+        assert not row.correct and row.float64_checked is None
+        assert row.max_rel_error > 1e-4
+    else:
+        assert row.correct and row.float64_checked == [name]
+        assert row.max_rel_error == pytest.approx(plain.max_rel_error)
+
+
+def test_no_float64_step_is_run_where_every_output_is_within_tolerance():
+    workload = build_workload("mlp-train", TINY_SIZES)
+    calls = []
+    graph = dataclasses.replace(
+        workload.graph, float64_reference=lambda inputs: calls.append(1) or []
+    )
+    result = run_benchmark(dataclasses.replace(workload, graph=graph), ["tvm-dynamic"], [12])
+    assert result.all_correct and not calls

@@ -35,6 +35,20 @@ def test_a_failed_run_is_a_row_that_says_so():
     assert table([failed]).splitlines()[2] == "| d (incorrect) | n/a | 1.000, failed |"
 
 
+def test_outputs_checked_against_float64_are_marked_and_named():
+    checked = ArchitectureResult(
+        "e", "supported", (5,), (90,), (100,), 3e-7, float64_checked=("grad:k.bias", "grad:x")
+    )
+    lines = table([ROWS[0], checked]).splitlines()
+    assert lines[2] == "| a | 1.0e-07 | 1.000, 0.900 |"  # unmarked
+    assert lines[3] == "| e | 3.0e-07 † | 0.900 |"
+    assert lines[-1].startswith("- † gradients whose float32 values are rounding noise (e 2), ")
+    assert "ten times as far from it as torch's own float32 result" in lines[-1]
+    # A document written before the field existed still reads.
+    old = {k: v for k, v in vars(ROWS[0]).items() if k != "float64_checked"}
+    assert ArchitectureResult(**old).float64_checked == ()
+
+
 def test_readme_block_from_a_document():
     document = {
         "provenance": {"commit": "abc1234", "date": "2026-11-29", "command": "zoo --out f"},

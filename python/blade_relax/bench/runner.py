@@ -55,9 +55,16 @@ step times include a device synchronisation for both systems.
     ``caller_bytes`` then counts the padded inputs.
 ``source``
     ``"measured"`` here; ``"predicted"`` for the rows of :mod:`.predict` (no kernel ran).
-``max_rel_error``
+``max_rel_error`` / ``correct`` / ``float64_checked``
     Largest normwise relative error ``||out - ref|| / ||ref||`` over the outputs (loss and every
     gradient, or the logits) against the torch reference; ``correct`` when ``<= tolerance``.
+    An output above the tolerance is checked again where the graph has a float64 reference
+    (``ImportedGraph.float64_reference``): it passes when it is at most
+    :data:`FLOAT64_MULTIPLIER` times as far from torch's float64 result as torch's own float32
+    result is (:func:`within_float64_rounding`). Such outputs (their names in
+    ``float64_checked``) are rounding noise in float32, as the gradient of a bias added to
+    every key of an attention row (zero in exact arithmetic); ``max_rel_error`` is then taken
+    over the other outputs.
 """
 
 from __future__ import annotations
@@ -86,6 +93,7 @@ __all__ = [
     "pad_for_bucket",
     "relative_error",
     "run_benchmark",
+    "within_float64_rounding",
 ]
 
 
@@ -106,6 +114,7 @@ class Measurement:
     loss: float | None = None
     max_rel_error: float | None = None
     correct: bool | None = None
+    float64_checked: list[str] | None = None
     budget_bytes: int | None = None
     evictions: int | None = None
     regenerations: int | None = None
@@ -153,6 +162,32 @@ class BenchResult:
         requested = {c.name for c in self.configs if c.requested}
         rows = [m for m in self.measurements if m.config in requested]
         return bool(rows) and all(m.error is None and m.correct for m in rows)
+
+
+#: How much farther from torch's float64 result than torch's float32 one an output may be
+#: where float32's relative error says nothing (:func:`within_float64_rounding`).
+FLOAT64_MULTIPLIER = 10.0
+
+
+def within_float64_rounding(out: np.ndarray, ref: np.ndarray, exact: np.ndarray) -> bool:
+    """Whether ``out`` is at most :data:`FLOAT64_MULTIPLIER` times as far from ``exact`` (the
+    step in float64) as ``ref`` (torch's step in the model's precision) is:
+    ``||out - exact|| <= 10 ||ref - exact||``.
+
+    The check for an output whose relative error against ``ref`` exceeds the tolerance because
+    ``ref`` itself is rounding noise (a gradient zero in exact arithmetic: both sides are
+    noise of one order of magnitude, and their relative difference is about 1). It is
+    ``torch._dynamo.utils.same``'s check against a float64 result, whose multiplier of 2 comes
+    with an absolute slack (``tol / 10``) that a normwise check has no scale for: the
+    multiplier carries it here (XGLM's key-bias gradient, noise of norm 1e-12, is 2.5 times
+    as far from float64 as torch's at one length). It cannot pass a wrong output where torch
+    is accurate: failing ``||out - ref|| <= tol ||ref||`` and passing this imply
+    ``||ref - exact|| > tol ||ref|| / 11``, torch's own error above about 1e-5 relative.
+    """
+    exact = np.asarray(exact, dtype=np.float64)
+    ours = float(np.linalg.norm((np.asarray(out, dtype=np.float64) - exact).ravel()))
+    theirs = float(np.linalg.norm((np.asarray(ref, dtype=np.float64) - exact).ravel()))
+    return ours <= FLOAT64_MULTIPLIER * theirs
 
 
 def relative_error(out: np.ndarray, ref: np.ndarray) -> float:
@@ -664,6 +699,22 @@ class _Cases:
     caller: dict[int, int]
     references: dict[int, list[np.ndarray] | None]
     lower: dict[int, int | None]
+    float64_reference: Callable[[Sequence[np.ndarray]], list[np.ndarray]] | None = None
+    float64_outputs: dict[int, list[np.ndarray]] = field(default_factory=dict)
+
+    def float64(self, n: int) -> list[np.ndarray] | None:
+        """torch's outputs in float64 at length ``n`` (computed at the first ask), or None."""
+        if self.float64_reference is None:
+            return None
+        if n not in self.float64_outputs:
+            try:
+                self.float64_outputs[n] = self.float64_reference(self.inputs[n])
+            except Exception as err:
+                raise RuntimeError(
+                    f"an output exceeds the tolerance, and torch's float64 step (what it is "
+                    f"checked against then) failed: {type(err).__name__}: {err}"
+                ) from err
+        return self.float64_outputs[n]
 
 
 def _cases(workload: Workload, lengths: Sequence[int], say: Callable[[str], None]) -> _Cases:
@@ -678,7 +729,7 @@ def _cases(workload: Workload, lengths: Sequence[int], say: Callable[[str], None
     say("computing torch references and lower bounds")
     references = {n: graph.reference(inputs[n]) if graph.reference else None for n in lengths}
     lower = _lower_bounds(graph, dims, say)
-    return _Cases(lengths, inputs, dims, caller, references, lower)
+    return _Cases(lengths, inputs, dims, caller, references, lower, graph.float64_reference)
 
 
 @dataclass
@@ -739,7 +790,7 @@ def _measure_config(
             outputs = runner.measure(row, cases.inputs[n], cases.dims[n], session.repeat, budget)
             row.peak_bytes = row.step_peak_bytes + row.caller_bytes
             row.step_time_s = statistics.median(row.step_times_s)
-            _check(row, outputs, cases.references[n], graph, session.tolerance)
+            _check(row, outputs, cases, graph, session.tolerance)
         except Exception as err:
             row.error = _describe(err)
             say(f"{config.name}: s={n}: {row.error}")
@@ -752,18 +803,34 @@ def _measure_config(
 def _check(
     row: Measurement,
     outputs: list[np.ndarray],
-    reference: list[np.ndarray] | None,
+    cases: _Cases,
     graph: ImportedGraph,
     tolerance: float,
 ) -> None:
+    """``row``'s loss, error and correctness: every output within ``tolerance`` of torch's, or
+    within float64 rounding (:func:`within_float64_rounding`) where torch's own float32 output
+    is noise (see the module docstring)."""
     if graph.kind == "training" and outputs:
         row.loss = float(np.asarray(outputs[0]).reshape(-1)[0])
+    reference = cases.references[row.seq_len]
     if reference is None:
         return
     if len(outputs) != len(reference):
         raise ValueError(f"{len(outputs)} outputs, the reference has {len(reference)}")
-    row.max_rel_error = max(relative_error(o, r) for o, r in zip(outputs, reference))
+    errors = [relative_error(o, r) for o, r in zip(outputs, reference)]
+    above = [i for i, e in enumerate(errors) if e > tolerance]
+    exact = cases.float64(row.seq_len) if above else None
+    if exact is not None:
+        rounding = [i for i in above if within_float64_rounding(outputs[i], reference[i], exact[i])]
+        row.float64_checked = [_output_name(graph, i) for i in rounding] or None
+        errors = [e for i, e in enumerate(errors) if i not in rounding] or [0.0]
+    row.max_rel_error = max(errors)
     row.correct = bool(row.max_rel_error <= tolerance)
+
+
+def _output_name(graph: ImportedGraph, index: int) -> str:
+    names = graph.output_names
+    return names[index] if index < len(names) else f"output {index}"
 
 
 def _describe(err: BaseException) -> str:

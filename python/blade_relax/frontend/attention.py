@@ -1,9 +1,10 @@
-"""Which attention a Hugging Face model runs, switched for a while.
+"""Which attention a Hugging Face model runs, and in which mode, switched for a while.
 
 The import exports a model with eager attention (the computation the converters know) and the
 benchmark's ``torch-eager-sdpa`` runs PyTorch's scaled-dot-product attention (transformers'
 default); both switch the model they are given and restore it, since the model is the user's
-(or shared by the benchmark's configurations).
+(or shared by the benchmark's configurations). :func:`export_settings` adds eval mode: what
+the import exports under and the torch reference runs under.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["attention_implementation"]
+__all__ = ["attention_implementation", "export_settings"]
 
 
 @contextlib.contextmanager
@@ -37,6 +38,19 @@ def attention_implementation(model: Any, implementation: str | None) -> Iterator
     finally:
         if switch:
             _set_attn(model, old)
+
+
+@contextlib.contextmanager
+def export_settings(model: Any, implementation: str | None) -> Iterator[None]:
+    """Eval mode and the requested attention implementation (:func:`attention_implementation`),
+    restored on exit."""
+    was_training = model.training
+    with attention_implementation(model, implementation):
+        model.eval()
+        try:
+            yield
+        finally:
+            model.train(was_training)
 
 
 def _set_attn(model: Any, implementation: str) -> None:

@@ -230,7 +230,8 @@ def attach_model(carried: CarriedGraph, model: Any) -> ImportedGraph:
     ValueError
         When ``model`` lacks a parameter of the graph or has one of another shape or dtype.
     """
-    from .hf import inference_reference, step_wrappers, torch_to_numpy, training_reference
+    from .hf import step_wrappers
+    from .references import inference_reference, torch_to_numpy, training_reference
 
     named = dict(model.named_parameters(remove_duplicate=False))
     params = []
@@ -249,6 +250,7 @@ def attach_model(carried: CarriedGraph, model: Any) -> ImportedGraph:
     if carried.kind == "inference":
         wrapper = inference_cls(model)
         reference = inference_reference(model, wrapper)
+        float64_reference = inference_reference(model, wrapper, float64=True)
         torch_params = [named[name] for name in carried.param_names]
     else:
         import torch
@@ -257,6 +259,7 @@ def attach_model(carried: CarriedGraph, model: Any) -> ImportedGraph:
         wrapper_cls = masked_cls if "attention_mask" in carried.input_names else plain_cls
         wrapper = wrapper_cls(model, autocast=getattr(torch, autocast) if autocast else None)
         reference = training_reference(model, wrapper, trainable)
+        float64_reference = training_reference(model, wrapper, trainable, float64=True)
         torch_params = [named[name] for name in trainable]
     return ImportedGraph(
         mod=carried.mod,
@@ -269,6 +272,7 @@ def attach_model(carried: CarriedGraph, model: Any) -> ImportedGraph:
         dims=carried.dims,
         kind=carried.kind,
         reference=reference,
+        float64_reference=float64_reference,
         torch_module=wrapper,
         torch_params=torch_params,
         int_input_high=carried.int_input_high,

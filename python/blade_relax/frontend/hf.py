@@ -36,7 +36,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from .attention import attention_implementation
+from .attention import export_settings
 from .converters import custom_convert_map
 from .guards import drop_proven_asserts, export
 from .imported import (
@@ -48,6 +48,7 @@ from .imported import (
     drop_upper_bounds,
     with_function,
 )
+from .references import inference_reference, torch_to_numpy, training_reference
 
 __all__ = [
     "AUTOCAST_DTYPES",
@@ -180,18 +181,6 @@ def step_wrappers() -> tuple[type, type, type]:
             return self.loss(input_ids, attention_mask, labels)
 
     return InferenceStep, TrainingStep, MaskedTrainingStep
-
-
-@contextlib.contextmanager
-def _export_settings(model: Any, attn_implementation: str | None) -> Iterator[None]:
-    """Eval mode and the requested attention implementation, restored on exit."""
-    was_training = model.training
-    with attention_implementation(model, attn_implementation):
-        model.eval()
-        try:
-            yield
-        finally:
-            model.train(was_training)
 
 
 def max_positions(model: Any) -> int | None:
@@ -369,21 +358,6 @@ def _param_arrays(
     return names, arrays
 
 
-def torch_to_numpy(tensor: Any) -> np.ndarray:
-    """A copy of a torch tensor as a numpy array.
-
-    numpy has no bfloat16 (``Tensor.numpy()`` refuses it): a bfloat16 tensor becomes the
-    ``ml_dtypes.bfloat16`` array that ``tvm.runtime.tensor`` takes, bit for bit.
-    """
-    torch = _torch()
-    tensor = tensor.detach().cpu()
-    if tensor.dtype == torch.bfloat16:
-        import ml_dtypes
-
-        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy()
-    return tensor.numpy().copy()
-
-
 def _finish(
     mod: tvm.IRModule,
     ep: Any,
@@ -486,7 +460,7 @@ def import_inference(
     example = _example_inputs(
         model, ["input_ids"], example_batch, min(max_seq_len, max(min_seq_len, 16))
     )
-    with _export_settings(model, attn_implementation):
+    with export_settings(model, attn_implementation):
         ep, deferred = export(wrapper, example, dynamic)
         if deferred:
             drop_proven_asserts(ep)
@@ -506,6 +480,7 @@ def import_inference(
         dims=ranges,
         kind="inference",
         reference=inference_reference(model, wrapper),
+        float64_reference=inference_reference(model, wrapper, float64=True),
         torch_module=wrapper,
         torch_params=[named[name] for name in names],
         int_input_high=int(model.config.vocab_size),
@@ -842,7 +817,7 @@ def _export_training_step(
     example = _example_inputs(
         model, input_names, example_batch, min(max_seq_len, max(min_seq_len, 16))
     )
-    with _export_settings(model, attn_implementation), _untied(model, groups):
+    with export_settings(model, attn_implementation), _untied(model, groups):
         ep, deferred = export(wrapper, example, dynamic)
         try:
             joint = torch.export.experimental._export_forward_backward(ep, joint_loss_index=0)
@@ -924,6 +899,7 @@ def _training_graph(
         dims=step.ranges,
         kind="training",
         reference=training_reference(model, wrapper, trainable),
+        float64_reference=training_reference(model, wrapper, trainable, float64=True),
         torch_module=wrapper,
         torch_params=[named[name] for name in trainable],
         int_input_high=int(model.config.vocab_size),
@@ -935,49 +911,6 @@ def _training_graph(
         },
         num_frozen=step.num_frozen,
     )
-
-
-def inference_reference(model: Any, wrapper: Any) -> Callable[[Sequence[np.ndarray]], list]:
-    """The reference of an inference graph: ``wrapper`` (an ``InferenceStep`` of ``model``)
-    run by torch on numpy token ids, in eval mode without gradients; returns ``[logits]``."""
-    torch = _torch()
-
-    def reference(inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
-        (ids,) = inputs
-        with _export_settings(model, None), torch.no_grad():
-            logits = wrapper(torch.from_numpy(np.asarray(ids)))
-        return [torch_to_numpy(logits)]
-
-    return reference
-
-
-def training_reference(
-    model: Any, wrapper: Any, trainable: Sequence[str]
-) -> Callable[[Sequence[np.ndarray]], list]:
-    """The reference of a training graph: one step of ``wrapper`` (a ``TrainingStep`` of
-    ``model``) in torch; returns the loss and the gradients of ``trainable`` (by name in
-    ``model.named_parameters()``; zeros for a parameter the step leaves without one)."""
-    torch = _torch()
-    named = dict(model.named_parameters(remove_duplicate=False))
-
-    def reference(inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
-        tensors = [torch.from_numpy(np.asarray(a)) for a in inputs]
-        with _export_settings(model, None):
-            model.zero_grad(set_to_none=True)
-            (loss,) = wrapper(*tensors)
-            loss.backward()
-        grads = []
-        for name in trainable:
-            grad = named[name].grad
-            grads.append(
-                torch_to_numpy(torch.zeros_like(named[name]))
-                if grad is None
-                else torch_to_numpy(grad)
-            )
-        model.zero_grad(set_to_none=True)
-        return [torch_to_numpy(loss), *grads]
-
-    return reference
 
 
 def _relabel_gradients(joint: Any) -> list[str]:

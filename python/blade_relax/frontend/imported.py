@@ -129,6 +129,10 @@ class ImportedGraph:
     reference
         Computes the same outputs with the source framework from numpy inputs (``None`` when
         there is none); what correctness is checked against.
+    float64_reference
+        The same in float64 (a float64 copy of the model, made at its first call; ``None`` when
+        there is none): the yardstick for an output whose float32 value is rounding noise
+        (:mod:`blade_relax.frontend.references`).
     torch_module
         For torch imports, the ``torch.nn.Module`` that was exported (its ``forward`` takes the
         inputs as torch tensors and returns ``(loss,)`` or the logits).
@@ -152,6 +156,7 @@ class ImportedGraph:
     dims: dict[str, DimRange]
     kind: str
     reference: Callable[[Sequence[np.ndarray]], list[np.ndarray]] | None = None
+    float64_reference: Callable[[Sequence[np.ndarray]], list[np.ndarray]] | None = None
     torch_module: Any = None
     torch_params: list[Any] | None = None
     int_input_high: int | None = None
