@@ -18,9 +18,7 @@ tolerance (stock TVM's does too).
 
 Left out: PhiMoE, whose router draws experts at random in training mode, so that torch eager's
 step differs from run to run; JetMoE, whose experts split the tokens by sizes read from a
-tensor's values (``tolist()``), which the import cannot express; Llama 4 (text), whose export
-fails in torch: it asks for a guard, ``s * min(32, 32 * s) == 32 * s``, that torch cannot prove
-over the exported length range.
+tensor's values (``tolist()``), which the import cannot express.
 """
 
 from __future__ import annotations
@@ -300,13 +298,23 @@ ARCHITECTURES: dict[str, Callable[[], Any]] = {
     "xglm": _tiny("xglm", ffn_dim=64),
     "youtu": _mla("youtu"),
 }
-#: Architectures refused at import, with the operators that refuse them: DeepSeek-V2 rotates its
-#: queries and keys as complex numbers, which Relax has no type for (the mixture-of-experts
-#: models once here import since :mod:`blade_relax.frontend.moe`).
+#: The operators that rotate queries and keys as complex numbers, which Relax has no type for.
+_COMPLEX = ("_conj.default", "polar.default", "view_as_complex.default", "view_as_real.default")
+#: Architectures refused at import, with the operators that refuse them: DeepSeek-V2 and Llama 4
+#: (text; chunked attention, top-1 experts) rotate as complex numbers (the mixture-of-experts
+#: models once here import since :mod:`blade_relax.frontend.moe`; Llama 4's export since
+#: :mod:`blade_relax.frontend.guards`).
 REFUSED: dict[str, tuple[Callable[[], Any], tuple[str, ...]]] = {
-    "deepseek_v2": (
-        _mla("deepseek_v2", **_ROUTED_AND_SHARED, n_group=1),
-        ("_conj.default", "polar.default", "view_as_complex.default", "view_as_real.default"),
+    "deepseek_v2": (_mla("deepseek_v2", **_ROUTED_AND_SHARED, n_group=1), _COMPLEX),
+    "llama4_text": (
+        _tiny(
+            "llama4_text",
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            intermediate_size_mlp=64,
+            attention_chunk_size=_WINDOW,
+        ),
+        _COMPLEX,
     ),
 }
 

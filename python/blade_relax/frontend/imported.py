@@ -130,7 +130,7 @@ class ImportedGraph:
         Computes the same outputs with the source framework from numpy inputs (``None`` when
         there is none); what correctness is checked against.
     float64_reference
-        The same in float64 (a float64 copy of the model, made at its first call; ``None`` when
+        The same in float64 (on a float64 copy of the model made at each call; ``None`` when
         there is none): the yardstick for an output whose float32 value is rounding noise
         (:mod:`blade_relax.frontend.references`).
     torch_module

@@ -3,11 +3,11 @@
 :func:`inference_reference` and :func:`training_reference` run the model the graph was
 exported from on the graph's numpy inputs and return its outputs as numpy arrays, in the
 model's precision (``ImportedGraph.reference``). With ``float64=True`` they run a float64 copy
-of it instead (``ImportedGraph.float64_reference``): the yardstick for an output whose float32
+of it instead, copied at each call (``ImportedGraph.float64_reference``): the yardstick for an output whose float32
 value is rounding noise, such as the gradient of a bias added to every key of an attention row,
 zero in exact arithmetic because a softmax ignores a constant shift (OPT's ``k_proj.bias``).
 The benchmark's check (:mod:`blade_relax.bench.runner`) asks for it only where the float32
-comparison fails, so a model is copied only then. transformers' causal-LM loss casts the
+comparison fails (once per length), so a model is copied only then. transformers' causal-LM loss casts the
 logits to float32 (``logits.float()``), so the loss and its gradient at the logits stay
 float32 in that copy; every gradient is still computed in float64 from there, and a gradient
 zero in exact arithmetic comes out as float64 noise (norms about 1e-20 where float32's are
@@ -100,23 +100,19 @@ def training_reference(
 
 
 def _in_float64(wrapper: Any, reference_of: Callable[[Any], Reference]) -> Reference:
-    """``reference_of(copied)`` for a float64 deep copy of ``wrapper`` (its model inside),
-    made at the first call and kept; without autocast (the exact step, not the mixed-precision
-    one). It runs with float64 as torch's default dtype, so that what the model builds without
-    a dtype is float64 too (XGLM's ``torch.full((), finfo(float64).min)`` overflows a float32
-    default)."""
+    """``reference_of(copied)`` for a float64 deep copy of ``wrapper`` (its model inside), made
+    at each call so that it has the model's weights of the moment, as the float32 reference
+    does; without autocast (the exact step, not the mixed-precision one). It runs with float64
+    as torch's default dtype, so that what the model builds without a dtype is float64 too
+    (XGLM's ``torch.full((), finfo(float64).min)`` overflows a float32 default)."""
     import torch
 
-    made: list[Reference] = []
-
     def reference(inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
-        if not made:
-            copied = copy.deepcopy(wrapper).to(torch.float64)
-            if getattr(copied, "autocast", None) is not None:
-                copied.autocast = None
-            made.append(reference_of(copied))
+        copied = copy.deepcopy(wrapper).to(torch.float64)
+        if getattr(copied, "autocast", None) is not None:
+            copied.autocast = None
         with _default_dtype(torch.float64):
-            return made[0](inputs)
+            return reference_of(copied)(inputs)
 
     return reference
 
