@@ -47,6 +47,7 @@ import tvm
 from tvm import relax, tirx
 
 from ..contract import SOFTMAX_KERNEL_ATTR
+from ..symbolic.relax_ir import as_int64
 from .tir_fields import code_fields, is_buffer, type_key
 
 __all__ = ["InplaceVerdict", "inplace_inputs", "inplace_verdict"]
@@ -322,9 +323,9 @@ def _analyzer_for(blk: Any) -> Any:
 def _flat(indices: Sequence[Any], shape: Sequence[Any]) -> Any:
     if not indices:
         return tirx.IntImm("int64", 0)
-    offset = _int64(indices[0])
+    offset = as_int64(indices[0])
     for index, extent in zip(indices[1:], list(shape)[1:]):
-        offset = offset * _int64(extent) + _int64(index)
+        offset = offset * as_int64(extent) + as_int64(index)
     return offset
 
 
@@ -458,14 +459,6 @@ def _free_prim_vars(e: Any, block: str) -> list[Any]:
             stacklevel=2,
         )
         return []
-
-
-def _int64(e: Any) -> Any:
-    if isinstance(e, int):
-        return tirx.IntImm("int64", e)
-    if _dtype(e) != "int64":
-        return tirx.Cast("int64", e)
-    return e
 
 
 def _dtype(e: Any) -> str:

@@ -126,6 +126,7 @@ from typing import Any
 import tvm
 from tvm import relax
 
+from ..symbolic.relax_ir import as_int64
 from .convolution import CONVOLUTION_CONVERTERS
 from .moe import MOE_CONVERTERS
 
@@ -249,7 +250,7 @@ def _size_extremum(node: Any, importer: Any, largest: bool) -> Any:
         if statically_known_true(b >= a if largest else b <= a):
             return second
     pick = tvm.tirx.max if largest else tvm.tirx.min
-    return pick(_int64(first), _int64(second))
+    return pick(as_int64(first), as_int64(second))
 
 
 def _reshape(node: Any, importer: Any) -> relax.Var:
@@ -477,18 +478,12 @@ def _slice_scatter(node: Any, importer: Any) -> relax.Var:
     if not (isinstance(start, int) and start == 0):
         head = relax.op.strided_slice(x, [axis], [0], [start], [1], assume_inbound=True)
         parts.insert(0, bb.emit(head))
-    if not analyzer.can_prove_equal(_int64(end), _int64(size)):
+    if not analyzer.can_prove_equal(as_int64(end), as_int64(size)):
         tail = relax.op.strided_slice(x, [axis], [end], [size], [1], assume_inbound=True)
         parts.append(bb.emit(tail))
     if len(parts) == 1:
         return src
     return bb.emit(relax.op.concat(parts, axis=axis))
-
-
-def _int64(value: Any) -> Any:
-    if isinstance(value, int):
-        return tvm.tirx.const(value, "int64")
-    return value if str(value.ty.dtype) == "int64" else value.astype("int64")
 
 
 def _proven_inbound(data: Any, axis: int, bounds: Any, from_end: tuple[bool, bool]) -> bool:

@@ -1,5 +1,5 @@
 """What the symbolic layer reads of Relax IR: element sizes, types and their dims, bindings,
-the declared ranges of the dims.
+the declared ranges of the dims; and sizes as the int64 TIR expressions shapes hold.
 
 Each reader answers ``None`` (or nothing) where the IR does not say (an unparsable dtype, a
 non-normalized expression, a tensor of unknown shape), so that the shape graph learns less,
@@ -41,6 +41,17 @@ def element_bytes(dtype: str | None) -> int | None:
     """Bytes per element of a byte-sized ``dtype`` (``bool``: 1); None if unknown or sub-byte."""
     bits = element_bits(dtype)
     return None if bits is None or bits % 8 else bits // 8
+
+
+def as_int64(value: Any) -> Any:
+    """An ``int`` or a TIR integer expression as an int64 ``PrimExpr``: a constant, the
+    expression itself, or a cast (folded for a constant), as Relax shapes hold sizes."""
+    import tvm
+
+    if isinstance(value, int):
+        return tvm.tirx.const(value, "int64")
+    dtype = str(getattr(getattr(value, "ty", None), "dtype", "int64"))
+    return value if dtype == "int64" else value.astype("int64")
 
 
 def type_of(node: Any) -> Any:

@@ -54,6 +54,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script.builder import ir as T
 
+from ..symbolic.relax_ir import as_int64
 from ..util.collection import pauses_collection
 from .result import PassResult, counted, function_results, publish
 
@@ -245,7 +246,7 @@ def _serial_accumulate_kernel(
                 T.buffer_store(out, tirx.const(0, update_ty.dtype), _loop_vars(p))
             with T.grid(*update_shape) as q:
                 q = _loop_vars(q)
-                target = _int64(_wrapped(reader.read(_Loader(root, root_ty.dtype), q), extent))
+                target = as_int64(_wrapped(reader.read(_Loader(root, root_ty.dtype), q), extent))
                 at = [*q[:axis], target, *q[axis + 1 :]]
                 with T.If(tirx.all(target >= 0, target < extent)):
                     with T.Then():
@@ -266,11 +267,7 @@ def _own_dims(shape: Any, dims: dict[Any, tirx.Var]) -> list[tirx.PrimExpr]:
             dims[var] = tirx.Var(var.name, var.ty)
         return dims[var]
 
-    return [_int64(tvm_ffi.structural_map(x, [(tirx.Var, own)])) for x in shape]
-
-
-def _int64(extent: tirx.PrimExpr) -> tirx.PrimExpr:
-    return extent if str(extent.ty.dtype) == "int64" else extent.astype("int64")
+    return [as_int64(tvm_ffi.structural_map(x, [(tirx.Var, own)])) for x in shape]
 
 
 @dataclass(frozen=True)
