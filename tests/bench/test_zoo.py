@@ -22,10 +22,20 @@ def test_table_one_and_two_a_row():
     assert one[0] == "| architecture | max rel. error | peak ÷ eager at s = 5, 17 |"
     assert one[2] == "| a | 1.0e-07 | 1.000, 0.900 |"
     assert one[4] == "| c | refused (below) |  |"
-    assert one[-1] == "- c is not supported: no converter for x.default (y)"
+    assert one[-1] == "- c: not supported, no converter for x.default (y)"
     two = table(ROWS, per_row=2).splitlines()
     assert two[2] == "| a | 1.0e-07 | 1.000, 0.900 | b | 2.0e-07 | 1.000, 1.100 |"
     assert two[3].count("|") == two[2].count("|")  # the last row padded
+
+
+def test_architectures_refused_for_one_reason_share_its_line():
+    why = "no converter for x.default (y)"
+    refused = [
+        ArchitectureResult(n, "refused", reason=f"{n} is not supported: {why}") for n in "fg"
+    ]
+    other = ArchitectureResult("h", "refused", reason="h: export failed")
+    lines = table([*refused, other]).splitlines()
+    assert lines[-2:] == [f"- f, g: not supported, {why}", "- h: not supported, h: export failed"]
 
 
 def test_a_failed_run_is_a_row_that_says_so():

@@ -628,7 +628,7 @@ def architectures_block(document: Mapping[str, Any]) -> str:
         f"or below `torch-eager`'s peak at every length; measured at commit "
         f"`{prov['commit']}` on {prov['date']} by `{prov['command']}`.",
         "",
-        table(results, per_row=6),
+        table(results, per_row=7),
         ARCHITECTURES_END,
     ]
     return "\n".join(lines)

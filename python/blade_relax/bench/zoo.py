@@ -502,7 +502,7 @@ def table(results: Sequence[ArchitectureResult], per_row: int = 1) -> str:
         "|" + "---|---:|---|" * per_row,
         *("| " + " | ".join(row + [" | | "] * (per_row - len(row))) + " |" for row in rows),
     ]
-    notes = [f"- {r.reason}" for r in results if r.status == "refused"]
+    notes = _refusals([r for r in results if r.status == "refused"])
     checked = [f"{r.architecture} {len(r.float64_checked)}" for r in results if r.float64_checked]
     if checked:
         notes.append(
@@ -511,6 +511,17 @@ def table(results: Sequence[ArchitectureResult], per_row: int = 1) -> str:
             "torch's own float32 result; the error shown is over the other outputs."
         )
     return "\n".join([*lines, *([""] + notes if notes else [])])
+
+
+def _refusals(refused: Sequence[ArchitectureResult]) -> list[str]:
+    """A line per reason of refusal, naming the architectures it refuses (DeepSeek-V2's and
+    Llama 4's complex rotation is one)."""
+    names: dict[str, list[str]] = {}
+    for r in refused:
+        prefix = f"{r.architecture} is not supported: "
+        why = r.reason[len(prefix) :] if r.reason.startswith(prefix) else r.reason
+        names.setdefault(why, []).append(r.architecture)
+    return [f"- {', '.join(archs)}: not supported, {why}" for why, archs in names.items()]
 
 
 def build_parser(prog: str = DEFAULT_PROG) -> OneLineParser:
