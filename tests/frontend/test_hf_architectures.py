@@ -43,8 +43,9 @@ PEAK_ABOVE_EAGER: dict[str, str] = {
 #: ``sign``, the ``amax`` of Granite-SWA's sinks, Ministral 3's float division of integer
 #: positions, LFM2's convolutions and Inkling 2's ``bitwise_or`` and vector norm were new; MiniMax
 #: is tested for its deferred guard); OPT, BioGPT and CTRL (keys with a bias) after XGLM, whose
-#: ``maximum`` was new, as DiffLlama's ``tile``; AFMoE (sigmoid-routed experts). The test below
-#: checks none of this: exporting them all would double its time.
+#: ``maximum`` was new, as DiffLlama's ``tile``; AFMoE (sigmoid-routed experts), Doge (dynamic
+#: mask attention). The test below checks none of this: exporting them all would double its
+#: time.
 LEFT_TO_THE_ZOO_RUN = {
     "gemma", "granitemoe", "helium", "mistral", "olmoe", "qwen2", "seed_oss", "smollm3",
     "arcee", "bitnet", "codegen", "cohere2", "dots1", "ernie4_5", "ernie4_5_moe", "exaone4",
@@ -55,7 +56,7 @@ LEFT_TO_THE_ZOO_RUN = {
     "hy_v3", "hyperclovax", "iquestcoder", "jais2", "kolibri1", "laguna", "mellum",
     "mimo_v2_flash", "minimax_m2", "modernbert-decoder", "nanochat", "sarvam_mla", "sarvam_moe",
     "solar_open", "youtu", "inkling_text", "lfm2_moe", "lfm3", "opt", "biogpt", "ctrl",
-    "afmoe",
+    "afmoe", "doge",
 }  # fmt: skip
 TESTED = sorted(set(ARCHITECTURES) - LEFT_TO_THE_ZOO_RUN)
 
