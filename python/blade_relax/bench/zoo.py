@@ -509,10 +509,12 @@ def table(results: Sequence[ArchitectureResult], per_row: int = 1) -> str:
     notes = _refusals([r for r in results if r.status == "refused"])
     checked = [f"{r.architecture} {len(r.float64_checked)}" for r in results if r.float64_checked]
     if checked:
+        from .runner import FLOAT64_MULTIPLIER
+
         notes.append(
             f"- † gradients whose float32 values are rounding noise ({', '.join(checked)}), "
-            "checked against torch in float64: each at most ten times as far from it as "
-            "torch's own float32 result; the error shown is over the other outputs."
+            f"checked against torch in float64: each at most {FLOAT64_MULTIPLIER:g} times as far "
+            "from it as torch's own float32 result; the error shown is over the other outputs."
         )
     return "\n".join([*lines, *([""] + notes if notes else [])])
 

@@ -3,15 +3,15 @@
 :func:`inference_reference` and :func:`training_reference` run the model the graph was
 exported from on the graph's numpy inputs and return its outputs as numpy arrays, in the
 model's precision (``ImportedGraph.reference``). With ``float64=True`` they run a float64 copy
-of it instead, copied at each call (``ImportedGraph.float64_reference``): the yardstick for an output whose float32
-value is rounding noise, such as the gradient of a bias added to every key of an attention row,
-zero in exact arithmetic because a softmax ignores a constant shift (OPT's ``k_proj.bias``).
-The benchmark's check (:mod:`blade_relax.bench.runner`) asks for it only where the float32
-comparison fails (once per length), so a model is copied only then. transformers' causal-LM loss casts the
-logits to float32 (``logits.float()``), so the loss and its gradient at the logits stay
-float32 in that copy; every gradient is still computed in float64 from there, and a gradient
-zero in exact arithmetic comes out as float64 noise (norms about 1e-20 where float32's are
-1e-11).
+of it instead, copied at each call (``ImportedGraph.float64_reference``): the yardstick for an
+output whose float32 value is rounding noise, such as the gradient of a bias added to every
+key of an attention row, zero in exact arithmetic because a softmax ignores a constant shift
+(OPT's ``k_proj.bias``). The benchmark's check (:mod:`blade_relax.bench.runner`) asks for it
+only where the float32 comparison fails (once per length), so a model is copied only then.
+transformers' causal-LM loss casts the logits to float32 (``logits.float()``), so the loss and
+its gradient at the logits stay float32 in that copy; every gradient is still computed in
+float64 from there, and a gradient zero in exact arithmetic comes out as float64 noise (norms
+about 1e-20 where float32's are 1e-11).
 """
 
 from __future__ import annotations
