@@ -456,3 +456,45 @@ def test_amax_and_amin_over_axes_and_over_everything():
         assert [g.shape for g in got] == [tuple(w.shape) for w in want]
         for g, w in zip(got, want):
             np.testing.assert_array_equal(g, w.numpy())
+
+
+def test_cumsum_of_a_bool_mask_counts_in_int64():
+    class CountValid(torch.nn.Module):
+        def forward(self, mask):
+            return mask.bool().cumsum(-1)
+
+    mask = torch.tensor([[1, 0, 1, 1, 0, 1]])
+    ep = torch.export.export(
+        CountValid(), (mask,), dynamic_shapes={"mask": {1: torch.export.Dim("s", max=64)}}
+    )
+    mod = from_exported_program(
+        ep, run_ep_decomposition=False, custom_convert_map=custom_convert_map()
+    )
+    assert mod["main"].ret_ty.fields[0].dtype == "int64"
+    (got,) = compile_and_run(mod, mask.numpy())
+    np.testing.assert_array_equal(got, [[1, 1, 2, 3, 3, 4]])
+
+
+@pytest.mark.parametrize("like", [False, True])
+def test_full_of_minus_infinity_is_a_broadcast_constant(like):
+    class Mask(torch.nn.Module):
+        def forward(self, scores):
+            if like:
+                masked = torch.full_like(scores, float("-inf"))
+            else:
+                masked = torch.full(scores.shape, float("-inf"))
+            return torch.where(scores > 0, scores, masked)
+
+    scores = torch.tensor([[0.5, -1.0, 2.0], [-0.5, 1.0, -3.0]])
+    ep = torch.export.export(
+        Mask(), (scores,), dynamic_shapes={"scores": {1: torch.export.Dim("s", max=64)}}
+    )
+    mod = from_exported_program(
+        ep, run_ep_decomposition=False, custom_convert_map=custom_convert_map()
+    )
+    (got,) = compile_and_run(mod, scores.numpy())
+    np.testing.assert_array_equal(got, Mask()(scores).numpy())
+    # TVM's own converter gives a full that its legalization rejects.
+    builtin = from_exported_program(ep, run_ep_decomposition=False)
+    with pytest.raises(TypeError, match="PrimType"):
+        tvm.compile(builtin, "llvm")

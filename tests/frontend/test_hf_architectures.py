@@ -44,7 +44,8 @@ PEAK_ABOVE_EAGER: dict[str, str] = {
 #: positions, LFM2's convolutions and Inkling 2's ``bitwise_or`` and vector norm were new; MiniMax
 #: is tested for its deferred guard); OPT, BioGPT and CTRL (keys with a bias) after XGLM, whose
 #: ``maximum`` was new, as DiffLlama's ``tile``; AFMoE (sigmoid-routed experts), Doge (dynamic
-#: mask attention). The test below checks none of this: exporting them all would double its
+#: mask attention); DeepSeek-V2 (its rotation as complex numbers is Llama 4's, its attention
+#: DeepSeek-V3's). The test below checks none of this: exporting them all would double its
 #: time.
 LEFT_TO_THE_ZOO_RUN = {
     "gemma", "granitemoe", "helium", "mistral", "olmoe", "qwen2", "seed_oss", "smollm3",
@@ -56,7 +57,7 @@ LEFT_TO_THE_ZOO_RUN = {
     "hy_v3", "hyperclovax", "iquestcoder", "jais2", "kolibri1", "laguna", "mellum",
     "mimo_v2_flash", "minimax_m2", "modernbert-decoder", "nanochat", "sarvam_mla", "sarvam_moe",
     "solar_open", "youtu", "inkling_text", "lfm2_moe", "lfm3", "opt", "biogpt", "ctrl",
-    "afmoe", "doge",
+    "afmoe", "doge", "deepseek_v2",
 }  # fmt: skip
 TESTED = sorted(set(ARCHITECTURES) - LEFT_TO_THE_ZOO_RUN)
 
@@ -76,7 +77,7 @@ def test_the_zoo_has_fifty_architectures_mixture_of_experts_among_them():
     assert {"mixtral", "qwen3_moe", "falcon", "gpt_bigcode", "bloom"} <= set(TESTED)
     assert {"nemotron", "apertus", "deepseek_v3", "gpt_oss", "mpt"} <= set(TESTED)
     assert {"dory", "granite_swa", "ministral3", "lfm2", "inkling2_text", "minimax"} <= set(TESTED)
-    assert {"xglm", "diffllama"} <= set(TESTED)
+    assert {"xglm", "diffllama", "llama4_text"} <= set(TESTED)
 
 
 @pytest.mark.parametrize("architecture", TESTED)

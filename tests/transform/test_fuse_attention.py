@@ -281,6 +281,13 @@ CausalOnly = _causal_module(
 )
 #: The mask is also read outside the attentions: it stays a tensor.
 CausalMaskAlsoRead = _causal_module("pad", "R.add(R.add(out1, out2), R.sum(mask))")
+#: The mask compares values read from a tensor (Llama 4's chunks compare positions divided by
+#: the chunk's length).
+CausalWithinChunks = _causal_module(
+    'R.equal(R.astype(pad, dtype="int64"), R.floor_divide(R.astype(pad, dtype="int64"), '
+    'R.const(16, "int64")))',
+    "R.add(out1, out2)",
+)
 # fmt: on
 
 
@@ -628,6 +635,22 @@ def test_causal_rows_stop_at_the_diagonal():
     assert padded["row_sum"][-1] == "s"
     off = _loops(FuseAttention(AttentionOptions(stop_rows=False))(CausalOnly)["fused_attention"])
     assert off["row_sum"][-1] == "s"
+
+
+def test_a_mask_comparing_tensor_values_is_not_proven_causal():
+    """TVM's simplifier cannot hash a tensor read inside a comparison (it raises a
+    ``TypeError``): such a mask is not proven causal, and the attention is fused with every
+    row running to ``s``."""
+    pass_ = FuseAttention()
+    kernel = pass_(CausalWithinChunks)["fused_attention"]
+    assert pass_.report.fused == 2
+    assert _loops(kernel)["row_sum"][-1] == "s"
+    args = _causal_args(CausalWithinChunks, 17)
+    outs = [
+        measure_call(_compiled(CausalWithinChunks, v).vm(), args).outputs
+        for v in (STOCK, ATTENTION)
+    ]
+    _assert_equal(outs[1], outs[0])
 
 
 @pytest.mark.parametrize("s", CAUSAL_LENGTHS + [40])

@@ -163,6 +163,8 @@ ARCHITECTURES: dict[str, Callable[[], Any]] = {
     "ctrl": _tiny("ctrl", dff=64),
     "cwm": _tiny("cwm", sliding_window=_WINDOW),
     # Multi-head latent attention, routed experts and a shared one.
+    # Queries and keys rotated as complex numbers (as Llama 4's).
+    "deepseek_v2": _mla("deepseek_v2", **_ROUTED_AND_SHARED, n_group=1),
     "deepseek_v3": _mla("deepseek_v3", **_ROUTED_AND_SHARED, n_group=1, topk_group=1),
     # Differential attention: two softmax maps, the second scaled by a learned lambda.
     "diffllama": _tiny("diffllama"),
@@ -240,6 +242,14 @@ ARCHITECTURES: dict[str, Callable[[], Any]] = {
         "lfm3", pad_token_id=0, layer_types=["conv", "sliding_attention"], sliding_window=_WINDOW
     ),
     "llama": _tiny("llama"),
+    # Chunked attention, top-1 experts, rotary embeddings as complex numbers.
+    "llama4_text": _tiny(
+        "llama4_text",
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        intermediate_size_mlp=64,
+        attention_chunk_size=_WINDOW,
+    ),
     "mellum": _tiny("mellum", **_MOE, moe_intermediate_size=32, sliding_window=_WINDOW),
     "mimo_v2_flash": _tiny("mimo_v2_flash", **_ROUTED, v_head_dim=8, sliding_window=_WINDOW),
     # Multi-head latent attention in a dense model.
@@ -302,25 +312,11 @@ ARCHITECTURES: dict[str, Callable[[], Any]] = {
     "xglm": _tiny("xglm", ffn_dim=64),
     "youtu": _mla("youtu"),
 }
-#: The operators that rotate queries and keys as complex numbers, which Relax has no type for.
-_COMPLEX = ("_conj.default", "polar.default", "view_as_complex.default", "view_as_real.default")
-#: Architectures refused at import, with the operators that refuse them: DeepSeek-V2 and Llama 4
-#: (text; chunked attention, top-1 experts) rotate as complex numbers (the mixture-of-experts
-#: models once here import since :mod:`blade_relax.frontend.moe`; Llama 4's export since
-#: :mod:`blade_relax.frontend.guards`).
-REFUSED: dict[str, tuple[Callable[[], Any], tuple[str, ...]]] = {
-    "deepseek_v2": (_mla("deepseek_v2", **_ROUTED_AND_SHARED, n_group=1), _COMPLEX),
-    "llama4_text": (
-        _tiny(
-            "llama4_text",
-            num_local_experts=4,
-            num_experts_per_tok=1,
-            intermediate_size_mlp=64,
-            attention_chunk_size=_WINDOW,
-        ),
-        _COMPLEX,
-    ),
-}
+#: Architectures refused at import, each with the operators that refuse it. None today: the
+#: mixture-of-experts models once here import since :mod:`blade_relax.frontend.moe`, Llama 4's
+#: export since :mod:`blade_relax.frontend.guards`, and DeepSeek-V2's and Llama 4's rotation as
+#: complex numbers since :mod:`blade_relax.frontend.complex_pairs`.
+REFUSED: dict[str, tuple[Callable[[], Any], tuple[str, ...]]] = {}
 
 
 @dataclass
@@ -520,8 +516,7 @@ def table(results: Sequence[ArchitectureResult], per_row: int = 1) -> str:
 
 
 def _refusals(refused: Sequence[ArchitectureResult]) -> list[str]:
-    """A line per reason of refusal, naming the architectures it refuses (DeepSeek-V2's and
-    Llama 4's complex rotation is one)."""
+    """A line per reason of refusal, naming the architectures it refuses."""
     names: dict[str, list[str]] = {}
     for r in refused:
         prefix = f"{r.architecture} is not supported: "

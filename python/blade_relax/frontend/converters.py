@@ -72,6 +72,16 @@ Those of a mixture-of-experts layer are in :mod:`.moe`, the backward of a convol
     ``rounding_mode="trunc"`` (``index_sorted_experts.div(top_k, rounding_mode="trunc")``): it
     is the floor quotient plus one where the division is inexact and the operands have
     opposite signs.
+``cumsum.default``
+    torch sums booleans and integers as int64 (``cumsum`` of a bool mask, as Llama 4's export
+    has); TVM's converter keeps the input's dtype, and LLVM's code generator rejects an add of
+    booleans. The input is cast to the dtype torch gives the sum (the FX node's value) first.
+``full.default``, ``full_like.default`` with an infinite or NaN value
+    Llama 4's chunked attention masks with ``full_like(scores, -inf)``. TVM's legalization of
+    ``full`` tests the dtype of an infinite fill value as a string while it is a ``PrimType``
+    (``TypeError: argument of type 'PrimType' is not iterable``), for every dtype. The tensor
+    becomes the value broadcast to the shape (``broadcast_to`` of a constant), which legalizes;
+    finite values keep the built-in converters.
 ``amax.default``, ``amin.default``
     Absent from TVM's importer. torch decomposes ``logsumexp`` with ``amax`` (the sinks of
     Granite's sliding-window variants scale each head's output by
@@ -119,6 +129,7 @@ Those of a mixture-of-experts layer are in :mod:`.moe`, the backward of a convol
 from __future__ import annotations
 
 import functools
+import math
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -381,6 +392,29 @@ def _trunc_divide(bb: Any, lhs: relax.Expr, rhs: relax.Expr, dtype: str) -> rela
     return bb.emit(relax.op.add(quotient, adjust))
 
 
+def _cumsum(node: Any, importer: Any) -> relax.Var:
+    """``cumsum`` in the dtype torch gives the sum (int64 for booleans and integers)."""
+    args = importer.retrieve_args(node)
+    dtype = _value_dtype(node, importer, fallback=str(args[0].ty.dtype))
+    axis = node.args[1] if len(node.args) > 1 else node.kwargs["dim"]
+    bb = importer.block_builder
+    return bb.emit(relax.op.cumsum(_cast(bb, args[0], dtype), axis=axis))
+
+
+def _full(node: Any, importer: Any, like: bool) -> relax.Var:
+    """``full`` / ``full_like``: a non-finite value broadcast to the shape, else TVM's own."""
+    args = importer.retrieve_args(node)
+    value = args[1]
+    if not isinstance(value, float) or math.isfinite(value):
+        return importer._full_like(node) if like else importer._full(node)
+    dtype = importer._convert_data_type(node.meta["val"].dtype, importer.env)
+    if like:
+        shape = importer.shape_of(args[0])
+    else:
+        shape = relax.ShapeExpr(args[0] if isinstance(args[0], list | tuple) else (args[0],))
+    return importer.block_builder.emit(relax.op.broadcast_to(relax.const(value, dtype), shape))
+
+
 def _extreme(node: Any, importer: Any, largest: bool) -> relax.Var:
     """``amax`` / ``amin``: the largest (smallest) values along ``dim`` (every axis when it is
     empty, as in torch)."""
@@ -604,12 +638,15 @@ CUSTOM_CONVERTERS: dict[str, Callable[[Any, Any], relax.Var]] = {
     "amax.default": functools.partial(_extreme, largest=True),
     "amin.default": functools.partial(_extreme, largest=False),
     "bmm.default": _matmul,
+    "cumsum.default": _cumsum,
     "div.Scalar": _true_divide,
     "div.Tensor": _true_divide,
     "div.Tensor_mode": _div_mode,
     "empty.default": _empty,
     "empty.memory_format": _empty,
     "empty_permuted.default": _empty,
+    "full.default": functools.partial(_full, like=False),
+    "full_like.default": functools.partial(_full, like=True),
     "index.Tensor": _index_tensor,
     "index_put.default": _index_put,
     "matmul.default": _matmul,

@@ -37,6 +37,7 @@ import tvm
 from tvm import relax
 
 from .attention import export_settings
+from .complex_pairs import as_real_pairs
 from .converters import custom_convert_map
 from .guards import drop_proven_asserts, export
 from .imported import (
@@ -388,6 +389,7 @@ def _import(
     handles is refused with :class:`UnsupportedOperatorError` (TVM asserts, naming them)."""
     from tvm.relax.frontend.torch import from_exported_program
 
+    as_real_pairs(ep)  # Relax has no complex dtype
     try:
         return from_exported_program(
             ep,
