@@ -75,7 +75,8 @@ Those of a mixture-of-experts layer are in :mod:`.moe`, the backward of a convol
 ``cumsum.default``
     torch sums booleans and integers as int64 (``cumsum`` of a bool mask, as Llama 4's export
     has); TVM's converter keeps the input's dtype, and LLVM's code generator rejects an add of
-    booleans. The input is cast to the dtype torch gives the sum (the FX node's value) first.
+    booleans. Where no ``dtype`` is passed, the input is cast to the dtype torch gives the sum
+    (the FX node's value) first.
 ``full.default``, ``full_like.default`` with an infinite or NaN value
     Llama 4's chunked attention masks with ``full_like(scores, -inf)``. TVM's legalization of
     ``full`` tests the dtype of an infinite fill value as a string while it is a ``PrimType``
@@ -393,12 +394,15 @@ def _trunc_divide(bb: Any, lhs: relax.Expr, rhs: relax.Expr, dtype: str) -> rela
 
 
 def _cumsum(node: Any, importer: Any) -> relax.Var:
-    """``cumsum`` in the dtype torch gives the sum (int64 for booleans and integers)."""
-    args = importer.retrieve_args(node)
-    dtype = _value_dtype(node, importer, fallback=str(args[0].ty.dtype))
+    """``cumsum`` in the dtype torch gives the sum where no ``dtype`` is passed (int64 for
+    booleans and integers); TVM's own converter where one is, or where the input has it."""
+    x = importer.retrieve_args(node)[0]
+    dtype = _value_dtype(node, importer, fallback=str(x.ty.dtype))
+    if node.kwargs.get("dtype") is not None or dtype == str(x.ty.dtype):
+        return importer._cumsum(node)
     axis = node.args[1] if len(node.args) > 1 else node.kwargs["dim"]
     bb = importer.block_builder
-    return bb.emit(relax.op.cumsum(_cast(bb, args[0], dtype), axis=axis))
+    return bb.emit(relax.op.cumsum(_cast(bb, x, dtype), axis=axis))
 
 
 def _full(node: Any, importer: Any, like: bool) -> relax.Var:
