@@ -9,7 +9,7 @@ import tvm
 from tvm import relax
 
 from blade_relax.frontend import GuardError
-from blade_relax.frontend.guards import drop_proven_asserts, export
+from blade_relax.frontend.guards import decompose_checked, drop_proven_asserts, export
 from blade_relax.frontend.hf import _import
 
 torch = pytest.importorskip("torch")
@@ -52,6 +52,30 @@ def test_a_guard_that_holds_is_dropped_and_the_graph_imports():
         got = vm["main"](tvm.runtime.tensor(x.numpy()))
         got = got[0] if not hasattr(got, "numpy") else got
         np.testing.assert_array_equal(got.numpy(), Window(256)(x).numpy())
+
+
+def _asserts(program) -> int:
+    return sum(n.target is torch.ops.aten._assert_scalar.default for n in program.graph.nodes)
+
+
+def test_decompositions_put_the_guards_back_and_they_are_checked_after_them():
+    """torch's decompositions trace the graph again and put the deferred guard back (what
+    ``import_inference`` decomposes); checked after them, it is dropped where it holds and
+    refuses where it fails."""
+    program, _ = export(Window(256), (torch.randn(1, 8),), _dims(min=2, max=64))
+    drop_proven_asserts(program)
+    assert _asserts(program) == 0 and _asserts(program.run_decompositions()) == 1
+    decomposed = decompose_checked(program)
+    assert _asserts(decomposed) == 0
+    vm = relax.VirtualMachine(tvm.compile(_import(decomposed, None, False), "llvm"), tvm.cpu())
+    for length in (2, 64):
+        x = torch.randn(1, length)
+        got = vm["main"](tvm.runtime.tensor(x.numpy()))
+        got = got[0] if not hasattr(got, "numpy") else got
+        np.testing.assert_array_equal(got.numpy(), Window(256)(x).numpy())
+    failing, _ = export(Clamped(), (torch.randn(1, 8),), _dims(min=2, max=64))
+    with pytest.raises(GuardError, match=r"fails at s\d* = 11"):
+        decompose_checked(failing)
 
 
 def test_a_model_torch_can_prove_is_exported_as_before():

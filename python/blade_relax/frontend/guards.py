@@ -24,7 +24,7 @@ import itertools
 import math
 from typing import Any
 
-__all__ = ["GuardError", "drop_proven_asserts", "export"]
+__all__ = ["GuardError", "decompose_checked", "drop_proven_asserts", "export"]
 
 #: Most size combinations an assertion is evaluated at; beyond, the import is refused.
 MAX_CHECKED = 1_000_000
@@ -55,6 +55,19 @@ def export(module: Any, example: tuple, dynamic: Any) -> tuple[Any, bool]:
         module, example, dynamic_shapes=dynamic, prefer_deferred_runtime_asserts_over_guards=True
     )
     return deferred, True
+
+
+def decompose_checked(program: Any) -> Any:
+    """``program.run_decompositions()``, its deferred guards checked and dropped after it.
+
+    The decompositions trace the graph again and put the deferred guards back, new ones among
+    them (MiniMax's inference graph gets ``Ne(m, m**2)`` for ``m = min(256, s)``, through
+    ``sym_not``, which TVM has no converter for): dropping them before would leave those
+    unchecked. Raises :class:`GuardError` as :func:`drop_proven_asserts` does.
+    """
+    decomposed = program.run_decompositions()
+    drop_proven_asserts(decomposed)
+    return decomposed
 
 
 def drop_proven_asserts(program: Any) -> int:

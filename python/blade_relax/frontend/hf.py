@@ -39,7 +39,7 @@ from tvm import relax
 from .attention import export_settings
 from .complex_pairs import as_real_pairs
 from .converters import custom_convert_map
-from .guards import drop_proven_asserts, export
+from .guards import decompose_checked, drop_proven_asserts, export
 from .imported import (
     LOWER_BOUND_ATTR,
     SIZE_OPTIONS,
@@ -465,8 +465,10 @@ def import_inference(
     with export_settings(model, attn_implementation):
         ep, deferred = export(wrapper, example, dynamic)
         if deferred:
-            drop_proven_asserts(ep)
-        mod = _import(ep, custom_converters, decompose=True, architecture=_model_type(model))
+            ep = decompose_checked(ep)
+        mod = _import(
+            ep, custom_converters, decompose=not deferred, architecture=_model_type(model)
+        )
     mod, names, arrays = _finish(mod, ep, 1, dynamic["input_ids"], keep_upper_bound)
     batch_axis: int | str = "b" if max_batch_size is not None else batch_size
     named = dict(model.named_parameters(remove_duplicate=False))
