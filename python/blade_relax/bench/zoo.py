@@ -162,8 +162,8 @@ ARCHITECTURES: dict[str, Callable[[], Any]] = {
     # Keys with a bias, whose gradient is zero in exact arithmetic (see the module docstring).
     "ctrl": _tiny("ctrl", dff=64),
     "cwm": _tiny("cwm", sliding_window=_WINDOW),
-    # Multi-head latent attention, routed experts and a shared one.
-    # Queries and keys rotated as complex numbers (as Llama 4's).
+    # Multi-head latent attention, routed experts and a shared one; DeepSeek-V2 rotates queries
+    # and keys as complex numbers, as Llama 4 does.
     "deepseek_v2": _mla("deepseek_v2", **_ROUTED_AND_SHARED, n_group=1),
     "deepseek_v3": _mla("deepseek_v3", **_ROUTED_AND_SHARED, n_group=1, topk_group=1),
     # Differential attention: two softmax maps, the second scaled by a learned lambda.

@@ -385,11 +385,13 @@ def _import(
     accumulate: str | None = None,
     architecture: str | None = None,
 ) -> tvm.IRModule:
-    """``from_exported_program`` with our converters; a model with operators no converter
-    handles is refused with :class:`UnsupportedOperatorError` (TVM asserts, naming them)."""
+    """``from_exported_program`` with our converters, complex tensors first rewritten as real
+    pairs (:mod:`.complex_pairs`; ``ep`` is changed in place); a model with operators no
+    converter handles is refused with :class:`UnsupportedOperatorError` (TVM asserts, naming
+    them)."""
     from tvm.relax.frontend.torch import from_exported_program
 
-    as_real_pairs(ep)  # Relax has no complex dtype
+    as_real_pairs(ep)
     try:
         return from_exported_program(
             ep,
