@@ -20,11 +20,19 @@ complex tensors becomes ATen operators on those pairs, which the importer conver
     pair, or a real number): the pair times ``w``.
 ``add(z, w)``, ``sub(z, w)``
     Both complex, without ``alpha``: on the pairs.
-``_conj(z)``, ``conj_physical(z)``
+``_conj(z)``, ``conj_physical(z)``, ``_conj_physical(z)``
     ``(zr, -zi)``.
-``unsqueeze``, ``clone``, ``alias``, ``detach``, ``to`` and ``_to_copy`` between complex dtypes
-    The same operator on the pair (a new axis before the pair's; ``complex64`` is ``float32``
-    pairs, ``complex128`` ``float64``).
+``unsqueeze``, ``squeeze``, ``sum``, ``permute``
+    The same operator on the pair, its axes counted from the start (an axis counted from the
+    end would name another one once the pair's axis is last; where ``sum`` or ``squeeze`` names
+    none, every axis of the complex tensor).
+``view``, ``reshape``, ``expand``
+    The same operator to the complex shape followed by the pair's 2.
+``neg``, ``clone``, ``alias``, ``detach``
+    The same operator on the pair.
+``to`` and ``_to_copy`` to a complex dtype
+    The pair in the matching real dtype (``complex64`` is ``float32`` pairs, ``complex128``
+    ``float64``); a real tensor made complex gets an imaginary part of zeros.
 ``_assert_tensor_metadata(z, dtype=complex)``
     Removed: it checks the dtype of a tensor that is no longer complex.
 
@@ -69,11 +77,12 @@ def as_real_pairs(program: Any) -> int:
     fake_mode = torch._guards.detect_fake_mode(
         [n.meta["val"] for n in graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
     )
+    rules, _ = _rules()
     pairs: dict[Any, Any] = {}
     for node in complex_nodes:
         emit = _Emitter(graph, node, fake_mode)
         with graph.inserting_before(node):
-            result = _rules()[0][node.target](emit, node, pairs)
+            result = rules[node.target](emit, node, pairs)
         if _is_complex(node):
             pairs[node] = result
         elif result is not None:
