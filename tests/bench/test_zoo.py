@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 from blade_relax.bench import docs, zoo
-from blade_relax.bench.zoo import ArchitectureResult, main, table
+from blade_relax.bench.zoo import ArchitectureResult, InferenceResult, main, table
 
 ROWS = [
     ArchitectureResult("a", "supported", (5, 17), (100, 90), (100, 100), 1e-7),
@@ -57,6 +60,54 @@ def test_outputs_checked_against_float64_are_marked_and_named():
     # A document written before the field existed still reads.
     old = {k: v for k, v in vars(ROWS[0]).items() if k != "float64_checked"}
     assert ArchitectureResult(**old).float64_checked == ()
+
+
+INFERRED = [
+    ArchitectureResult(
+        "a",
+        "supported",
+        (5, 17),
+        (100, 90),
+        (100, 100),
+        1e-7,
+        inference=InferenceResult("supported", (80, 90), (100, 100), 3e-7),
+    ),
+    ArchitectureResult(
+        "b",
+        "supported",
+        (5, 17),
+        (100, 100),
+        (100, 100),
+        2e-7,
+        inference=InferenceResult("refused", reason="b is not supported: no converter for z"),
+    ),
+    ArchitectureResult("c", "supported", (5, 17), (100, 100), (100, 100), 2e-7),
+]
+
+
+def test_the_inference_import_has_two_columns_and_a_line_per_reason():
+    lines = table(INFERRED).splitlines()
+    assert lines[0].endswith("| peak ÷ eager at s = 5, 17 | inference: error | peak ÷ eager |")
+    assert lines[1] == "|---|---:|---|---:|---|"
+    assert lines[2] == "| a | 1.0e-07 | 1.000, 0.900 | 3.0e-07 | 0.800, 0.900 |"
+    assert lines[3] == "| b | 2.0e-07 | 1.000, 1.000 | refused (below) |  |"
+    assert lines[4] == "| c | 2.0e-07 | 1.000, 1.000 | not measured |  |"
+    assert lines[-1] == "- b's inference import: refused, b is not supported: no converter for z"
+    assert INFERRED[0].inference.at_or_below_eager and not INFERRED[1].inference.at_or_below_eager
+
+
+def test_a_document_with_inference_reads_back_and_counts_it():
+    rows = [dataclasses.asdict(r) for r in INFERRED]
+    again = [ArchitectureResult(**json.loads(json.dumps(row))) for row in rows]
+    assert again[0].inference == InferenceResult("supported", [80, 90], [100, 100], 3e-7)
+    assert again[2].inference is None
+    document = {
+        "provenance": {"commit": "abc1234", "date": "2026-12-03", "command": "zoo --out f"},
+        "results": rows,
+    }
+    block = docs.architectures_block(document)
+    assert "3 match torch (loss and every gradient), 3 of them at or below" in block
+    assert "for inference (`input_ids -> logits`), 1 match torch's logits, 1 of them" in block
 
 
 def test_readme_block_from_a_document():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from blade_relax.bench import zoo
 from blade_relax.bench.zoo import ARCHITECTURES, REFUSED, check_architecture
 
 torch = pytest.importorskip("torch")
@@ -117,3 +118,13 @@ def test_layers_of_one_kind_are_tested_once():
     assert layers_tested("gemma2") == 2
     assert layers_tested("llama") == layers_tested("qwen3") == layers_tested("mixtral") == 1
     assert sum(layers_tested(a) == 2 for a in TESTED) >= 1
+
+
+def test_inference_import_matches_torch_within_its_peak():
+    """Inkling's relative-position logits, ``(s * heads, 16) @ (16, 512)`` moved to ``(heads, s,
+    512)``: the transpose goes onto the 16-wide operand (``SimplifyTransposes``), else the
+    product and its moved copy are live together and the forward peaks above torch eager's."""
+    config = zoo._first_layers(ARCHITECTURES["inkling_text"](), 1)
+    result = zoo.check_inference(zoo._model(config))
+    assert result.status == "supported", result
+    assert result.at_or_below_eager, (result.peaks, result.eager_peaks)

@@ -144,6 +144,71 @@ def reused_elements(var_x: T.handle, var_w: T.handle, var_out: T.handle):
             with T.init():
                 out[v_i0, v_i1] = T.float32(0.0)
             out[v_i0, v_i1] = out[v_i0, v_i1] + scaled[v_i0, v_k] * w[v_k, v_i1]
+
+
+@T.prim_func(private=True, s_tir=True)
+def transpose_split(var_x: T.handle, var_q: T.handle, var_k: T.handle, var_v: T.handle):
+    """What FuseTIR makes of a fused ``qkv`` projection moved to ``(heads, s, 3 * d)`` and split
+    in three: each part reads a third of the moved copy."""
+    T.func_attr({"tirx.noalias": True})
+    s = T.int64()
+    x = T.match_buffer(var_x, (s, T.int64(2), T.int64(6)))
+    q = T.match_buffer(var_q, (T.int64(2), s, T.int64(2)))
+    k = T.match_buffer(var_k, (T.int64(2), s, T.int64(2)))
+    v = T.match_buffer(var_v, (T.int64(2), s, T.int64(2)))
+    moved = T.sblock_alloc_buffer((T.int64(2), s, T.int64(6)))
+    for i0, i1, i2 in T.grid(T.int64(2), s, T.int64(6)):
+        with T.sblock("T_transpose"):
+            v0, v1, v2 = T.axis.remap("SSS", [i0, i1, i2])
+            T.reads(x[v1, v0, v2])
+            T.writes(moved[v0, v1, v2])
+            moved[v0, v1, v2] = x[v1, v0, v2]
+    for i0, i1, i2 in T.grid(T.int64(2), s, T.int64(2)):
+        with T.sblock("T_split"):
+            v0, v1, v2 = T.axis.remap("SSS", [i0, i1, i2])
+            T.reads(moved[v0, v1, v2])
+            T.writes(q[v0, v1, v2])
+            q[v0, v1, v2] = moved[v0, v1, v2]
+    for i0, i1, i2 in T.grid(T.int64(2), s, T.int64(2)):
+        with T.sblock("T_split_1"):
+            v0, v1, v2 = T.axis.remap("SSS", [i0, i1, i2])
+            T.reads(moved[v0, v1, v2 + T.int64(2)])
+            T.writes(k[v0, v1, v2])
+            k[v0, v1, v2] = moved[v0, v1, v2 + T.int64(2)]
+    for i0, i1, i2 in T.grid(T.int64(2), s, T.int64(2)):
+        with T.sblock("T_split_2"):
+            v0, v1, v2 = T.axis.remap("SSS", [i0, i1, i2])
+            T.reads(moved[v0, v1, v2 + T.int64(4)])
+            T.writes(v[v0, v1, v2])
+            v[v0, v1, v2] = moved[v0, v1, v2 + T.int64(4)]
+
+
+@T.prim_func(private=True, s_tir=True)
+def transpose_split_expected(var_x: T.handle, var_q: T.handle, var_k: T.handle, var_v: T.handle):
+    T.func_attr({"tirx.noalias": True})
+    s = T.int64()
+    x = T.match_buffer(var_x, (s, T.int64(2), T.int64(6)))
+    q = T.match_buffer(var_q, (T.int64(2), s, T.int64(2)))
+    k = T.match_buffer(var_k, (T.int64(2), s, T.int64(2)))
+    v = T.match_buffer(var_v, (T.int64(2), s, T.int64(2)))
+    for i0, i1, i2 in T.grid(T.int64(2), s, T.int64(2)):
+        with T.sblock("T_split"):
+            v0, v1, v2 = T.axis.remap("SSS", [i0, i1, i2])
+            T.reads(x[v1, v0, v2])
+            T.writes(q[v0, v1, v2])
+            q[v0, v1, v2] = x[v1, v0, v2]
+    for i0, i1, i2 in T.grid(T.int64(2), s, T.int64(2)):
+        with T.sblock("T_split_1"):
+            v0, v1, v2 = T.axis.remap("SSS", [i0, i1, i2])
+            T.reads(x[v1, v0, v2 + T.int64(2)])
+            T.writes(k[v0, v1, v2])
+            k[v0, v1, v2] = x[v1, v0, v2 + T.int64(2)]
+    for i0, i1, i2 in T.grid(T.int64(2), s, T.int64(2)):
+        with T.sblock("T_split_2"):
+            v0, v1, v2 = T.axis.remap("SSS", [i0, i1, i2])
+            T.reads(x[v1, v0, v2 + T.int64(4)])
+            T.writes(v[v0, v1, v2])
+            v[v0, v1, v2] = x[v1, v0, v2 + T.int64(4)]
 # fmt: on
 
 
@@ -183,6 +248,38 @@ def test_reduction_readers_run_per_slice():
 def test_reused_elements_are_not_recomputed():
     func, report = inline_intermediates(reused_elements, InlineOptions(epilogues=False, rows=False))
     assert report.inlined == 0 and func.same_as(reused_elements)
+
+
+def test_parts_of_a_split_read_the_moved_copy_once_in_all():
+    """Three readers, each of a third: inlined (each element still computed once), where three
+    readers of the whole would not be (three times the work, more than ``max_consumers``)."""
+    func, report = inline_intermediates(transpose_split)
+    assert report.inlined == 1
+    tvm.ir.assert_structural_equal(func, transpose_split_expected)
+    x = np.random.default_rng(3).standard_normal((5, 2, 6)).astype("float32")
+    outs = []
+    for kernel in (transpose_split, func):
+        lib = tvm.compile(kernel.with_attr("global_symbol", "main"), "llvm")
+        parts = [tvm.runtime.tensor(np.zeros((2, 5, 2), "float32")) for _ in range(3)]
+        lib["main"](tvm.runtime.tensor(x), *parts)
+        outs.append(np.concatenate([p.numpy() for p in parts], axis=-1))
+    np.testing.assert_array_equal(outs[0], x.transpose(1, 0, 2))
+    np.testing.assert_array_equal(outs[1], outs[0])
+    # Readers that overlap: each reads two thirds, four thirds of the work in all (within 2x).
+    wide = inline_intermediates(_widened(transpose_split, 4), InlineOptions(rows=False))[1]
+    assert wide.inlined == 1
+    # Three readers of the whole: three times the work, more than max_consumers = 2.
+    whole = inline_intermediates(_widened(transpose_split, 6), InlineOptions(rows=False))[1]
+    assert whole.inlined == 0
+
+
+def _widened(func: tvm.tirx.PrimFunc, width: int) -> tvm.tirx.PrimFunc:
+    """``transpose_split`` with parts ``width`` wide instead of 2 (they overlap), each reading
+    the moved copy from offset 0."""
+    script = func.script().replace("T.int64(2), s, T.int64(2)", f"T.int64(2), s, T.int64({width})")
+    for offset in (2, 4):
+        script = script.replace(f"v2 + T.int64({offset})", "v2")
+    return tvm.script.from_source(script)
 
 
 def test_producers_run_per_row_of_their_reader():

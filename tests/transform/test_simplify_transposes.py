@@ -240,6 +240,89 @@ class Batched:
 # fmt: on
 
 
+# fmt: off
+@I.ir_module
+class RowTransposes:
+    """Transposes of a product's rows: a relative-position projection's ``(s * 4, 2) @ (2, 8)``
+    moved to ``(1, 4, s, 8)``, and one without a reshape."""
+
+    @R.function
+    def main(x: R.Tensor((1, "s", 4, 2), "float32"), w: R.Tensor((2, 8), "float32"), v: R.Tensor(("s", 4, 2), "float32")):
+        s = T.int64()
+        with R.dataflow():
+            a = R.reshape(x, R.shape([s * 4, 2]))
+            m = R.matmul(a, w)
+            r = R.reshape(m, R.shape([1, s, 4, 8]))
+            t = R.permute_dims(r, axes=[0, 2, 1, 3])
+            mv = R.matmul(v, w, out_dtype="float32")
+            tv = R.permute_dims(mv, axes=[1, 0, 2])
+            R.output(t, tv)
+        return (t, tv)
+
+
+@I.ir_module
+class RowTransposesExpected:
+    @R.function
+    def main(x: R.Tensor((1, "s", 4, 2), "float32"), w: R.Tensor((2, 8), "float32"), v: R.Tensor(("s", 4, 2), "float32")):
+        s = T.int64()
+        with R.dataflow():
+            a = R.reshape(x, R.shape([s * 4, 2]))
+            a_rows = R.reshape(a, R.shape([1, s, 4, 2]))
+            a_moved = R.permute_dims(a_rows, axes=[0, 2, 1, 3])
+            t = R.matmul(a_moved, w)
+            v_moved = R.permute_dims(v, axes=[1, 0, 2])
+            tv = R.matmul(v_moved, w, out_dtype="float32")
+            R.output(t, tv)
+        return (t, tv)
+
+
+@I.ir_module
+class RowTransposesKept:
+    """Transposes stage 3 leaves: onto a wider operand, of a product read elsewhere too, of a
+    product's columns, after a reshape of its last axis, after a product with a batched
+    weight."""
+
+    @R.function
+    def main(x: R.Tensor(("s", 4, 8), "float32"), w: R.Tensor((8, 2), "float32"), u: R.Tensor(("s", 4, 2), "float32"), w8: R.Tensor((2, 8), "float32"), wb: R.Tensor((4, 2, 8), "float32")):
+        s = T.int64()
+        with R.dataflow():
+            narrow = R.matmul(x, w)
+            wider = R.permute_dims(narrow, axes=[1, 0, 2])
+            shared = R.matmul(u, w8)
+            shared_t = R.permute_dims(shared, axes=[1, 0, 2])
+            product = R.matmul(u, w8)
+            columns = R.permute_dims(product, axes=[0, 2, 1])
+            product2 = R.matmul(u, w8)
+            split = R.reshape(product2, R.shape([s, 4, 2, 4]))
+            split_t = R.permute_dims(split, axes=[1, 0, 2, 3])
+            u_t = R.permute_dims(u, axes=[1, 0, 2])
+            per_head = R.matmul(u_t, wb)
+            batched = R.permute_dims(per_head, axes=[1, 0, 2])
+            R.output(wider, shared, shared_t, columns, split_t, batched)
+        return (wider, shared, shared_t, columns, split_t, batched)
+# fmt: on
+
+
+def test_row_transposes_move_onto_the_narrower_operand():
+    pass_ = SimplifyTransposes()
+    tvm.ir.assert_structural_equal(pass_(RowTransposes), RowTransposesExpected)
+    assert pass_.report.moved == 2
+    assert pass_.last_result["main"].changes == (
+        "2 transposes moved onto a matmul's narrower operand",
+    )
+
+
+def test_row_transposes_that_would_not_narrow_stay():
+    pass_ = SimplifyTransposes(TransposeOptions(compose=False, fuse_matmul=False))
+    assert pass_(RowTransposesKept).same_as(RowTransposesKept)
+    assert pass_.report.moved == 0
+
+
+def test_options_switch_the_move_off():
+    pass_ = SimplifyTransposes(TransposeOptions(move_to_narrow_operand=False))
+    assert pass_(RowTransposes).same_as(RowTransposes)
+
+
 def _run(mod: tvm.IRModule, args: list[np.ndarray]) -> list[np.ndarray]:
     exe = tvm.compile(mod, "llvm")
     vm = relax.VirtualMachine(exe, tvm.cpu())
@@ -262,6 +345,18 @@ def test_results_equal_the_untransformed_program(module, s):
     args = [rng.standard_normal(shape).astype("float32") for shape in shapes]
     for want, got in zip(_run(module, args), _run(transformed, args)):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("s", [1, 6, 33])
+def test_moved_transposes_give_the_untransformed_results(s):
+    rng = np.random.default_rng(s)
+    args = [
+        rng.standard_normal(shape).astype("float32") for shape in ((1, s, 4, 2), (2, 8), (s, 4, 2))
+    ]
+    want = _run(RowTransposes, args)
+    got = _run(SimplifyTransposes()(RowTransposes), args)
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(g, w)
 
 
 def test_default_pipeline_allocates_no_transposed_weight():

@@ -621,11 +621,20 @@ def architectures_block(document: Mapping[str, Any]) -> str:
     prov = document["provenance"]
     supported = [r for r in results if r.status == "supported"]
     below = [r for r in supported if r.at_or_below_eager]
+    inferred = [r.inference for r in results if r.inference is not None]
+    inference = ""
+    if inferred:
+        matching = [r for r in inferred if r.status == "supported"]
+        lower = [r for r in matching if r.at_or_below_eager]
+        inference = (
+            f"; imported for inference (`input_ids -> logits`), {len(matching)} match torch's "
+            f"logits, {len(lower)} of them at or below its peak at every length"
+        )
     lines = [
         ARCHITECTURES_BEGIN,
         f"Each architecture's tiny config (2 layers, width 32, random weights) as a training "
         f"step: {len(supported)} match torch (loss and every gradient), {len(below)} of them at "
-        f"or below `torch-eager`'s peak at every length; measured at commit "
+        f"or below `torch-eager`'s peak at every length{inference}; measured at commit "
         f"`{prov['commit']}` on {prov['date']} by `{prov['command']}`.",
         "",
         table(results, per_row=7),

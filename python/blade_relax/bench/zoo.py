@@ -1,6 +1,7 @@
 """The architecture zoo: causal LMs of transformers' mapping, tiny configs with random weights,
 each imported as a training step, compiled with the default pipeline, checked against torch
-(loss and every gradient) and measured against torch eager's peak at a few lengths.
+(loss and every gradient) and measured against torch eager's peak at a few lengths; then
+imported for inference (``input_ids -> logits``), checked and measured the same way.
 
 ``python -m blade_relax.bench.zoo --out docs/results/architectures.json`` runs every entry of
 :data:`ARCHITECTURES` and :data:`REFUSED` and prints a table; ``python -m blade_relax.bench.docs``
@@ -344,6 +345,10 @@ class ArchitectureResult:
         Why it was refused (the operators and what they do).
     seconds
         Import, compilation and measurement, in seconds.
+    inference
+        The same for the inference import (:func:`check_inference`): its status, peaks,
+        torch eager's peaks, largest relative error of the logits and reason; ``None`` where
+        it was not measured.
     """
 
     architecture: str
@@ -355,19 +360,51 @@ class ArchitectureResult:
     reason: str = ""
     seconds: float = 0.0
     float64_checked: tuple[str, ...] = ()
+    inference: InferenceResult | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.inference, dict):  # read back from the JSON document
+            self.inference = InferenceResult(**self.inference)
 
     @property
     def peak_ratios(self) -> tuple[float | None, ...]:
         """``blade-relax``'s peak over torch eager's, per length (None where a run failed)."""
-        return tuple(
-            None if ours is None or not eager else ours / eager
-            for ours, eager in zip(self.peaks, self.eager_peaks)
-        )
+        return _ratios(self.peaks, self.eager_peaks)
 
     @property
     def at_or_below_eager(self) -> bool:
-        ratios = self.peak_ratios
-        return bool(ratios) and all(r is not None and r <= 1.0 for r in ratios)
+        return _all_at_most_one(self.peak_ratios)
+
+
+@dataclass
+class InferenceResult:
+    """What :func:`check_inference` found for one architecture (fields as in
+    :class:`ArchitectureResult`; the error is the logits')."""
+
+    status: str
+    peaks: tuple[int, ...] = ()
+    eager_peaks: tuple[int, ...] = ()
+    max_rel_error: float | None = None
+    reason: str = ""
+
+    @property
+    def peak_ratios(self) -> tuple[float | None, ...]:
+        return _ratios(self.peaks, self.eager_peaks)
+
+    @property
+    def at_or_below_eager(self) -> bool:
+        return _all_at_most_one(self.peak_ratios)
+
+
+def _ratios(peaks: Sequence[int | None], eager_peaks: Sequence[int]) -> tuple[float | None, ...]:
+    return tuple(
+        None if ours is None or not eager else ours / eager
+        for ours, eager in zip(peaks, eager_peaks)
+    )
+
+
+def _all_at_most_one(ratios: Sequence[float | None]) -> bool:
+    return bool(ratios) and all(r is not None and r <= 1.0 for r in ratios)
 
 
 #: Parameters the zoo draws again (normal, the config's ``initializer_range``) after the model's
@@ -394,7 +431,10 @@ def _model(config: Any) -> Any:
 
 
 def check_architecture(
-    architecture: str, lengths: Sequence[int] = LENGTHS, layers: int | None = None
+    architecture: str,
+    lengths: Sequence[int] = LENGTHS,
+    layers: int | None = None,
+    inference: bool = False,
 ) -> tuple[ArchitectureResult, Any]:
     """Import, compile, check and measure one architecture of :data:`ARCHITECTURES` or
     :data:`REFUSED` (:func:`check_model` on its tiny model).
@@ -408,6 +448,10 @@ def check_architecture(
     layers
         Decoder layers of the tiny model, at most its config's: the first ``layers``
         (``layer_types`` included); ``None`` keeps them all.
+    inference
+        Also import the model for inference and check and measure that
+        (:func:`check_inference`, the result's ``inference``), where the training step was not
+        refused.
 
     Raises
     ------
@@ -424,7 +468,12 @@ def check_architecture(
     config = make()
     if layers is not None:
         config = _first_layers(config, layers)
-    return check_model(architecture, _model(config), lengths)
+    summary, result = check_model(architecture, _model(config), lengths)
+    if inference and summary.status != "refused":
+        start = time.perf_counter()
+        summary.inference = check_inference(_model(config), lengths)
+        summary.seconds += time.perf_counter() - start
+    return summary, result
 
 
 def _first_layers(config: Any, layers: int) -> Any:
@@ -454,55 +503,102 @@ def check_model(
         The summary and the benchmark's result (``None`` when the model was refused).
     """
     from ..frontend import UnsupportedOperatorError, import_training_step
-    from .runner import run_benchmark
-    from .workloads import ModelSizes, Workload
 
     start = time.perf_counter()
     try:
         graph = import_training_step(model, max_seq_len=MAX_LEN)
     except UnsupportedOperatorError as err:
         return ArchitectureResult(architecture, "refused", reason=str(err)), None
-    workload = Workload(architecture, ModelSizes(max_seq_len=MAX_LEN), graph)
-    result = run_benchmark(workload, ["blade-relax", "torch-eager"], list(lengths), repeat=1)
-    rows = {(r.config, r.seq_len): r for r in result.measurements}
-    ours = [rows["blade-relax", n] for n in lengths]
+    result, ours, eager = _measure(architecture, graph, lengths)
     summary = ArchitectureResult(
         architecture,
         "supported" if result.all_correct else "incorrect",
         tuple(lengths),
         tuple(r.peak_bytes for r in ours),
-        tuple(rows["torch-eager", n].peak_bytes for n in lengths),
+        tuple(r.peak_bytes for r in eager),
         max((r.max_rel_error or 0.0) for r in ours),
-        reason=next((f"s = {r.seq_len}: {r.error}" for r in ours if r.error), ""),
+        reason=_first_error(ours),
         seconds=time.perf_counter() - start,
         float64_checked=tuple(sorted({name for r in ours for name in r.float64_checked or ()})),
     )
     return summary, result
 
 
+def check_inference(model: Any, lengths: Sequence[int] = LENGTHS) -> InferenceResult:
+    """Import ``model`` for inference (``input_ids -> logits``, lengths up to
+    :data:`MAX_LEN`), compile it with the default pipeline, check its logits against torch's
+    and measure its peak against torch eager's at ``lengths``."""
+    from ..frontend import UnsupportedOperatorError, import_inference
+
+    try:
+        graph = import_inference(model, max_seq_len=MAX_LEN)
+    except UnsupportedOperatorError as err:
+        return InferenceResult("refused", reason=str(err))
+    result, ours, eager = _measure(model.config.model_type, graph, lengths)
+    return InferenceResult(
+        "supported" if result.all_correct else "incorrect",
+        tuple(r.peak_bytes for r in ours),
+        tuple(r.peak_bytes for r in eager),
+        max((r.max_rel_error or 0.0) for r in ours),
+        _first_error(ours),
+    )
+
+
+def _measure(name: str, graph: Any, lengths: Sequence[int]) -> tuple[Any, list, list]:
+    """``blade-relax`` and ``torch-eager`` on ``graph`` at ``lengths``: the benchmark's result
+    and the two configurations' measurements, a length each."""
+    from .runner import run_benchmark
+    from .workloads import ModelSizes, Workload
+
+    workload = Workload(name, ModelSizes(max_seq_len=MAX_LEN), graph)
+    result = run_benchmark(workload, ["blade-relax", "torch-eager"], list(lengths), repeat=1)
+    rows = {(r.config, r.seq_len): r for r in result.measurements}
+    return (
+        result,
+        [rows["blade-relax", n] for n in lengths],
+        [rows["torch-eager", n] for n in lengths],
+    )
+
+
+def _first_error(measurements: Sequence[Any]) -> str:
+    return next((f"s = {r.seq_len}: {r.error}" for r in measurements if r.error), "")
+
+
 def table(results: Sequence[ArchitectureResult], per_row: int = 1) -> str:
-    """A markdown table, ``per_row`` architectures a row, a line per refused one saying why, and
+    """A markdown table, ``per_row`` architectures a row (the inference import's error and
+    peaks in two more columns where any was measured), a line per refused one saying why, and
     one naming the architectures with outputs checked against float64 (marked †)."""
     lengths = next((r.lengths for r in results if r.lengths), LENGTHS)
     at = ", ".join(str(n) for n in lengths)
     head = f"architecture | max rel. error | peak ÷ eager at s = {at}"
+    align = "---|---:|---|"
+    inference = any(r.inference is not None for r in results)
+    if inference:
+        head += " | inference: error | peak ÷ eager"
+        align += "---:|---|"
+    blank = " | ".join([""] * head.count("|")) + " |"
     cells = []
     for r in results:
         if r.status == "refused":
-            cells.append(f"{r.architecture} | refused (below) | ")
+            cell = f"{r.architecture} | refused (below) | "
         else:
-            ratios = ", ".join("failed" if x is None else f"{x:.3f}" for x in r.peak_ratios)
-            status = "" if r.status == "supported" else f" ({r.status})"
-            error = "n/a" if r.max_rel_error is None else f"{r.max_rel_error:.1e}"
             mark = " †" if r.float64_checked else ""
-            cells.append(f"{r.architecture}{status} | {error}{mark} | {ratios}")
+            cell = f"{_named(r.architecture, r.status)} | {_measured(r, mark)}"
+        if inference:
+            cell += " | " + ("not measured | " if r.inference is None else _measured(r.inference))
+        cells.append(cell)
     rows = [cells[i : i + per_row] for i in range(0, len(cells), per_row)]
     lines = [
         "| " + " | ".join([head] * per_row) + " |",
-        "|" + "---|---:|---|" * per_row,
-        *("| " + " | ".join(row + [" | | "] * (per_row - len(row))) + " |" for row in rows),
+        "|" + align * per_row,
+        *("| " + " | ".join(row + [blank] * (per_row - len(row))) + " |" for row in rows),
     ]
     notes = _refusals([r for r in results if r.status == "refused"])
+    notes += [
+        f"- {r.architecture}'s inference import: {r.inference.status}, {r.inference.reason}"
+        for r in results
+        if r.inference is not None and r.inference.reason
+    ]
     checked = [f"{r.architecture} {len(r.float64_checked)}" for r in results if r.float64_checked]
     if checked:
         from .runner import FLOAT64_MULTIPLIER
@@ -513,6 +609,20 @@ def table(results: Sequence[ArchitectureResult], per_row: int = 1) -> str:
             "from it as torch's own float32 result; the error shown is over the other outputs."
         )
     return "\n".join([*lines, *([""] + notes if notes else [])])
+
+
+def _named(architecture: str, status: str) -> str:
+    return architecture if status == "supported" else f"{architecture} ({status})"
+
+
+def _measured(result: ArchitectureResult | InferenceResult, mark: str = "") -> str:
+    """``error | ratios`` of a measured result (``refused`` for a refused inference import)."""
+    if result.status == "refused":
+        return "refused (below) | "
+    ratios = ", ".join("failed" if x is None else f"{x:.3f}" for x in result.peak_ratios)
+    error = "n/a" if result.max_rel_error is None else f"{result.max_rel_error:.1e}"
+    status = "" if result.status == "supported" else f" ({result.status})"
+    return f"{error}{mark}{status if isinstance(result, InferenceResult) else ''} | {ratios}"
 
 
 def _refusals(refused: Sequence[ArchitectureResult]) -> list[str]:
@@ -529,13 +639,18 @@ def build_parser(prog: str = DEFAULT_PROG) -> OneLineParser:
     parser = OneLineParser(
         prog=prog,
         description="Import, check against torch and measure every architecture of the zoo "
-        "(tiny configs, random weights) as a training step.",
+        "(tiny configs, random weights) as a training step and for inference.",
     )
     parser.add_argument(
         "--only", default=None, help="comma-separated architectures (default: all of them)"
     )
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.add_argument(
+        "--no-inference",
+        action="store_true",
+        help="check and measure the training step only, not the inference import too",
+    )
     parser.add_argument(
         "--jobs",
         type=int,
@@ -546,26 +661,30 @@ def build_parser(prog: str = DEFAULT_PROG) -> OneLineParser:
     return parser
 
 
-def _summary(architecture: str) -> ArchitectureResult:
-    return check_architecture(architecture)[0]
+def _summary(architecture: str, inference: bool) -> ArchitectureResult:
+    return check_architecture(architecture, inference=inference)[0]
 
 
 def check_all(
-    names: Sequence[str], jobs: int = 1, say: Callable[[str], None] | None = None
+    names: Sequence[str],
+    jobs: int = 1,
+    say: Callable[[str], None] | None = None,
+    inference: bool = True,
 ) -> list[ArchitectureResult]:
-    """:func:`check_architecture` on each of ``names``, in that order, ``jobs`` at once in
-    processes of their own (spawned: none inherits another's torch or TVM state). ``say`` is
-    told each architecture as it starts (one process) or ends (several)."""
+    """:func:`check_architecture` on each of ``names`` (with its inference import unless
+    ``inference`` is false), in that order, ``jobs`` at once in processes of their own
+    (spawned: none inherits another's torch or TVM state). ``say`` is told each architecture
+    as it starts (one process) or ends (several)."""
     if jobs == 1:
         results = []
         for name in names:
             if say is not None:
                 say(f"... {name}")
-            results.append(_summary(name))
+            results.append(_summary(name, inference))
         return results
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
-        futures = {pool.submit(_summary, name): name for name in names}
+        futures = {pool.submit(_summary, name, inference): name for name in names}
         for future in concurrent.futures.as_completed(futures):
             if say is not None:
                 say(f"... {futures[future]} done")
@@ -574,7 +693,8 @@ def check_all(
 
 def main(argv: Sequence[str] | None = None, prog: str = DEFAULT_PROG) -> int:
     """Entry point: prints the table; 0 when every architecture is supported or refused as
-    expected, 1 otherwise, 2 on bad input."""
+    expected (and every inference import measured is supported), 1 otherwise, 2 on bad
+    input."""
     names = [*ARCHITECTURES, *REFUSED]
     try:
         args = build_parser(prog).parse_args(argv)
@@ -594,11 +714,13 @@ def main(argv: Sequence[str] | None = None, prog: str = DEFAULT_PROG) -> int:
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    results = check_all(sorted(names), args.jobs, None if args.quiet else say)
+    results = check_all(
+        sorted(names), args.jobs, None if args.quiet else say, not args.no_inference
+    )
     if args.out:
         command = " ".join([prog, *(argv if argv is not None else sys.argv[1:])])
         document = {
-            "schema": 1,
+            "schema": 2,
             "provenance": provenance(command),
             "max_len": MAX_LEN,
             "results": [dataclasses.asdict(r) for r in results],
@@ -611,7 +733,9 @@ def main(argv: Sequence[str] | None = None, prog: str = DEFAULT_PROG) -> int:
         if r.reason and r.status != "refused":
             print(f"{r.architecture}: {r.reason}")
     expected = all(
-        (r.status == "refused") == (r.architecture in REFUSED) and r.status != "incorrect"
+        (r.status == "refused") == (r.architecture in REFUSED)
+        and r.status != "incorrect"
+        and (r.inference is None or r.inference.status == "supported")
         for r in results
     )
     return 0 if expected else 1

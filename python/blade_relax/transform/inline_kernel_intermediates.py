@@ -8,11 +8,15 @@ stock CPU pipeline has no TIR schedule), so a fused ``add -> multiply -> add -> 
 three extra copies of its input while it runs, and a softmax holds its full ``exp``. This pass
 computes an intermediate written by a spatial block (no reduction) inside its consumers
 (``s_tir.Schedule.compute_inline``), in every PrimFunc of the module, when each consumer reads
-one element of it per iteration and every element once (its read region is one point whose
-coordinates are distinct iteration vars covering every iteration var of extent above 1).
-Inlining then adds no work, except that ``k`` consumers compute the element ``k`` times (at
-most ``max_consumers``, 2 by default: a softmax's ``exp`` is computed for the sum and again for
-the quotient). A reduction's result cannot be inlined; when one elementwise block reads it (a
+one element of it per iteration, a different one each time (its read region is one point
+whose coordinates are distinct iteration vars, each plus a constant, or constants, the vars
+covering every iteration var of extent above 1), and the consumers together run at most
+``max_consumers`` times as many iterations as the intermediate has elements (2 by default).
+Inlining then computes each element once per read of it: ``k`` consumers that each read all of
+it compute it ``k`` times (a softmax's ``exp`` for the sum and again for the quotient), and
+the parts of a split read it once in all (the three of a fused ``qkv`` projection, moved to
+``(heads, s, 3 * d)`` and split, hold no ``3 * d`` wide copy while the kernel runs). The
+check compares the iteration counts symbolically, every dimension taken as non-negative. A reduction's result cannot be inlined; when one elementwise block reads it (a
 ``matmul -> add`` epilogue), that block is moved under the reduction's spatial loops
 (``reverse_compute_at``), right after each element's reduction loop, and TVM's lowering
 (``PlanAndUpdateBufferAllocationLocation``, ``CompactBufferAllocation``) then allocates one
@@ -62,7 +66,8 @@ class InlineOptions:
     enabled
         Run the pass; when ``False`` it returns its input unchanged.
     max_consumers
-        Inline an intermediate read by at most this many blocks (each recomputes it).
+        Inline an intermediate where its readers together run at most this many times as
+        many iterations as it has elements (each iteration computes the element it reads).
     epilogues
         Nest the elementwise reader of a reduction's result under the reduction's spatial
         loops, so that the result needs one element of scratch, not the whole tensor.
@@ -98,28 +103,58 @@ def _is_one(extent: object) -> bool:
     return isinstance(extent, tirx.IntImm) and int(extent) == 1
 
 
+def _index_var(index: object) -> tirx.Var | None | bool:
+    """The iteration var of one coordinate of a read: ``v`` or ``v + c`` gives ``v``, a
+    constant ``None``, anything else ``False``."""
+    if isinstance(index, tirx.Var):
+        return index
+    if isinstance(index, tirx.IntImm):
+        return None
+    if isinstance(index, tirx.Add):
+        for var, offset in ((index.a, index.b), (index.b, index.a)):
+            if isinstance(var, tirx.Var) and isinstance(offset, tirx.IntImm):
+                return var
+    return False
+
+
 def _reads_each_element_once(block: object, buffer: object) -> bool:
     """Whether ``block`` reads one point of ``buffer`` per iteration, a different one each.
 
     Block read regions are exact in block form: one load of an element is a region of extents
-    1 whose minima are the indices. Those must be distinct iteration vars (or constant 0 on a
-    unit axis) that cover every iteration var of extent above 1.
+    1 whose minima are the indices. Those must be distinct iteration vars, each plus a
+    constant, or constants, the vars covering every iteration var of extent above 1.
     """
     regions = [r for r in block.reads if r.source.same_as(buffer)]
     if len(regions) != 1:
         return False
     index_vars = []
     for rng in regions[0].region:
-        if not _is_one(rng.extent):
+        var = _index_var(rng.min)
+        if not _is_one(rng.extent) or var is False:
             return False
-        if isinstance(rng.min, tirx.Var):
-            index_vars.append(rng.min)
-        elif not (isinstance(rng.min, tirx.IntImm) and int(rng.min) == 0):
-            return False
+        if var is not None:
+            index_vars.append(var)
     if any(a.same_as(b) for i, a in enumerate(index_vars) for b in index_vars[i + 1 :]):
         return False
     wanted = [iv.var for iv in block.iter_vars if not _is_one(iv.dom.extent)]
     return all(any(v.same_as(w) for v in index_vars) for w in wanted)
+
+
+def _iterations(block: object) -> tvm.ir.Expr:
+    return _instances([iv.dom.extent for iv in block.iter_vars])
+
+
+def _work_at_most(consumers: list, producer: object, times: int) -> bool:
+    """Whether ``consumers`` run at most ``times`` as many iterations as ``producer`` (each
+    dimension taken as non-negative)."""
+    analyzer = tvm.sym.Analyzer()
+    total = tirx.IntImm("int64", 0)
+    for consumer in consumers:
+        total = total + _iterations(consumer)
+    bound = _iterations(producer) * times
+    for var in tirx.analysis.undefined_vars(bound - total, []):
+        analyzer.update(var, tvm.sym.ConstIntBound(0, tvm.sym.ConstIntBound.POS_INF))
+    return analyzer.can_prove(total <= bound)
 
 
 def _inline_one(sch: s_tir.Schedule, max_consumers: int) -> bool:
@@ -135,10 +170,12 @@ def _inline_one(sch: s_tir.Schedule, max_consumers: int) -> bool:
             continue
         if any(int(iv.iter_type) != int(tirx.IterVar.DataPar) for iv in block.iter_vars):
             continue
-        consumers = sch.get_consumers(block_rv)
-        if not consumers or len(consumers) > max_consumers:
+        consumers = [sch.get(c) for c in sch.get_consumers(block_rv)]
+        if not consumers:
             continue
-        if not all(_reads_each_element_once(sch.get(c), buffer) for c in consumers):
+        if not all(_reads_each_element_once(c, buffer) for c in consumers):
+            continue
+        if not _work_at_most(consumers, block, max_consumers):
             continue
         try:
             sch.compute_inline(block_rv)

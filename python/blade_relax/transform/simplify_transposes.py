@@ -22,6 +22,17 @@ Stages
    case, only for a transpose with no other consumer (it fails on the unmodified training
    graph, see ``shared`` notes), and emits no ``TN`` kernel; this stage covers all three on
    any operand and leaves a transpose with other consumers in place for them.
+3. *Move to the narrow operand*: a transpose of a matmul's rows, ``permute_dims(reshape(
+   matmul(a, W)))`` with a two-dimensional ``W`` of shape ``(K, N)``, ``K < N``, where the
+   reshape and the permutation keep the last axis ``N`` and move only whole rows, becomes
+   ``matmul(permute_dims(reshape(a)), W)``: each row of the product depends on one row of
+   ``a`` alone, so the rows may be moved before the product as well as after, and before it
+   the copy is ``K`` wide instead of ``N``. Without it the product and its transposed copy
+   are live together (a relative-position projection, ``(s * heads, 16) @ (16, 512)`` moved
+   to ``(heads, s, 512)``, holds two ``512``-wide tensors where torch holds one and a view).
+   Only where the product and the reshape have no other reader (else the product would be
+   computed twice) and ``K`` and ``N`` are known numbers. TVM's ``FuseOps`` cannot fuse the
+   transpose into the product, and no TVM pass moves it.
 
 Where it runs
 -------------
@@ -44,6 +55,7 @@ to the unfused graph's.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -58,6 +70,7 @@ __all__ = ["SimplifyTransposes", "TransposeOptions", "TransposeReport"]
 
 _PERMUTE = tvm.ir.Op.get("relax.permute_dims")
 _MATMUL = tvm.ir.Op.get("relax.matmul")
+_RESHAPE = tvm.ir.Op.get("relax.reshape")
 
 
 @dataclass(frozen=True)
@@ -72,10 +85,13 @@ class TransposeOptions:
     fuse_matmul
         Replace a matmul on a last-two-axes transpose by a kernel that reads the operand in
         place (``NT_matmul``, ``TN_matmul``, ``TT_matmul``).
+    move_to_narrow_operand
+        Move a transpose of a matmul's rows onto its narrower operand (stage 3 above).
     """
 
     compose: bool = True
     fuse_matmul: bool = True
+    move_to_narrow_operand: bool = True
 
 
 @dataclass
@@ -90,11 +106,18 @@ class TransposeReport:
         Of those, the ones whose composition is the identity (now the original tensor).
     fused
         Matmuls that now read a transposed operand in place.
+    moved
+        Transposes of a matmul's rows moved onto its narrower operand.
     """
 
     composed: int = 0
     cancelled: int = 0
     fused: int = 0
+    moved: int = 0
+
+    def rewrites(self) -> int:
+        """Rewrites of any kind (cancelled pairs are among the composed chains)."""
+        return self.composed + self.fused + self.moved
 
 
 def _axes(call: relax.Call) -> list[int] | None:
@@ -165,12 +188,29 @@ def _matmul_kernel(trans_a: bool, trans_b: bool, out_dtype: str):
     return compute
 
 
+def _reader_counts(func: relax.Function) -> dict[relax.Var, int]:
+    """How many bindings (and the function's result) read each variable of ``func``."""
+    counts: dict[relax.Var, int] = {}
+    body = func.body
+    values = [b.value for block in body.blocks for b in block.bindings] + [body.body]
+    for value in values:
+        for var in relax.analysis.free_vars(value):
+            counts[var] = counts.get(var, 0) + 1
+    return counts
+
+
+def _known_int(value: object) -> int | None:
+    return int(value) if isinstance(value, tirx.IntImm) else None
+
+
 @mutator
 class _Simplifier(PyExprMutator):
     def __init__(self, mod: tvm.IRModule, options: TransposeOptions, report: TransposeReport):
         super().__init__(mod)
         self.options = options
         self.report = report
+        #: Readers of each variable of the function being visited (its original variables).
+        self.readers: dict[relax.Var, int] = {}
 
     def _producer(self, expr: relax.Expr) -> relax.Call | None:
         """The ``permute_dims`` call bound to ``expr``, if it is one."""
@@ -186,8 +226,11 @@ class _Simplifier(PyExprMutator):
         if not isinstance(new_call, relax.Call):
             return new_call
         new_call = self.builder_.normalize(new_call)
-        if new_call.op.same_as(_PERMUTE) and self.options.compose:
-            return self._compose(new_call)
+        if new_call.op.same_as(_PERMUTE):
+            composed = self._compose(new_call) if self.options.compose else new_call
+            if composed is new_call and self.options.move_to_narrow_operand:
+                return self._move_to_narrow_operand(new_call)
+            return composed
         if new_call.op.same_as(_MATMUL) and self.options.fuse_matmul:
             return self._fuse(new_call)
         return new_call
@@ -206,6 +249,38 @@ class _Simplifier(PyExprMutator):
             self.report.cancelled += 1
             return source
         return relax.op.permute_dims(source, composed)
+
+    def _sole_binding(self, var: relax.Expr, op: tvm.ir.Op) -> relax.Call | None:
+        """The ``op`` call bound to ``var`` when ``var`` has no reader but the one at hand."""
+        if not isinstance(var, relax.Var) or self.readers.get(var) != 1:
+            return None
+        value = self.lookup_binding(var)
+        return value if isinstance(value, relax.Call) and value.op.same_as(op) else None
+
+    def _move_to_narrow_operand(self, call: relax.Call) -> relax.Expr:
+        """Stage 3: ``permute_dims(reshape(matmul(a, W)))`` as ``matmul(permute_dims(reshape(a)),
+        W)`` where that moves only rows and ``W`` is narrower on its input side."""
+        axes = _axes(call)
+        if axes is None or axes[-1] != len(axes) - 1:
+            return call
+        rows = self._sole_binding(call.args[0], _RESHAPE)
+        product = self._sole_binding(call.args[0] if rows is None else rows.args[0], _MATMUL)
+        if product is None:
+            return call
+        a, weight = product.args
+        if a.ty.ndim < 2 or weight.ty.ndim != 2 or weight.ty.shape is None:
+            return call
+        k, n = (_known_int(d) for d in weight.ty.shape.values)
+        if k is None or n is None or k >= n:
+            return call
+        if rows is not None:
+            shape = list(rows.ty.shape.values) if rows.ty.shape is not None else None
+            if shape is None or _known_int(shape[-1]) != n:
+                return call
+            a = self.builder_.emit(relax.op.reshape(a, [*shape[:-1], k]))
+        moved = self.builder_.emit(relax.op.permute_dims(a, axes))
+        self.report.moved += 1
+        return relax.op.matmul(moved, weight, out_dtype=product.attrs.out_dtype)
 
     def _fuse(self, call: relax.Call) -> relax.Expr:
         lhs, rhs = call.args
@@ -236,7 +311,8 @@ class _Simplifier(PyExprMutator):
 
 @tvm.transform.module_pass(opt_level=0, name="SimplifyTransposes")
 class SimplifyTransposes:
-    """Cancel and compose transposes, and let matmuls read transposed operands in place.
+    """Cancel and compose transposes, let matmuls read transposed operands in place, and move a
+    transpose of a matmul's rows onto its narrower operand.
 
     Parameters
     ----------
@@ -247,7 +323,7 @@ class SimplifyTransposes:
     ``pass_obj.last_result`` a :class:`~blade_relax.transform.result.PassResult` (no byte
     figures: the pass runs on whole imported graphs before legalization, where a memory
     timeline of each changed function would cost more than the pass; every rewrite removes a
-    transposed copy, never adds one).
+    transposed copy or makes it narrower, never adds one).
     """
 
     def __init__(self, options: TransposeOptions | None = None) -> None:
@@ -262,7 +338,9 @@ class SimplifyTransposes:
     @pauses_collection
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         self.report = TransposeReport()
-        if not (self.options.compose or self.options.fuse_matmul):
+        if not (
+            self.options.compose or self.options.fuse_matmul or self.options.move_to_narrow_operand
+        ):
             publish(self, PassResult("SimplifyTransposes", notes=("disabled by its options",)))
             return mod
         simplifier = _Simplifier(mod, self.options, self.report)
@@ -271,11 +349,11 @@ class SimplifyTransposes:
         for gv, func in list(mod.functions.items()):
             if not isinstance(func, relax.Function):
                 continue
-            before = (self.report.composed, self.report.fused)
-            counts = (self.report.composed, self.report.cancelled, self.report.fused)
+            before = dataclasses.replace(self.report)
+            simplifier.readers = _reader_counts(func)
             new_func = simplifier.visit_expr(func)
-            changes[gv.name_hint] = _changes(self.report, counts)
-            if (self.report.composed, self.report.fused) != before:
+            changes[gv.name_hint] = _changes(self.report, before)
+            if self.report.rewrites() != before.rewrites():
                 simplifier.builder_.update_func(gv, new_func)
                 changed = True
         if not changed:
@@ -295,12 +373,12 @@ class SimplifyTransposes:
         publish(self, PassResult("SimplifyTransposes", functions, detail=self.report))
 
 
-def _changes(report: TransposeReport, counts: tuple[int, int, int]) -> list[str]:
-    """What one function's visit added to ``report``, which held ``counts`` (composed,
-    cancelled, fused) before it."""
-    composed = report.composed - counts[0]
-    cancelled = report.cancelled - counts[1]
-    fused = report.fused - counts[2]
+def _changes(report: TransposeReport, before: TransposeReport) -> list[str]:
+    """What one function's visit added to ``report``, which was ``before`` before it."""
+    composed = report.composed - before.composed
+    cancelled = report.cancelled - before.cancelled
+    fused = report.fused - before.fused
+    moved = report.moved - before.moved
     out = []
     if composed - cancelled:
         out.append(f"{counted(composed - cancelled, 'transpose chain')} composed")
@@ -308,4 +386,6 @@ def _changes(report: TransposeReport, counts: tuple[int, int, int]) -> list[str]
         out.append(f"{counted(cancelled, 'transpose pair')} cancelled")
     if fused:
         out.append(f"{counted(fused, 'matmul')} fused with a transpose")
+    if moved:
+        out.append(f"{counted(moved, 'transpose')} moved onto a matmul's narrower operand")
     return out
