@@ -78,7 +78,7 @@ def test_the_zoo_has_fifty_architectures_mixture_of_experts_among_them():
     assert {"mixtral", "qwen3_moe", "falcon", "gpt_bigcode", "bloom"} <= set(TESTED)
     assert {"nemotron", "apertus", "deepseek_v3", "gpt_oss", "mpt"} <= set(TESTED)
     assert {"dory", "granite_swa", "ministral3", "lfm2", "inkling2_text", "minimax"} <= set(TESTED)
-    assert {"xglm", "diffllama", "llama4_text"} <= set(TESTED)
+    assert {"xglm", "diffllama", "llama4_text", "jetmoe"} <= set(TESTED)
 
 
 @pytest.mark.parametrize("architecture", TESTED)
@@ -120,11 +120,13 @@ def test_layers_of_one_kind_are_tested_once():
     assert sum(layers_tested(a) == 2 for a in TESTED) >= 1
 
 
-def test_inference_import_matches_torch_within_its_peak():
+@pytest.mark.parametrize("architecture", ["inkling_text", "jetmoe"])
+def test_inference_import_matches_torch_within_its_peak(architecture):
     """Inkling's relative-position logits, ``(s * heads, 16) @ (16, 512)`` moved to ``(heads, s,
     512)``: the transpose goes onto the 16-wide operand (``SimplifyTransposes``), else the
-    product and its moved copy are live together and the forward peaks above torch eager's."""
-    config = zoo._first_layers(ARCHITECTURES["inkling_text"](), 1)
+    product and its moved copy are live together and the forward peaks above torch eager's.
+    JetMoE's experts, exported as grouped GEMMs (``traceable_experts``)."""
+    config = zoo._first_layers(ARCHITECTURES[architecture](), 1)
     result = zoo.check_inference(zoo._model(config))
     assert result.status == "supported", result
     assert result.at_or_below_eager, (result.peaks, result.eager_peaks)

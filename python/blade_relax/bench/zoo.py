@@ -18,8 +18,9 @@ gradients (norms about 1e-5) are checked the same way where their float32 error 
 tolerance (stock TVM's does too).
 
 Left out: PhiMoE, whose router draws experts at random in training mode, so that torch eager's
-step differs from run to run; JetMoE, whose experts split the tokens by sizes read from a
-tensor's values (``tolist()``), which the import cannot express.
+step differs from run to run. JetMoE, whose experts split the tokens by sizes read from a
+tensor's values (``tolist()``), is exported with the sizes kept as a tensor
+(:mod:`blade_relax.frontend.traceable_experts`).
 """
 
 from __future__ import annotations
@@ -226,6 +227,9 @@ ARCHITECTURES: dict[str, Callable[[], Any]] = {
     "internlm3": _tiny("internlm3"),
     "iquestcoder": _tiny("iquestcoder"),
     "jais2": _tiny("jais2"),
+    # Mixtures of experts for the MLP and for the attention's query and output projections,
+    # each expert's rows split by counts read from a tensor.
+    "jetmoe": _tiny("jetmoe", **_MOE, kv_channels=8),
     "kolibri1": _tiny(
         "kolibri1",
         **_MOE,

@@ -50,6 +50,7 @@ from .imported import (
     with_function,
 )
 from .references import inference_reference, torch_to_numpy, training_reference
+from .traceable_experts import traceable_experts
 
 __all__ = [
     "AUTOCAST_DTYPES",
@@ -464,7 +465,7 @@ def import_inference(
     example = _example_inputs(
         model, ["input_ids"], example_batch, min(max_seq_len, max(min_seq_len, 16))
     )
-    with export_settings(model, attn_implementation):
+    with export_settings(model, attn_implementation), traceable_experts(model):
         ep, deferred = export(wrapper, example, dynamic)
         if deferred:
             ep = decompose_checked(ep)
@@ -823,7 +824,11 @@ def _export_training_step(
     example = _example_inputs(
         model, input_names, example_batch, min(max_seq_len, max(min_seq_len, 16))
     )
-    with export_settings(model, attn_implementation), _untied(model, groups):
+    with (
+        export_settings(model, attn_implementation),
+        _untied(model, groups),
+        traceable_experts(model),
+    ):
         ep, deferred = export(wrapper, example, dynamic)
         try:
             joint = torch.export.experimental._export_forward_backward(ep, joint_loss_index=0)
