@@ -10,9 +10,9 @@ transformers runs for its other mixture-of-experts models: each expert's GEMM on
 contiguous run of the sorted rows, the runs given by the running sum of the counts. So, while
 the model is exported, :func:`traceable_experts` runs JetMoE's router with the counts kept as a
 tensor and its experts as ``transformers::grouped_mm_fallback`` on the running sum (the operator
-:mod:`blade_relax.frontend.moe` converts), on the same weights, reading the same rows: the
-same products, summed in the same order. The model's own methods are restored on exit, so the
-torch reference runs the model as written.
+:mod:`blade_relax.frontend.moe` converts), on the same weights and the same rows, so each
+expert multiplies the rows it multiplied before. The model's own methods are restored on exit,
+so the torch reference (and torch eager, in the benchmark) runs the model as written.
 
 transformers has no traceable form of these layers (its ``experts_implementation`` switch
 covers the experts classes of the ``@use_experts_implementation`` kind, not JetMoE's); nothing
