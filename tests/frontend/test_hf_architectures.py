@@ -46,8 +46,9 @@ PEAK_ABOVE_EAGER: dict[str, str] = {
 #: is tested for its deferred guard); OPT, BioGPT and CTRL (keys with a bias) after XGLM, whose
 #: ``maximum`` was new, as DiffLlama's ``tile``; AFMoE (sigmoid-routed experts), Doge (dynamic
 #: mask attention); DeepSeek-V2 (its rotation as complex numbers is Llama 4's, its attention
-#: DeepSeek-V3's). The test below checks none of this: exporting them all would double its
-#: time.
+#: DeepSeek-V3's); DBRX (its experts exported as JetMoE's, through grouped GEMMs, checked against
+#: its own loop in tests/frontend/test_traceable_experts.py). The test below checks none of this:
+#: exporting them all would double its time.
 LEFT_TO_THE_ZOO_RUN = {
     "gemma", "granitemoe", "helium", "mistral", "olmoe", "qwen2", "seed_oss", "smollm3",
     "arcee", "bitnet", "codegen", "cohere2", "dots1", "ernie4_5", "ernie4_5_moe", "exaone4",
@@ -58,7 +59,7 @@ LEFT_TO_THE_ZOO_RUN = {
     "hy_v3", "hyperclovax", "iquestcoder", "jais2", "kolibri1", "laguna", "mellum",
     "mimo_v2_flash", "minimax_m2", "modernbert-decoder", "nanochat", "sarvam_mla", "sarvam_moe",
     "solar_open", "youtu", "inkling_text", "lfm2_moe", "lfm3", "opt", "biogpt", "ctrl",
-    "afmoe", "doge", "deepseek_v2",
+    "afmoe", "doge", "deepseek_v2", "dbrx",
 }  # fmt: skip
 TESTED = sorted(set(ARCHITECTURES) - LEFT_TO_THE_ZOO_RUN)
 

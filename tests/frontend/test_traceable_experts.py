@@ -1,5 +1,5 @@
-"""traceable_experts: JetMoE's routers and experts, switched for the export, compute what the
-model's own code computes, and are switched back."""
+"""traceable_experts: JetMoE's routers and experts and DBRX's experts, switched for the export,
+compute what the model's own code computes, and are switched back."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 
-def _jetmoe():
-    return _model(_first_layers(ARCHITECTURES["jetmoe"](), 1))
+def _one_layer(architecture):
+    return _model(_first_layers(ARCHITECTURES[architecture](), 1))
 
 
 def _loss_and_grads(model, ids):
@@ -23,15 +23,20 @@ def _loss_and_grads(model, ids):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+#: Modules switched per layer: JetMoE's router and two experts for the MLP and for the attention,
+#: DBRX's experts.
+SWITCHED = {"jetmoe": 6, "dbrx": 1}
+
+
+@pytest.mark.parametrize("architecture", sorted(SWITCHED))
 @pytest.mark.parametrize("length", [2, 7, 19])
-def test_switched_layers_give_the_models_loss_and_gradients(length):
-    model = _jetmoe()
-    ids = torch.randint(
-        0, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(length)
-    )
+def test_switched_layers_give_the_models_loss_and_gradients(architecture, length):
+    model = _one_layer(architecture)
+    generator = torch.Generator().manual_seed(length)
+    ids = torch.randint(0, model.config.vocab_size, (1, length), generator=generator)
     want_loss, want = _loss_and_grads(model, ids)
     with traceable_experts(model) as switched:
-        assert switched == 6  # a router and two experts for the MLP, and for the attention
+        assert switched == SWITCHED[architecture]
         got_loss, got = _loss_and_grads(model, ids)
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-6, atol=1e-6)
     assert got.keys() == want.keys()
@@ -40,7 +45,7 @@ def test_switched_layers_give_the_models_loss_and_gradients(length):
 
 
 def test_the_models_own_methods_are_back_on_exit():
-    model = _jetmoe()
+    model = _one_layer("jetmoe")
     with pytest.raises(RuntimeError, match="inside"):
         with traceable_experts(model):
             assert any("forward" in vars(m) for m in model.modules())
@@ -49,7 +54,7 @@ def test_the_models_own_methods_are_back_on_exit():
 
 
 def test_other_models_are_left_as_they_are():
-    model = _model(_first_layers(ARCHITECTURES["mixtral"](), 1))
+    model = _one_layer("mixtral")
     with traceable_experts(model) as switched:
         assert switched == 0
         assert not any("forward" in vars(m) for m in model.modules())

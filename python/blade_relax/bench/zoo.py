@@ -19,7 +19,8 @@ tolerance (stock TVM's does too).
 
 Left out: PhiMoE, whose router draws experts at random in training mode, so that torch eager's
 step differs from run to run. JetMoE, whose experts split the tokens by sizes read from a
-tensor's values (``tolist()``), is exported with the sizes kept as a tensor
+tensor's values (``tolist()``), and DBRX, whose loop runs the experts a token chose
+(``nonzero``), are exported with the routing kept in tensors
 (:mod:`blade_relax.frontend.traceable_experts`).
 """
 
@@ -102,6 +103,33 @@ def _falcon() -> Any:
     return _without_dropout(config)
 
 
+def _dbrx() -> Any:
+    """DBRX: its sizes in sub-configs of their own (attention and experts), keys and values
+    clipped, and a loop over the experts a token chose (exported as grouped GEMMs,
+    :mod:`blade_relax.frontend.traceable_experts`)."""
+    import transformers
+
+    config = transformers.DbrxConfig(
+        d_model=TINY["hidden_size"],
+        n_heads=TINY["num_attention_heads"],
+        n_layers=TINY["num_hidden_layers"],
+        max_seq_len=MAX_LEN,
+        vocab_size=TINY["vocab_size"],
+        attn_config={
+            "kv_n_heads": TINY["num_key_value_heads"],
+            "clip_qkv": 8.0,
+            # transformers reads it from the attention config, which does not default it.
+            "rope_theta": 10000.0,
+        },
+        ffn_config={
+            "ffn_hidden_size": TINY["intermediate_size"],
+            "moe_num_experts": _MOE["num_local_experts"],
+            "moe_top_k": _MOE["num_experts_per_tok"],
+        },
+    )
+    return _without_dropout(config)
+
+
 def _gpt_neo() -> Any:
     """GPT-Neo with a global and a local (windowed) attention layer and, as OpenAI GPT, a
     positions table longer than the exported lengths."""
@@ -166,6 +194,7 @@ ARCHITECTURES: dict[str, Callable[[], Any]] = {
     "cwm": _tiny("cwm", sliding_window=_WINDOW),
     # Multi-head latent attention, routed experts and a shared one; DeepSeek-V2 rotates queries
     # and keys as complex numbers, as Llama 4 does.
+    "dbrx": _dbrx,
     "deepseek_v2": _mla("deepseek_v2", **_ROUTED_AND_SHARED, n_group=1),
     "deepseek_v3": _mla("deepseek_v3", **_ROUTED_AND_SHARED, n_group=1, topk_group=1),
     # Differential attention: two softmax maps, the second scaled by a learned lambda.

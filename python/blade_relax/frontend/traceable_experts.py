@@ -57,10 +57,43 @@ def _experts_forward(self: Any, inputs: Any, tokens_per_expert: Any) -> Any:
     return torch.ops.transformers.grouped_mm_fallback(inputs.to(weight.dtype), weight, offsets)
 
 
+def _dbrx_experts_forward(
+    self: Any, hidden_states: Any, top_k_index: Any, top_k_weights: Any
+) -> Any:
+    """DBRX's ``DbrxExperts.forward`` with the (token, expert) pairs sorted by expert and each
+    expert's gated MLP as grouped GEMMs over its run of rows."""
+    import torch
+    import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
+
+    batch_size = hidden_states.shape[0]
+    hidden_states = hidden_states.reshape(-1, self.hidden_size)
+    top_k = top_k_index.shape[-1]
+    expert_of_pair = top_k_index.flatten()
+    _, pairs_by_expert = expert_of_pair.sort(0)
+    token_of_pair = pairs_by_expert.div(top_k, rounding_mode="trunc")
+    # Counted as JetMoE's router counts (one_hot would add a run-time assertion, which keeps
+    # the imported function out of dataflow blocks, where TVM turns reshapes into views).
+    chosen = torch.zeros(
+        [hidden_states.shape[0], self.num_experts], dtype=torch.int64, device=top_k_index.device
+    ).scatter(1, top_k_index, 1)
+    offsets = torch.cumsum(chosen.sum(0), dim=0, dtype=torch.int32)
+    # w1, v1 and w2 are stored (experts * ffn, hidden); per expert, x @ w1.T, x @ v1.T, y @ w2.
+    experts = (self.num_experts, self.ffn_hidden_size, self.hidden_size)
+    rows = hidden_states[token_of_pair]
+    grouped = torch.ops.transformers.grouped_mm_fallback
+    gate = grouped(rows, self.mlp.w1.view(experts).transpose(-2, -1), offsets)
+    up = grouped(rows, self.mlp.v1.view(experts).transpose(-2, -1), offsets)
+    states = grouped(self.mlp.activation_fn(gate) * up, self.mlp.w2.view(experts), offsets)
+    states = states * top_k_weights.flatten()[pairs_by_expert, None]
+    next_states = torch.zeros_like(hidden_states).index_add(0, token_of_pair, states)
+    return next_states.view(batch_size, -1, self.hidden_size)
+
+
 #: The forward methods replaced while exporting, by the class names of the modules.
 _TRACEABLE: dict[str, Callable[..., Any]] = {
     "JetMoeTopKGating": _router_forward,
     "JetMoeParallelExperts": _experts_forward,
+    "DbrxExperts": _dbrx_experts_forward,
 }
 
 
