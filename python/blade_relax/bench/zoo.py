@@ -353,8 +353,28 @@ ARCHITECTURES: dict[str, Callable[[], Any]] = {
 REFUSED: dict[str, tuple[Callable[[], Any], tuple[str, ...]]] = {}
 
 
+class _AgainstEager:
+    """``peaks`` against ``eager_peaks``, for the results below."""
+
+    peaks: tuple[int | None, ...]
+    eager_peaks: tuple[int, ...]
+
+    @property
+    def peak_ratios(self) -> tuple[float | None, ...]:
+        """``blade-relax``'s peak over torch eager's, per length (None where a run failed)."""
+        return tuple(
+            None if ours is None or not eager else ours / eager
+            for ours, eager in zip(self.peaks, self.eager_peaks)
+        )
+
+    @property
+    def at_or_below_eager(self) -> bool:
+        ratios = self.peak_ratios
+        return bool(ratios) and all(r is not None and r <= 1.0 for r in ratios)
+
+
 @dataclass
-class ArchitectureResult:
+class ArchitectureResult(_AgainstEager):
     """What :func:`check_architecture` found for one architecture.
 
     Attributes
@@ -399,18 +419,9 @@ class ArchitectureResult:
         if isinstance(self.inference, dict):  # read back from the JSON document
             self.inference = InferenceResult(**self.inference)
 
-    @property
-    def peak_ratios(self) -> tuple[float | None, ...]:
-        """``blade-relax``'s peak over torch eager's, per length (None where a run failed)."""
-        return _ratios(self.peaks, self.eager_peaks)
-
-    @property
-    def at_or_below_eager(self) -> bool:
-        return _all_at_most_one(self.peak_ratios)
-
 
 @dataclass
-class InferenceResult:
+class InferenceResult(_AgainstEager):
     """What :func:`check_inference` found for one architecture (fields as in
     :class:`ArchitectureResult`; the error is the logits')."""
 
@@ -419,25 +430,6 @@ class InferenceResult:
     eager_peaks: tuple[int, ...] = ()
     max_rel_error: float | None = None
     reason: str = ""
-
-    @property
-    def peak_ratios(self) -> tuple[float | None, ...]:
-        return _ratios(self.peaks, self.eager_peaks)
-
-    @property
-    def at_or_below_eager(self) -> bool:
-        return _all_at_most_one(self.peak_ratios)
-
-
-def _ratios(peaks: Sequence[int | None], eager_peaks: Sequence[int]) -> tuple[float | None, ...]:
-    return tuple(
-        None if ours is None or not eager else ours / eager
-        for ours, eager in zip(peaks, eager_peaks)
-    )
-
-
-def _all_at_most_one(ratios: Sequence[float | None]) -> bool:
-    return bool(ratios) and all(r is not None and r <= 1.0 for r in ratios)
 
 
 #: Parameters the zoo draws again (normal, the config's ``initializer_range``) after the model's

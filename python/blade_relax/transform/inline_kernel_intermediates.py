@@ -10,13 +10,16 @@ computes an intermediate written by a spatial block (no reduction) inside its co
 (``s_tir.Schedule.compute_inline``), in every PrimFunc of the module, when each consumer reads
 one element of it per iteration, a different one each time (its read region is one point
 whose coordinates are distinct iteration vars, each plus a constant, or constants, the vars
-covering every iteration var of extent above 1), and the consumers together run at most
-``max_consumers`` times as many iterations as the intermediate has elements (2 by default).
-Inlining then computes each element once per read of it: ``k`` consumers that each read all of
+covering every iteration var of extent above 1), and there are at most ``max_consumers`` of
+them (2 by default) or they together run at most that many times as many iterations as the
+intermediate has elements. Inlining then computes each element once per read of it: ``k`` consumers that each read all of
 it compute it ``k`` times (a softmax's ``exp`` for the sum and again for the quotient), and
 the parts of a split read it once in all (the three of a fused ``qkv`` projection, moved to
 ``(heads, s, 3 * d)`` and split, hold no ``3 * d`` wide copy while the kernel runs). The
-check compares the iteration counts symbolically, every dimension taken as non-negative. A reduction's result cannot be inlined; when one elementwise block reads it (a
+second check compares the iteration counts symbolically, every dimension taken as
+non-negative.
+
+A reduction's result cannot be inlined; when one elementwise block reads it (a
 ``matmul -> add`` epilogue), that block is moved under the reduction's spatial loops
 (``reverse_compute_at``), right after each element's reduction loop, and TVM's lowering
 (``PlanAndUpdateBufferAllocationLocation``, ``CompactBufferAllocation``) then allocates one
@@ -66,8 +69,9 @@ class InlineOptions:
     enabled
         Run the pass; when ``False`` it returns its input unchanged.
     max_consumers
-        Inline an intermediate where its readers together run at most this many times as
-        many iterations as it has elements (each iteration computes the element it reads).
+        Inline an intermediate read by at most this many blocks (each recomputes what it
+        reads), or by more that together run at most this many times as many iterations as it
+        has elements.
     epilogues
         Nest the elementwise reader of a reduction's result under the reduction's spatial
         loops, so that the result needs one element of scratch, not the whole tensor.
@@ -175,7 +179,9 @@ def _inline_one(sch: s_tir.Schedule, max_consumers: int) -> bool:
             continue
         if not all(_reads_each_element_once(c, buffer) for c in consumers):
             continue
-        if not _work_at_most(consumers, block, max_consumers):
+        # Each reader reads an element at most once, so k readers do at most k times the
+        # producer's work; readers of parts of it (a split's) may be more, doing less each.
+        if len(consumers) > max_consumers and not _work_at_most(consumers, block, max_consumers):
             continue
         try:
             sch.compute_inline(block_rv)
